@@ -1,0 +1,510 @@
+"""Canonical GPU requests, and the parser that turns a pod of any supported dialect into them.
+
+Every caller (webhook, extender, device plugin, `qgpu validate`, the simulator) goes through
+:func:`parse_pod`, so a rule is written once and an error reads the same wherever it is raised.
+The module is pure: it reads dicts shaped like the Kubernetes API's JSON and raises
+:class:`RequestError`; it never talks to a cluster.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any, Iterable, Mapping
+
+CORE_MILLI_PER_CARD = 1000
+MIB_PER_GIB = 1024
+VCUDA_MEMORY_UNIT_MIB = 256
+
+QGPU_PREFIX = "tke.cloud.tencent.com/qgpu-"
+QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
+QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
+QGPU_CORE_GREEDY = "tke.cloud.tencent.com/qgpu-core-greedy"
+QGPU_APP_CLASS = "tke.cloud.tencent.com/app-class"
+VCUDA_CORE = "tencent.com/vcuda-core"
+VCUDA_MEMORY = "tencent.com/vcuda-memory"
+T9K_GPU = "tensorstack.dev/nvidia-gpu"
+T9K_GPU_PERCENT = "tensorstack.dev/nvidia-gpu-percent"
+T9K_GPU_NODE = "tensorstack.dev/nvidia-gpu-node"
+NVIDIA_GPU = "nvidia.com/gpu"
+GPU_MODEL_ANNOTATION = "qgpu.io/gpu-model"
+
+QGPU_RESOURCES = frozenset({QGPU_CORE, QGPU_MEMORY, QGPU_CORE_GREEDY})
+
+
+class Dialect(str, enum.Enum):
+    """Which product's resource names a container speaks."""
+
+    QGPU = "qgpu"
+    VCUDA = "vcuda"
+    T9K = "t9k"
+    NVIDIA = "nvidia"
+
+
+class AppClass(str, enum.Enum):
+    """qGPU co-location class of a pod (annotation ``tke.cloud.tencent.com/app-class``)."""
+
+    ONLINE = "online"
+    OFFLINE = "offline"
+    NORMAL = "normal"
+
+
+DIALECT_OF_RESOURCE: dict[str, Dialect] = {
+    QGPU_CORE: Dialect.QGPU,
+    QGPU_MEMORY: Dialect.QGPU,
+    QGPU_CORE_GREEDY: Dialect.QGPU,
+    VCUDA_CORE: Dialect.VCUDA,
+    VCUDA_MEMORY: Dialect.VCUDA,
+    T9K_GPU: Dialect.T9K,
+    T9K_GPU_PERCENT: Dialect.T9K,
+    T9K_GPU_NODE: Dialect.T9K,
+    NVIDIA_GPU: Dialect.NVIDIA,
+}
+GPU_RESOURCES = frozenset(DIALECT_OF_RESOURCE)
+
+
+@dataclass(frozen=True)
+class CardLimits:
+    """Limits a shared card imposes, from the qGPU product; both configurable per cluster.
+
+    ``gib_per_shared_pod`` sets the pod-count limit: a card with M GiB takes at most
+    floor(M / gib_per_shared_pod) shared containers (32 GiB V100: 8, 16 GiB T4: 4).
+    ``max_card_memory_mib`` and ``max_cards_per_node`` bound what any card or node could ever hold,
+    so an impossible request is refused at admission rather than pending forever.
+    """
+
+    gib_per_shared_pod: int = 4
+    min_shared_memory_mib: int = 1 * MIB_PER_GIB
+    max_card_memory_mib: int = 80 * MIB_PER_GIB
+    max_cards_per_node: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("gib_per_shared_pod", "min_shared_memory_mib", "max_card_memory_mib", "max_cards_per_node"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"CardLimits.{name}: {value!r} is not allowed: must be an integer >= 1")
+
+    def shared_pods_per_card(self, card_memory_mib: int) -> int:
+        """How many shared containers a card of this memory size may hold (at least one)."""
+        return max(1, card_memory_mib // (self.gib_per_shared_pod * MIB_PER_GIB))
+
+
+DEFAULT_LIMITS = CardLimits()
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: where it is, what was given, and what the rule says."""
+
+    container: str
+    resource: str
+    value: str
+    rule: str
+
+    def __str__(self) -> str:
+        where = f"container {self.container!r}" if self.container else "pod"
+        return f"{where}: {self.resource}={self.value}: {self.rule}"
+
+
+class RequestError(ValueError):
+    """A pod's GPU requests break one or more rules; ``problems`` lists every one of them."""
+
+    def __init__(self, problems: Iterable[Problem]):
+        self.problems: tuple[Problem, ...] = tuple(problems)
+        super().__init__("; ".join(str(p) for p in self.problems))
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    """What one container needs, in canonical units.
+
+    ``core_milli`` and ``memory_mib`` are per card. ``core_milli`` 1000 means a whole card;
+    ``memory_mib`` 0 means no memory reservation (whole cards carry their full memory).
+    ``memory_pct`` is set only for T9k percent requests, whose memory depends on the card chosen.
+    """
+
+    name: str
+    dialect: Dialect
+    cards: int
+    core_milli: int
+    memory_mib: int = 0
+    memory_pct: int | None = None
+    exclusive: bool = False
+    whole_node: bool = False
+
+    @property
+    def shared(self) -> bool:
+        return not self.exclusive and not self.whole_node
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """A pod's GPU needs: its containers' requests plus the pod-level constraints."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+    klass: AppClass = AppClass.NORMAL
+    containers: tuple[ContainerRequest, ...] = ()
+    models: frozenset[str] | None = None
+    alloc_mode: str | None = None
+    cpu_milli: int = 0
+    memory_mib: int = 0
+
+    @property
+    def wants_gpu(self) -> bool:
+        return bool(self.containers)
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def whole_node(self) -> bool:
+        return any(c.whole_node for c in self.containers)
+
+
+def parse_quantity(value: Any) -> Decimal:
+    """Parse a Kubernetes quantity ("2", "100", "1k", "500m", 3) into an exact Decimal.
+
+    Delegates to the Kubernetes client's own parser so suffix rules match the apiserver's.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a quantity")
+    from kubernetes.utils.quantity import parse_quantity as k8s_parse_quantity
+
+    try:
+        return Decimal(k8s_parse_quantity(value))
+    except (ValueError, TypeError, InvalidOperation) as exc:
+        raise ValueError(f"{value!r} is not a quantity") from exc
+
+
+def _resources(container: Mapping[str, Any], section: str) -> dict[str, Any]:
+    resources = container.get("resources") or {}
+    values = resources.get(section) or {}
+    return dict(values) if isinstance(values, Mapping) else {}
+
+
+class _Collector:
+    """Gathers problems so a user sees every mistake of a pod at once, not one per attempt."""
+
+    def __init__(self) -> None:
+        self.problems: list[Problem] = []
+
+    def add(self, container: str, resource: str, value: Any, rule: str) -> None:
+        self.problems.append(Problem(container, resource, _show(value), rule))
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else repr(value)
+
+
+def _integer(c: _Collector, container: str, resource: str, raw: Any, rule: str) -> int | None:
+    """A positive integer quantity, or None after recording why it is not one."""
+    try:
+        number = parse_quantity(raw)
+    except ValueError:
+        c.add(container, resource, raw, f"not a number; {rule}")
+        return None
+    if number <= 0:
+        c.add(container, resource, raw, f"must be positive; {rule}")
+        return None
+    if number != number.to_integral_value():
+        c.add(container, resource, raw, f"fractions are not allowed; {rule}")
+        return None
+    return int(number)
+
+
+_WHOLE = "must be a positive integer"
+
+
+def _whole_cards(c: _Collector, container: str, resource: str, raw: Any, cards: int, limits: CardLimits) -> int | None:
+    """``cards`` whole cards, unless no node could ever hold that many."""
+    if cards > limits.max_cards_per_node:
+        c.add(container, resource, raw, f"no node could ever hold it: at most {limits.max_cards_per_node} cards per node")
+        return None
+    return cards
+
+
+def _core_cards(
+    c: _Collector, container: str, resource: str, raw: Any, unit_name: str, limits: CardLimits
+) -> tuple[int, int, bool] | None:
+    """Percent-of-a-card core values: 1..99 share one card, multiples of 100 are whole cards."""
+    value = _integer(c, container, resource, raw, f"{unit_name} is percent of one card: 1-99, or a multiple of 100")
+    if value is None:
+        return None
+    if value < 100:
+        return 1, value * 10, False
+    if value % 100:
+        c.add(container, resource, raw, "100 or more must be a multiple of 100 (whole cards)")
+        return None
+    cards = _whole_cards(c, container, resource, raw, value // 100, limits)
+    return None if cards is None else (cards, CORE_MILLI_PER_CARD, True)
+
+
+def _parse_container(
+    c: _Collector,
+    container: Mapping[str, Any],
+    klass: AppClass,
+    limits: CardLimits,
+) -> ContainerRequest | None:
+    name = str(container.get("name") or "")
+    lim = _resources(container, "limits")
+    req = _resources(container, "requests")
+    ours = {k for k in set(lim) | set(req) if k in GPU_RESOURCES or k.startswith(QGPU_PREFIX)}
+    if not ours:
+        return None
+    for key in sorted(ours):
+        if key.startswith(QGPU_PREFIX) and key not in QGPU_RESOURCES:
+            c.add(name, key, lim.get(key, req.get(key)), f"unknown qGPU resource; known: {', '.join(sorted(QGPU_RESOURCES))}")
+    known = sorted(k for k in ours if k in GPU_RESOURCES)
+    dialects = sorted({DIALECT_OF_RESOURCE[k].value for k in known})
+    if len(dialects) > 1:
+        c.add(name, ",".join(known), "mixed", f"one container may use one dialect only, found {', '.join(dialects)}")
+        return None
+    if not known:
+        return None
+    values: dict[str, Any] = {}
+    before = len(c.problems)
+    for key in known:
+        if key in lim and key in req and _same_quantity(lim[key], req[key]) is False:
+            c.add(name, key, f"requests {_show(req[key])} / limits {_show(lim[key])}", "requests must equal limits for GPU resources")
+        values[key] = lim.get(key, req.get(key))
+    if len(c.problems) != before:
+        return None
+    dialect = DIALECT_OF_RESOURCE[known[0]]
+    parser = _DIALECT_PARSERS[dialect]
+    return parser(c, name, values, klass, limits)
+
+
+def _same_quantity(a: Any, b: Any) -> bool | None:
+    try:
+        return parse_quantity(a) == parse_quantity(b)
+    except ValueError:
+        return None  # the value check reports it
+
+
+def _card_memory(c: _Collector, name: str, resource: str, v: dict[str, Any], unit_mib: int, rule: str,
+                 limits: CardLimits) -> int | None:
+    """GPU memory per card in MiB from a count of ``unit_mib`` units: 0 when not asked for, None
+    after recording why the value is unusable (not a positive integer, or larger than any card)."""
+    if resource not in v:
+        return 0
+    units = _integer(c, name, resource, v[resource], rule)
+    if units is None:
+        return None
+    memory_mib = units * unit_mib
+    if memory_mib > limits.max_card_memory_mib:
+        largest = limits.max_card_memory_mib
+        shown = f"{largest // MIB_PER_GIB} GiB" if largest % MIB_PER_GIB == 0 else f"{largest} MiB"
+        c.add(name, resource, v[resource], f"no card could ever hold it: the largest card has {shown}")
+        return None
+    return memory_mib
+
+
+def _parse_qgpu(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    memory_mib = _card_memory(c, name, QGPU_MEMORY, v, MIB_PER_GIB, "qgpu-memory is whole GiB, an integer >= 1", limits)
+    if memory_mib is None:
+        return None
+    if klass is AppClass.ONLINE:
+        for key in (QGPU_CORE, QGPU_CORE_GREEDY):
+            if key in v:
+                c.add(name, key, v[key], "online pods request memory only (tke.cloud.tencent.com/qgpu-memory)")
+                return None
+        if not memory_mib:
+            c.add(name, QGPU_MEMORY, "missing", "online pods must request tke.cloud.tencent.com/qgpu-memory")
+            return None
+        return ContainerRequest(name, Dialect.QGPU, cards=1, core_milli=0, memory_mib=memory_mib)
+    if klass is AppClass.OFFLINE:
+        if QGPU_CORE in v:
+            c.add(name, QGPU_CORE, v[QGPU_CORE], "offline pods request tke.cloud.tencent.com/qgpu-core-greedy, not qgpu-core")
+            return None
+        if QGPU_CORE_GREEDY not in v:
+            c.add(name, QGPU_CORE_GREEDY, "missing", "offline pods must request tke.cloud.tencent.com/qgpu-core-greedy (1-100)")
+            return None
+        greedy = _integer(c, name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], "qgpu-core-greedy is percent of one card, 1-100")
+        if greedy is None:
+            return None
+        if greedy > 100:
+            c.add(name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], "offline pods may not span cards: at most 100 (one card)")
+            return None
+        if not memory_mib:
+            c.add(name, QGPU_MEMORY, "missing", "offline pods must request tke.cloud.tencent.com/qgpu-memory")
+            return None
+        return ContainerRequest(name, Dialect.QGPU, cards=1, core_milli=greedy * 10, memory_mib=memory_mib)
+    if QGPU_CORE_GREEDY in v:
+        c.add(name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], f"only offline pods (annotation {QGPU_APP_CLASS}: offline) may request it")
+        return None
+    if QGPU_CORE not in v:
+        c.add(name, QGPU_CORE, "missing", "tke.cloud.tencent.com/qgpu-memory needs tke.cloud.tencent.com/qgpu-core unless the pod is online")
+        return None
+    shape = _core_cards(c, name, QGPU_CORE, v[QGPU_CORE], "qgpu-core", limits)
+    if shape is None:
+        return None
+    cards, core_milli, exclusive = shape
+    if not exclusive:
+        if not memory_mib:
+            c.add(name, QGPU_MEMORY, "missing", "a shared qgpu-core (below 100) needs tke.cloud.tencent.com/qgpu-memory")
+            return None
+        if memory_mib < limits.min_shared_memory_mib:
+            c.add(name, QGPU_MEMORY, v[QGPU_MEMORY], f"a shared card needs at least {limits.min_shared_memory_mib} MiB per container")
+            return None
+    return ContainerRequest(name, Dialect.QGPU, cards=cards, core_milli=core_milli, memory_mib=memory_mib, exclusive=exclusive)
+
+
+def _parse_vcuda(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    memory_mib = _card_memory(c, name, VCUDA_MEMORY, v, VCUDA_MEMORY_UNIT_MIB, "vcuda-memory counts units of 256 MiB", limits)
+    if memory_mib is None:
+        return None
+    if VCUDA_CORE not in v:
+        c.add(name, VCUDA_CORE, "missing", "tencent.com/vcuda-memory needs tencent.com/vcuda-core")
+        return None
+    shape = _core_cards(c, name, VCUDA_CORE, v[VCUDA_CORE], "vcuda-core", limits)
+    if shape is None:
+        return None
+    cards, core_milli, exclusive = shape
+    if not exclusive and not memory_mib:
+        c.add(name, VCUDA_MEMORY, "missing", "a shared vcuda-core (below 100) needs tencent.com/vcuda-memory")
+        return None
+    return ContainerRequest(name, Dialect.VCUDA, cards=cards, core_milli=core_milli, memory_mib=memory_mib, exclusive=exclusive)
+
+
+def _parse_t9k(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    if len(v) > 1:
+        c.add(name, ",".join(sorted(v)), "mixed", "a container asks for one of nvidia-gpu, nvidia-gpu-percent or nvidia-gpu-node")
+        return None
+    ((key, raw),) = v.items()
+    if key == T9K_GPU:
+        cards = _integer(c, name, key, raw, "nvidia-gpu counts whole cards")
+        cards = None if cards is None else _whole_cards(c, name, key, raw, cards, limits)
+        if cards is None:
+            return None
+        return ContainerRequest(name, Dialect.T9K, cards=cards, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
+    if key == T9K_GPU_PERCENT:
+        pct = _integer(c, name, key, raw, "nvidia-gpu-percent is percent of one card's memory, 1-100")
+        if pct is None:
+            return None
+        if pct > 100:
+            c.add(name, key, raw, "percent of one card's memory: at most 100")
+            return None
+        return ContainerRequest(name, Dialect.T9K, cards=1, core_milli=0, memory_pct=pct)
+    count = _integer(c, name, key, raw, "nvidia-gpu-node must be 1")
+    if count is None:
+        return None
+    if count != 1:
+        c.add(name, key, raw, "nvidia-gpu-node must be 1 (the whole node)")
+        return None
+    return ContainerRequest(name, Dialect.T9K, cards=0, core_milli=CORE_MILLI_PER_CARD, exclusive=True, whole_node=True)
+
+
+def _parse_nvidia(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    cards = _integer(c, name, NVIDIA_GPU, v[NVIDIA_GPU], "nvidia.com/gpu counts whole cards")
+    cards = None if cards is None else _whole_cards(c, name, NVIDIA_GPU, v[NVIDIA_GPU], cards, limits)
+    if cards is None:
+        return None
+    return ContainerRequest(name, Dialect.NVIDIA, cards=cards, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
+
+
+_DIALECT_PARSERS = {
+    Dialect.QGPU: _parse_qgpu,
+    Dialect.VCUDA: _parse_vcuda,
+    Dialect.T9K: _parse_t9k,
+    Dialect.NVIDIA: _parse_nvidia,
+}
+
+
+def _parse_app_class(c: _Collector, annotations: Mapping[str, Any]) -> AppClass:
+    raw = annotations.get(QGPU_APP_CLASS)
+    if raw is None:
+        return AppClass.NORMAL
+    if raw in (AppClass.ONLINE.value, AppClass.OFFLINE.value):
+        return AppClass(raw)
+    c.add("", f"annotation {QGPU_APP_CLASS}", raw, "must be online or offline (omit it for normal pods)")
+    return AppClass.NORMAL
+
+
+def _parse_models(c: _Collector, annotations: Mapping[str, Any]) -> frozenset[str] | None:
+    raw = annotations.get(GPU_MODEL_ANNOTATION)
+    if raw is None:
+        return None
+    models = frozenset(m.strip() for m in str(raw).split("|") if m.strip())
+    if not models:
+        c.add("", f"annotation {GPU_MODEL_ANNOTATION}", raw, "must list GPU models separated by '|', e.g. V100|T4")
+        return None
+    return models
+
+
+def _pod_compute(containers: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
+    """Sum of containers' CPU (milli) and memory (MiB) requests; used for node fit only."""
+    cpu = Decimal(0)
+    mem = Decimal(0)
+    for container in containers:
+        req = _resources(container, "requests") or _resources(container, "limits")
+        try:
+            if "cpu" in req:
+                cpu += parse_quantity(req["cpu"])
+            if "memory" in req:
+                mem += parse_quantity(req["memory"])
+        except ValueError:
+            continue  # the apiserver validates CPU and memory; not our rule to enforce
+    return int(cpu * 1000), int(mem / (1024 * 1024))
+
+
+def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> PodRequest:
+    """Parse a pod (API dict) into one :class:`PodRequest`, or raise :class:`RequestError`.
+
+    All problems of the pod are reported together. A pod that asks for nothing of ours parses to
+    a request with no containers (``wants_gpu`` is False).
+    """
+    meta = pod.get("metadata") or {}
+    spec = pod.get("spec") or {}
+    annotations = meta.get("annotations") or {}
+    c = _Collector()
+    klass = _parse_app_class(c, annotations)
+    models = _parse_models(c, annotations)
+    containers = [ct for ct in (spec.get("containers") or []) if isinstance(ct, Mapping)]
+    parsed: list[ContainerRequest] = []
+    for container in containers:
+        result = _parse_container(c, container, klass, limits)
+        if result is not None:
+            parsed.append(result)
+    for init in spec.get("initContainers") or []:
+        if isinstance(init, Mapping):
+            ours = {k for k in set(_resources(init, "limits")) | set(_resources(init, "requests")) if k in GPU_RESOURCES or k.startswith(QGPU_PREFIX)}
+            for key in sorted(ours):
+                c.add(str(init.get("name") or ""), key, _resources(init, "limits").get(key, _resources(init, "requests").get(key)),
+                      "init containers may not request shared GPUs")
+    node_askers = [r.name for r in parsed if r.whole_node]
+    if len(node_askers) > 1:
+        c.add(node_askers[1], T9K_GPU_NODE, "1", f"at most one container per pod may ask for the whole node (also asked by {node_askers[0]!r})")
+    if node_askers and len(parsed) > 1:
+        others = [r.name for r in parsed if not r.whole_node]
+        if others:
+            c.add(others[0], "GPU resources", "given", f"container {node_askers[0]!r} takes the whole node; no other container may ask for GPUs")
+    if klass is not AppClass.NORMAL and parsed and any(r.dialect is not Dialect.QGPU for r in parsed):
+        bad = next(r for r in parsed if r.dialect is not Dialect.QGPU)
+        c.add(bad.name, f"annotation {QGPU_APP_CLASS}", klass.value, "online/offline classes apply to tke.cloud.tencent.com/qgpu-* requests only")
+    t9k_modes = {("sgn" if r.memory_pct is not None else "xgn") for r in parsed if r.dialect is Dialect.T9K and not r.whole_node}
+    if len(t9k_modes) > 1:
+        bad = next(r for r in parsed if r.memory_pct is not None)
+        c.add(bad.name, T9K_GPU_PERCENT, str(bad.memory_pct), "a pod cannot mix tensorstack.dev/nvidia-gpu (xgn nodes) with nvidia-gpu-percent (sgn nodes)")
+    if c.problems:
+        raise RequestError(c.problems)
+    alloc_mode = None
+    if any(r.dialect is Dialect.T9K for r in parsed):
+        alloc_mode = "sgn" if any(r.memory_pct is not None for r in parsed) else "xgn"
+        if any(r.whole_node for r in parsed):
+            alloc_mode = None
+    cpu, mem = _pod_compute(containers)
+    return PodRequest(
+        namespace=str(meta.get("namespace") or "default"),
+        name=str(meta.get("name") or meta.get("generateName") or ""),
+        uid=str(meta.get("uid") or ""),
+        klass=klass,
+        containers=tuple(parsed),
+        models=models,
+        alloc_mode=alloc_mode,
+        cpu_milli=cpu,
+        memory_mib=mem,
+    )

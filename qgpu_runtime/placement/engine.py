@@ -1,0 +1,321 @@
+"""The placement engine: which node and which cards a pod gets.
+
+One engine serves three callers — the scheduler extender, the trace simulator and standalone
+`qgpu run` — so a placement decision means the same everywhere. It is pure: given a
+:class:`ClusterState`, a :class:`PodRequest` and a policy it computes a :class:`Placement` and
+changes nothing; booking is the caller's explicit ``state.commit``.
+
+How a decision is made:
+1. Node checks, vectorised over all nodes: GPU model, T9k allocation mode, co-location class,
+   CPU, memory, then card fit per container. Each failing node gets a reason a person can read.
+2. For the common case (one GPU container) every feasible (node, card) pair is scored in one
+   vector pass by the policy; multi-container pods are placed container by container per node.
+3. Lowest cost wins; ties go to the lower node index, then the lower card slot, so the same input
+   always gives the same answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, PodRequest
+from qgpu_runtime.placement.policies import Policy, SharedCandidates
+from qgpu_runtime.placement.state import ALLOC_MODES, CardShare, ClusterState, ContainerPlacement, Placement
+
+MAX_SCORE = 10
+
+_REASONS = {
+    1: "GPU model not allowed for this pod",
+    2: "node allocation mode does not match the T9k request",
+    3: "online/offline pods need a node labelled mixed-qgpu-enable=enable",
+    4: "insufficient CPU",
+    5: "insufficient memory",
+    6: "no card has enough free core, memory and pod slots",
+    7: "not enough whole free cards",
+    8: "the whole node is not free",
+    9: "node has no GPUs",
+}
+
+
+class Unschedulable(Exception):
+    """No node can take the pod; ``reasons`` maps each node to why not."""
+
+    def __init__(self, pod: str, reasons: dict[str, str]):
+        self.pod = pod
+        self.reasons = reasons
+        counts: dict[str, int] = {}
+        for reason in reasons.values():
+            counts[reason] = counts.get(reason, 0) + 1
+        summary = ", ".join(f"{n} {r}" for r, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        super().__init__(f"0/{len(reasons)} nodes can take {pod}: {summary or 'no nodes'}")
+
+
+@dataclass(frozen=True)
+class Feasibility:
+    """Per-node verdict: ``ok`` rows passed every check; ``code`` says why the others failed."""
+
+    ok: np.ndarray
+    code: np.ndarray
+
+    def reasons(self, state: ClusterState, rows: np.ndarray | None = None) -> dict[str, str]:
+        rows = np.nonzero(~self.ok)[0] if rows is None else rows
+        return {state.names[r]: _REASONS[int(self.code[r])] for r in rows if not self.ok[r]}
+
+
+def _model_mask(state: ClusterState, req: PodRequest) -> np.ndarray:
+    """[N, C] cards whose model the pod accepts."""
+    if req.models is None:
+        return state.card_valid
+    ids = [state.models[m] for m in req.models if m in state.models]
+    return state.card_valid & np.isin(state.card_model, ids)
+
+
+def card_memory_need(state: ClusterState, container: ContainerRequest) -> np.ndarray | int:
+    """GPU memory a shared container needs on each card (T9k percent depends on the card)."""
+    if container.memory_pct is not None:
+        return -(-state.card_mem_cap * container.memory_pct // 100)
+    return container.memory_mib
+
+
+def shared_fit(state: ClusterState, container: ContainerRequest, allowed: np.ndarray) -> np.ndarray:
+    """[N, C] cards that can take one more shared container of this size."""
+    return (
+        allowed
+        & ~state.exclusive
+        & (state.core_free >= container.core_milli)
+        & (state.mem_free_card >= card_memory_need(state, container))
+        & (state.pods < state.pod_limit)
+    )
+
+
+def check_nodes(state: ClusterState, req: PodRequest) -> tuple[Feasibility, np.ndarray]:
+    """Vectorised node checks; returns the verdict and the [N, C] model mask."""
+    n = state.node_count
+    code = np.zeros(n, dtype=np.int64)
+
+    def fail(mask: np.ndarray, reason: int) -> None:
+        code[(code == 0) & mask] = reason
+
+    allowed = _model_mask(state, req)
+    gpu = req.wants_gpu
+    if gpu:
+        fail(state.n_cards == 0, 9)
+        fail(~allowed.any(axis=1), 1)
+        if req.alloc_mode is not None:
+            fail(state.alloc_mode != ALLOC_MODES[req.alloc_mode], 2)
+        if req.klass is not AppClass.NORMAL:
+            fail(~state.mixed, 3)
+    fail(state.cpu_free < req.cpu_milli, 4)
+    fail(state.mem_free < req.memory_mib, 5)
+    for container in req.containers:
+        if container.whole_node:
+            free = state.card_free_whole() | ~state.card_valid
+            fail(~(free.all(axis=1) & (state.n_cards > 0) & (allowed | ~state.card_valid).all(axis=1)), 8)
+        elif container.exclusive:
+            fail((state.card_free_whole() & allowed).sum(axis=1) < container.cards, 7)
+        else:
+            fail(~shared_fit(state, container, allowed).any(axis=1), 6)
+    if len(req.containers) > 1:
+        need = sum(c.cards for c in req.containers if c.exclusive and not c.whole_node)
+        fail((state.card_free_whole() & allowed).sum(axis=1) < need, 7)
+    return Feasibility(code == 0, code), allowed
+
+
+def _co_location_tier(state: ClusterState, rows: np.ndarray, fit: np.ndarray, klass: AppClass) -> tuple[np.ndarray, np.ndarray]:
+    """Online pods prefer cards without offline pods, offline pods cards without online pods.
+
+    Where a node has such a card, only those cards stay candidates and the node is in tier 0;
+    where it has none, the pod may still share a card with the other class (the isolation engine
+    keeps online work ahead of offline work there) and the node drops to tier 1.
+    """
+    tier = np.zeros(len(rows), dtype=np.int64)
+    if klass is AppClass.NORMAL:
+        return fit, tier
+    other = state.offline[rows] if klass is AppClass.ONLINE else state.online[rows]
+    preferred = fit & (other == 0)
+    has = preferred.any(axis=1)
+    fit = np.where(has[:, None], preferred, fit)
+    tier[~has] = 1
+    return fit, tier
+
+
+def _exclusive_slots(free_row: np.ndarray, k: int) -> list[int]:
+    """The first ``k`` free slots: whole free cards are interchangeable, so take the lowest."""
+    return [int(j) for j in np.nonzero(free_row)[0][:k]]
+
+
+def _shares_for(state: ClusterState, node: int, container: ContainerRequest, slots: list[int]) -> tuple[CardShare, ...]:
+    shares = []
+    for j in slots:
+        if container.exclusive:
+            core, mem = CORE_MILLI_PER_CARD, int(state.card_mem_cap[node, j])
+        else:
+            need = card_memory_need(state, container)
+            core = container.core_milli
+            mem = int(need[node, j]) if isinstance(need, np.ndarray) else int(need)
+        shares.append(CardShare(int(state.card_index[node, j]), state.card_uuid[node][j], core, mem))
+    return tuple(shares)
+
+
+@dataclass(frozen=True)
+class Ranked:
+    """Candidate nodes (row indices) with their costs and the card choice behind each cost.
+
+    ``choice`` is kept in the cheapest form each path produces — a slot per row (one shared
+    container), a [rows, cards] mask (whole cards), or explicit lists (several containers) — and
+    turned into slots only for the winner.
+    """
+
+    rows: np.ndarray
+    tier: np.ndarray
+    cost: np.ndarray
+    choice: np.ndarray | list[list[list[int]]] | None
+
+    def order(self) -> np.ndarray:
+        return np.lexsort((self.rows, self.cost, self.tier))
+
+    def slots(self, i: int) -> list[list[int]]:
+        if self.choice is None:
+            return []
+        if isinstance(self.choice, list):
+            return self.choice[i]
+        picked = self.choice[i]
+        if picked.ndim == 0:
+            return [[int(picked)]]
+        return [[int(j) for j in np.nonzero(picked)[0]]]
+
+
+def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibility, allowed: np.ndarray) -> Ranked:
+    """Cost every feasible node (and its card choice) for the pod with the given policy."""
+    rows = np.nonzero(feasible.ok)[0]
+    if not len(rows) or not req.containers:
+        cost = policy.cpu_only_cost(state, rows, req) if len(rows) else np.zeros(0)
+        return Ranked(rows, np.zeros(len(rows), dtype=np.int64), cost, None)
+    if len(req.containers) == 1 and req.containers[0].shared:
+        container = req.containers[0]
+        fit = shared_fit(state, container, allowed)[rows]
+        fit, tier = _co_location_tier(state, rows, fit, req.klass)
+        cand = SharedCandidates(rows=rows, fit=fit, core=container.core_milli, cpu=req.cpu_milli, mem=req.memory_mib,
+                                binpack_cards=req.klass is AppClass.OFFLINE, spread_cards=req.klass is AppClass.ONLINE)
+        card_cost = policy.shared_card_cost(state, cand)
+        slot = np.argmin(card_cost, axis=1)
+        cost = card_cost[np.arange(len(rows)), slot]
+        return Ranked(rows, tier, cost, slot)
+    if len(req.containers) == 1:
+        container = req.containers[0]
+        if container.whole_node:
+            take = state.card_valid[rows]
+        else:
+            free = (state.card_free_whole() & allowed)[rows]
+            take = free & (np.cumsum(free, axis=1) <= container.cards)
+        cost = policy.exclusive_cost(state, rows, take, req)
+        return Ranked(rows, np.zeros(len(rows), dtype=np.int64), cost, take)
+    return _rank_multi(state, req, policy, rows, allowed)
+
+
+def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray, allowed: np.ndarray) -> Ranked:
+    """Several GPU containers: place them one by one on each candidate node (best-fit cards),
+    then cost the node by the state the whole pod would leave behind."""
+    keep_rows, costs, all_slots = [], [], []
+    for r in rows:
+        core = state.core_free[r].copy()
+        mem = state.mem_free_card[r].copy()
+        pods = state.pods[r].copy()
+        taken = state.exclusive[r].copy()
+        whole = state.card_free_whole()[r] & allowed[r]
+        per_container: list[list[int]] = []
+        ok = True
+        for container in req.containers:
+            if container.whole_node:
+                chosen = _exclusive_slots(state.card_valid[r], int(state.n_cards[r]))
+            elif container.exclusive:
+                chosen = _exclusive_slots(whole & ~taken & (pods == 0) & (core == CORE_MILLI_PER_CARD), container.cards)
+                ok = len(chosen) == container.cards
+            else:
+                need = card_memory_need(state, container)
+                need_row = need[r] if isinstance(need, np.ndarray) else need
+                fit = allowed[r] & ~taken & (core >= container.core_milli) & (mem >= need_row) & (pods < state.pod_limit[r])
+                if not fit.any():
+                    ok = False
+                    chosen = []
+                else:
+                    after = np.where(fit, core - container.core_milli, np.iinfo(np.int64).max)
+                    chosen = [int(np.argmin(after))]
+            if not ok:
+                break
+            for j in chosen:
+                if container.exclusive or container.whole_node:
+                    taken[j] = True
+                else:
+                    core[j] -= container.core_milli
+                    mem[j] -= int(need_row[j]) if isinstance(need_row, np.ndarray) else need_row
+                    pods[j] += 1
+            per_container.append(chosen)
+        if not ok:
+            continue
+        after_free = np.where(taken, 0, core)
+        keep_rows.append(r)
+        costs.append(float(policy.state_cost(state, np.array([r]), after_free[None, :], req)[0]))
+        all_slots.append(per_container)
+    rows_arr = np.array(keep_rows, dtype=np.int64)
+    return Ranked(rows_arr, np.zeros(len(rows_arr), dtype=np.int64), np.array(costs, dtype=float), all_slots)
+
+
+def _placement(state: ClusterState, req: PodRequest, row: int, slots: list[list[int]]) -> Placement:
+    containers = tuple(
+        ContainerPlacement(c.name, _shares_for(state, row, c, s), exclusive=c.exclusive or c.whole_node)
+        for c, s in zip(req.containers, slots)
+    )
+    return Placement(state.names[row], containers, req.klass, req.cpu_milli, req.memory_mib)
+
+
+def place(state: ClusterState, req: PodRequest, policy: Policy, nodes: np.ndarray | None = None) -> Placement:
+    """The best node and cards for ``req``, or :class:`Unschedulable` with a reason per node.
+
+    ``nodes`` (a boolean mask over nodes) restricts the choice, as the extender's candidate list does.
+    """
+    feasible, allowed = check_nodes(state, req)
+    if nodes is not None:
+        feasible = Feasibility(feasible.ok & nodes, feasible.code)
+    ranked = rank(state, req, policy, feasible, allowed)
+    if not len(ranked.rows):
+        scope = np.nonzero(nodes)[0] if nodes is not None else None
+        reasons = feasible.reasons(state, scope)
+        for r in np.nonzero(feasible.ok)[0]:
+            reasons[state.names[r]] = _REASONS[6]
+        raise Unschedulable(req.key, reasons)
+    best = int(ranked.order()[0])
+    return _placement(state, req, int(ranked.rows[best]), ranked.slots(best))
+
+
+def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Extender view: a 0..10 score per feasible node among ``names`` and a reason per failed one.
+
+    Unknown node names fail with a reason rather than raising, since the scheduler may know nodes
+    the cache has not seen yet.
+    """
+    mask = np.zeros(state.node_count, dtype=bool)
+    failed: dict[str, str] = {}
+    for name in names:
+        if name in state.index:
+            mask[state.index[name]] = True
+        else:
+            failed[name] = "node unknown to qgpu (no GPU inventory reported yet)"
+    feasible, allowed = check_nodes(state, req)
+    feasible = Feasibility(feasible.ok & mask, feasible.code)
+    ranked = rank(state, req, policy, feasible, allowed)
+    failed.update(feasible.reasons(state, np.nonzero(mask)[0]))
+    kept = set(int(r) for r in ranked.rows)
+    for r in np.nonzero(feasible.ok)[0]:
+        if int(r) not in kept:
+            failed[state.names[r]] = _REASONS[6]
+    scores: dict[str, int] = {}
+    if len(ranked.rows):
+        key = ranked.tier * (np.ptp(ranked.cost) + 1.0) + ranked.cost
+        lo, hi = float(key.min()), float(key.max())
+        span = hi - lo
+        for r, k in zip(ranked.rows, key):
+            scores[state.names[int(r)]] = MAX_SCORE if span == 0 else int(round(MAX_SCORE * (hi - float(k)) / span))
+    return scores, failed

@@ -1,0 +1,436 @@
+"""Placement policies: how to rank the nodes and cards that can take a pod.
+
+Every policy answers the same questions, in costs (lower wins):
+- ``shared_card_cost``: for a pod sharing one card, the cost of each (node, card) pair;
+- ``exclusive_cost``: for a pod taking whole cards, the cost of each node given the cards taken;
+- ``state_cost``: the cost of the state a multi-container pod would leave behind on a node;
+- ``cpu_only_cost``: for a pod with no GPU request (the trace has these), the cost of each node.
+
+Policies:
+- ``binpack``: fill the fullest node and the fullest card first (keeps whole cards and nodes free).
+- ``spread``: the emptiest node and card first (less interference between tenants).
+- ``bestfit``: the published baseline of the FGD study — node cost 0.5·CPU left / 128 cores +
+  0.5·GPU left / 8 GPUs, best-fit card inside the node. Kept for calibration against their numbers.
+- ``frag``: fragmentation-aware; see :class:`FragPolicy`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, PodRequest
+from qgpu_runtime.placement.state import ClusterState
+
+INF = np.inf
+# A card-level term must never outweigh a node-level difference of one thousandth of a card.
+_CARD_WEIGHT = 1.0 / (4 * CORE_MILLI_PER_CARD)
+
+
+@dataclass(frozen=True)
+class SharedCandidates:
+    """Feasible (node, card) pairs for one shared container: ``fit`` is [rows, cards]."""
+
+    rows: np.ndarray
+    fit: np.ndarray
+    core: int
+    cpu: int
+    mem: int
+    binpack_cards: bool = False
+    spread_cards: bool = False
+
+
+class Policy(Protocol):
+    name: str
+
+    def shared_card_cost(self, state: ClusterState, cand: SharedCandidates) -> np.ndarray: ...
+
+    def exclusive_cost(self, state: ClusterState, rows: np.ndarray, take: np.ndarray, req: PodRequest) -> np.ndarray: ...
+
+    def state_cost(self, state: ClusterState, rows: np.ndarray, card_free_after: np.ndarray, req: PodRequest) -> np.ndarray: ...
+
+    def cpu_only_cost(self, state: ClusterState, rows: np.ndarray, req: PodRequest) -> np.ndarray: ...
+
+    def observe(self, req: PodRequest) -> None: ...
+
+
+def _card_free(state: ClusterState, rows: np.ndarray) -> np.ndarray:
+    """[R, C] free compute per card, zero on exclusively held or missing cards."""
+    return np.where(state.exclusive[rows], 0, state.core_free[rows])
+
+
+class _NodeLevelPolicy:
+    """Policies whose node cost depends only on the free CPU and GPU a placement leaves."""
+
+    name = "base"
+    card_sign = 1.0  # +1: prefer the card left fullest (best fit); -1: the emptiest
+
+    def node_cost(self, state: ClusterState, rows: np.ndarray, cpu_after: np.ndarray, gpu_after: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def observe(self, req: PodRequest) -> None:
+        """Node-level policies learn nothing from arrivals."""
+
+    def shared_card_cost(self, state: ClusterState, cand: SharedCandidates) -> np.ndarray:
+        rows = cand.rows
+        gpu_after = state.gpu_free_milli()[rows] - cand.core
+        node = self.node_cost(state, rows, state.cpu_free[rows] - cand.cpu, gpu_after)
+        sign = -1.0 if cand.spread_cards else (1.0 if cand.binpack_cards else self.card_sign)
+        card_after = state.core_free[rows] - cand.core
+        return np.where(cand.fit, node[:, None] + sign * _CARD_WEIGHT * card_after, INF)
+
+    def exclusive_cost(self, state: ClusterState, rows: np.ndarray, take: np.ndarray, req: PodRequest) -> np.ndarray:
+        gpu_after = state.gpu_free_milli()[rows] - take.sum(axis=1) * CORE_MILLI_PER_CARD
+        return self.node_cost(state, rows, state.cpu_free[rows] - req.cpu_milli, gpu_after)
+
+    def state_cost(self, state: ClusterState, rows: np.ndarray, card_free_after: np.ndarray, req: PodRequest) -> np.ndarray:
+        return self.node_cost(state, rows, state.cpu_free[rows] - req.cpu_milli, card_free_after.sum(axis=1))
+
+    def cpu_only_cost(self, state: ClusterState, rows: np.ndarray, req: PodRequest) -> np.ndarray:
+        return self.node_cost(state, rows, state.cpu_free[rows] - req.cpu_milli, state.gpu_free_milli()[rows])
+
+
+class BinpackPolicy(_NodeLevelPolicy):
+    name = "binpack"
+
+    def node_cost(self, state, rows, cpu_after, gpu_after):
+        cpu_share = cpu_after / np.maximum(state.cpu_cap[rows], 1)
+        return gpu_after + cpu_share * 0.5
+
+
+class SpreadPolicy(_NodeLevelPolicy):
+    name = "spread"
+    card_sign = -1.0
+
+    def node_cost(self, state, rows, cpu_after, gpu_after):
+        cpu_share = cpu_after / np.maximum(state.cpu_cap[rows], 1)
+        return -(gpu_after + cpu_share * 0.5)
+
+
+class BestFitPolicy(_NodeLevelPolicy):
+    """The FGD study's best-fit baseline, with its normalisers (a 128-core, 8-GPU node)."""
+
+    name = "bestfit"
+
+    def node_cost(self, state, rows, cpu_after, gpu_after):
+        return 0.5 * cpu_after / 128_000 + 0.5 * gpu_after / (8 * CORE_MILLI_PER_CARD)
+
+
+@dataclass
+class WorkloadShapes:
+    """The distribution of pod shapes seen so far, which the frag policy plans for.
+
+    A shape is (cards, core per card, CPU); host memory is rarely what strands GPUs. The most
+    common shapes covering ``coverage`` of the observed pods (at most ``max_shapes``) are kept.
+    The defaults keep the common shapes only, which is what the replay's fragmentation meter
+    reports; the frag policy plans with every shape (see :data:`PLANNING_SHAPES`). Counting starts
+    from nothing; the distribution follows the workload the scheduler actually sees.
+    """
+
+    coverage: float = 0.95
+    max_shapes: int = 48
+    refresh_growth: float = 0.01
+    counts: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    total: int = 0
+    cpu_milli: int = 0  # CPU asked by every observed pod, CPU-only pods included
+    gpu_milli: int = 0  # GPU (thousandths of a card) asked by every observed pod
+    _built_at: int = -1
+    _arrays: tuple[np.ndarray, ...] = ()
+
+    def observe(self, req: PodRequest) -> None:
+        if req.whole_node:
+            return
+        if req.containers:
+            c = req.containers[0]
+            cards = sum(x.cards for x in req.containers) if c.exclusive else 1
+            core = c.core_milli if len(req.containers) == 1 else max(x.core_milli for x in req.containers)
+        else:
+            cards, core = 0, 0
+        key = (cards, core, req.cpu_milli)
+        self.counts[key] = self.counts.get(key, 0) + 1
+        self.total += 1
+        self.cpu_milli += req.cpu_milli
+        self.gpu_milli += cards * core
+
+    def cpu_per_gpu(self) -> float:
+        """CPU (milli-cores) the workload asks per thousandth of a card it asks; 0 before any GPU.
+
+        CPU-only pods count: they draw on the same nodes' CPU, so a node has to keep CPU for them
+        as well as for the pods that will take its free cards."""
+        return self.cpu_milli / self.gpu_milli if self.gpu_milli else 0.0
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """(cards, core, cpu, mem, pod count) of the kept shapes; rebuilt when the sample grew."""
+        if self._built_at < 0 or self.total > self._built_at * (1 + self.refresh_growth):
+            ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))
+            kept, cum = [], 0
+            for key, n in ranked[: self.max_shapes]:
+                kept.append((key, n))
+                cum += n
+                if cum >= self.coverage * self.total:
+                    break
+            if not kept:
+                self._arrays = tuple(np.zeros(0) for _ in range(5))
+            else:
+                keys = np.array([k for k, _ in kept], dtype=np.int64)
+                weight = np.array([n for _, n in kept], dtype=float)
+                self._arrays = (keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=np.int64), weight)
+            self._built_at = self.total
+        return self._arrays
+
+
+# What the frag policy plans with: every observed shape. The rare shapes are the big, CPU-hungry
+# ones (eight whole cards and 64-120 cores) whose needs keep whole nodes and their CPU intact;
+# cutting them off lets every node be carved up. Keeping them is cheap because a decision costs
+# per distinct per-card need plus one lookup by CPU, not per shape; the cap only bounds a
+# pathological workload.
+PLANNING_SHAPES = {"coverage": 1.0, "max_shapes": 512}
+
+
+@dataclass(frozen=True)
+class _FragTables:
+    """Lookup tables over a card's free thousandths (0..1000) for each distinct per-card need."""
+
+    needs: np.ndarray  # [U] per-card needs of the shapes, the whole card (1000) last
+    full_u: int
+    below: np.ndarray  # [1001, U] free if free < need else 0
+    fits: np.ndarray  # [1001, U] 1 if free >= need
+    share_onehot: np.ndarray  # [M, U] sharing shape m has need u
+    whole_onehot: np.ndarray  # [M, K] whole-card shape m takes whole_cards[k] cards
+    whole_cards: np.ndarray  # [K]
+    cpu_only: np.ndarray  # [M] shape asks for no GPU
+    cpu: np.ndarray
+    mem: np.ndarray
+    p: np.ndarray  # [M] pod counts: whole numbers, so equal states score exactly equal
+    scale: float  # 1 / total count, turning count-weighted sums into expectations
+    # The shapes' weights per need summed over every shape whose CPU is at most a threshold: a
+    # node's weights are then one row lookup by its free CPU instead of a [nodes x shapes] product.
+    cpu_steps: np.ndarray  # [D] distinct CPU requests, ascending
+    cum_share: np.ndarray  # [D + 1, U] weights of sharing shapes asking at most cpu_steps[i - 1]
+    cum_whole: np.ndarray  # [D + 1, K]
+    cum_cpu_only: np.ndarray  # [D + 1]
+
+    @classmethod
+    def build(cls, cards: np.ndarray, core: np.ndarray, cpu: np.ndarray, mem: np.ndarray, p: np.ndarray) -> "_FragTables":
+        share = (cards >= 1) & (core < CORE_MILLI_PER_CARD)
+        whole = (cards >= 1) & (core >= CORE_MILLI_PER_CARD)
+        needs = np.array(sorted(set(core[share].tolist())) + [CORE_MILLI_PER_CARD], dtype=np.int64)
+        values = np.arange(CORE_MILLI_PER_CARD + 1)[:, None]
+        below = np.where(values < needs[None, :], values, 0).astype(float)
+        fits = (values >= needs[None, :]).astype(np.int64)
+        share_onehot = (share[:, None] & (core[:, None] == needs[None, :])).astype(float)
+        whole_cards = np.array(sorted(set(cards[whole].tolist())), dtype=np.int64)
+        whole_onehot = (whole[:, None] & (cards[:, None] == whole_cards[None, :])).astype(float)
+        cpu_only = (cards == 0).astype(float)
+        steps = np.unique(cpu)
+        rank = np.searchsorted(steps, cpu)
+        at_step = np.zeros((len(steps) + 1, len(p)))
+        at_step[rank + 1, np.arange(len(p))] = p
+        below_or_at = np.cumsum(at_step, axis=0)  # [D + 1, M]
+        return cls(needs, len(needs) - 1, below, fits, share_onehot, whole_onehot, whole_cards,
+                   cpu_only, cpu, mem, p, 1.0 / max(float(p.sum()), 1.0), steps, below_or_at @ share_onehot, below_or_at @ whole_onehot,
+                   below_or_at @ cpu_only)
+
+    def after_deltas(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        """How a card's contribution changes when ``g`` thousandths are taken from it, by its free."""
+        values = np.arange(CORE_MILLI_PER_CARD + 1)
+        after = np.clip(values - g, 0, None)
+        return self.below[after] - self.below, self.fits[after] - self.fits
+
+
+class FragPolicy:
+    """Fragmentation-aware placement.
+
+    A card's free compute is a *fragment* for a shape when that shape cannot use it: the card has
+    less free than the shape needs per card, or the node lacks the CPU, memory, whole cards or
+    model for the shape at all (then every free card on the node is a fragment for it). A node's
+    fragmentation is the expected fragment over the observed shape distribution, and the policy
+    picks the (node, card) whose placement adds the least of it — the idea published as FGD.
+
+    That measure alone misses the coupling between CPU and GPU: it sees a node's CPU run out only
+    when it drops below some shape's exact request, so pods that ask for much CPU per card (and
+    pods with no GPU at all) drain nodes whose cards are then left free with nothing to feed them;
+    on the public trace that is where most of the loss of best-fit-like policies sits. So each
+    choice is also charged for the GPU it strands behind CPU: free GPU beyond what the node's free
+    CPU can feed at the CPU-per-GPU ratio of the observed workload (CPU-only pods included, since
+    they draw on the same CPU; counting only GPU pods' CPU left more stranded). The ratio is learned
+    from arrivals like the shapes, so nothing is fitted to a trace, and a stranded thousandth of a
+    card costs the same as a fragmented one (``cpu_balance`` = 1): both are capacity lost.
+
+    Among choices left equal, the policy packs (positive ``tie_weight``: the least capacity left
+    wins). Spreading ties opens new nodes early and takes apart the whole nodes that multi-card
+    pods need later; the balance term already keeps packing from exhausting a node's CPU.
+    """
+
+    name = "frag"
+
+    def __init__(self, shapes: WorkloadShapes | None = None, tie_weight: float = 0.05, cpu_balance: float = 1.0):
+        self.shapes = shapes or WorkloadShapes(**PLANNING_SHAPES)
+        self.tie_weight = tie_weight
+        self.cpu_balance = cpu_balance
+        self._cache: tuple[tuple[np.ndarray, ...], _FragTables] | None = None
+
+    def observe(self, req: PodRequest) -> None:
+        self.shapes.observe(req)
+
+    # -- fragmentation of given states -------------------------------------------------------
+    #
+    # For a node with card frees F_j, total T and enough CPU/memory/whole cards for shape m, the
+    # fragment is S_m = sum of F_j below the shape's per-card need; otherwise it is all of T. With
+    # p_m the shape weights, frag = T - sum_m p_m ok_m (T - S_m). S and "does any card fit" depend
+    # on the shape only through its per-card need, so they are computed once per distinct need
+    # (a handful) from lookup tables indexed by a card's free thousandths, and the shapes' weights
+    # are folded per need after the CPU/memory check. That keeps a whole (node x card) scoring
+    # pass to a few array operations.
+
+    def _tables(self) -> _FragTables:
+        arrays = self.shapes.arrays()
+        if self._cache is None or self._cache[0] is not arrays:
+            self._cache = (arrays, _FragTables.build(*arrays))
+        return self._cache[1]
+
+    def _weights(self, t: "_FragTables", cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per node, the weight of the shapes it has CPU and memory for: by need, by whole-card
+        count, and of CPU-only shapes."""
+        if t.mem.any():
+            ok = ((cpu[:, None] >= t.cpu[None, :]) & (mem[:, None] >= t.mem[None, :])) * t.p[None, :]
+            return ok @ t.share_onehot, ok @ t.whole_onehot, ok @ t.cpu_only
+        at = np.searchsorted(t.cpu_steps, cpu, side="right")
+        if (mem < 0).any():  # a node short of memory fits nothing
+            at = np.where(mem < 0, 0, at)
+        return t.cum_share[at], t.cum_whole[at], t.cum_cpu_only[at]
+
+    def frag_of(self, free: np.ndarray, full: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
+        """[R] expected fragment (thousandths of a card) of nodes with card frees ``free`` [R, C]."""
+        t = self._tables()
+        if not len(t.p):
+            return np.zeros(len(free))
+        below_sum, fit_count = self._card_sums(t, free)
+        return self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, cpu, mem)
+
+    @staticmethod
+    def _card_sums(t: "_FragTables", free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[R, U] per need: free compute on cards below the need, and the count of cards that fit it."""
+        return t.below[free].sum(axis=1), t.fits[free].sum(axis=1)
+
+    def _frag(self, t: "_FragTables", total: np.ndarray, below_sum: np.ndarray, fit_count: np.ndarray,
+              full: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
+        w_share, w_whole, w_cpu = self._weights(t, cpu, mem)
+        gap = total[:, None] - below_sum
+        whole_ok = (full[:, None] >= t.whole_cards[None, :]) * w_whole
+        used = w_cpu * total + (w_share * (fit_count > 0) * gap).sum(axis=1) + gap[:, t.full_u] * whole_ok.sum(axis=1)
+        return total - t.scale * used
+
+    def _node_parts(self, state: ClusterState, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        free = _card_free(state, rows)
+        full = state.card_free_whole()[rows].sum(axis=1)
+        return free, full
+
+    def stranded(self, gpu_free: np.ndarray, cpu_free: np.ndarray) -> np.ndarray:
+        """Free GPU (thousandths) that the node's free CPU cannot feed at the workload's CPU per GPU."""
+        rho = self.shapes.cpu_per_gpu()
+        if not rho:
+            return np.zeros(np.shape(gpu_free))
+        return np.maximum(0.0, gpu_free - cpu_free / rho)
+
+    def _balance(self, gpu_before: np.ndarray, cpu_before: np.ndarray, gpu_after: np.ndarray, cpu_after: np.ndarray) -> np.ndarray:
+        if not self.cpu_balance:
+            return np.zeros(np.shape(gpu_after))
+        return self.cpu_balance * (self.stranded(gpu_after, cpu_after) - self.stranded(gpu_before, cpu_before))
+
+    def _tie(self, state: ClusterState, rows: np.ndarray, cpu_after: np.ndarray, gpu_after: np.ndarray) -> np.ndarray:
+        return self.tie_weight * (0.5 * cpu_after / np.maximum(state.cpu_cap[rows], 1)
+                                  + 0.5 * gpu_after / np.maximum(state.n_cards[rows] * CORE_MILLI_PER_CARD, 1))
+
+    # -- policy interface ---------------------------------------------------------------------
+
+    def shared_card_cost(self, state: ClusterState, cand: SharedCandidates) -> np.ndarray:
+        rows, g = cand.rows, cand.core
+        t = self._tables()
+        free, full = self._node_parts(state, rows)
+        cpu_after = state.cpu_free[rows] - cand.cpu
+        mem_after = state.mem_free[rows] - cand.mem
+        total_after = (free.sum(axis=1) - g).astype(float)
+        tie = self._tie(state, rows, cpu_after, total_after)
+        tie = tie + self._balance(free.sum(axis=1), state.cpu_free[rows], total_after, cpu_after)
+        card_term = _CARD_WEIGHT * (free - g) * (-1.0 if cand.spread_cards else 1.0)
+        if not len(t.p):
+            return np.where(cand.fit, tie[:, None] + card_term, INF)
+        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
+        # Cards of one node with the same free compute (and wholeness) score the same, so each
+        # distinct one is scored once and its cost copied to its twins: an empty 8-card node is one
+        # candidate, not eight, which is most of the work on a large, lightly used cluster.
+        whole = state.card_free_whole()[rows]
+        key = free + (CORE_MILLI_PER_CARD + 1) * whole
+        twin = (key[:, :, None] == key[:, None, :]) & cand.fit[:, None, :]
+        first = twin.argmax(axis=2)  # [R, C] lowest fitting slot with the same key
+        ri, ci = np.nonzero(cand.fit & (first == np.arange(free.shape[1])[None, :]))
+        f = free[ri, ci]
+        # Only the chosen card changes: correct the node's per-need sums by that one card.
+        below_delta, fits_delta = t.after_deltas(g)
+        below_a = t.below[free].sum(axis=1)[ri] + below_delta[f]  # [K, U]
+        usable_a = (t.fits[free].sum(axis=1)[ri] + fits_delta[f]) > 0
+        w_share, w_whole, w_cpu = self._weights(t, cpu_after, mem_after)
+        gap_a = total_after[ri, None] - below_a
+        share_term = (w_share[ri] * usable_a * gap_a).sum(axis=1)
+        full_a = full[ri] - (whole[ri, ci] & (g > 0))
+        whole_w = ((full_a[:, None] >= t.whole_cards[None, :]) * w_whole[ri]).sum(axis=1)
+        after = total_after[ri] - t.scale * (total_after[ri] * w_cpu[ri] + share_term + gap_a[:, t.full_u] * whole_w)
+        scored = np.full(free.shape, INF)
+        scored[ri, ci] = after - before[ri] + tie[ri] + card_term[ri, ci]
+        return np.where(cand.fit, scored[np.arange(len(rows))[:, None], first], INF)
+
+    def exclusive_cost(self, state: ClusterState, rows: np.ndarray, take: np.ndarray, req: PodRequest) -> np.ndarray:
+        free, full = self._node_parts(state, rows)
+        free_a = np.where(take, 0, free)
+        cpu_after = state.cpu_free[rows] - req.cpu_milli
+        balance = self._balance(free.sum(axis=1), state.cpu_free[rows], free_a.sum(axis=1), cpu_after)
+        tie = self._tie(state, rows, cpu_after, free_a.sum(axis=1))
+        t = self._tables()
+        if not len(t.p):
+            return balance + tie
+        # Taken cards are whole: they hold no compute below any need and each fits every need, so
+        # the after-state's sums follow from the node's without scoring its cards again.
+        below_sum, fit_count = self._card_sums(t, free)
+        fit_a = fit_count - take.sum(axis=1)[:, None]
+        before = self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, state.cpu_free[rows], state.mem_free[rows])
+        after = self._frag(t, free_a.sum(axis=1).astype(float), below_sum, fit_a, full - take.sum(axis=1), cpu_after,
+                           state.mem_free[rows] - req.memory_mib)
+        return after - before + balance + tie
+
+    def state_cost(self, state: ClusterState, rows: np.ndarray, card_free_after: np.ndarray, req: PodRequest) -> np.ndarray:
+        free, full = self._node_parts(state, rows)
+        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
+        full_a = (card_free_after == CORE_MILLI_PER_CARD).sum(axis=1)
+        cpu_after = state.cpu_free[rows] - req.cpu_milli
+        after = self.frag_of(card_free_after, full_a, cpu_after, state.mem_free[rows] - req.memory_mib)
+        balance = self._balance(free.sum(axis=1), state.cpu_free[rows], card_free_after.sum(axis=1), cpu_after)
+        return after - before + balance + self._tie(state, rows, cpu_after, card_free_after.sum(axis=1))
+
+    def cpu_only_cost(self, state: ClusterState, rows: np.ndarray, req: PodRequest) -> np.ndarray:
+        free, full = self._node_parts(state, rows)
+        cpu_after = state.cpu_free[rows] - req.cpu_milli
+        total = free.sum(axis=1)
+        balance = self._balance(total, state.cpu_free[rows], total, cpu_after)
+        tie = self._tie(state, rows, cpu_after, total)
+        t = self._tables()
+        if not len(t.p):
+            return balance + tie
+        # The cards do not change, only the CPU and memory that decide which shapes still fit.
+        below_sum, fit_count = self._card_sums(t, free)
+        before = self._frag(t, total.astype(float), below_sum, fit_count, full, state.cpu_free[rows], state.mem_free[rows])
+        after = self._frag(t, total.astype(float), below_sum, fit_count, full, cpu_after, state.mem_free[rows] - req.memory_mib)
+        return after - before + balance + tie
+
+
+POLICIES = {"binpack": BinpackPolicy, "spread": SpreadPolicy, "bestfit": BestFitPolicy, "frag": FragPolicy}
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy instance by name; unknown names fail listing the known ones."""
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise ValueError(f"policy {name!r} is unknown; choose one of {', '.join(sorted(POLICIES))}") from None

@@ -1,0 +1,224 @@
+"""`qgpu simulate`: replay a GPU cluster trace through the placement engine and report packing."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from qgpu_runtime.placement.policies import POLICIES
+from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, replay_times
+from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
+
+
+class UsageError(ValueError):
+    """A bad option value; printed as one line with exit code 2."""
+
+
+def parse_seeds(text: str) -> list[int]:
+    """'42-51' or '42,43,50' or '7'."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
+        except ValueError:
+            raise UsageError(f"--seeds: {part!r} is not a seed or a range like 42-51") from None
+        if hi < lo:
+            raise UsageError(f"--seeds: range {part!r} runs backwards")
+        seeds.extend(range(lo, hi + 1))
+    if not seeds:
+        raise UsageError("--seeds: no seeds given")
+    return seeds
+
+
+def parse_policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    unknown = [p for p in names if p not in POLICIES]
+    if unknown or not names:
+        raise UsageError(f"--policy: {', '.join(unknown) or 'empty'} unknown; choose from {', '.join(sorted(POLICIES))}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", required=True, type=Path, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
+    parser.add_argument("--pods", required=True, type=Path, help="pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,…])")
+    parser.add_argument("--policy", default="frag", help="policies, comma-separated: " + ", ".join(sorted(POLICIES)))
+    parser.add_argument("--seeds", default="42-51", help="seeds: 42-51, or 42,43 (arrival replay only)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per policy, one per line")
+    parser.add_argument("--plot", type=Path, help="write a PNG of unallocated GPU %% against arrived %%")
+    parser.add_argument("--expected", type=Path, help="published results CSV to draw beside --plot (FGD study format)")
+    parser.add_argument("--replay-times", action="store_true", help="honour creation and deletion times: pods leave")
+    parser.add_argument("--gpu-memory", type=int, default=0, metavar="MIB",
+                        help="GPU memory each sharing pod asks for (default 0: GPU memory left out, as in the study)")
+    parser.add_argument("--pod-limit", action="store_true", help="enforce the qGPU per-card pod-count limit")
+    parser.add_argument("--workers", type=int, default=0, help="processes for seeds (default: one per CPU)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+@dataclass
+class PolicySummary:
+    policy: str
+    seeds: list[int]
+    unallocated_gpu_pct_at_100: float
+    unallocated_gpu_pct_at_130: float
+    allocation_ratio_at_100: float
+    fragmentation_pct_at_100: float
+    failed_pods: float
+    pods: float
+    seconds: float
+    curve: list[float | None]
+
+    def to_json(self) -> dict:
+        return {
+            "policy": self.policy,
+            "seeds": self.seeds,
+            "unallocated_gpu_pct_at_100": self.unallocated_gpu_pct_at_100,
+            "unallocated_gpu_pct_at_130": self.unallocated_gpu_pct_at_130,
+            "allocation_ratio_at_100": self.allocation_ratio_at_100,
+            "fragmentation_pct_at_100": self.fragmentation_pct_at_100,
+            "failed_pods": self.failed_pods,
+            "pods": self.pods,
+            "seconds": self.seconds,
+            "unallocated_gpu_pct_by_arrived": self.curve,
+        }
+
+
+def _median(values: list[float]) -> float:
+    clean = [v for v in values if not np.isnan(v)]
+    return round(statistics.median(clean), 4) if clean else float("nan")
+
+
+def summarise(policy: str, results: list[SeedResult], seconds: float) -> PolicySummary:
+    curves = np.array([r.alloc_pct_by_bin for r in results])
+    with np.errstate(all="ignore"):
+        median_curve = np.nanmedian(np.where(np.isnan(curves), np.nan, 100.0 - curves), axis=0) if len(results) else np.array([])
+    return PolicySummary(
+        policy=policy,
+        seeds=[r.seed for r in results],
+        unallocated_gpu_pct_at_100=_median([r.unallocated_at(100) for r in results]),
+        unallocated_gpu_pct_at_130=_median([r.unallocated_at(min(130, len(r.alloc_pct_by_bin) - 1)) for r in results]),
+        allocation_ratio_at_100=_median([float(r.alloc_pct_by_bin[100]) for r in results]),
+        fragmentation_pct_at_100=_median([r.frag_pct_at_100 for r in results]),
+        failed_pods=statistics.median(r.failed_pods for r in results),
+        pods=statistics.median(r.pods for r in results),
+        seconds=round(seconds, 2),
+        curve=[None if np.isnan(v) else round(float(v), 4) for v in median_curve],
+    )
+
+
+class _Progress:
+    """A tqdm bar on stderr, or nothing."""
+
+    def __init__(self, total: int, desc: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit="pod", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _one_seed(args: tuple) -> SeedResult:
+    nodes, pods, policy, seed, options = args
+    start = time.perf_counter()
+    result = replay_arrivals(nodes, pods, policy, seed, options)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: ReplayOptions, workers: int, progress: bool) -> list[PolicySummary]:
+    summaries = []
+    jobs = [(nodes, pods, p, s, options) for p in policies for s in seeds]
+    bar = _Progress(len(jobs), "seeds", progress)
+    by_policy: dict[str, list[SeedResult]] = {p: [] for p in policies}
+    started = {p: time.perf_counter() for p in policies}
+    elapsed = {p: 0.0 for p in policies}
+    if workers <= 1:
+        results_iter = map(_one_seed, jobs)
+        pool = None
+    else:
+        pool = ProcessPoolExecutor(max_workers=workers)
+        results_iter = pool.map(_one_seed, jobs)
+    try:
+        for result in results_iter:
+            by_policy[result.policy].append(result)
+            elapsed[result.policy] = time.perf_counter() - started[result.policy]
+            bar.update()
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.shutdown()
+    for p in policies:
+        summaries.append(summarise(p, sorted(by_policy[p], key=lambda r: r.seed), elapsed[p]))
+    return summaries
+
+
+def _table(summaries: list[PolicySummary]) -> str:
+    head = f"{'policy':<10} {'unalloc@100%':>13} {'unalloc@130%':>13} {'frag@100%':>10} {'failed pods':>12} {'seconds':>8}"
+    lines = [head]
+    for s in summaries:
+        lines.append(f"{s.policy:<10} {s.unallocated_gpu_pct_at_100:>13.2f} {s.unallocated_gpu_pct_at_130:>13.2f} "
+                     f"{s.fragmentation_pct_at_100:>10.2f} {s.failed_pods:>12.0f} {s.seconds:>8.1f}")
+    lines.append("(unalloc = % of cluster GPU capacity left unallocated, median over seeds, at arrived demand 100% / 130%)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        policies = parse_policies(args.policy)
+        seeds = parse_seeds(args.seeds)
+        if args.gpu_memory < 0:
+            raise UsageError(f"--gpu-memory: {args.gpu_memory} must be >= 0")
+        nodes = load_nodes(args.nodes)
+        pods = load_pods(args.pods)
+    except (UsageError, TraceError) as exc:
+        print(f"qgpu simulate: {exc}", file=sys.stderr)
+        return 2
+    options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit)
+    progress = not args.no_progress and sys.stderr.isatty()
+    if args.replay_times:
+        try:
+            for policy in policies:
+                bar = _Progress(len(pods), policy, progress)
+                result = replay_times(nodes, pods, policy, options, progress=bar.update)
+                bar.close()
+                row = {"policy": policy, "mode": "replay-times", "pods": result.pods, "failed_pods": result.failed_pods,
+                       "failed_gpu_milli": result.failed_gpu_milli, "mean_allocation_pct": result.mean_alloc_pct,
+                       "peak_allocation_pct": result.peak_alloc_pct}
+                print(json.dumps(row) if args.json else
+                      f"{policy:<10} mean allocation {result.mean_alloc_pct:6.2f}%  peak {result.peak_alloc_pct:6.2f}%  failed pods {result.failed_pods}")
+        except ValueError as exc:
+            print(f"qgpu simulate: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    import os
+
+    workers = args.workers or min(os.cpu_count() or 1, len(seeds) * len(policies))
+    summaries = _run_arrivals(nodes, pods, policies, seeds, options, workers, progress)
+    if args.json:
+        for s in summaries:
+            print(json.dumps(s.to_json()))
+    else:
+        print(_table(summaries))
+    if args.plot:
+        from qgpu_runtime.sim.plot import plot_curves
+
+        expected = args.expected or args.nodes.resolve().parent.parent / "fgd-expected-results" / "default_allocation_by_arrival.csv"
+        plot_curves(summaries, args.plot, expected)
+        print(f"plot written to {args.plot}", file=sys.stderr)
+    return 0
