@@ -1,0 +1,51 @@
+"""The `qgpu` command: one entry point, a subcommand module per job.
+
+Subcommand modules are imported only when chosen, so `qgpu validate` does not pay for gRPC or
+the Kubernetes client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from qgpu_runtime import __version__
+
+# command name -> module exposing add_arguments(parser) and run(args) -> int
+COMMANDS: dict[str, tuple[str, str]] = {
+    "validate": ("qgpu_runtime.validate_cmd", "lint GPU requests in manifests offline"),
+    "simulate": ("qgpu_runtime.sim.cli", "replay a GPU cluster trace through the placement engine"),
+    "run": ("qgpu_runtime.standalone.run_cmd", "run a command on a share of a local GPU (standalone host)"),
+    "manager": ("qgpu_runtime.standalone.manager_cmd", "run the node manager (device plugin, store, metrics), or with --standalone a host's qgpu run jobs"),
+    "status": ("qgpu_runtime.status_cmd", "show GPU allocations per node and card"),
+    "extender": ("qgpu_runtime.extender.cli", "kube-scheduler extender: filter, prioritize and bind GPU pods"),
+    "webhook": ("qgpu_runtime.webhook.cli", "admission webhook: validate and complete GPU requests"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qgpu", description="GPU sharing for Kubernetes and single hosts")
+    parser.add_argument("--version", action="version", version=f"qgpu {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not args or args[0] not in COMMANDS:
+        parser.parse_args(args)  # prints usage / --version / an error naming the bad command
+        return 2
+    name, rest = args[0], args[1:]
+    module = importlib.import_module(COMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"qgpu {name}", description=COMMANDS[name][1])
+    module.add_arguments(sub)
+    return int(module.run(sub.parse_args(rest)) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

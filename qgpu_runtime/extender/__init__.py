@@ -1,0 +1,1 @@
+"""kube-scheduler extender: filter, prioritize and bind GPU pods with the placement engine."""

@@ -1,0 +1,140 @@
+"""The extender's verbs, independent of HTTP: bytes in, (status, JSON value) out.
+
+Status codes follow one rule: a malformed request is the client's mistake (400, with the reason);
+a well-formed request always gets 200 and an extender/v1 body, whose ``Error`` field (filter,
+bind) tells the scheduler that this attempt failed. A bug of ours is the only source of a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from qgpu_runtime.extender.binder import BindError, Binder
+from qgpu_runtime.extender.wire import (
+    BindingArgs,
+    ExtenderArgs,
+    FilterResult,
+    WireError,
+    encode_binding_result,
+    encode_priorities,
+)
+from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+
+log = logging.getLogger(__name__)
+
+Response = tuple[int, Any]
+
+
+@dataclass
+class ExtenderMetrics:
+    registry: CollectorRegistry
+    latency: Histogram
+    requests: Counter
+    binds: Counter
+    nodes: Gauge
+    bookings: Gauge
+
+    @classmethod
+    def create(cls) -> "ExtenderMetrics":
+        registry = CollectorRegistry()
+        buckets = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+        return cls(
+            registry=registry,
+            latency=Histogram("qgpu_extender_request_duration_seconds", "Time to answer one extender call",
+                              ["verb"], registry=registry, buckets=buckets),
+            requests=Counter("qgpu_extender_requests_total", "Extender calls by verb and HTTP status",
+                             ["verb", "code"], registry=registry),
+            binds=Counter("qgpu_extender_binds_total", "Bind attempts by result", ["result"], registry=registry),
+            nodes=Gauge("qgpu_extender_cached_nodes", "Nodes in the extender's cache", registry=registry),
+            bookings=Gauge("qgpu_extender_bookings", "Pods whose cards are booked in the cache", registry=registry),
+        )
+
+
+FILTER_RESULTS = ("all", "best")
+
+
+class ExtenderApp:
+    """``filter_result``: "all" answers every feasible node (kube-scheduler then weighs them with
+    prioritize and its own plugins); "best" answers only the node the engine chose and now holds,
+    so a scheduler configured without prioritizeVerb needs one round trip per pod instead of two
+    (HAMi's and gpu-admission's way). Infeasible nodes carry their reasons in both modes."""
+
+    def __init__(self, cache: AllocationCache, binder: Binder | None, limits: CardLimits, metrics: ExtenderMetrics | None = None,
+                 filter_result: str = "all"):
+        if filter_result not in FILTER_RESULTS:
+            raise ValueError(f"filter_result={filter_result!r}: must be one of {', '.join(FILTER_RESULTS)}")
+        self.filter_result = filter_result
+        self.cache = cache
+        self.binder = binder
+        self.limits = limits
+        self.metrics = metrics or ExtenderMetrics.create()
+
+    def handle(self, verb: str, body: bytes) -> Response:
+        started = time.perf_counter()
+        handler = {"filter": self.filter, "prioritize": self.prioritize, "bind": self.bind}.get(verb)
+        if handler is None:
+            status, doc = 404, {"Error": f"unknown verb {verb!r}; this extender serves filter, prioritize and bind"}
+        else:
+            try:
+                status, doc = handler(body)
+            except WireError as exc:
+                status, doc = 400, {"Error": str(exc)}
+        self.metrics.requests.labels(verb if handler else "unknown", str(status)).inc()
+        if handler is not None:
+            self.metrics.latency.labels(verb).observe(time.perf_counter() - started)
+        return status, doc
+
+    def _request(self, pod: dict[str, Any]) -> Any:
+        return parse_pod(pod, self.limits)
+
+    def filter(self, body: bytes) -> Response:
+        args = ExtenderArgs.decode(body)
+        names = args.names
+        try:
+            request = self._request(args.pod)
+        except RequestError as exc:
+            message = f"invalid GPU request: {exc}"
+            return 200, FilterResult([], {}, {n: message for n in names}).encode(args)
+        if not request.wants_gpu:
+            return 200, FilterResult(names).encode(args)
+        outcome = self.cache.filter(args.pod, request, names, time.time_ns())
+        passed = outcome.passed
+        if self.filter_result == "best" and outcome.held is not None:
+            passed = [outcome.held]
+        return 200, FilterResult(passed, outcome.failed, outcome.unresolvable).encode(args)
+
+    def prioritize(self, body: bytes) -> Response:
+        args = ExtenderArgs.decode(body)
+        names = args.names
+        try:
+            request = self._request(args.pod)
+        except RequestError:
+            return 200, encode_priorities({n: 0 for n in names})
+        if not request.wants_gpu:
+            return 200, encode_priorities({n: 0 for n in names})
+        return 200, encode_priorities(self.cache.prioritize(args.pod, request, names))
+
+    def bind(self, body: bytes) -> Response:
+        args = BindingArgs.decode(body)
+        if self.binder is None:
+            return 200, encode_binding_result("this extender runs without an API connection and cannot bind")
+        try:
+            self.binder.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
+        except BindError as exc:
+            self.metrics.binds.labels("failed").inc()
+            log.info("bind failed: %s", exc)
+            return 200, encode_binding_result(str(exc))
+        self.metrics.binds.labels("bound").inc()
+        return 200, encode_binding_result()
+
+    def refresh_gauges(self) -> None:
+        with self.cache.lock:
+            state = self.cache.state()
+            self.metrics.nodes.set(state.node_count)
+            self.metrics.bookings.set(len(state.bookings))

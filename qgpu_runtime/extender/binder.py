@@ -1,0 +1,194 @@
+"""Bind: pick the cards, write the allocation record, create the Binding — as one API write.
+
+The pods/binding subresource copies the Binding's own ``metadata.annotations`` onto the pod in the
+same storage update that sets ``spec.nodeName`` (kube-apiserver's BindingREST). qgpu puts the
+allocation record there, so the record and the Binding succeed or fail together: there is never a
+Binding without a record and never a record without a Binding, whatever dies when. It also halves
+the API writes per pod compared with a patch followed by a Binding.
+
+Steps:
+1. book the cards in the cache (under the cache lock, with a per-node lock around the decision, so
+   no concurrent bind can take the same capacity);
+2. POST the Binding carrying the record, guarded by the pod's UID;
+3. if it fails, release the booking. A 409 means the pod is bound already: when it is bound to the
+   requested node (an earlier attempt of ours got through) the bind is reported as done.
+The pod's spec comes from the scheduler's own filter call when the cache saw it (saving a GET);
+otherwise it is read from the API.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.kube.cache import AllocationCache, Expired
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, record_annotations
+from qgpu_runtime.kube.retry import with_backoff
+from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+from qgpu_runtime.placement.engine import Unschedulable
+from qgpu_runtime.placement.state import StateError
+
+log = logging.getLogger(__name__)
+
+
+class BindError(RuntimeError):
+    """The bind did not happen; nothing of it is left behind. The message says why."""
+
+
+@dataclass(frozen=True)
+class BindOutcome:
+    node: str
+    record: str | None  # None for pods that asked for no GPU
+
+
+class AlreadyBound(Exception):
+    def __init__(self, pod: dict[str, Any]):
+        self.pod = pod
+
+
+def _escape(annotation: str) -> str:
+    return annotation.replace("~", "~0").replace("/", "~1")
+
+
+class Binder:
+    def __init__(self, api: client.CoreV1Api, cache: AllocationCache, limits: CardLimits,
+                 clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
+                 timeout: tuple[float, float] = REQUEST_TIMEOUT):
+        self.api = api
+        self.timeout = timeout
+        self.cache = cache
+        self.limits = limits
+        self.clock_ns = clock_ns
+        self.attempts = attempts
+        self._node_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._node_locks[node]
+
+    def _read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return raw_json(with_backoff(
+            lambda: self.api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout),
+            attempts=self.attempts))
+
+    def _pod(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
+        seen = self.cache.seen_pod(uid) if uid else None
+        if seen is not None:
+            return seen
+        try:
+            return self._read_pod(namespace, name)
+        except ApiException as exc:
+            raise BindError(f"pod {namespace}/{name}: cannot read it ({_short(exc)})") from exc
+
+    def bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
+        pod = self._pod(namespace, name, uid)
+        meta = pod.get("metadata") or {}
+        if uid and meta.get("uid") != uid:
+            raise BindError(f"pod {namespace}/{name}: uid {meta.get('uid')} is not the scheduled uid {uid}; the pod was replaced")
+        if (pod.get("spec") or {}).get("nodeName"):
+            return self._bound_already(pod, node)
+        try:
+            request = parse_pod(pod, self.limits)
+        except RequestError as exc:
+            raise BindError(f"pod {namespace}/{name}: {exc}") from exc
+        try:
+            if not request.wants_gpu:
+                self._create_binding(namespace, name, meta.get("uid", ""), node, {})
+                return BindOutcome(node, None)
+            return self._bind_gpu(pod, request, node)
+        except AlreadyBound as done:
+            return self._bound_already(done.pod, node)
+
+    def _bound_already(self, pod: dict[str, Any], node: str) -> BindOutcome:
+        meta = pod.get("metadata") or {}
+        bound_to = (pod.get("spec") or {}).get("nodeName")
+        if bound_to != node:
+            raise BindError(f"pod {meta.get('namespace')}/{meta.get('name')}: already bound to {bound_to}, not {node}")
+        self.cache.apply_pod("MODIFIED", pod)  # whatever an earlier attempt wrote is the truth now
+        return BindOutcome(node, (meta.get("annotations") or {}).get(ALLOCATION))
+
+    def _bind_gpu(self, pod: dict[str, Any], request: Any, node: str) -> BindOutcome:
+        meta = pod["metadata"]
+        namespace, name = meta.get("namespace") or "default", meta["name"]
+        with self._node_lock(node):
+            now = self.clock_ns()
+            try:
+                record = self.cache.reserve(pod, request, node, now)
+            except (Unschedulable, StateError) as exc:
+                reason = exc.reasons.get(node, str(exc)) if isinstance(exc, Unschedulable) else str(exc)
+                raise BindError(f"pod {namespace}/{name}: node {node} cannot take it: {reason}") from exc
+        try:
+            self._create_binding(namespace, name, meta.get("uid", ""), node, record_annotations(record, now))
+        except AlreadyBound:
+            self.cache.unreserve(pod)
+            raise
+        except Exception as exc:
+            self.cache.unreserve(pod)
+            raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {_short(exc)}") from exc
+        return BindOutcome(node, record.to_json())
+
+    def _create_binding(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if uid:
+            metadata["uid"] = uid  # precondition: a replaced pod of the same name is not bound
+        if annotations:
+            metadata["annotations"] = annotations  # copied onto the pod with spec.nodeName, atomically
+        body = client.V1Binding(metadata=client.V1ObjectMeta(**metadata),
+                                target=client.V1ObjectReference(api_version="v1", kind="Node", name=node))
+
+        def attempt() -> None:
+            try:
+                self.api.create_namespaced_binding(namespace, body, _preload_content=False, _request_timeout=self.timeout)
+            except ApiException as exc:
+                if exc.status == 409:
+                    # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
+                    raise AlreadyBound(self._read_pod(namespace, name)) from exc
+                raise
+
+        with_backoff(attempt, attempts=self.attempts)
+
+    def remove_record(self, namespace: str, name: str, raw_record: str, uid: str = "") -> None:
+        """Delete an unbound pod's record only if it is still exactly ``raw_record`` (JSON-patch test).
+
+        qgpu's own binds never leave such records; they come from interrupted writers of older
+        versions or other tools, and are cleaned up by the expiry loop.
+        """
+        pod = self._read_pod(namespace, name)
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        if annotations.get(ALLOCATION) != raw_record or (uid and meta.get("uid") != uid):
+            return
+        if (pod.get("spec") or {}).get("nodeName"):
+            return  # bound after all: the record is live
+        ops: list[dict[str, Any]] = [
+            {"op": "test", "path": f"/metadata/annotations/{_escape(ALLOCATION)}", "value": raw_record},
+            {"op": "remove", "path": f"/metadata/annotations/{_escape(ALLOCATION)}"},
+        ]
+        if BIND_TIME in annotations:
+            ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(BIND_TIME)}"})
+        with_backoff(lambda: self.api.patch_namespaced_pod(
+            name, namespace, ops, _content_type="application/json-patch+json",
+            _preload_content=False, _request_timeout=self.timeout), attempts=self.attempts)
+
+    def delete_expired(self, expired: Expired) -> None:
+        self.remove_record(expired.namespace, expired.name, expired.record_raw, expired.uid)
+
+
+def _short(exc: BaseException) -> str:
+    if isinstance(exc, ApiException):
+        try:
+            message = json.loads(exc.body or "{}").get("message")
+        except ValueError:
+            message = None
+        return f"{exc.status} {message or exc.reason}"
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,99 @@
+"""`qgpu extender serve`: the kube-scheduler extender (filter, prioritize, bind) over HTTP(S).
+
+Wiring only: API client → cache fed by watches → verbs → HTTP server, plus the expiry loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from qgpu_runtime.extender.app import ExtenderApp
+from qgpu_runtime.extender.binder import Binder
+from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.kube.serving import JsonServer, Routes
+from qgpu_runtime.kube.watch import CacheFeeder, expire_loop
+from qgpu_runtime.model.requests import DEFAULT_LIMITS
+from qgpu_runtime.placement.policies import make_policy
+
+PRIORITIES = ("binpack", "spread", "frag")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    serve = sub.add_parser("serve", help="serve filter, prioritize and bind for kube-scheduler")
+    serve.add_argument("--port", type=int, default=12345, help="listen port (default 12345)")
+    serve.add_argument("--address", default="0.0.0.0", help="listen address (default all interfaces)")
+    serve.add_argument("--priority", choices=PRIORITIES, default="binpack",
+                       help="node policy: binpack fills nodes and cards first, spread balances, frag minimises fragmentation")
+    serve.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster service account)")
+    serve.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this certificate (PEM)")
+    serve.add_argument("--tls-private-key-file", default=None, help="private key of --tls-cert-file (PEM)")
+    serve.add_argument("--assume-timeout", type=float, default=60.0,
+                       help="seconds an allocation record may wait for its Binding before it is released (default 60)")
+    serve.add_argument("--filter-result", choices=("all", "best"), default="all",
+                       help="filter answers every feasible node (all, default) or only the chosen one (best: one round "
+                            "trip per pod when the scheduler is configured without prioritizeVerb)")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def _check(args: argparse.Namespace) -> None:
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"qgpu extender serve: --port {args.port}: must be within 1..65535")
+    if bool(args.tls_cert_file) != bool(args.tls_private_key_file):
+        raise SystemExit("qgpu extender serve: --tls-cert-file and --tls-private-key-file go together")
+    if args.assume_timeout <= 0:
+        raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
+
+
+def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
+    from kubernetes import client
+
+    api = client.CoreV1Api(api_client(args.kubeconfig))
+    cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9))
+    binder = Binder(api, cache, DEFAULT_LIMITS)
+    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, filter_result=args.filter_result)
+
+    def metrics() -> tuple[int, str, bytes]:
+        app.refresh_gauges()
+        return 200, CONTENT_TYPE_LATEST, generate_latest(app.metrics.registry)
+
+    def readyz() -> tuple[int, str, bytes]:
+        if cache.synced.is_set():
+            return 200, "text/plain", b"ok"
+        return 503, "text/plain", b"node and pod caches not synced yet"
+
+    routes = Routes(
+        post={"/": lambda verb, body: app.handle(verb, body)},
+        get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": readyz, "/metrics": metrics},
+    )
+    server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file)
+    feeder = CacheFeeder(api, cache)
+    return server, app, (feeder, binder)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check(args)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server, app, (feeder, binder) = build(args)
+    stop = threading.Event()
+    feeder.start()
+    period = max(0.5, min(10.0, args.assume_timeout / 4))
+    threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop), name="expire", daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
+    logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s)",
+                                     "HTTPS" if server.tls else "HTTP", args.address, server.port, args.priority)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop.set()
+        feeder.stop()
+    return 0

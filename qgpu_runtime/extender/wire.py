@@ -1,0 +1,140 @@
+"""The kube-scheduler extender wire format (k8s.io/kube-scheduler extender/v1), as plain values.
+
+The Go types carry no JSON tags, so keys are the Go field names (``Pod``, ``NodeNames``,
+``FailedNodes``...). Go's decoder matches keys case-insensitively; so does :func:`_get`, so a
+hand-written client sending ``nodenames`` is understood the same way the Go side would.
+Decoding refuses wrong shapes with a :class:`WireError` naming the field: a client's mistake is a
+400, never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MIN_PRIORITY = 0
+MAX_PRIORITY = 10
+
+
+class WireError(ValueError):
+    """A request body that does not match extender/v1."""
+
+
+def _get(doc: Mapping[str, Any], name: str) -> Any:
+    if name in doc:
+        return doc[name]
+    lowered = name.lower()
+    for key, value in doc.items():
+        if isinstance(key, str) and key.lower() == lowered:
+            return value
+    return None
+
+
+def _object(raw: bytes | str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"{what}: body is not JSON ({exc})") from exc
+    if not isinstance(doc, dict):
+        raise WireError(f"{what}: body is a JSON {type(doc).__name__}, expected an object")
+    return doc
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    """Filter and prioritize input. Exactly one of ``nodes`` (full Node objects, when the
+    extender is not nodeCacheCapable) and ``node_names`` (when it is) is set."""
+
+    pod: dict[str, Any]
+    nodes: list[dict[str, Any]] | None
+    node_names: list[str] | None
+
+    @property
+    def names(self) -> list[str]:
+        if self.node_names is not None:
+            return list(self.node_names)
+        return [str((n.get("metadata") or {}).get("name") or "") for n in self.nodes or []]
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "ExtenderArgs":
+        doc = _object(raw, "ExtenderArgs")
+        pod = _get(doc, "Pod")
+        if not isinstance(pod, dict):
+            raise WireError(f"ExtenderArgs.Pod: {type(pod).__name__}: must be a Pod object")
+        if not isinstance(pod.get("metadata"), dict) or not isinstance(pod.get("spec"), dict):
+            raise WireError("ExtenderArgs.Pod: metadata and spec must be objects")
+        node_list = _get(doc, "Nodes")
+        names = _get(doc, "NodeNames")
+        nodes: list[dict[str, Any]] | None = None
+        if node_list is not None:
+            if not isinstance(node_list, dict):
+                raise WireError(f"ExtenderArgs.Nodes: {type(node_list).__name__}: must be a NodeList object")
+            items = node_list.get("items") or []
+            if not isinstance(items, list) or not all(isinstance(n, dict) and isinstance(n.get("metadata"), dict) for n in items):
+                raise WireError("ExtenderArgs.Nodes.items: must be a list of Node objects with metadata")
+            nodes = items
+        if names is not None:
+            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                raise WireError("ExtenderArgs.NodeNames: must be a list of strings")
+        if nodes is None and names is None:
+            raise WireError("ExtenderArgs: neither Nodes nor NodeNames given")
+        return cls(pod, nodes, names if nodes is None else None)
+
+
+@dataclass(frozen=True)
+class FilterResult:
+    """ExtenderFilterResult: echoes the input form (Nodes or NodeNames) for the passing nodes."""
+
+    passed: list[str]
+    failed: dict[str, str] = field(default_factory=dict)
+    unresolvable: dict[str, str] = field(default_factory=dict)
+    error: str = ""
+
+    def encode(self, args: ExtenderArgs | None) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "Nodes": None,
+            "NodeNames": None,
+            "FailedNodes": dict(self.failed),
+            "FailedAndUnresolvableNodes": dict(self.unresolvable),
+            "Error": self.error,
+        }
+        if args is not None and args.nodes is not None:
+            keep = set(self.passed)
+            doc["Nodes"] = {"metadata": {}, "items": [n for n in args.nodes if n["metadata"].get("name") in keep]}
+        elif not self.error:
+            doc["NodeNames"] = list(self.passed)
+        return doc
+
+
+def encode_priorities(scores: Mapping[str, int]) -> list[dict[str, Any]]:
+    """HostPriorityList: a bare array of {Host, Score}, scores clamped to 0..10."""
+    return [{"Host": host, "Score": max(MIN_PRIORITY, min(MAX_PRIORITY, int(score)))} for host, score in scores.items()]
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "BindingArgs":
+        doc = _object(raw, "ExtenderBindingArgs")
+        values = {}
+        for go_name in ("PodName", "PodNamespace", "PodUID", "Node"):
+            value = _get(doc, go_name)
+            if value is None:
+                value = ""
+            if not isinstance(value, str):
+                raise WireError(f"ExtenderBindingArgs.{go_name}={value!r}: must be a string")
+            values[go_name] = value
+        for required in ("PodName", "Node"):
+            if not values[required]:
+                raise WireError(f"ExtenderBindingArgs.{required} is empty")
+        return cls(values["PodName"], values["PodNamespace"] or "default", values["PodUID"], values["Node"])
+
+
+def encode_binding_result(error: str = "") -> dict[str, Any]:
+    return {"Error": error}

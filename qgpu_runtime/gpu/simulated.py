@@ -1,0 +1,159 @@
+"""Simulated GPUs for hosts without them: tests, demos, benchmarks.
+
+Chosen only on purpose (``--gpu-backend simulated``); never a fallback when NVML fails.
+Cards come from a spec string (``2xT4-16G`` or ``8xV100-32G,1xA100-80G``) or a YAML/JSON file.
+Usage and health are driven from outside through an optional *control file* (JSON), re-read when
+it changes, so a test or a demo can make a card busy or raise an XID on a running manager:
+
+    {"usage": {"0": {"util_pct": 40, "memory_used_mib": 2048}},
+     "processes": [{"pid": 4242, "card_index": 0, "memory_mib": 1024, "sm_util_pct": 30,
+                    "cgroup": "0::/kubepods/pod<uid>/<container-id>"}],
+     "unhealthy": {"1": "XID 79"}}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qgpu_runtime.gpu.types import BackendError, CardInfo, CardUsage, HealthEvent, ProcessUsage
+
+_SPEC = re.compile(r"^(?:(?P<count>\d+)x)?(?P<model>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<mem>\d+)(?P<unit>G|GiB|M|MiB)$")
+_UUID_NS = uuid.UUID("6d1b8f1e-3a52-4c55-9a51-7a0f2b0c1a9e")
+
+
+@dataclass(frozen=True)
+class SimulatedCardSpec:
+    model: str
+    memory_mib: int
+    count: int = 1
+
+
+def parse_spec(spec: str) -> tuple[SimulatedCardSpec, ...]:
+    """``2xT4-16G,1xA100-80G`` -> card specs. Memory unit G/GiB (GiB) or M/MiB (MiB)."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        m = _SPEC.match(part)
+        if not m:
+            raise ValueError(f"--simulated-gpus: {part!r} is not a card spec: write COUNTxMODEL-MEMORY, "
+                             "e.g. 2xT4-16G or 1xA100-80G (memory in G or M)")
+        count = int(m["count"] or 1)
+        if count < 1:
+            raise ValueError(f"--simulated-gpus: {part!r}: count must be at least 1")
+        memory = int(m["mem"]) * (1024 if m["unit"] in ("G", "GiB") else 1)
+        if memory < 1:
+            raise ValueError(f"--simulated-gpus: {part!r}: memory must be positive")
+        out.append(SimulatedCardSpec(m["model"], memory, count))
+    return tuple(out)
+
+
+def load_config(path: Path) -> tuple[tuple[SimulatedCardSpec, ...], Path | None]:
+    """A YAML/JSON file: ``{cards: [{model, memory_mib, count}], control: PATH}``."""
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ValueError(f"--simulated-gpus: cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("cards"), list) or not data["cards"]:
+        raise ValueError(f"--simulated-gpus: {path}: needs a non-empty 'cards' list")
+    specs = []
+    for i, card in enumerate(data["cards"]):
+        try:
+            specs.append(SimulatedCardSpec(str(card["model"]), int(card["memory_mib"]), int(card.get("count", 1))))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"--simulated-gpus: {path}: cards[{i}] needs model and memory_mib (got {card!r})") from exc
+    control = data.get("control")
+    return tuple(specs), (path.parent / control if control else None)
+
+
+def build_cards(specs: tuple[SimulatedCardSpec, ...], seed: str) -> tuple[CardInfo, ...]:
+    """Cards with stable UUIDs: the same seed (node name) and spec always give the same UUIDs."""
+    cards = []
+    for spec in specs:
+        for _ in range(spec.count):
+            index = len(cards)
+            uid = uuid.uuid5(_UUID_NS, f"{seed}/{index}/{spec.model}")
+            cards.append(CardInfo(index=index, uuid=f"GPU-{uid}", model=spec.model,
+                                  memory_mib=spec.memory_mib, minor=index))
+    return tuple(cards)
+
+
+class SimulatedBackend:
+    """Cards from a spec; usage and XIDs from the control file (if any)."""
+
+    name = "simulated"
+
+    def __init__(self, cards: tuple[CardInfo, ...], control: Path | None = None) -> None:
+        if not cards:
+            raise BackendError("simulated backend needs at least one card")
+        self._cards = cards
+        self._control = control
+        self._control_stamp: tuple[int, int] | None = None
+        self._state: dict[str, Any] = {}
+        self._reported_unhealthy: set[int] = set()
+        self._closed = threading.Event()
+
+    @classmethod
+    def from_option(cls, option: str, seed: str) -> "SimulatedBackend":
+        """``option`` is a spec string or the path of a config file."""
+        path = Path(option)
+        if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+            specs, control = load_config(path)
+        else:
+            specs, control = parse_spec(option), None
+        return cls(build_cards(specs, seed), control)
+
+    def _read_control(self) -> dict[str, Any]:
+        if self._control is None:
+            return {}
+        try:
+            st = self._control.stat()
+        except FileNotFoundError:
+            return self._state
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._control_stamp:
+            try:
+                self._state = json.loads(self._control.read_text() or "{}")
+                self._control_stamp = stamp
+            except (OSError, json.JSONDecodeError):
+                pass  # a writer is mid-write; keep the previous state and read it next time
+        return self._state
+
+    def cards(self) -> tuple[CardInfo, ...]:
+        return self._cards
+
+    def sample(self) -> tuple[CardUsage, ...]:
+        state = self._read_control()
+        usage = state.get("usage") or {}
+        procs: dict[int, list[ProcessUsage]] = {}
+        for p in state.get("processes") or []:
+            proc = ProcessUsage(int(p["pid"]), int(p["card_index"]), int(p.get("memory_mib", 0)),
+                                int(p.get("sm_util_pct", 0)), str(p.get("cgroup", "")))
+            procs.setdefault(proc.card_index, []).append(proc)
+        out = []
+        for card in self._cards:
+            u = usage.get(str(card.index)) or {}
+            mine = tuple(procs.get(card.index, ()))
+            util = int(u.get("util_pct", min(100, sum(p.sm_util_pct for p in mine))))
+            mem = int(u.get("memory_used_mib", sum(p.memory_mib for p in mine)))
+            out.append(CardUsage(card.index, util, mem, mine))
+        return tuple(out)
+
+    def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        unhealthy = self._read_control().get("unhealthy") or {}
+        events = [HealthEvent(int(i), str(reason)) for i, reason in sorted(unhealthy.items())
+                  if int(i) not in self._reported_unhealthy and 0 <= int(i) < len(self._cards)]
+        if events:
+            self._reported_unhealthy.update(e.card_index for e in events)
+            return events
+        self._closed.wait(timeout_s)
+        return []
+
+    def close(self) -> None:
+        self._closed.set()

@@ -1,0 +1,113 @@
+"""Sampler and actuator over simulated GPUs, plus a deterministic driver loop.
+
+The engine cannot tell this backend from NVML + signals: it sees per-workload usage and sends
+hold/resume/stop. Tests and benchmarks use it to pin the controllers' behaviour without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+from qgpu_runtime.isolation.control import Usage
+from qgpu_runtime.isolation.engine import IsolationEngine, TickReport, Workload
+from qgpu_runtime.isolation.estimator import RawSample, UsageEstimator
+from qgpu_runtime.isolation.simgpu import SimulatedGPU
+
+
+@dataclass
+class SimBackend:
+    """Simulated cards plus which simulated pid runs each workload on each card.
+
+    With ``sample_period_s`` set, utilization is reported the way NVML does it on real cards: one
+    sample per process every period, averaged over it, charged through the same
+    :class:`UsageEstimator` the NVML sampler uses. Without it, every tick is measured exactly.
+    """
+
+    gpus: dict[int, SimulatedGPU]
+    pids: dict[str, dict[int, int]] = field(default_factory=dict)  # workload key -> card -> pid
+    stopped: dict[str, str] = field(default_factory=dict)  # workload key -> why
+    sample_period_s: float | None = None
+    _estimators: dict[int, UsageEstimator] = field(default_factory=dict)
+    _pending: dict[tuple[int, int], float] = field(default_factory=dict)  # (card, pid) -> milli-s since last sample
+    _since_sample: float = 0.0
+
+    def start(self, key: str, card: int, pid: int, demand_milli: float, memory_mib: int = 0, memory_limit_mib: int | None = None) -> None:
+        self.gpus[card].spawn(pid, demand_milli, memory_mib, memory_limit_mib)
+        self.pids.setdefault(key, {})[card] = pid
+
+    def _each(self, key: str) -> list[tuple[SimulatedGPU, int]]:
+        return [(self.gpus[card], pid) for card, pid in self.pids.get(key, {}).items()]
+
+    # Sampler
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset()) -> Mapping[int, Mapping[str, Usage]]:
+        by_pid = {index: gpu.sample(dt_s) for index, gpu in self.gpus.items()}
+        sparse = self.sample_period_s is not None
+        emit = False
+        if sparse:
+            self._since_sample += dt_s
+            emit = self._since_sample >= self.sample_period_s - 1e-9
+        out: dict[int, dict[str, Usage]] = {}
+        for w in workloads:
+            for card, pid in self.pids.get(w.key, {}).items():
+                seen = by_pid[card].get(pid)
+                if seen is None:
+                    continue
+                used = seen.used_milli
+                if sparse:
+                    slot = (card, pid)
+                    self._pending[slot] = self._pending.get(slot, 0.0) + seen.used_milli * dt_s
+                    raw = ()
+                    if emit:
+                        now_us = round(self.gpus[card].now * 1e6)
+                        raw = (RawSample(now_us, self._pending.pop(slot) / self._since_sample / 10.0),)
+                    estimator = self._estimators.setdefault(card, UsageEstimator())
+                    used = estimator.charge(pid, dt_s, w.key not in held, raw) / dt_s
+                out.setdefault(card, {})[w.key] = Usage(used, seen.memory_mib)
+        if emit:
+            self._since_sample = 0.0
+        return out
+
+    # Actuator
+    def hold(self, key: str) -> None:
+        for gpu, pid in self._each(key):
+            gpu.suspend(pid)
+
+    def resume(self, key: str) -> None:
+        for gpu, pid in self._each(key):
+            gpu.resume(pid)
+
+    def stop(self, key: str, reason: str) -> None:
+        for gpu, pid in self._each(key):
+            gpu.exit(pid)
+        self.pids.pop(key, None)
+        self.stopped[key] = reason
+
+    def advance(self, dt_s: float) -> None:
+        for gpu in self.gpus.values():
+            gpu.advance(dt_s)
+
+
+def drive(
+    backend: SimBackend,
+    engine: IsolationEngine,
+    workloads: Sequence[Workload],
+    duration_s: float,
+    tick_s: float,
+    events: Mapping[int, Callable[[SimBackend], None]] | None = None,
+    observe: Callable[[float, TickReport], None] | None = None,
+) -> None:
+    """Run the card and the engine together for ``duration_s``: advance a tick, then control.
+
+    ``events`` maps a tick number to a change of the world (a process starts, changes demand);
+    ``observe`` sees the simulated time and every tick's report.
+    """
+    ticks = round(duration_s / tick_s)
+    for n in range(ticks):
+        if events and n in events:
+            events[n](backend)
+        backend.advance(tick_s)
+        live = [w for w in workloads if w.key in backend.pids]
+        report = engine.tick(live, tick_s)
+        if observe is not None:
+            observe((n + 1) * tick_s, report)

@@ -1,0 +1,1 @@
+"""Everything that reads or writes the Kubernetes API: records, node inventory, cache, watches."""

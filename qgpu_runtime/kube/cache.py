@@ -1,0 +1,424 @@
+"""What the extender believes about the cluster: nodes, pods, and the cards their records book.
+
+Fed by watch events (see :mod:`qgpu_runtime.kube.watch`) and by the extender's own binds. All I/O
+stays outside: events come in as API dicts, the clock comes in as an argument, and the records to
+delete after expiry go out as return values. One lock guards everything, so a filter never sees a
+half-applied bind and two binds can never book the same free capacity twice.
+
+Bookings come from allocation records on pods:
+- a pod with a record and ``spec.nodeName`` is *bound*: booked until it ends or is deleted;
+- a pod with a record but no node is *assumed* (the bind is in flight, or it died half-way): booked
+  until ``assume_ttl_ns`` after its ``qgpu.io/bind-time``, then released and its record returned for
+  deletion; it is also released at once when the scheduler asks about that pod again, since then
+  the scheduler has given up on that bind.
+A bind this process is writing right now is *pinned*: watch events that still carry an older record
+for that pod cannot overwrite the in-memory booking until the event carrying our record arrives.
+
+Filter also books *tentatively*: the pod's best node (by the engine) is held for it from filter
+until its bind. kube-scheduler binds asynchronously and starts the next pod's cycle at once; without
+the tentative hold, the next filter would not see the previous pod's choice and, under binpack, pick
+the very same card, only for one of the two binds to fail. The hold is released when the pod is
+filtered again, when bind chooses another node, or after the assume timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from qgpu_runtime.kube.nodes import NodeInventoryError, node_spec
+from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_of
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
+from qgpu_runtime.placement import engine
+from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement, StateError
+
+log = logging.getLogger(__name__)
+
+TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+SEEN_PODS = 4096
+UNKNOWN_NODE = "node unknown to qgpu (not in the extender's node cache)"
+
+
+@dataclass(frozen=True)
+class PodEntry:
+    """The parts of a pod the cache needs, taken from its last event."""
+
+    key: str
+    uid: str
+    node_name: str
+    record_raw: str | None
+    bind_time_ns: int | None
+    terminal: bool
+    cpu_milli: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class FilterOutcome:
+    passed: list[str]
+    failed: dict[str, str]
+    unresolvable: dict[str, str]
+    held: str | None = None  # the node now held for the pod (its best)
+
+
+@dataclass(frozen=True)
+class Expired:
+    """An assumed record whose bind never happened: the I/O layer deletes it from the pod."""
+
+    namespace: str
+    name: str
+    uid: str
+    record_raw: str
+
+
+def pod_key(pod: Mapping[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    return f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
+
+
+def _entry(pod: Mapping[str, Any]) -> PodEntry:
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    record_raw = annotations.get(ALLOCATION)
+    try:
+        bind_time: int | None = int(annotations.get(BIND_TIME, ""))
+    except ValueError:
+        bind_time = None
+    cpu = mem = 0
+    if record_raw is not None:  # CPU and memory only matter for pods that book cards
+        try:
+            request = parse_pod(pod)
+            cpu, mem = request.cpu_milli, request.memory_mib
+        except RequestError:
+            pass
+    return PodEntry(
+        key=pod_key(pod),
+        uid=str(meta.get("uid") or ""),
+        node_name=str((pod.get("spec") or {}).get("nodeName") or ""),
+        record_raw=record_raw,
+        bind_time_ns=bind_time,
+        terminal=(pod.get("status") or {}).get("phase") in TERMINAL_PHASES,
+        cpu_milli=cpu,
+        memory_mib=mem,
+    )
+
+
+class AllocationCache:
+    """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
+
+    def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9):
+        self.policy = policy
+        self.policy_name = policy_name
+        self.limits = limits
+        self.assume_ttl_ns = assume_ttl_ns
+        self.lock = threading.RLock()
+        self._specs: dict[str, NodeSpec] = {}
+        self._pods: dict[str, PodEntry] = {}
+        self._pinned: dict[str, str] = {}
+        self._stale: dict[str, str] = {}
+        self._tentative: dict[str, int] = {}
+        self._state: ClusterState | None = None
+        self._empty: ClusterState | None = None
+        self._version = 0
+        self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._never: OrderedDict[tuple, dict[str, str]] = OrderedDict()
+        self._memo: tuple[str, int, dict[str, int]] | None = None
+        self.problems: list[str] = []
+        self.synced = threading.Event()
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state(self) -> ClusterState:
+        """The current ClusterState, rebuilt (bookings replayed) when the node set changed."""
+        with self.lock:
+            if self._state is None:
+                specs = [self._specs[n] for n in sorted(self._specs)]
+                fresh = ClusterState(specs, self.limits)
+                old = self._bookings()
+                for key, placement in old.items():
+                    if placement.node not in fresh.index:
+                        continue  # the node left; its pods are gone or will be
+                    try:
+                        fresh.commit(key, placement)  # version bumped below
+                    except StateError as exc:
+                        self._problem(f"cannot replay booking of {key} after a node change: {exc}")
+                self._state = fresh
+                self._version += 1
+                self._never.clear()
+                self._empty = ClusterState(specs, self.limits)
+                for entry in self._pods.values():
+                    if entry.key not in fresh.bookings and entry.key not in self._pinned:
+                        self._sync_booking(fresh, entry)
+            return self._state
+
+    def _commit(self, state: ClusterState, key: str, placement: Placement) -> None:
+        state.commit(key, placement)
+        self._version += 1
+
+    def _release(self, state: ClusterState, key: str) -> Placement | None:
+        self._tentative.pop(key, None)
+        self._version += 1
+        return state.release(key)
+
+    def _bookings(self) -> dict[str, Placement]:
+        if self._state is not None:
+            return dict(self._state.bookings)
+        return {}
+
+    def _problem(self, message: str) -> None:
+        log.warning("%s", message)
+        self.problems.append(message)
+        del self.problems[:-100]
+
+    def booking(self, key: str) -> Placement | None:
+        with self.lock:
+            return self.state().bookings.get(key)
+
+    def node_names(self) -> list[str]:
+        with self.lock:
+            return sorted(self._specs)
+
+    # -- node events ---------------------------------------------------------------------------
+
+    def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
+        name = str((node.get("metadata") or {}).get("name") or "")
+        with self.lock:
+            if event == "DELETED":
+                if self._specs.pop(name, None) is not None:
+                    self._state = None
+                return
+            try:
+                spec = node_spec(node)
+            except NodeInventoryError as exc:
+                self._problem(str(exc))
+                spec = node_spec({**node, "metadata": {**(node.get("metadata") or {}), "annotations": {}}})
+            if self._specs.get(name) != spec:
+                self._specs[name] = spec
+                self._state = None
+
+    def replace_nodes(self, nodes: Iterable[Mapping[str, Any]]) -> None:
+        """A full relist: nodes missing from it are gone."""
+        with self.lock:
+            seen = set()
+            for node in nodes:
+                seen.add(str((node.get("metadata") or {}).get("name") or ""))
+                self.apply_node("MODIFIED", node)
+            for name in list(self._specs):
+                if name not in seen:
+                    self.apply_node("DELETED", {"metadata": {"name": name}})
+
+    # -- pod events ----------------------------------------------------------------------------
+
+    def apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
+        entry = _entry(pod)
+        with self.lock:
+            state = self.state()
+            old = self._pods.get(entry.key)
+            if event == "DELETED" or entry.terminal:
+                self._seen.pop(entry.uid, None)
+                self._pods.pop(entry.key, None)
+                self._pinned.pop(entry.key, None)
+                self._stale.pop(entry.key, None)
+                self._release(state, entry.key)
+                return
+            if old is not None and old.uid != entry.uid:
+                self._release(state, entry.key)  # same name, new pod
+                self._pinned.pop(entry.key, None)
+                self._stale.pop(entry.key, None)
+            self._pods[entry.key] = entry
+            if entry.key in self._tentative and not entry.node_name and entry.record_raw is None:
+                return  # status updates of a pod being scheduled: keep the hold
+            pinned = self._pinned.get(entry.key)
+            if pinned is not None:
+                if entry.record_raw != pinned:
+                    return  # an event from before our own write: our booking stands
+                del self._pinned[entry.key]
+            self._sync_booking(state, entry)
+
+    def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
+        with self.lock:
+            seen = set()
+            for pod in pods:
+                seen.add(pod_key(pod))
+                self.apply_pod("MODIFIED", pod)
+            for key in list(self._pods):
+                if key not in seen:
+                    ns, name = key.split("/", 1)
+                    self.apply_pod("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": self._pods[key].uid}})
+
+    def _sync_booking(self, state: ClusterState, entry: PodEntry) -> None:
+        """Make the state's booking for this pod match its record."""
+        if entry.record_raw is None or (not entry.node_name and self._stale.get(entry.key) == entry.record_raw):
+            self._release(state, entry.key)
+            return
+        try:
+            record = parse_record(entry.record_raw)
+        except RecordError as exc:
+            self._problem(f"pod {entry.key}: {exc}")
+            self._release(state, entry.key)
+            return
+        if entry.node_name and entry.node_name != record.node:
+            self._problem(f"pod {entry.key}: bound to {entry.node_name} but its record names {record.node}; record ignored")
+            self._release(state, entry.key)
+            return
+        placement = record.placement(entry.cpu_milli, entry.memory_mib)
+        current = state.bookings.get(entry.key)
+        if current == placement:
+            return
+        self._release(state, entry.key)
+        if placement.node not in state.index:
+            return  # node not seen yet; booked when it arrives (rebuild replays pods below)
+        try:
+            self._commit(state, entry.key, placement)
+        except StateError as exc:
+            self._problem(f"pod {entry.key}: record does not fit the cache: {exc}")
+
+    # -- extender operations -------------------------------------------------------------------
+
+    def _forget_stale_assumption(self, state: ClusterState, pod: Mapping[str, Any]) -> None:
+        """The scheduler is placing this pod again, so any hold or unbound record of it is dead."""
+        key = pod_key(pod)
+        if (pod.get("spec") or {}).get("nodeName") or key not in state.bookings or key in self._pinned:
+            return
+        entry = self._pods.get(key)
+        if entry is not None and entry.node_name:
+            return
+        self._release(state, key)
+        if entry is not None and entry.record_raw is not None:
+            self._stale[key] = entry.record_raw
+
+    def seen_pod(self, uid: str) -> dict[str, Any] | None:
+        """The pod as the scheduler last sent it to filter (bind gets only its name and UID)."""
+        with self.lock:
+            return self._seen.get(uid)
+
+    def filter(self, pod: Mapping[str, Any], request: PodRequest, names: list[str], now_ns: int = 0) -> FilterOutcome:
+        key = pod_key(pod)
+        with self.lock:
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            if uid:
+                self._seen[uid] = dict(pod)
+                self._seen.move_to_end(uid)
+                while len(self._seen) > SEEN_PODS:
+                    self._seen.popitem(last=False)
+            state = self.state()
+            self._forget_stale_assumption(state, pod)
+            scores, failed = engine.score(state, request, self.policy, names)
+            unresolvable: dict[str, str] = {}
+            if failed:
+                never = self._never_fits(request)
+                for name in [n for n in failed if n in never or n not in state.index]:
+                    unresolvable[name] = failed.pop(name)
+            held = self._hold(state, key, request, scores, names, now_ns) if scores else None
+            self._memo = (key, self._version, scores)
+        passed = [n for n in names if n in scores]
+        return FilterOutcome(passed, failed, unresolvable, held)
+
+    def _never_fits(self, request: PodRequest) -> dict[str, str]:
+        """Nodes that could not take this shape of request even empty (preemption cannot help).
+
+        Depends only on the request's shape and the node specs, so it is computed once per shape
+        over all nodes and kept until the node set changes: a burst of identical pods pays once.
+        """
+        shape = (request.klass, request.models, request.alloc_mode, request.cpu_milli, request.memory_mib,
+                 tuple((c.dialect, c.cards, c.core_milli, c.memory_mib, c.memory_pct, c.exclusive, c.whole_node)
+                       for c in request.containers))
+        never = self._never.get(shape)
+        if never is None:
+            assert self._empty is not None
+            _, never = engine.score(self._empty, request, self.policy, list(self._empty.names))
+            self._never[shape] = never
+            while len(self._never) > 256:
+                self._never.popitem(last=False)
+        return never
+
+    def _hold(self, state: ClusterState, key: str, request: PodRequest, scores: dict[str, int], names: list[str], now_ns: int) -> str | None:
+        top = max(scores.values())
+        best = next(n for n in names if scores.get(n) == top)  # first of the best, in the scheduler's order
+        mask = np.zeros(state.node_count, dtype=bool)
+        mask[state.index[best]] = True
+        try:
+            placement = engine.place(state, request, self.policy, mask)
+            self._commit(state, key, placement)
+        except (engine.Unschedulable, StateError) as exc:
+            log.warning("pod %s: could not hold %s after filter: %s", key, best, exc)
+            return None
+        self._tentative[key] = now_ns
+        return best
+
+    def prioritize(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> dict[str, int]:
+        """Scores as if this pod held nothing yet (its own tentative hold is set aside)."""
+        key = pod_key(pod)
+        with self.lock:
+            state = self.state()
+            if self._memo is not None and self._memo[0] == key and self._memo[1] == self._version:
+                scores = self._memo[2]  # nothing changed since this pod's filter
+            else:
+                held = state.bookings.get(key) if key in self._tentative else None
+                if held is not None:
+                    state.release(key)
+                try:
+                    scores, _ = engine.score(state, request, self.policy, names)
+                finally:
+                    if held is not None:
+                        state.commit(key, held)
+        return {n: scores.get(n, 0) for n in names}
+
+    def reserve(self, pod: Mapping[str, Any], request: PodRequest, node: str, now_ns: int) -> AllocationRecord:
+        """Pick cards on ``node`` and book them, pinned until our record shows up in the watch.
+
+        Raises engine.Unschedulable when the node cannot take the pod (any more).
+        """
+        key = pod_key(pod)
+        with self.lock:
+            state = self.state()
+            self._pinned.pop(key, None)
+            self._release(state, key)
+            if node not in state.index:
+                raise engine.Unschedulable(key, {node: UNKNOWN_NODE})
+            mask = np.zeros(state.node_count, dtype=bool)
+            mask[state.index[node]] = True
+            placement = engine.place(state, request, self.policy, mask)
+            self._commit(state, key, placement)
+            record = record_of(placement, self.policy_name, now_ns)
+            self._pinned[key] = record.to_json()
+            self._stale.pop(key, None)
+            return record
+
+    def unreserve(self, pod: Mapping[str, Any]) -> None:
+        """Undo :meth:`reserve` after a failed bind (the caller removed the record)."""
+        key = pod_key(pod)
+        with self.lock:
+            self._pinned.pop(key, None)
+            self.state().release(key)
+            entry = self._pods.get(key)
+            if entry is not None and entry.record_raw is not None and not entry.node_name:
+                self._stale[key] = entry.record_raw
+
+    def expire(self, now_ns: int) -> list[Expired]:
+        """Release assumed records older than the TTL; return them so the caller deletes them.
+
+        A record comes back on every call until its deletion shows up in the watch, so a failed
+        delete is simply retried on the next round.
+        """
+        out: list[Expired] = []
+        with self.lock:
+            state = self.state()
+            for key, since in list(self._tentative.items()):
+                if now_ns - since >= self.assume_ttl_ns and key not in self._pinned:
+                    self._release(state, key)
+            for entry in self._pods.values():
+                if entry.node_name or entry.record_raw is None or entry.key in self._pinned:
+                    continue
+                if entry.bind_time_ns is not None and now_ns - entry.bind_time_ns < self.assume_ttl_ns:
+                    continue
+                self._release(state, entry.key)
+                self._stale[entry.key] = entry.record_raw
+                ns, name = entry.key.split("/", 1)
+                out.append(Expired(ns, name, entry.uid, entry.record_raw))
+        return out

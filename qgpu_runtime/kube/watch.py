@@ -1,0 +1,133 @@
+"""List-then-watch loops that keep an :class:`AllocationCache` current.
+
+Each kind (nodes, pods) lists everything once — that rebuilds the bookings from the pods'
+allocation records after a restart — then follows a watch from the list's resourceVersion. When
+the watch breaks or the version expires (410), the loop relists after a backoff; a relist replaces
+the kind's contents, so deletions missed while disconnected are not kept.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+from kubernetes import client, watch
+
+from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+
+log = logging.getLogger(__name__)
+
+# Pods that ended hold no cards; leaving them out keeps big clusters' lists small.
+LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+@dataclass
+class Kind:
+    name: str
+    list_call: Callable[..., Any]
+    replace: Callable[[Iterable[Mapping[str, Any]]], None]
+    apply: Callable[[str, Mapping[str, Any]], None]
+    field_selector: str | None = None
+
+
+class CacheFeeder:
+    """Runs one daemon thread per kind; ``ready`` is set once every kind has listed once."""
+
+    def __init__(self, api: client.CoreV1Api, cache: AllocationCache, watch_timeout_s: int = 240):
+        self.api = api
+        self.cache = cache
+        self.watch_timeout_s = watch_timeout_s
+        self._stop = threading.Event()
+        self._listed: set[str] = set()
+        self._lock = threading.Lock()
+        self.kinds = [
+            Kind("nodes", api.list_node, cache.replace_nodes, cache.apply_node),
+            Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS),
+        ]
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        # Nodes first: pods' records can only be booked onto nodes the cache knows.
+        first: dict[str, str] = {}
+        try:
+            first[self.kinds[0].name] = self._list(self.kinds[0])
+        except Exception as exc:  # noqa: BLE001 - the thread relists with backoff; /readyz stays 503
+            log.warning("first node list failed (%s); retrying in the background", exc)
+        for kind in self.kinds:
+            t = threading.Thread(target=self._run, args=(kind, first.get(kind.name, "")), name=f"watch-{kind.name}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _list(self, kind: Kind) -> str:
+        kwargs: dict[str, Any] = {"_preload_content": False, "_request_timeout": (REQUEST_TIMEOUT[0], 60)}
+        if kind.field_selector:
+            kwargs["field_selector"] = kind.field_selector
+        doc = raw_json(kind.list_call(**kwargs))
+        kind.replace(doc.get("items") or [])
+        with self._lock:
+            self._listed.add(kind.name)
+            if len(self._listed) == len(self.kinds):
+                self.cache.synced.set()
+        return str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    def _run(self, kind: Kind, version: str) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                if not version:
+                    version = self._list(kind)
+                version = self._follow(kind, version)
+                failures = 0
+            except Exception as exc:  # noqa: BLE001 - any break of the stream means: relist
+                failures += 1
+                delay = min(10.0, 0.2 * 2 ** min(failures, 6))
+                log.warning("watch %s broke (%s); relisting in %.1fs", kind.name, exc, delay)
+                version = ""
+                self._stop.wait(delay)
+
+    def _follow(self, kind: Kind, version: str) -> str:
+        kwargs: dict[str, Any] = {
+            "resource_version": version,
+            "allow_watch_bookmarks": True,
+            "timeout_seconds": self.watch_timeout_s,
+            "deserialize": False,
+            "_request_timeout": (REQUEST_TIMEOUT[0], self.watch_timeout_s + 30),
+        }
+        if kind.field_selector:
+            kwargs["field_selector"] = kind.field_selector
+        w = watch.Watch()
+        try:
+            for event in w.stream(kind.list_call, **kwargs):
+                if self._stop.is_set():
+                    break
+                kind_of_event = event.get("type")
+                obj = event.get("object") or {}
+                if kind_of_event == "ERROR":
+                    raise RuntimeError(f"watch error: {obj.get('message') or obj}")
+                version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
+                if kind_of_event in ("ADDED", "MODIFIED", "DELETED"):
+                    kind.apply(kind_of_event, obj)
+        except KeyError as exc:
+            # The client's stream reads 'raw_object' of ERROR events, which only exists when it
+            # deserialises; an expired version (410) lands here.
+            raise RuntimeError(f"watch error event ({exc})") from exc
+        finally:
+            w.stop()
+        return version
+
+
+def expire_loop(cache: AllocationCache, delete: Callable[[Any], None], period_s: float, stop: threading.Event) -> None:
+    """Periodically release assumed records whose bind never happened, and delete them."""
+    while not stop.wait(period_s):
+        for expired in cache.expire(time.time_ns()):
+            try:
+                delete(expired)
+            except Exception as exc:  # noqa: BLE001 - retried next period
+                log.warning("could not delete expired record of %s/%s: %s", expired.namespace, expired.name, exc)

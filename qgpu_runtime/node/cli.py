@@ -1,0 +1,88 @@
+"""``qgpu manager serve``: run the node manager (device plugins, store, metrics) until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    serve = sub.add_parser("serve", help="run the node manager")
+    serve.add_argument("--nodename", default=os.environ.get("NODE_NAME"),
+                       help="this node's name (default: $NODE_NAME)")
+    serve.add_argument("--dbfile", type=Path, default=Path("/var/lib/qgpu/meta.db"), help="allocation store (SQLite)")
+    serve.add_argument("--gpu-backend", choices=("nvml", "simulated"), default="nvml",
+                       help="nvml on GPU hosts; simulated only on purpose (never a fallback)")
+    serve.add_argument("--simulated-gpus", metavar="SPEC|FILE",
+                       help="with --gpu-backend simulated: e.g. 2xT4-16G,1xA100-80G, or a YAML/JSON config file")
+    serve.add_argument("--resources", default=",".join(DEFAULT_RESOURCES),
+                       help=f"comma-separated resources to serve; known: {', '.join(CATALOG)}")
+    serve.add_argument("--device-plugin-dir", type=Path, default=Path("/var/lib/kubelet/device-plugins"))
+    serve.add_argument("--pod-resources-socket", type=Path, default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"))
+    serve.add_argument("--state-dir", type=Path, default=Path("/var/lib/qgpu"),
+                       help="host folder for per-container quota files mounted at /etc/qgpu")
+    serve.add_argument("--isolation-policy", default="fixed-share", choices=("fixed-share", "burst-share", "best-effort"))
+    serve.add_argument("--no-device-specs", action="store_true", help="leave /dev/nvidia* to the container runtime")
+    serve.add_argument("--metrics-address", default="0.0.0.0")
+    serve.add_argument("--metrics-port", type=int, default=5678, help="Prometheus /metrics port; -1 disables")
+    serve.add_argument("--sample-interval", type=float, default=1.0, help="seconds between GPU samples")
+    serve.add_argument("--kubeconfig", help="kubeconfig (default: in-cluster, then ~/.kube/config)")
+    serve.add_argument("--pods-file", type=Path,
+                       help="read pods from this JSON file instead of the API (demos, hosts without an apiserver)")
+    serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
+    serve.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("qgpu.manager")
+    if not args.nodename:
+        log.error("--nodename is required (or set NODE_NAME)")
+        return 2
+    from qgpu_runtime.gpu import BackendError, open_backend
+    from qgpu_runtime.node.manager import ManagerConfig, NodeManager
+    from qgpu_runtime.node.resources import parse_resources
+    from qgpu_runtime.node.store import Store, StoreError
+
+    try:
+        config = ManagerConfig(
+            node=args.nodename, resources=parse_resources(args.resources), plugin_dir=args.device_plugin_dir,
+            pod_resources_socket=args.pod_resources_socket, state_dir=args.state_dir,
+            isolation_policy=args.isolation_policy, pass_device_specs=not args.no_device_specs,
+            sample_interval_s=args.sample_interval, label_node=not args.no_node_labels)
+        backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
+        store = Store(args.dbfile)
+    except (ValueError, BackendError, StoreError) as exc:
+        log.error("%s", exc)
+        return 2
+    if args.pods_file:
+        from qgpu_runtime.node.pods import FilePodSource
+
+        pods = FilePodSource(args.pods_file)
+    else:
+        from qgpu_runtime.node.kube_client import KubePodSource
+
+        pods = KubePodSource(args.kubeconfig)
+    manager = NodeManager(config, backend, store, pods)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    manager.start()
+    if args.metrics_port >= 0:
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
+    log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
+             ", ".join(k.name for k in config.resources))
+    stop.wait()
+    manager.stop()
+    store.close()
+    return 0

@@ -1,0 +1,183 @@
+"""Which pod and container an Allocate call is for — the rule, in one pure function.
+
+Kubelet's Allocate names devices, never the pod. Kubelet admits one pod at a time and, inside a
+pod, allocates containers in spec order and one resource after another for each container. So:
+
+1. Candidates are pods bound to this node (``spec.nodeName``), not terminating, in phase Pending,
+   whose ``qgpu.io/allocation`` record names this node.
+2. A pod's *next* container for resource R is its first container, in spec order, that lists R
+   in its limits (or requests) and that the store has not yet served R for. The pod is a candidate
+   only if that container asks for exactly as many units of R as kubelet sent device IDs.
+3. A container already served another resource (qgpu-memory after qgpu-core) is *in flight*: it is
+   the container kubelet is admitting right now, so it wins outright.
+4. Otherwise the oldest ``qgpu.io/bind-time`` wins (kubelet receives pods in bind order), then
+   namespace/name as a stable tiebreak. Pods without a bind-time sort last.
+
+With several pending pods whose next containers have the same size, rule 4 picks the one bound
+first. That is kubelet's admission order unless kubelet received both in one batch and they were
+created in the opposite order; PreStartContainer then checks the choice against kubelet's
+pod-resources API and corrects the store's owner (see node/plugin.py).
+
+No candidate → :class:`NoMatch` whose message lists every pod considered and why it was refused;
+kubelet shows it to the user as UnexpectedAdmissionError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from qgpu_runtime.model.requests import parse_quantity
+from qgpu_runtime.node.record import (
+    ALLOCATION,
+    AllocationRecord,
+    ContainerRecord,
+    RecordError,
+    annotations,
+    bind_time,
+    parse_record,
+)
+
+
+@dataclass(frozen=True)
+class Match:
+    """The container an Allocate is for, with the cards its record grants."""
+
+    namespace: str
+    pod: str
+    pod_uid: str
+    container: str
+    record: AllocationRecord
+    share: ContainerRecord
+    in_flight: bool
+    pod_obj: Mapping[str, Any]
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.pod_uid, self.container)
+
+
+class NoMatch(LookupError):
+    """No pending pod fits the call; ``str()`` explains, pod by pod."""
+
+
+def container_quantity(container: Mapping[str, Any], resource: str) -> int | None:
+    resources = container.get("resources") or {}
+    for section in ("limits", "requests"):
+        values = resources.get(section) or {}
+        if resource in values:
+            raw = values[resource]
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            if isinstance(raw, str) and raw.isdigit():
+                return int(raw)  # the usual case; skips the general parser on kubelet's hot path
+            try:
+                q = parse_quantity(raw)
+            except ValueError:
+                return None
+            return int(q) if q == q.to_integral_value() else None
+    return None
+
+
+def _meta(pod: Mapping[str, Any]) -> Mapping[str, Any]:
+    return pod.get("metadata") or {}
+
+
+def _label(pod: Mapping[str, Any]) -> str:
+    m = _meta(pod)
+    return f"{m.get('namespace', 'default')}/{m.get('name', '?')}"
+
+
+def match(
+    node: str,
+    resource: str,
+    device_count: int,
+    pods: Iterable[Mapping[str, Any]],
+    served: set[tuple[str, str, str]],
+) -> Match:
+    """Apply the rule above. ``served`` holds (pod uid, container, resource) already allocated."""
+    served_containers = {(uid, c) for uid, c, _ in served}
+    candidates: list[tuple[tuple, Match]] = []
+    refused: list[str] = []
+    for pod in pods:
+        meta = _meta(pod)
+        spec = pod.get("spec") or {}
+        if spec.get("nodeName") != node or meta.get("deletionTimestamp"):
+            continue
+        raw = annotations(pod).get(ALLOCATION)
+        if raw is None:
+            continue
+        label = _label(pod)
+        phase = (pod.get("status") or {}).get("phase", "Pending")
+        if phase != "Pending":
+            continue
+        try:
+            record = parse_record(raw)
+        except RecordError as exc:
+            refused.append(f"{label}: {exc}")
+            continue
+        if record.node != node:
+            refused.append(f"{label}: record is for node {record.node!r}")
+            continue
+        uid = str(meta.get("uid", ""))
+        nxt = _next_container(spec, record, resource, uid, served)
+        if nxt is None:
+            continue
+        name, quantity, share = nxt
+        if share is None:
+            refused.append(f"{label}: container {name!r} asks for {resource} but the record has no entry for it")
+            continue
+        if quantity != device_count:
+            refused.append(f"{label}: next container {name!r} asks for {quantity} {resource}, kubelet sent {device_count}")
+            continue
+        in_flight = (uid, name) in served_containers
+        bt = bind_time(pod)
+        rank = (0 if in_flight else 1, bt is None, bt or 0, meta.get("namespace", ""), meta.get("name", ""))
+        candidates.append((rank, Match(str(meta.get("namespace", "default")), str(meta.get("name", "")), uid, name,
+                                       record, share, in_flight, pod)))
+    if not candidates:
+        why = "; ".join(refused) if refused else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
+        raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}")
+    candidates.sort(key=lambda c: c[0])
+    return candidates[0][1]
+
+
+def _next_container(
+    spec: Mapping[str, Any], record: AllocationRecord, resource: str, uid: str, served: set[tuple[str, str, str]]
+) -> tuple[str, int | None, ContainerRecord | None] | None:
+    for container in spec.get("containers") or []:
+        quantity = container_quantity(container, resource)
+        name = str(container.get("name", ""))
+        if quantity is None and not _lists(container, resource):
+            continue
+        if (uid, name, resource) in served:
+            continue
+        return name, quantity, record.container(name)
+    return None
+
+
+def _lists(container: Mapping[str, Any], resource: str) -> bool:
+    resources = container.get("resources") or {}
+    return any(resource in (resources.get(s) or {}) for s in ("limits", "requests"))
+
+
+def preferred_devices(
+    available: Sequence[str], must_include: Sequence[str], size: int, cards: Sequence[int], card_of
+) -> list[str]:
+    """Device IDs for GetPreferredAllocation: must-includes, then spread evenly over ``cards``
+    (the predicted container's cards), then anything else in a stable order."""
+    chosen = list(dict.fromkeys(must_include))[:size]
+    pool = [d for d in sorted(available, key=_natural) if d not in chosen]
+    if cards:
+        need = size - len(chosen)
+        per_card = [need // len(cards) + (1 if i < need % len(cards) else 0) for i in range(len(cards))]
+        for card, n in zip(cards, per_card):
+            picks = [d for d in pool if card_of(d) == card][:n]
+            chosen.extend(picks)
+            pool = [d for d in pool if d not in set(picks)]
+    chosen.extend(pool[: max(0, size - len(chosen))])
+    return chosen[:size]
+
+
+def _natural(device_id: str) -> tuple:
+    return tuple(int(p) if p.isdigit() else p for p in device_id.rsplit("-", 2))

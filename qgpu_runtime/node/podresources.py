@@ -1,0 +1,38 @@
+"""Client for kubelet's pod-resources API (v1): which device IDs each container holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from qgpu_runtime import protos
+
+DEFAULT_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+
+
+@dataclass(frozen=True)
+class HeldDevices:
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: frozenset[str]
+
+
+def list_held(socket: Path, timeout_s: float = 5.0) -> list[HeldDevices] | None:
+    """Every (container, resource) with devices, or None when kubelet does not serve the API here."""
+    if not socket.exists():
+        return None
+    api = protos.podresources()
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        stub = api.grpc.PodResourcesListerStub(channel)
+        try:
+            resp = stub.List(api.pb2.ListPodResourcesRequest(), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
+                return None
+            raise
+    return [HeldDevices(p.namespace, p.name, c.name, d.resource_name, frozenset(d.device_ids))
+            for p in resp.pod_resources for c in p.containers for d in c.devices]

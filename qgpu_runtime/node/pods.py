@@ -1,0 +1,76 @@
+"""Where the node manager reads pods and writes annotations: the Kubernetes API, or a file.
+
+The manager depends only on :class:`PodSource`. ``KubePodSource`` (node/kube_client.py) talks to
+the apiserver; ``FilePodSource`` reads a JSON list of pod objects from a file — for demos and
+for tests of the manager as a real process on hosts without an apiserver. Both hand out pods as
+API-JSON dicts (camelCase keys), the shape ``parse_pod`` and the matcher read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any, Mapping, Protocol
+
+
+class PodSource(Protocol):
+    def pods_on_node(self, node: str) -> list[dict[str, Any]]: ...
+
+    def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None: ...
+
+    def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None: ...
+
+
+class FilePodSource:
+    """Pods from a JSON file (``{"items": [pod, ...]}`` or a bare list), re-read when it changes.
+
+    Patches are applied to the file atomically (write to a temp file, rename), so another process
+    — a test, a demo script — sees them. A node patch goes to ``<file>.node.json``.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._stamp: tuple[int, int] | None = None
+        self._items: list[dict[str, Any]] = []
+
+    def _load(self) -> list[dict[str, Any]]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return []
+        stamp = (st.st_mtime_ns, st.st_size)
+        if stamp != self._stamp:
+            data = json.loads(self.path.read_text() or "[]")
+            self._items = list(data.get("items", []) if isinstance(data, dict) else data)
+            self._stamp = stamp
+        return self._items
+
+    def pods_on_node(self, node: str) -> list[dict[str, Any]]:
+        with self._lock:
+            return [p for p in self._load() if (p.get("spec") or {}).get("nodeName") == node]
+
+    def _write(self, items: list[dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(self.path.suffix + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"items": items}))
+        os.replace(tmp, self.path)
+        self._stamp = None
+
+    def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None:
+        with self._lock:
+            items = self._load()
+            for pod in items:
+                meta = pod.setdefault("metadata", {})
+                if meta.get("namespace", "default") == namespace and meta.get("name") == name:
+                    meta.setdefault("annotations", {}).update(values)
+                    self._write(items)
+                    return
+            raise LookupError(f"pod {namespace}/{name} is not in {self.path}")
+
+    def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
+        target = self.path.with_suffix(".node.json")
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"metadata": {"name": node, "labels": dict(labels), "annotations": dict(annotations)}}))
+        os.replace(tmp, target)

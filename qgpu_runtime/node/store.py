@@ -1,0 +1,242 @@
+"""The node's durable allocation store: SQLite in WAL mode.
+
+Why SQLite: one file, atomic multi-row transactions, and WAL recovery makes a ``kill -9`` at any
+instant safe — a transaction is either wholly in the file or wholly absent. ``synchronous=FULL``
+extends that to power loss at the price of one fsync per Allocate (measured in bench/).
+
+Two kinds of rows:
+- ``grants``: what kubelet handed out — resource and device IDs per container. Reconciliation
+  compares these with kubelet's pod-resources API.
+- ``shares``: what each workload holds on each card (core, memory). ``qgpu status`` and the
+  metrics read these. The standalone host manager writes the same ``cards``/``shares``/``meta``
+  tables, so one reader serves both (schema in docs/node-manager.md, "Store schema").
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from qgpu_runtime.gpu.types import CardInfo
+
+SCHEMA_VERSION = "1"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cards (
+  card_index INTEGER PRIMARY KEY,
+  uuid TEXT NOT NULL UNIQUE,
+  model TEXT NOT NULL,
+  memory_mib INTEGER NOT NULL,
+  healthy INTEGER NOT NULL DEFAULT 1,
+  reason TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS grants (
+  pod_uid TEXT NOT NULL,
+  namespace TEXT NOT NULL,
+  pod TEXT NOT NULL,
+  container TEXT NOT NULL,
+  resource TEXT NOT NULL,
+  device_ids TEXT NOT NULL,
+  created_ns INTEGER NOT NULL,
+  PRIMARY KEY (pod_uid, container, resource)
+);
+CREATE TABLE IF NOT EXISTS shares (
+  workload_id TEXT NOT NULL,
+  namespace TEXT NOT NULL,
+  workload TEXT NOT NULL,
+  container TEXT NOT NULL,
+  card_index INTEGER NOT NULL,
+  card_uuid TEXT NOT NULL,
+  core_milli INTEGER NOT NULL,
+  memory_mib INTEGER NOT NULL,
+  class TEXT NOT NULL,
+  created_ns INTEGER NOT NULL,
+  PRIMARY KEY (workload_id, container, card_index)
+);
+"""
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Device IDs of one resource that kubelet allocated to one container."""
+
+    pod_uid: str
+    namespace: str
+    pod: str
+    container: str
+    resource: str
+    device_ids: tuple[str, ...]
+    created_ns: int
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one container (or standalone job) holds on one card."""
+
+    workload_id: str
+    namespace: str
+    workload: str
+    container: str
+    card_index: int
+    card_uuid: str
+    core_milli: int
+    memory_mib: int
+    klass: str
+    created_ns: int
+
+
+class StoreError(RuntimeError):
+    """The store file is unusable; the message names the file and SQLite's reason."""
+
+
+class Store:
+    """Thread-safe (one connection behind a lock): gRPC handlers and the sampler share it."""
+
+    def __init__(self, path: Path | str, synchronous: str = "FULL") -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous}")
+            self._db.executescript(_SCHEMA)
+            version = self._get_meta("schema_version")
+            if version is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+            elif version != SCHEMA_VERSION:
+                raise StoreError(f"{self.path}: schema_version {version!r} is unknown to this qgpu (knows {SCHEMA_VERSION})")
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open allocation store: {exc}") from exc
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def meta(self, key: str) -> str | None:
+        with self._lock:
+            return self._get_meta(key)
+
+    def set_meta(self, values: dict[str, str]) -> None:
+        with self._lock, self._tx():
+            self._db.executemany("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                                 sorted(values.items()))
+
+    def _tx(self):
+        return _Transaction(self._db)
+
+    def sync_cards(self, cards: Sequence[CardInfo]) -> None:
+        """Make the cards table equal to what the backend discovered (health starts as discovered)."""
+        with self._lock, self._tx():
+            self._db.execute("DELETE FROM cards WHERE card_index NOT IN (%s)" % ",".join("?" * len(cards)),
+                             [c.index for c in cards])
+            self._db.executemany(
+                "INSERT INTO cards VALUES (?,?,?,?,?, '') ON CONFLICT(card_index) DO UPDATE SET uuid=excluded.uuid,"
+                " model=excluded.model, memory_mib=excluded.memory_mib, healthy=excluded.healthy, reason=''",
+                [(c.index, c.uuid, c.model, c.memory_mib, int(c.healthy)) for c in cards])
+
+    def set_card_health(self, index: int, healthy: bool, reason: str) -> None:
+        with self._lock, self._tx():
+            self._db.execute("UPDATE cards SET healthy=?, reason=? WHERE card_index=?", (int(healthy), reason, index))
+
+    def record(self, grant: Grant, shares: Iterable[Share]) -> None:
+        """One Allocate, atomically: the grant and (once per container) its card shares."""
+        with self._lock, self._tx():
+            self._db.execute(
+                "INSERT INTO grants VALUES (?,?,?,?,?,?,?) ON CONFLICT(pod_uid, container, resource)"
+                " DO UPDATE SET device_ids=excluded.device_ids, created_ns=excluded.created_ns",
+                (grant.pod_uid, grant.namespace, grant.pod, grant.container, grant.resource,
+                 json.dumps(sorted(grant.device_ids)), grant.created_ns))
+            self._db.executemany(
+                "INSERT OR IGNORE INTO shares VALUES (?,?,?,?,?,?,?,?,?,?)",
+                [(s.workload_id, s.namespace, s.workload, s.container, s.card_index, s.card_uuid, s.core_milli,
+                  s.memory_mib, s.klass, s.created_ns) for s in shares])
+
+    def grants(self) -> list[Grant]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM grants ORDER BY created_ns, pod_uid, container, resource").fetchall()
+        return [Grant(r[0], r[1], r[2], r[3], r[4], tuple(json.loads(r[5])), r[6]) for r in rows]
+
+    def shares(self) -> list[Share]:
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM shares ORDER BY card_index, created_ns, workload_id, container").fetchall()
+        return [Share(*r) for r in rows]
+
+    def cards(self) -> list[tuple[CardInfo, str]]:
+        """Cards with their health reason ('' when healthy)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM cards ORDER BY card_index").fetchall()
+        return [(CardInfo(r[0], r[1], r[2], r[3], minor=r[0], healthy=bool(r[4])), r[5]) for r in rows]
+
+    def release_pods(self, pod_uids: Iterable[str]) -> int:
+        """Forget every grant and share of these pods; returns how many rows went."""
+        uids = sorted(set(pod_uids))
+        if not uids:
+            return 0
+        marks = ",".join("?" * len(uids))
+        with self._lock, self._tx():
+            a = self._db.execute(f"DELETE FROM grants WHERE pod_uid IN ({marks})", uids).rowcount
+            b = self._db.execute(f"DELETE FROM shares WHERE workload_id IN ({marks})", uids).rowcount
+        return a + b
+
+    def release_grant(self, pod_uid: str, container: str, resource: str) -> None:
+        with self._lock, self._tx():
+            self._db.execute("DELETE FROM grants WHERE pod_uid=? AND container=? AND resource=?", (pod_uid, container, resource))
+            left = self._db.execute("SELECT 1 FROM grants WHERE pod_uid=? AND container=?", (pod_uid, container)).fetchone()
+            if not left:
+                self._db.execute("DELETE FROM shares WHERE workload_id=? AND container=?", (pod_uid, container))
+
+    def reassign(self, moves: dict[tuple[str, str, str], tuple[str, str, str, str]]) -> None:
+        """Move grants (and their containers' shares) to the owner kubelet says holds them.
+
+        ``moves`` maps (pod uid, container, resource) to (new uid, namespace, pod, container). All
+        moves happen in one transaction, so two containers that swapped cards swap cleanly.
+        """
+        if not moves:
+            return
+        with self._lock, self._tx():
+            grants, shares = [], {}
+            for (uid, container, resource), new in moves.items():
+                row = self._db.execute("SELECT * FROM grants WHERE pod_uid=? AND container=? AND resource=?",
+                                       (uid, container, resource)).fetchone()
+                if row is None:
+                    continue
+                grants.append((new, row))
+                if (uid, container) not in shares:
+                    shares[(uid, container)] = (new, self._db.execute(
+                        "SELECT * FROM shares WHERE workload_id=? AND container=?", (uid, container)).fetchall())
+            for _, row in grants:
+                self._db.execute("DELETE FROM grants WHERE pod_uid=? AND container=? AND resource=?", (row[0], row[3], row[4]))
+            for (uid, container) in shares:
+                self._db.execute("DELETE FROM shares WHERE workload_id=? AND container=?", (uid, container))
+            for (nuid, ns, pod, container), row in grants:
+                self._db.execute("INSERT OR REPLACE INTO grants VALUES (?,?,?,?,?,?,?)", (nuid, ns, pod, container, *row[4:]))
+            for (nuid, ns, pod, container), rows in shares.values():
+                self._db.executemany("INSERT OR REPLACE INTO shares VALUES (?,?,?,?,?,?,?,?,?,?)",
+                                     [(nuid, ns, pod, container, *r[4:]) for r in rows])
+
+    def integrity(self) -> str:
+        with self._lock:
+            return self._db.execute("PRAGMA integrity_check").fetchone()[0]
+
+
+class _Transaction:
+    """BEGIN IMMEDIATE … COMMIT, rolled back on any exception."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self._db = db
+
+    def __enter__(self) -> None:
+        self._db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

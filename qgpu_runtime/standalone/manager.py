@@ -1,0 +1,155 @@
+"""The standalone host manager: enforces the host's isolation policy on the jobs `qgpu run` started.
+
+One loop, no systemd needed: every tick it reads the live jobs from the database, turns each into
+a workload (its process group and per-card bookings), and lets the isolation engine sample and act.
+It records its settings in the database so every `qgpu run` and `qgpu status` sees the same policy,
+and on exit it resumes every job it held and stops the MPS daemon it started.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, TickReport, Workload
+from qgpu_runtime.isolation.mps import MpsDaemon, MpsError, pinned_limits_supported
+from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.isolation.signals import SignalActuator
+from qgpu_runtime.isolation.watchdog import MemoryWatchdog
+from qgpu_runtime.model import AppClass
+from qgpu_runtime.standalone.config import HostConfig, discover_cards
+from qgpu_runtime.standalone.simhost import SimulatedHost
+from qgpu_runtime.standalone.store import JobRecord, Store
+
+log = logging.getLogger("qgpu.standalone.manager")
+
+REAP_EVERY_S = 1.0
+
+
+def workload_of(job: JobRecord) -> Workload:
+    """Whole-card jobs carry no share to enforce: compute and memory are theirs."""
+    cards = tuple(CardQuota(s.index, 0 if job.exclusive else s.core_milli, 0 if job.exclusive else s.memory_mib) for s in job.shares)
+    return Workload(job.id, AppClass(job.klass), cards)
+
+
+@dataclass
+class _Mps:
+    daemon: MpsDaemon
+    pinned: bool
+
+
+class StandaloneManager:
+    def __init__(self, store: Store, config: HostConfig, registry: CollectorRegistry, usage_file: str | None = None):
+        self.store = store
+        self.config = config
+        self.registry = registry
+        self._groups: dict[str, int] = {}
+        self._by_pgid: dict[int, str] = {}
+        self.signals = SignalActuator(lambda key: [self._groups[key]] if key in self._groups else [])
+        self._mps: _Mps | None = None
+        self._sim: SimulatedHost | None = None
+        self._usage_file = usage_file
+        self.engine: IsolationEngine | None = None
+        self._last_reap = 0.0
+
+    # -- setup ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Record the inventory and settings, start MPS if asked, build the engine."""
+        cards = discover_cards(self.config)
+        self.store.set_cards(cards)
+        with self.store.transaction():
+            for key, value in (("node", self.config.node_name), ("policy", self.config.policy.value),
+                               ("placement", self.config.placement), ("gpu_backend", self.config.gpu_backend),
+                               ("simulated_gpus", self.config.simulated_gpus or "")):
+                self.store.set_meta(key, value)
+        sampler: Any
+        actuator: Any
+        if self.config.gpu_backend == "simulated":
+            if self.config.mps == "on":
+                raise ValueError("mps: 'on' is not allowed with gpu_backend simulated: MPS needs real cards")
+            self._sim = SimulatedHost(cards, self.signals, self._usage_file)
+            sampler = actuator = self._sim
+        else:
+            from qgpu_runtime.isolation.nvml_sampler import NvmlSampler, cuda_driver_version, load_nvml
+
+            nvml = load_nvml()
+            sampler = NvmlSampler(nvml, [c.index for c in cards], self._owner)
+            actuator = self.signals
+            self._start_mps(cuda_driver_version(nvml))
+        watchdog = MemoryWatchdog(self.registry, self.store, actuator.stop)
+        # With MPS under fixed-share the thread percentage caps compute; duty cycling would cap twice.
+        enforce_compute = not (self._mps is not None and self.config.policy is Policy.FIXED_SHARE)
+        self.engine = IsolationEngine(self.config.policy, sampler, actuator, watchdog=watchdog,
+                                      memory_tolerance_mib=self.config.memory_tolerance_mib, enforce_compute=enforce_compute)
+        log.info("standalone manager on %s: %d card(s), policy %s, backend %s, MPS %s",
+                 self.config.node_name, len(cards), self.config.policy.value, self.config.gpu_backend,
+                 "on" if self._mps else "off")
+
+    def _start_mps(self, cuda_version: int) -> None:
+        if self.config.mps == "off":
+            return
+        if MpsDaemon.find() is None:
+            if self.config.mps == "on":
+                raise MpsError("mps: 'on' but nvidia-cuda-mps-control is not on PATH")
+            log.info("MPS not available (nvidia-cuda-mps-control not on PATH): duty cycling only")
+            return
+        base = os.path.abspath(self.store.path) + ".mps"
+        daemon = MpsDaemon(os.path.join(base, "pipe"), os.path.join(base, "log"))
+        daemon.start()
+        self._mps = _Mps(daemon, pinned_limits_supported(cuda_version))
+        with self.store.transaction():
+            self.store.set_meta("mps_pipe_dir", daemon.pipe_dir)
+            self.store.set_meta("mps_log_dir", daemon.log_dir)
+            self.store.set_meta("mps_pinned", "1" if self._mps.pinned else "0")
+
+    def _owner(self, pid: int) -> str | None:
+        try:
+            return self._by_pgid.get(os.getpgid(pid))
+        except (ProcessLookupError, PermissionError):
+            return None
+
+    # -- loop -------------------------------------------------------------------------------
+    def tick(self, dt_s: float, now: float) -> TickReport:
+        assert self.engine is not None, "start() first"
+        if now - self._last_reap >= REAP_EVERY_S:
+            jobs = self.store.jobs()
+            self._last_reap = now
+        else:
+            jobs = self.store.booked_jobs()
+        running = [j for j in jobs if j.pgid]
+        self._groups = {j.id: j.pgid for j in running if j.pgid}
+        self._by_pgid = {pgid: key for key, pgid in self._groups.items()}
+        if self._sim is not None:
+            self._sim.sync(running)
+        report = self.engine.tick([workload_of(j) for j in running], dt_s)
+        self.signals.reap()
+        return report
+
+    def serve(self, stop: threading.Event) -> None:
+        last = time.monotonic()
+        try:
+            while not stop.wait(max(0.0, last + self.config.tick_s - time.monotonic())):
+                now = time.monotonic()
+                self.tick(max(now - last, 1e-3), now)
+                last = now
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        if self._mps is not None:
+            try:
+                self._mps.daemon.stop()
+            except MpsError as err:
+                log.error("stopping MPS: %s", err)
+            with self.store.transaction():
+                for key in ("mps_pipe_dir", "mps_log_dir", "mps_pinned"):
+                    self.store.delete_meta(key)
+            self._mps = None

@@ -1,0 +1,82 @@
+"""``qgpu manager serve [--standalone] …``: one command, two managers.
+
+Without ``--standalone`` it is the cluster node manager (:mod:`qgpu_runtime.node.cli`, unchanged:
+its options and behaviour are that module's). With ``--standalone`` it is the standalone host
+manager, which enforces the host's isolation policy on the jobs ``qgpu run`` started, without
+Kubernetes or systemd. The node manager's ``--dbfile``, ``--gpu-backend``, ``--simulated-gpus``
+and ``--log-level`` keep their meaning; the standalone options are added beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from prometheus_client import CollectorRegistry, start_http_server
+
+from qgpu_runtime.isolation.mps import MpsError
+from qgpu_runtime.node import cli as node_cli
+from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
+from qgpu_runtime.standalone.config import MPS_MODES, load_config
+from qgpu_runtime.standalone.manager import StandaloneManager
+from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
+from qgpu_runtime.standalone.store import Store, StoreError
+
+
+def add_standalone_arguments(serve: argparse.ArgumentParser, with_backend: bool = True) -> None:
+    """Options of the standalone manager (``with_backend`` False when the parser already has
+    --gpu-backend/--simulated-gpus/--dbfile, as the node manager's does)."""
+    serve.add_argument("--standalone", action="store_true", help="manage this host's `qgpu run` jobs (no Kubernetes)")
+    serve.add_argument("--config", help="YAML settings: policy, placement, gpu_backend, simulated_gpus, mps, tick_s, memory_tolerance_mib")
+    serve.add_argument("--policy", help="isolation policy: best-effort|be, fixed-share|fs, burst-share|bs (default best-effort)")
+    serve.add_argument("--placement", help="card choice: binpack (default), spread, bestfit, frag")
+    serve.add_argument("--mps", choices=MPS_MODES, help="use NVIDIA MPS for caps: off (default), auto, on")
+    serve.add_argument("--tick", type=float, dest="tick_s", help="control period in seconds (default 0.05)")
+    serve.add_argument("--memory-tolerance", type=int, dest="memory_tolerance_mib", help="MiB over quota tolerated before the watchdog acts")
+    serve.add_argument("--simulated-usage", help="with --gpu-backend simulated: JSON file of what each job does (tests, demos)")
+    serve.add_argument("--standalone-metrics-port", type=int, default=0, help="Prometheus port on 127.0.0.1 (0: off)")
+    if with_backend:
+        serve.add_argument("--dbfile", default=DEFAULT_DB, help=f"standalone state database (default {DEFAULT_DB})")
+        serve.add_argument("--gpu-backend", choices=("nvml", "simulated"), help="nvml (default) or simulated, only on purpose")
+        serve.add_argument("--simulated-gpus", metavar="SPEC", help="with --gpu-backend simulated, e.g. 2xT4-16G")
+        serve.add_argument("--log-level", default="INFO")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    node_cli.add_arguments(parser)
+    # the node part builds the `serve` sub-parser; argparse offers no public way to fetch it back
+    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    add_standalone_arguments(actions[0].choices["serve"], with_backend=False)
+
+
+def serve_standalone(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("qgpu.standalone")
+    overrides = {k: getattr(args, k, None) for k in ("policy", "placement", "mps", "tick_s", "memory_tolerance_mib", "gpu_backend", "simulated_gpus")}
+    try:
+        config = load_config(args.config, overrides)
+        store = Store(str(args.dbfile))
+        registry = CollectorRegistry()
+        manager = StandaloneManager(store, config, registry, args.simulated_usage)
+        manager.start()
+    except (ValueError, StoreError, NvmlUnavailable, MpsError) as err:
+        log.error("%s", err)
+        return 2
+    if args.standalone_metrics_port:
+        start_http_server(args.standalone_metrics_port, addr="127.0.0.1", registry=registry)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        manager.serve(stop)
+    finally:
+        store.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if getattr(args, "standalone", False):
+        return serve_standalone(args)
+    return node_cli.run(args)

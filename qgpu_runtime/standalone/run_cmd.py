@@ -1,0 +1,136 @@
+"""``qgpu run --core 30 --memory 5 [--class online|offline] [--wait] -- CMD ARGS…``
+
+Books a share of a local card through the placement engine (state in SQLite), runs CMD with that
+card and quota, and releases the booking when CMD ends, however it ends. A job that does not fit
+fails at once with the placement engine's reason, or waits for room with ``--wait``.
+
+Exit status: CMD's own (128 + N when a signal N ended it); 2 for a bad request or setup; 75 when
+the job does not fit and ``--wait`` was not given (or its ``--wait-timeout`` ran out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+
+from qgpu_runtime.isolation.policy import parse_policy
+from qgpu_runtime.model import AppClass
+from qgpu_runtime.placement import Unschedulable
+from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, new_job_id, try_book
+from qgpu_runtime.standalone.config import HostConfig, discover_cards
+from qgpu_runtime.standalone.store import Store, StoreError, process_start_ticks
+from qgpu_runtime.standalone.supervisor import job_environment, supervise
+
+# the same file `qgpu manager serve` uses by default, so a plain `--standalone` host needs no flags
+DEFAULT_DB = os.environ.get("QGPU_STANDALONE_DB", "/var/lib/qgpu/meta.db")
+EXIT_USAGE = 2
+EXIT_NO_FIT = 75
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--core", type=int, help="percent of one card's compute (100 = a whole card, 200 = two)")
+    parser.add_argument("--memory", type=int, help="GiB of GPU memory on each card")
+    parser.add_argument("--class", dest="klass", choices=[c.value for c in AppClass], default=AppClass.NORMAL.value,
+                        help="online jobs reserve memory only and get priority; offline jobs use only what online ones leave")
+    parser.add_argument("--name", help="job name shown by qgpu status (default: the command's name)")
+    parser.add_argument("--wait", action="store_true", help="wait for room instead of failing when the job does not fit")
+    parser.add_argument("--wait-timeout", type=float, help="with --wait: give up after this many seconds")
+    parser.add_argument("--dbfile", default=DEFAULT_DB, help=f"standalone state database (default {DEFAULT_DB}, or $QGPU_STANDALONE_DB)")
+    parser.add_argument("--gpu-backend", choices=("nvml", "simulated"),
+                        help="only when no manager has recorded the host's cards yet: where to find them")
+    parser.add_argument("--simulated-gpus", metavar="SPEC", help="with --gpu-backend simulated, e.g. 2xT4-16G")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS…")
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> int:
+    print(f"qgpu run: {message}", file=sys.stderr)
+    return code
+
+
+def host_config(store: Store, args: argparse.Namespace) -> HostConfig:
+    """The settings the manager recorded; a run never overrides the node's policy."""
+    policy = parse_policy(store.get_meta("policy") or "best-effort", field=f"policy recorded in {store.path}")
+    node = store.get_meta("node") or os.uname().nodename
+    backend = store.get_meta("gpu_backend") or args.gpu_backend or "nvml"
+    return HostConfig(node_name=node, policy=policy, placement=store.get_meta("placement") or "binpack",
+                      gpu_backend=backend, simulated_gpus=store.get_meta("simulated_gpus") or args.simulated_gpus)
+
+
+def ensure_cards(store: Store, args: argparse.Namespace) -> None:
+    if store.cards():
+        return
+    if not args.gpu_backend:
+        raise StoreError(f"--dbfile {store.path!r}: no cards recorded: start `qgpu manager serve --standalone --dbfile {store.path}` "
+                         "first, or pass --gpu-backend nvml (or simulated with --simulated-gpus)")
+    config = HostConfig(node_name=os.uname().nodename, gpu_backend=args.gpu_backend, simulated_gpus=args.simulated_gpus)
+    store.set_cards(discover_cards(config))
+    with store.transaction():
+        for key, value in (("node", config.node_name), ("policy", config.policy.value),
+                           ("gpu_backend", config.gpu_backend), ("simulated_gpus", config.simulated_gpus or "")):
+            if store.get_meta(key) is None:
+                store.set_meta(key, value)
+
+
+def _mps_settings(store: Store) -> dict[str, str] | None:
+    pipe = store.get_meta("mps_pipe_dir")
+    if not pipe:
+        return None
+    return {"pipe_dir": pipe, "log_dir": store.get_meta("mps_log_dir") or pipe, "pinned": store.get_meta("mps_pinned") or "0"}
+
+
+def run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        return _fail("missing the command to run: qgpu run --core 30 --memory 5 -- CMD ARGS…")
+    klass = AppClass(args.klass)
+    spec = JobSpec(args.name or os.path.basename(command[0]), args.core, args.memory, klass)
+    try:
+        store = Store(args.dbfile)
+        ensure_cards(store, args)
+        config = host_config(store, args)
+    except (StoreError, ValueError, RuntimeError) as err:
+        return _fail(str(err))
+
+    me, my_start = os.getpid(), process_start_ticks(os.getpid()) or 0
+    job_id = new_job_id(spec.name)
+    deadline = None if args.wait_timeout is None else time.monotonic() + args.wait_timeout
+    delay, told = 0.2, False
+    while True:
+        try:
+            job = try_book(store, config, spec, job_id, shlex.join(command), me, my_start, time.time())
+            break
+        except JobRequestError as err:
+            return _fail(str(err))
+        except Unschedulable as err:
+            reasons = "; ".join(f"{node}: {why}" for node, why in sorted(err.reasons.items()))
+            if not args.wait:
+                return _fail(f"job {spec.name!r} does not fit now ({reasons}); use --wait to wait for room", EXIT_NO_FIT)
+            if deadline is not None and time.monotonic() >= deadline:
+                return _fail(f"job {spec.name!r} still does not fit after {args.wait_timeout:g}s ({reasons})", EXIT_NO_FIT)
+            if not told:
+                print(f"qgpu run: waiting for room for job {spec.name!r} ({reasons})", file=sys.stderr)
+                told = True
+            time.sleep(delay)
+            delay = min(2.0, delay * 1.5)
+
+    cards = ", ".join(f"card {s.index} ({s.core_milli / 10:g}% / {s.memory_mib} MiB)" for s in job.shares)
+    print(f"qgpu run: job {job.id} on {cards}, policy {config.policy.value}", file=sys.stderr)
+    env = job_environment(os.environ, job, config.policy, _mps_settings(store))
+
+    def started(pid: int) -> None:
+        with store.transaction():
+            store.set_job_process(job.id, pid, process_start_ticks(pid) or 0)
+
+    def release() -> None:
+        store.delete_job(job.id)
+        for event in store.events(job.id):
+            print(f"qgpu run: job {job.id}: {event.reason}: {event.message}", file=sys.stderr)
+
+    try:
+        return supervise(command, env, started, release)
+    finally:
+        store.close()
+

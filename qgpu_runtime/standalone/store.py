@@ -1,0 +1,240 @@
+"""The standalone host's state in SQLite: cards, jobs, settings and the isolation event log.
+
+Many `qgpu run` processes and one manager share the file. Every booking is one
+``BEGIN IMMEDIATE`` transaction (read jobs, place, insert), so two runs can never both take the
+last free share; WAL mode lets readers (`qgpu status`, the manager) proceed meanwhile.
+
+A job's booking outlives nothing: it is released by its supervisor on exit, and a supervisor that
+was killed outright is detected by the next reader (its pid is gone or belongs to a newer process,
+told apart by the kernel's start time) and reaped then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+from qgpu_runtime.isolation.watchdog import IsolationEvent
+
+SCHEMA_VERSION = "1"
+
+# meta, cards and shares follow the node store's layout (docs/node-manager.md): they are the read
+# interface of `qgpu status --standalone-db`. jobs and events are the standalone host's own.
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS cards (
+    card_index INTEGER PRIMARY KEY, uuid TEXT NOT NULL UNIQUE, model TEXT NOT NULL, memory_mib INTEGER NOT NULL,
+    healthy INTEGER NOT NULL DEFAULT 1, reason TEXT NOT NULL DEFAULT '');
+CREATE TABLE IF NOT EXISTS shares (
+    workload_id TEXT NOT NULL, namespace TEXT NOT NULL, workload TEXT NOT NULL, container TEXT NOT NULL,
+    card_index INTEGER NOT NULL, card_uuid TEXT NOT NULL, core_milli INTEGER NOT NULL, memory_mib INTEGER NOT NULL,
+    class TEXT NOT NULL, created_ns INTEGER NOT NULL, PRIMARY KEY (workload_id, container, card_index));
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY, name TEXT NOT NULL, klass TEXT NOT NULL, core_milli INTEGER NOT NULL,
+    memory_mib INTEGER NOT NULL, shares TEXT NOT NULL, command TEXT NOT NULL, created REAL NOT NULL,
+    supervisor_pid INTEGER NOT NULL, supervisor_start INTEGER NOT NULL,
+    pgid INTEGER, pgid_start INTEGER, exclusive INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
+    reason TEXT NOT NULL, message TEXT NOT NULL);
+"""
+
+
+class StoreError(RuntimeError):
+    """The database is unusable for this version or this host; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class StoredCard:
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class JobShare:
+    index: int
+    uuid: str
+    core_milli: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    klass: str
+    core_milli: int
+    memory_mib: int
+    shares: tuple[JobShare, ...]
+    command: str
+    created: float
+    supervisor_pid: int
+    supervisor_start: int
+    pgid: int | None = None
+    pgid_start: int | None = None
+    exclusive: bool = False
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it does not exist.
+
+    Pids are reused; pid + start time names one process for the life of the host.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
+    fields = raw[raw.rindex(")") + 2:].split()
+    if fields[0] == "Z":  # a zombie has exited; only its exit status is left to collect
+        return None
+    return int(fields[19])
+
+
+def alive(pid: int | None, start: int | None) -> bool:
+    return pid is not None and start is not None and process_start_ticks(pid) == start
+
+
+class Store:
+    """One connection to the standalone database. Not shared between threads."""
+
+    def __init__(self, path: str, timeout_s: float = 60.0):
+        self.path = path
+        parent = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(parent):
+            raise StoreError(f"--dbfile {path!r}: directory {parent!r} does not exist")
+        self._db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        with self.transaction():
+            for stmt in filter(str.strip, _SCHEMA.split(";")):
+                self._db.execute(stmt)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
+            elif row[0] != SCHEMA_VERSION:
+                raise StoreError(f"--dbfile {path!r}: schema version {row[0]} is not supported by this qgpu (it reads version {SCHEMA_VERSION})")
+
+    def close(self) -> None:
+        self._db.close()
+
+    def transaction(self) -> "_Tx":
+        return _Tx(self._db)
+
+    # -- settings and inventory ----------------------------------------------------------------
+    def get_meta(self, key: str) -> str | None:
+        row = self._db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value", (key, value))
+
+    def delete_meta(self, key: str) -> None:
+        self._db.execute("DELETE FROM meta WHERE key=?", (key,))
+
+    def cards(self) -> list[StoredCard]:
+        return [StoredCard(*r) for r in self._db.execute("SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index")]
+
+    def set_cards(self, cards: Sequence[StoredCard]) -> None:
+        """Record the host's cards. Changing the inventory under live jobs is refused: their
+        bookings would point at cards that may no longer exist."""
+        with self.transaction():
+            current = self.cards()
+            if current == list(cards):
+                return
+            if current and self._live_jobs():
+                raise StoreError(
+                    f"--dbfile {self.path!r}: the host's cards changed ({len(current)} recorded, {len(cards)} now) "
+                    "while jobs are running; stop them (or use another --dbfile) first")
+            self._db.execute("DELETE FROM cards")
+            self._db.executemany("INSERT INTO cards (card_index, uuid, model, memory_mib) VALUES (?, ?, ?, ?)",
+                                 [(c.index, c.uuid, c.model, c.memory_mib) for c in cards])
+
+    # -- jobs ---------------------------------------------------------------------------------------
+    def _rows(self) -> Iterator[JobRecord]:
+        for r in self._db.execute(
+            "SELECT id, name, klass, core_milli, memory_mib, shares, command, created, supervisor_pid, supervisor_start, pgid, pgid_start, exclusive FROM jobs ORDER BY created, id"
+        ):
+            shares = tuple(JobShare(**s) for s in json.loads(r[5]))
+            yield JobRecord(r[0], r[1], r[2], r[3], r[4], shares, r[6], r[7], r[8], r[9], r[10], r[11], bool(r[12]))
+
+    def _live_jobs(self) -> list[JobRecord]:
+        return [j for j in self._rows() if alive(j.supervisor_pid, j.supervisor_start) or alive(j.pgid, j.pgid_start)]
+
+    def reap(self) -> list[JobRecord]:
+        """Delete bookings whose supervisor and processes are all gone; returns them. Call inside a transaction."""
+        dead = [j for j in self._rows() if not (alive(j.supervisor_pid, j.supervisor_start) or alive(j.pgid, j.pgid_start))]
+        for j in dead:
+            self.delete_job(j.id)
+        return dead
+
+    def jobs(self) -> list[JobRecord]:
+        """Live jobs, after reaping the dead ones."""
+        with self.transaction():
+            self.reap()
+            return list(self._rows())
+
+    def booked_jobs(self) -> list[JobRecord]:
+        """Every booking as stored, without reaping; for use inside a transaction that reaped first."""
+        return list(self._rows())
+
+    def insert_job(self, job: JobRecord) -> None:
+        self._db.execute(
+            "INSERT INTO jobs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (job.id, job.name, job.klass, job.core_milli, job.memory_mib,
+             json.dumps([s.__dict__ for s in job.shares]), job.command, job.created,
+             job.supervisor_pid, job.supervisor_start, job.pgid, job.pgid_start, int(job.exclusive)),
+        )
+        self._db.executemany(
+            "INSERT INTO shares VALUES (?, '', ?, '', ?, ?, ?, ?, ?, ?)",
+            [(job.id, job.name, s.index, s.uuid, s.core_milli, s.memory_mib, job.klass, int(job.created * 1e9)) for s in job.shares],
+        )
+
+    def set_job_process(self, job_id: str, pgid: int, pgid_start: int) -> None:
+        self._db.execute("UPDATE jobs SET pgid=?, pgid_start=? WHERE id=?", (pgid, pgid_start, job_id))
+
+    def delete_job(self, job_id: str) -> None:
+        with self.transaction():
+            self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
+            self._db.execute("DELETE FROM shares WHERE workload_id=?", (job_id,))
+
+    # -- events ---------------------------------------------------------------------------------
+    def emit(self, event: IsolationEvent) -> None:
+        """EventSink for the memory watchdog: a durable record `qgpu status` and users can read."""
+        self._db.execute("INSERT INTO events (time, job, card, reason, message) VALUES (?, ?, ?, ?, ?)",
+                         (event.time, event.key, event.card, event.reason, event.message))
+
+    def events(self, job: str | None = None) -> list[IsolationEvent]:
+        sql = "SELECT time, job, card, reason, message FROM events"
+        rows = self._db.execute(sql + " WHERE job=? ORDER BY id", (job,)) if job else self._db.execute(sql + " ORDER BY id")
+        return [IsolationEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+
+class _Tx:
+    """``BEGIN IMMEDIATE`` ... ``COMMIT``: takes the write lock up front so a read-then-write
+    (place a job) cannot interleave with another writer. Re-entrant: an inner use is a no-op."""
+
+    def __init__(self, db: sqlite3.Connection):
+        self._db = db
+        self._outer = False
+
+    def __enter__(self) -> "_Tx":
+        if not self._db.in_transaction:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._outer = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if not self._outer:
+            return
+        if exc_type is None:
+            self._db.execute("COMMIT")
+        else:
+            self._db.execute("ROLLBACK")
+

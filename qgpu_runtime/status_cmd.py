@@ -1,0 +1,130 @@
+"""``qgpu status`` (also ``kubectl qgpu``): allocations per node and card, as a table or JSON.
+
+Two sources, one view (:mod:`qgpu_runtime.status`):
+- a cluster: node annotations ``qgpu.io/gpus`` (cards, written by the node manager) plus every
+  live pod's ``qgpu.io/allocation`` record;
+- a standalone host or a node's own store: the SQLite file's ``meta``/``cards``/``shares`` tables
+  (schema in docs/node-manager.md; the node manager and the standalone manager both write it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY
+from qgpu_runtime.node.record import ALLOCATION, RecordError, parse_record
+from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--kubeconfig", help="cluster to read (default: in-cluster, then ~/.kube/config)")
+    source.add_argument("--standalone-db", type=Path, metavar="PATH",
+                        help="read a standalone host's (or a node's) store instead of a cluster")
+    parser.add_argument("--node", action="append", default=[], help="only these nodes (repeatable)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.standalone_db:
+            nodes = [read_store_status(args.standalone_db)]
+        else:
+            from qgpu_runtime.node.kube_client import KubePodSource
+
+            api = KubePodSource(args.kubeconfig)
+            nodes = cluster_status(api.list_nodes(), api.list_pods())
+    except (StatusSourceError, OSError) as exc:
+        print(f"qgpu status: {exc}", file=sys.stderr)
+        return 1
+    if args.node:
+        nodes = [n for n in nodes if n.name in set(args.node)]
+    print(render_json(nodes) if args.json else render_table(nodes))
+    return 0
+
+
+def kubectl_main(argv: Sequence[str] | None = None) -> int:
+    """``kubectl qgpu [status] [--json] …``: the same command as a kubectl plugin."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["status"]:
+        args = args[1:]
+    parser = argparse.ArgumentParser(prog="kubectl qgpu", description="GPU allocations per node and card")
+    add_arguments(parser)
+    return run(parser.parse_args(args))
+
+
+class StatusSourceError(RuntimeError):
+    """The store cannot be read as a qgpu store; the message names the file and what is missing."""
+
+
+def read_store_status(path: Path) -> NodeStatus:
+    """One NodeStatus from a store file, opened read-only (works while a manager writes it)."""
+    if not path.exists():
+        raise StatusSourceError(f"{path}: no such store file")
+    try:
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
+            cards = db.execute("SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index").fetchall()
+            shares = db.execute("SELECT namespace, workload, container, card_index, core_milli, memory_mib, class "
+                                "FROM shares ORDER BY card_index, created_ns, workload, container").fetchall()
+        finally:
+            db.close()
+    except sqlite3.Error as exc:
+        raise StatusSourceError(f"{path}: not a qgpu store ({exc}); expected tables meta, cards, shares") from exc
+    per_card: dict[int, list[WorkloadShare]] = {}
+    for ns, workload, container, index, core, mem, klass in shares:
+        name = "/".join(p for p in (ns, workload, container) if p)
+        per_card.setdefault(index, []).append(WorkloadShare(name, core, mem, klass))
+    return NodeStatus(
+        name=meta.get("node", path.stem), policy=meta.get("policy", "-"),
+        cards=tuple(_card(i, u, m, mem, per_card.get(i, [])) for i, u, m, mem in cards))
+
+
+def _card(index: int, uuid: str, model: str, memory: int, work: list[WorkloadShare]) -> CardStatus:
+    return CardStatus(index, uuid, model, memory, sum(w.core_milli for w in work), sum(w.memory_mib for w in work), tuple(work))
+
+
+def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> list[NodeStatus]:
+    """Pure: nodes' card annotations + live pods' allocation records -> one NodeStatus per node."""
+    known: dict[str, tuple[str, dict[int, tuple[str, str, int]]]] = {}
+    for node in nodes:
+        meta = node.get("metadata") or {}
+        notes = meta.get("annotations") or {}
+        if ANNOTATION_CARDS not in notes:
+            continue
+        try:
+            cards = {int(c["index"]): (str(c["uuid"]), str(c["model"]), int(c["memory_mib"]))
+                     for c in json.loads(notes[ANNOTATION_CARDS])}
+        except (ValueError, KeyError, TypeError):
+            cards = {}
+        known[meta.get("name", "")] = (notes.get(ANNOTATION_POLICY, "-"), cards)
+    work: dict[tuple[str, int], list[WorkloadShare]] = {}
+    seen_cards: dict[str, dict[int, str]] = {}
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        raw = (meta.get("annotations") or {}).get(ALLOCATION)
+        if raw is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        try:
+            record = parse_record(raw)
+        except RecordError:
+            continue
+        several = len(record.containers) > 1
+        for c in record.containers:
+            name = f"{meta.get('namespace', 'default')}/{meta.get('name', '')}" + (f"/{c.name}" if several else "")
+            for s in c.cards:
+                work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass))
+                seen_cards.setdefault(record.node, {})[s.index] = s.uuid
+    out = []
+    for node in sorted(set(known) | set(seen_cards)):
+        policy, cards = known.get(node, ("-", {}))
+        indices = sorted(set(cards) | set(seen_cards.get(node, {})))
+        out.append(NodeStatus(node, policy, tuple(
+            _card(i, *(cards.get(i) or (seen_cards[node][i], "?", 0)), work.get((node, i), [])) for i in indices)))
+    return out

@@ -1,0 +1,1 @@
+"""Admission webhook: validate GPU requests and fill in what the scheduler and T9k users expect."""

@@ -1,0 +1,59 @@
+"""`qgpu webhook serve`: the validating and mutating admission webhook over TLS.
+
+Routes: POST /validate and POST /mutate (AdmissionReview v1); GET /healthz.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any, Callable
+
+from qgpu_runtime.kube.serving import JsonServer, Routes
+from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, mutate, validate
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
+    serve = sub.add_parser("serve", help="serve /validate and /mutate for kube-apiserver")
+    serve.add_argument("--port", type=int, default=8443, help="listen port (default 8443)")
+    serve.add_argument("--address", default="0.0.0.0", help="listen address (default all interfaces)")
+    serve.add_argument("--tls-cert-file", required=True, help="serving certificate (PEM); the apiserver only calls HTTPS webhooks")
+    serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
+    serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
+    serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+def handler(review: Callable[[bytes, WebhookConfig], dict[str, Any]], config: WebhookConfig) -> Callable[[str, bytes], tuple[int, Any]]:
+    def handle(rest: str, body: bytes) -> tuple[int, Any]:
+        if rest:
+            return 404, {"error": f"unknown path suffix {rest!r}"}
+        try:
+            return 200, review(body, config)
+        except ReviewError as exc:
+            return 400, {"error": str(exc)}
+    return handle
+
+
+def routes(config: WebhookConfig) -> Routes:
+    return Routes(
+        post={"/validate": handler(validate, config), "/mutate": handler(mutate, config)},
+        get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name)),
+                        args.tls_cert_file, args.tls_private_key_file)
+    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
+    logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d", args.address, server.port)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -1,0 +1,151 @@
+"""Bind against an apiserver that fails: refused connections, 500s and silence. Real sockets stand
+in for the broken apiserver (it is the one boundary we cannot make fail on demand otherwise); the
+binder must retry with backoff, then give up with a message naming the pod, and leave no booking."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.extender.binder import BindError, Binder
+from qgpu_runtime.kube.retry import is_transient, with_backoff
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
+from tests.extender.test_kube_cache import cache, pod
+
+
+def api_at(url: str) -> client.CoreV1Api:
+    configuration = client.Configuration(host=url)
+    configuration.retries = False  # count our own retries, not urllib3's
+    return client.CoreV1Api(client.ApiClient(configuration))
+
+
+class Answering:
+    """A real HTTP server that answers every request with one status, counting requests."""
+
+    def __init__(self, status: int):
+        self.requests = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # noqa: ANN002
+                pass
+
+            def _answer(self) -> None:
+                outer.requests += 1
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.dumps({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": status,
+                                   "message": f"etcd is sad ({status})"}).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PATCH = _answer
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def filtered():
+    """A cache whose filter has seen pod p (so bind goes straight to the Binding call)."""
+    c = cache()
+    p = pod("p")
+    c.filter(p, parse_pod(p), ["a", "b"], now_ns=time.time_ns())
+    return c, p
+
+
+def test_refused_connections_are_retried_then_reported_and_the_cards_released(filtered):
+    c, p = filtered
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: connections are refused
+    binder = Binder(api_at(f"http://127.0.0.1:{port}"), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 0.5))
+    with pytest.raises(BindError, match="pod ns/p: binding to a failed, cards released"):
+        binder.bind("ns", "p", "uid-p", "a")
+    assert c.booking("ns/p") is None
+
+
+def test_server_errors_are_retried_with_backoff_and_the_message_is_passed_on(filtered):
+    c, p = filtered
+    server = Answering(503)
+    try:
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2))
+        with pytest.raises(BindError, match=r"503 etcd is sad"):
+            binder.bind("ns", "p", "uid-p", "a")
+        assert server.requests == 3
+    finally:
+        server.close()
+    assert c.booking("ns/p") is None
+
+
+def test_client_errors_are_not_retried(filtered):
+    c, p = filtered
+    server = Answering(403)
+    try:
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2))
+        with pytest.raises(BindError, match="403"):
+            binder.bind("ns", "p", "uid-p", "a")
+        assert server.requests == 1
+    finally:
+        server.close()
+
+
+def test_an_apiserver_that_never_answers_times_out(filtered):
+    c, p = filtered
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts connections (the kernel does) and never says a word
+    try:
+        binder = Binder(api_at(f"http://127.0.0.1:{silent.getsockname()[1]}"), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 0.5))
+        started = time.monotonic()
+        with pytest.raises(BindError, match="pod ns/p"):
+            binder.bind("ns", "p", "uid-p", "a")
+        assert time.monotonic() - started < 10
+    finally:
+        silent.close()
+    assert c.booking("ns/p") is None
+
+
+def test_unknown_pod_is_a_clear_error():
+    c = cache()
+    server = Answering(404)
+    try:
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 2))
+        with pytest.raises(BindError, match="pod ns/ghost: cannot read it \\(404"):
+            binder.bind("ns", "ghost", "", "a")
+    finally:
+        server.close()
+
+
+def test_backoff_doubles_is_capped_and_stops_on_permanent_errors():
+    delays: list[float] = []
+    calls = iter([ApiException(status=503), ApiException(status=500), ApiException(status=429), "ok"])
+
+    def flaky() -> str:
+        item = next(calls)
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    assert with_backoff(flaky, attempts=5, base_s=1.0, cap_s=3.0, sleep=delays.append) == "ok"
+    assert len(delays) == 3
+    assert 0.5 <= delays[0] <= 1.0 and 1.0 <= delays[1] <= 2.0 and 1.5 <= delays[2] <= 3.0
+    assert not is_transient(ApiException(status=409)) and is_transient(ConnectionResetError())
+    with pytest.raises(ApiException):
+        with_backoff(lambda: (_ for _ in ()).throw(ApiException(status=422)), sleep=delays.append)
+    assert len(delays) == 3

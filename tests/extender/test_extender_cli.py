@@ -1,0 +1,57 @@
+"""`qgpu extender serve` / `qgpu webhook serve`: flags are checked before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from qgpu_runtime.cli import main
+from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.model.requests import parse_pod
+from qgpu_runtime.placement.policies import make_policy
+from tests.extender.test_kube_cache import node, pod
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["extender", "serve", "--port", "0"], "--port 0: must be within 1..65535"),
+    (["extender", "serve", "--tls-cert-file", "x.crt"], "--tls-cert-file and --tls-private-key-file go together"),
+    (["extender", "serve", "--assume-timeout", "0"], "--assume-timeout 0.0: must be > 0 seconds"),
+    (["webhook", "serve", "--port", "70000", "--tls-cert-file", "a", "--tls-private-key-file", "b"], "--port 70000"),
+])
+def test_bad_flags_are_refused_with_the_rule(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(argv)
+
+
+def test_unknown_priority_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["extender", "serve", "--priority", "random"])
+    assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_every_priority_the_cli_offers_places_and_scores():
+    for policy in ("binpack", "spread", "frag"):
+        c = AllocationCache(make_policy(policy), policy)
+        c.replace_nodes([node("a"), node("b")])
+        c.replace_pods([])
+        p = pod("p")
+        assert c.filter(p, parse_pod(p), ["a", "b"], now_ns=1).passed == ["a", "b"]
+        scores = c.prioritize(p, parse_pod(p), ["a", "b"])
+        assert set(scores) == {"a", "b"} and all(0 <= s <= 10 for s in scores.values()), policy
+
+
+def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
+    import json
+
+    from qgpu_runtime.extender.app import ExtenderApp
+    from qgpu_runtime.model.requests import DEFAULT_LIMITS
+
+    c = AllocationCache(make_policy("binpack"), "binpack")
+    c.replace_nodes([node("a"), node("b"), node("tiny", n_cards=1, memory_mib=2048)])
+    c.replace_pods([])
+    app = ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="best")
+    body = json.dumps({"Pod": pod("p", core=30, memory=4), "NodeNames": ["a", "b", "tiny"]}).encode()
+    status, doc = app.handle("filter", body)
+    assert status == 200 and doc["NodeNames"] == [c.booking("ns/p").node]
+    assert set(doc["FailedAndUnresolvableNodes"]) == {"tiny"}
+    with pytest.raises(ValueError, match="filter_result='some'"):
+        ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="some")

@@ -1,0 +1,60 @@
+"""extender/v1 wire format: Go field names, both node forms, clear errors for bad bodies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from qgpu_runtime.extender.wire import BindingArgs, ExtenderArgs, FilterResult, WireError, encode_priorities
+
+POD = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": []}}
+
+
+def test_node_names_form_is_decoded_and_echoed_as_node_names():
+    args = ExtenderArgs.decode(json.dumps({"Pod": POD, "Nodes": None, "NodeNames": ["a", "b"]}))
+    assert args.names == ["a", "b"] and args.nodes is None
+    doc = FilterResult(["b"], {"a": "full"}, {}).encode(args)
+    assert doc == {"Nodes": None, "NodeNames": ["b"], "FailedNodes": {"a": "full"}, "FailedAndUnresolvableNodes": {}, "Error": ""}
+
+
+def test_full_node_form_is_decoded_and_echoed_as_a_node_list_of_the_passing_nodes():
+    nodes = {"items": [{"metadata": {"name": "a"}}, {"metadata": {"name": "b"}, "status": {"x": 1}}]}
+    args = ExtenderArgs.decode(json.dumps({"Pod": POD, "Nodes": nodes}))
+    assert args.names == ["a", "b"]
+    doc = FilterResult(["b"], {}, {"a": "no GPUs"}).encode(args)
+    assert doc["NodeNames"] is None
+    assert doc["Nodes"]["items"] == [{"metadata": {"name": "b"}, "status": {"x": 1}}]
+    assert doc["FailedAndUnresolvableNodes"] == {"a": "no GPUs"}
+
+
+def test_keys_match_case_insensitively_like_go():
+    args = ExtenderArgs.decode(json.dumps({"pod": POD, "nodenames": ["x"]}))
+    assert args.names == ["x"]
+
+
+@pytest.mark.parametrize("body, field", [
+    (b"{not json", "not JSON"),
+    (b"[1,2]", "JSON list"),
+    (json.dumps({"Pod": "x", "NodeNames": []}), "ExtenderArgs.Pod"),
+    (json.dumps({"Pod": POD}), "neither Nodes nor NodeNames"),
+    (json.dumps({"Pod": POD, "NodeNames": [1]}), "NodeNames"),
+    (json.dumps({"Pod": POD, "Nodes": {"items": [{}]}}), "Nodes.items"),
+])
+def test_malformed_args_name_the_field(body, field):
+    with pytest.raises(WireError, match=field):
+        ExtenderArgs.decode(body)
+
+
+def test_priorities_are_a_bare_array_clamped_to_0_10():
+    assert encode_priorities({"a": 12, "b": -1, "c": 7}) == [
+        {"Host": "a", "Score": 10}, {"Host": "b", "Score": 0}, {"Host": "c", "Score": 7}]
+
+
+def test_binding_args_need_pod_name_and_node():
+    args = BindingArgs.decode(json.dumps({"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "n"}))
+    assert args == BindingArgs("p", "ns", "u", "n")
+    with pytest.raises(WireError, match="Node is empty"):
+        BindingArgs.decode(json.dumps({"PodName": "p"}))
+    with pytest.raises(WireError, match="PodUID"):
+        BindingArgs.decode(json.dumps({"PodName": "p", "Node": "n", "PodUID": 5}))

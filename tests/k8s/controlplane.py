@@ -1,0 +1,342 @@
+"""A real, local Kubernetes control plane for tests and benchmarks: etcd, kube-apiserver and
+kube-scheduler built by scripts/k8s-testbin, listening on 127.0.0.1 only.
+
+There is no kubelet: nodes are API objects whose status (capacity, allocatable, Ready) we patch
+ourselves, which is all the scheduler looks at. Pods bound to them stay Pending with
+``spec.nodeName`` set, which is exactly the state the extender and device plugin care about.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+import yaml
+
+from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTBIN = ROOT / "scripts" / "k8s-testbin"
+
+
+def _die_with_parent() -> None:
+    """Child-side: get SIGKILL when the test process dies, however it dies (a CI timeout's
+    SIGKILL included), so no etcd or apiserver outlives the session that started it."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class ControlPlaneError(RuntimeError):
+    """A component did not start or become ready; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def testbin_dir(build: bool = True) -> Path:
+    """Directory holding kube-apiserver, kube-scheduler and etcd; builds them when missing."""
+    args = [str(TESTBIN)] + ([] if build else ["--print-dir"])
+    out = subprocess.run(args, check=True, stdout=subprocess.PIPE, text=True)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def kubeconfig(server: str, ca: Path, client: KeyPair, user: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "qgpu-test", "cluster": {"server": server, "certificate-authority": str(ca)}}],
+        "users": [{"name": user, "user": {"client-certificate": str(client.cert), "client-key": str(client.key)}}],
+        "contexts": [{"name": "qgpu-test", "context": {"cluster": "qgpu-test", "user": user}}],
+        "current-context": "qgpu-test",
+    }
+
+
+@dataclass
+class Process:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is not None:
+            return
+        self.popen.send_signal(signal.SIGTERM)
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+def extender_config(
+    url: str,
+    *,
+    ca_file: Path | None,
+    node_cache_capable: bool = True,
+    managed_resources: Iterable[str] = (),
+    weight: int = 1,
+    timeout: str = "10s",
+    prioritize: bool = True,
+) -> dict[str, Any]:
+    """One ``extenders`` entry of KubeSchedulerConfiguration v1 pointing at qgpu's extender."""
+    entry: dict[str, Any] = {
+        "urlPrefix": url,
+        "filterVerb": "filter",
+        "prioritizeVerb": "prioritize" if prioritize else "",
+        "bindVerb": "bind",
+        "weight": weight,
+        "enableHTTPS": url.startswith("https://"),
+        "httpTimeout": timeout,
+        "nodeCacheCapable": node_cache_capable,
+        "managedResources": [{"name": r, "ignoredByScheduler": True} for r in managed_resources],
+        "ignorable": False,
+    }
+    if ca_file is not None:
+        entry["tlsConfig"] = {"caFile": str(ca_file)}
+    return entry
+
+
+@dataclass
+class ControlPlane:
+    """etcd + kube-apiserver (+ kube-scheduler on demand) in a private directory."""
+
+    bindir: Path
+    workdir: Path
+    processes: dict[str, Process] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.pki_dir = self.workdir / "pki"
+        self.ca = CertificateAuthority(self.pki_dir)
+        self.apiserver_port = free_port()
+        self.server = f"https://127.0.0.1:{self.apiserver_port}"
+        self.admin = self.ca.issue("admin", "qgpu-test-admin", organization="system:masters", client=True)
+        self.scheduler_client = self.ca.issue("scheduler", "system:kube-scheduler", client=True)
+        self.serving = self.ca.issue("apiserver", "kube-apiserver", server=True,
+                                     hosts=("127.0.0.1", "localhost", "kubernetes", "kubernetes.default",
+                                            "kubernetes.default.svc", "10.96.0.1"))
+        self.sa = service_account_keys(self.pki_dir)
+        self.admin_kubeconfig = self._write_yaml("admin.kubeconfig", kubeconfig(self.server, self.ca.cert_path, self.admin, "admin"))
+        self.scheduler_kubeconfig = self._write_yaml(
+            "scheduler.kubeconfig", kubeconfig(self.server, self.ca.cert_path, self.scheduler_client, "kube-scheduler"))
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def _write_yaml(self, name: str, doc: Mapping[str, Any]) -> Path:
+        path = self.workdir / name
+        path.write_text(yaml.safe_dump(dict(doc), sort_keys=False))
+        return path
+
+    def _spawn(self, name: str, argv: list[str]) -> Process:
+        log = self.workdir / f"{name}.log"
+        handle = open(log, "wb")
+        popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, preexec_fn=_die_with_parent)
+        handle.close()
+        proc = Process(name, popen, log)
+        self.processes[name] = proc
+        return proc
+
+    def _wait(self, proc: Process, ready: Callable[[], bool], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.popen.poll() is not None:
+                raise ControlPlaneError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
+            try:
+                if ready():
+                    return
+            except (OSError, ssl.SSLError):
+                pass
+            time.sleep(0.2)
+        raise ControlPlaneError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
+
+    def start(self, timeout: float = 120.0) -> None:
+        self._start_etcd(timeout)
+        self._start_apiserver(timeout)
+
+    def _start_etcd(self, timeout: float) -> None:
+        client, peer = free_port(), free_port()
+        shm = Path("/dev/shm")
+        data = Path(tempfile.mkdtemp(prefix="qgpu-etcd-", dir=shm if shm.is_dir() and os.access(shm, os.W_OK) else None))
+        self._etcd_data = data
+        self.etcd_url = f"http://127.0.0.1:{client}"
+        proc = self._spawn("etcd", [
+            str(self.bindir / "etcd"), "--name", "qgpu-test", "--data-dir", str(data),
+            "--listen-client-urls", self.etcd_url, "--advertise-client-urls", self.etcd_url,
+            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+            "--initial-cluster", f"qgpu-test=http://127.0.0.1:{peer}", "--unsafe-no-fsync",
+            "--log-level", "warn",
+        ])
+
+        def ready() -> bool:
+            with urllib.request.urlopen(f"{self.etcd_url}/health", timeout=2) as r:
+                return json.load(r).get("health") == "true"
+
+        self._wait(proc, ready, timeout)
+
+    def _start_apiserver(self, timeout: float) -> None:
+        proc = self._spawn("kube-apiserver", [
+            str(self.bindir / "kube-apiserver"),
+            f"--etcd-servers={self.etcd_url}",
+            "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={self.apiserver_port}",
+            f"--tls-cert-file={self.serving.cert}", f"--tls-private-key-file={self.serving.key}",
+            f"--client-ca-file={self.ca.cert_path}",
+            f"--service-account-key-file={self.sa.cert}", f"--service-account-signing-key-file={self.sa.key}",
+            "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+            "--service-cluster-ip-range=10.96.0.0/16",
+            "--authorization-mode=RBAC",
+            # The kubernetes Service endpoints cannot point at loopback; nothing here needs them.
+            "--endpoint-reconciler-type=none",
+            # No controller-manager runs, so nothing creates the "default" service account that
+            # ServiceAccount insists on, and nothing would lift the not-ready taint that
+            # TaintNodesByCondition puts on every new node.
+            "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            "--allow-privileged=true",
+            "--enable-priority-and-fairness=false",
+            "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000",
+            "--profiling=false", "--v=1",
+        ])
+        ctx = self.ssl_context()
+
+        def ready() -> bool:
+            with urllib.request.urlopen(f"{self.server}/readyz", timeout=5, context=ctx) as r:
+                return r.status == 200
+
+        self._wait(proc, ready, timeout)
+
+    def ssl_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.ca.cert_path))
+        ctx.load_cert_chain(str(self.admin.cert), str(self.admin.key))
+        return ctx
+
+    def start_scheduler(self, extenders: list[dict[str, Any]], *, timeout: float = 60.0, qps: int = 1000) -> Process:
+        """(Re)start kube-scheduler with KubeSchedulerConfiguration v1 naming these extenders."""
+        self.stop_scheduler()
+        config = {
+            "apiVersion": "kubescheduler.config.k8s.io/v1",
+            "kind": "KubeSchedulerConfiguration",
+            "clientConnection": {"kubeconfig": str(self.scheduler_kubeconfig), "qps": qps, "burst": qps * 2},
+            "leaderElection": {"leaderElect": False},
+            "extenders": extenders,
+        }
+        path = self._write_yaml("scheduler-config.yaml", config)
+        port = free_port()
+        self.scheduler_port = port
+        proc = self._spawn("kube-scheduler", [
+            str(self.bindir / "kube-scheduler"), f"--config={path}",
+            "--bind-address=127.0.0.1", f"--secure-port={port}",
+            f"--authentication-kubeconfig={self.scheduler_kubeconfig}",
+            f"--authorization-kubeconfig={self.scheduler_kubeconfig}",
+            "--authentication-skip-lookup=true",
+            "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics",
+            "--v=2",
+        ])
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+
+        def ready() -> bool:
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", timeout=2, context=ctx) as r:
+                return r.status == 200
+
+        self._wait(proc, ready, timeout)
+        return proc
+
+    def stop_scheduler(self) -> None:
+        proc = self.processes.pop("kube-scheduler", None)
+        if proc is not None:
+            proc.stop()
+
+    def stop(self) -> None:
+        for name in ("kube-scheduler", "kube-apiserver", "etcd"):
+            proc = self.processes.pop(name, None)
+            if proc is not None:
+                proc.stop()
+        data = getattr(self, "_etcd_data", None)
+        if data is not None:
+            shutil.rmtree(data, ignore_errors=True)
+
+
+@dataclass
+class QgpuServer:
+    """`qgpu extender serve` or `qgpu webhook serve` as a child process, as it runs in production."""
+
+    name: str
+    argv: list[str]
+    workdir: Path
+    port: int
+    scheme: str = "https"
+    ca_file: Path | None = None
+    process: Process | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0, ready_path: str = "/readyz") -> None:
+        import sys
+
+        log = self.workdir / f"{self.name}.log"
+        handle = open(log, "ab")
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        popen = subprocess.Popen([sys.executable, "-m", "qgpu_runtime.cli", *self.argv], stdout=handle,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                                 start_new_session=True, preexec_fn=_die_with_parent)
+        handle.close()
+        self.process = Process(self.name, popen, log)
+        ctx = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if popen.poll() is not None:
+                raise ControlPlaneError(f"{self.name} exited with {popen.returncode}:\n{self.process.tail()}")
+            try:
+                with urllib.request.urlopen(self.url + ready_path, timeout=2, context=ctx) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, ssl.SSLError):
+                pass
+            time.sleep(0.1)
+        raise ControlPlaneError(f"{self.name} not ready after {timeout:.0f}s:\n{self.process.tail()}")
+
+    def kill9(self) -> None:
+        """SIGKILL, no goodbye: what a crashed or OOM-killed extender looks like."""
+        if self.process is not None and self.process.popen.poll() is None:
+            self.process.popen.send_signal(signal.SIGKILL)
+            self.process.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+
+
+def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
+                    assume_timeout: float = 30.0, filter_result: str = "all") -> QgpuServer:
+    port = port or free_port()
+    argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
+            "--kubeconfig", str(cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
+            "--filter-result", filter_result]
+    if tls:
+        pair = cp.ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
+        argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key)]
+    return QgpuServer("qgpu-extender", argv, cp.workdir, port, "https" if tls else "http", cp.ca.cert_path if tls else None)

@@ -1,0 +1,107 @@
+"""Fake GPU nodes and GPU pods, created through the real API (there is no kubelet)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable, Iterable, Mapping, TypeVar
+
+from kubernetes import client
+
+from qgpu_runtime.kube.nodes import CARDS, cards_annotation
+from qgpu_runtime.kube.records import ALLOCATION, AllocationRecord, parse_record
+from qgpu_runtime.model.requests import GPU_RESOURCES
+from qgpu_runtime.placement.state import CardSpec
+
+T = TypeVar("T")
+PAUSE = "registry.k8s.io/pause:3.10"
+MANAGED_RESOURCES = tuple(sorted(GPU_RESOURCES))
+
+
+def cards(n: int, model: str = "V100", memory_mib: int = 32768, node: str = "n") -> list[CardSpec]:
+    return [CardSpec(i, f"GPU-{node}-{i:02d}", model, memory_mib) for i in range(n)]
+
+
+def gpu_node(api: client.CoreV1Api, name: str, inventory: list[CardSpec], labels: Mapping[str, str] | None = None,
+             cpu: str = "64", memory: str = "512Gi") -> None:
+    """Create a node with a card inventory and patch its status as a kubelet would."""
+    api.create_node({
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})},
+                     "annotations": {CARDS: cards_annotation(inventory)}},
+    })
+    resources = {"cpu": cpu, "memory": memory, "pods": "250"}
+    api.patch_node_status(name, {"status": {
+        "capacity": resources, "allocatable": resources,
+        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake node",
+                        "lastHeartbeatTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}],
+    }})
+
+
+def gpu_pod(name: str, limits: Mapping[str, Any], *, selector: Mapping[str, str] | None = None,
+            annotations: Mapping[str, str] | None = None, containers: int = 1,
+            scheduler_name: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "containers": [{"name": f"c{i}", "image": PAUSE,
+                        "resources": {"limits": {k: str(v) for k, v in limits.items()}}} for i in range(containers)],
+        "terminationGracePeriodSeconds": 0,
+    }
+    if selector:
+        spec["nodeSelector"] = dict(selector)
+    if scheduler_name:
+        spec["schedulerName"] = scheduler_name
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "annotations": dict(annotations or {})}, "spec": spec}
+
+
+def read_pod(api: client.CoreV1Api, namespace: str, name: str) -> dict[str, Any]:
+    return json.loads(api.read_namespaced_pod(name, namespace, _preload_content=False).data)
+
+
+def list_pods(api: client.CoreV1Api, namespace: str) -> list[dict[str, Any]]:
+    return json.loads(api.list_namespaced_pod(namespace, _preload_content=False).data)["items"]
+
+
+def record(pod: Mapping[str, Any]) -> AllocationRecord | None:
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(ALLOCATION)
+    return parse_record(raw) if raw else None
+
+
+def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.2) -> T:
+    deadline = time.monotonic() + timeout
+    last: T | None = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+def bound(api: client.CoreV1Api, namespace: str, name: str, timeout: float = 60.0) -> dict[str, Any]:
+    return wait_for(f"pod {namespace}/{name} bound", lambda: (p := read_pod(api, namespace, name))["spec"].get("nodeName") and p,
+                    timeout)
+
+
+def events_for(api: client.CoreV1Api, namespace: str, name: str) -> list[dict[str, Any]]:
+    doc = json.loads(api.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}",
+                                               _preload_content=False).data)
+    return doc["items"]
+
+
+def card_usage(pods: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], dict[str, int]]:
+    """(node, card index) → summed core_milli, memory_mib and container count, from the records."""
+    usage: dict[tuple[str, int], dict[str, int]] = {}
+    for pod in pods:
+        rec = record(pod)
+        if rec is None:
+            continue
+        for container in rec.containers:
+            for share in container.shares:
+                u = usage.setdefault((rec.node, share.index), {"core_milli": 0, "memory_mib": 0, "containers": 0, "exclusive": 0})
+                u["core_milli"] += share.core_milli
+                u["memory_mib"] += share.memory_mib
+                u["containers"] += 1
+                u["exclusive"] += int(container.exclusive)
+    return usage

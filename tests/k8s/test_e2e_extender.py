@@ -1,0 +1,32 @@
+"""The real kube-scheduler placing GPU pods through qgpu's extender (HTTPS, nodeCacheCapable)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.k8s.kubeobjects import bound, card_usage, cards, events_for, gpu_node, gpu_pod, list_pods, read_pod, record, wait_for
+
+QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
+QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
+
+
+def test_qgpu_pod_is_bound_with_a_record_naming_its_cards(cluster, ns, label):
+    gpu_node(cluster.api, f"{ns}-a", cards(2, node=f"{ns}-a"), label)
+    cluster.api.create_namespaced_pod(ns, gpu_pod("p", {QGPU_CORE: 30, QGPU_MEMORY: 5}, selector=label))
+    pod = bound(cluster.api, ns, "p")
+    rec = record(pod)
+    assert rec is not None and rec.node == pod["spec"]["nodeName"] == f"{ns}-a"
+    (container,) = rec.containers
+    (share,) = container.shares
+    assert (share.core_milli, share.memory_mib) == (300, 5 * 1024)
+    assert share.uuid == f"GPU-{ns}-a-{share.index:02d}"
+    assert pod["metadata"]["annotations"]["qgpu.io/bind-time"].isdigit()
+
+
+def test_pod_that_fits_nowhere_stays_pending_with_an_event_saying_why(cluster, ns, label):
+    gpu_node(cluster.api, f"{ns}-a", cards(1, memory_mib=16384, node=f"{ns}-a"), label)
+    cluster.api.create_namespaced_pod(ns, gpu_pod("big", {QGPU_CORE: 200}, selector=label))
+    event = wait_for("FailedScheduling event", lambda: [e for e in events_for(cluster.api, ns, "big")
+                                                          if e.get("reason") == "FailedScheduling"])
+    assert "whole free cards" in event[0]["message"], event[0]["message"]
+    assert not read_pod(cluster.api, ns, "big")["spec"].get("nodeName")

@@ -1,0 +1,202 @@
+"""The device plugin against the test kubelet, over real unix sockets."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from podfactory import pod, qgpu
+
+from qgpu_runtime.node.record import ASSIGNED
+
+CORE = "tke.cloud.tencent.com/qgpu-core"
+MEM = "tke.cloud.tencent.com/qgpu-memory"
+T9K_PCT = "tensorstack.dev/nvidia-gpu-percent"
+
+
+def test_registers_each_resource_with_units_per_card(node):
+    assert sorted(node.kubelet.registrations) == sorted([CORE, MEM, T9K_PCT])
+    assert len(node.kubelet.devices(CORE)) == 200  # 2 cards x 100 percent
+    assert len(node.kubelet.devices(MEM)) == 32  # 2 cards x 16 GiB
+    assert set(node.kubelet.devices(CORE).values()) == {"Healthy"}
+    assert node.kubelet.plugins[CORE].options.pre_start_required
+
+
+def test_allocate_returns_cards_quota_mounts_and_devices_from_the_record(node):
+    p = pod("infer", "gpu-node-1", [("main", qgpu(30, 5), [(1, node.uuid(1), 300, 5120)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    assert envs["QGPU_CORE_MILLI"] == "300"
+    assert envs["QGPU_MEMORY_MIB"] == "5120"
+    assert envs["QGPU_CLASS"] == "normal" and envs["QGPU_POLICY"] == "fixed-share"
+    c = node.kubelet.responses[("default", "infer", "main", CORE)]
+    assert c.mounts[0].container_path == "/etc/qgpu" and c.mounts[0].read_only
+    quota = json.loads((node.root / "state" / "containers" / p["metadata"]["uid"] / "main" / "quota.json").read_text())
+    assert quota["cards"] == [{"index": 1, "uuid": node.uuid(1), "core_milli": 300, "memory_mib": 5120}]
+    assert [d.host_path for d in c.devices][-1] == "/dev/nvidia1"
+    assert c.annotations["qgpu.io/pod"] == "default/infer"
+
+
+def test_preferred_allocation_steers_kubelet_to_the_recorded_card(node):
+    p = pod("a", "gpu-node-1", [("main", qgpu(30, 5), [(1, node.uuid(1), 300, 5120)])])
+    node.set_pods([p])
+    node.kubelet.admit(p)
+    held = node.kubelet.held[("default", "a")]["main"]
+    assert all(d.startswith("qgpu-core-1-") for d in held[CORE])
+    assert all(d.startswith("qgpu-memory-1-") for d in held[MEM])
+
+
+def test_same_size_pending_pods_are_served_in_bind_order_each_with_its_own_cards(node):
+    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
+    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
+    node.set_pods([late, early])
+    assert node.kubelet.admit(early)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+    assigned = {p["metadata"]["name"]: json.loads(p["metadata"]["annotations"][ASSIGNED]) for p in node.pods()}
+    assert assigned == {"early": ["main"], "late": ["main"]}
+
+
+def test_second_resource_of_a_container_goes_to_the_container_in_flight(node):
+    # 'old' was bound first but kubelet is admitting 'new' (core already served): memory must follow 'new'.
+    old = pod("old", "gpu-node-1", [("main", qgpu(20, 2), [(0, node.uuid(0), 200, 2048)])], bind_time=1)
+    new = pod("new", "gpu-node-1", [("main", qgpu(30, 2), [(1, node.uuid(1), 300, 2048)])], bind_time=2)
+    node.set_pods([old, new])
+    node.kubelet.allocate(CORE, [f"qgpu-core-1-{i}" for i in range(30)])
+    resp = node.kubelet.allocate(MEM, ["qgpu-memory-1-0", "qgpu-memory-1-1"])
+    assert resp.container_responses[0].envs["QGPU_CORE_MILLI"] == "300"
+
+
+def test_containers_of_one_pod_are_served_in_spec_order(node):
+    p = pod("two", "gpu-node-1", [("first", qgpu(20, 2), [(0, node.uuid(0), 200, 2048)]),
+                                   ("second", qgpu(20, 2), [(1, node.uuid(1), 200, 2048)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)
+    assert envs["first"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+    assert envs["second"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+
+
+def test_unmatched_allocate_fails_and_says_why(node):
+    p = pod("small", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 100, 1024)])])
+    node.set_pods([p])
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.allocate(CORE, [f"qgpu-core-0-{i}" for i in range(40)])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/small: next container 'main' asks for 10 tke.cloud.tencent.com/qgpu-core, kubelet sent 40" in err.value.details()
+    assert node.store.grants() == []
+
+
+def test_a_served_container_is_not_served_twice(node):
+    p = pod("once", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 100, 1024)])])
+    node.set_pods([p])
+    node.kubelet.admit(p)
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.allocate(CORE, [f"qgpu-core-0-{i}" for i in range(50, 60)])
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_allocate_without_any_record_is_refused(node):
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.allocate(CORE, ["qgpu-core-0-0"])
+    assert "no pending pod on this node carries a qgpu.io/allocation record" in err.value.details()
+
+
+def test_t9k_percent_request_gets_t9k_variables(node):
+    p = pod("t9k", "gpu-node-1", [("main", {T9K_PCT: "25"}, [(0, node.uuid(0), 0, 4096)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    assert envs["T9K_GPU_PERCENT"] == "25" and envs["T9K_GPU_MEMORY"] == "4096"
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+
+
+def test_xid_marks_the_cards_devices_unhealthy_and_allocate_refuses_them(node):
+    before = node.kubelet.plugins[CORE].updates
+    node.control_write({"unhealthy": {"1": "XID 79"}})
+    node.kubelet.wait_for(lambda: node.kubelet.plugins[CORE].updates > before
+                          and node.kubelet.devices(CORE)["qgpu-core-1-0"] == "Unhealthy")
+    devices = node.kubelet.devices(CORE)
+    assert devices["qgpu-core-0-0"] == "Healthy"
+    assert sum(h == "Unhealthy" for h in devices.values()) == 100
+    p = pod("x", "gpu-node-1", [("main", qgpu(10, 1), [(1, node.uuid(1), 100, 1024)])])
+    node.set_pods([p])
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.allocate(CORE, [f"qgpu-core-0-{i}" for i in range(10)])
+    assert "unhealthy (XID 79)" in err.value.details()
+    assert node.store.cards()[1][1] == "XID 79"
+
+
+def test_plugin_re_registers_after_kubelet_restart(node):
+    first = len(node.kubelet.registrations)
+    node.kubelet.restart()
+    node.kubelet.wait_for(lambda: len(node.kubelet.registrations) >= first + 3
+                          and all(p.devices for p in node.kubelet.plugins.values()), timeout=15)
+    p = pod("after", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 100, 1024)])])
+    node.set_pods([p])
+    assert node.kubelet.admit(p)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+
+
+def test_node_labels_and_annotations_describe_the_cards(node):
+    written = json.loads(node.pods_file.with_suffix(".node.json").read_text())["metadata"]
+    assert written["labels"] == {"qgpu.io/gpu-count": "2", "qgpu.io/gpu-model": "T4", "qgpu.io/gpu-memory-mib": "16384"}
+    cards = json.loads(written["annotations"]["qgpu.io/gpus"])
+    assert [c["uuid"] for c in cards] == [node.uuid(0), node.uuid(1)]
+
+
+def test_concurrent_allocates_serve_every_pending_pod_exactly_once(node):
+    from concurrent.futures import ThreadPoolExecutor
+
+    pods = [pod(f"c{i:02d}", "gpu-node-1", [("main", {CORE: "5"}, [(i % 2, node.uuid(i % 2), 50, 1024)])], bind_time=i + 1)
+            for i in range(16)]
+    node.set_pods(pods)
+    batches = [[f"qgpu-core-{i % 2}-{5 * (i // 2) + k}" for k in range(5)] for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        envs = list(pool.map(lambda ids: node.kubelet.allocate(CORE, ids).container_responses[0].envs, batches))
+    served = sorted(g.pod for g in node.store.grants())
+    assert served == sorted(p["metadata"]["name"] for p in pods)
+    assert sorted(e["NVIDIA_VISIBLE_DEVICES"] for e in envs) == sorted([node.uuid(0)] * 8 + [node.uuid(1)] * 8)
+
+
+def test_restart_releases_pods_deleted_while_the_manager_was_down(node):
+    from qgpu_runtime.gpu.simulated import SimulatedBackend
+    from qgpu_runtime.node.manager import NodeManager
+    from qgpu_runtime.node.pods import FilePodSource
+
+    keep = pod("keep", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 100, 1024)])], bind_time=1)
+    gone = pod("gone", "gpu-node-1", [("main", qgpu(10, 1), [(1, node.uuid(1), 100, 1024)])], bind_time=2)
+    node.set_pods([keep, gone])
+    node.kubelet.admit(keep)
+    node.kubelet.admit(gone)
+    node.manager.stop()
+    keep["status"]["phase"] = "Running"
+    node.set_pods([keep])
+    node.kubelet.forget("default", "gone")
+    backend = SimulatedBackend(node.manager.backend.cards(), node.control)
+    node.manager = NodeManager(node.manager.config, backend, node.store, FilePodSource(node.pods_file))
+    node.manager.start()
+    assert {g.pod for g in node.store.grants()} == {"keep"}
+    assert {s.workload for s in node.store.shares()} == {"keep"}
+    quota_dirs = {d.name for d in (node.root / "state" / "containers").iterdir()}
+    assert quota_dirs == {keep["metadata"]["uid"]}
+
+
+def test_out_of_order_admission_is_detected_at_prestart_and_fixed_by_reconciliation(node):
+    from prometheus_client import generate_latest
+
+    from qgpu_runtime.gpu.simulated import SimulatedBackend
+    from qgpu_runtime.node.manager import NodeManager
+    from qgpu_runtime.node.pods import FilePodSource
+
+    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
+    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
+    node.set_pods([early, late])
+    # kubelet admits 'late' first (same size): Allocate cannot tell and serves the older record.
+    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    text = generate_latest(node.manager.metrics.registry).decode()
+    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-core"} 1.0' in text
+    node.manager.stop()
+    backend = SimulatedBackend(node.manager.backend.cards(), node.control)
+    node.manager = NodeManager(node.manager.config, backend, node.store, FilePodSource(node.pods_file))
+    node.manager.start()
+    # The store now says what kubelet really did: 'late' holds card 1.
+    assert {(s.workload, s.card_index) for s in node.store.shares()} == {("late", 1)}

@@ -1,0 +1,112 @@
+"""The Allocate matching rule, pure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from podfactory import pod, qgpu
+
+from qgpu_runtime.node.matching import NoMatch, match, preferred_devices
+from qgpu_runtime.node.resources import card_of_device
+
+CORE = "tke.cloud.tencent.com/qgpu-core"
+MEM = "tke.cloud.tencent.com/qgpu-memory"
+N = "n1"
+
+
+def one(name, core=30, mem=5, card=0, **kw):
+    return pod(name, N, [("main", qgpu(core, mem), [(card, f"GPU-{card}", core * 10, mem * 1024)])], **kw)
+
+
+def test_oldest_bind_time_wins_among_same_size_pods():
+    pods = [one("c", bind_time=30), one("a", bind_time=10), one("b", bind_time=20)]
+    assert match(N, CORE, 30, pods, set()).pod == "a"
+
+
+def test_served_containers_are_skipped_so_the_next_pod_is_chosen():
+    a, b = one("a", bind_time=10), one("b", bind_time=20)
+    served = {(a["metadata"]["uid"], "main", CORE)}
+    assert match(N, CORE, 30, [a, b], served).pod == "b"
+
+
+def test_in_flight_container_beats_an_older_pod():
+    a, b = one("a", bind_time=10, mem=5), one("b", bind_time=20, mem=5)
+    served = {(b["metadata"]["uid"], "main", CORE)}
+    m = match(N, MEM, 5, [a, b], served)
+    assert (m.pod, m.in_flight) == ("b", True)
+
+
+def test_size_must_equal_the_containers_quantity():
+    pods = [one("a", core=30, bind_time=1), one("b", core=40, bind_time=2)]
+    assert match(N, CORE, 40, pods, set()).pod == "b"
+
+
+def test_pods_without_bind_time_come_last_then_by_name():
+    pods = [one("z", bind_time=None), one("y", bind_time=5), one("x", bind_time=None)]
+    order = []
+    served: set = set()
+    for _ in range(3):
+        m = match(N, CORE, 30, pods, served)
+        order.append(m.pod)
+        served.add((m.pod_uid, m.container, CORE))
+    assert order == ["y", "x", "z"]
+
+
+def test_running_deleted_and_foreign_pods_are_not_candidates():
+    running = one("run", bind_time=1, phase="Running")
+    deleting = one("del", bind_time=2)
+    deleting["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
+    elsewhere = one("far", bind_time=3, record_node="n2")
+    with pytest.raises(NoMatch) as err:
+        match(N, CORE, 30, [running, deleting, elsewhere], set())
+    assert "default/far: record is for node 'n2'" in str(err.value)
+
+
+def test_unknown_record_version_is_named():
+    p = one("v", bind_time=1)
+    rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
+    rec["version"] = 7
+    p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
+    with pytest.raises(NoMatch, match="version 7 is unknown"):
+        match(N, CORE, 30, [p], set())
+
+
+def test_preferred_devices_spread_over_the_predicted_cards_after_must_include():
+    available = [f"qgpu-core-{c}-{i}" for c in range(3) for i in range(100)]
+    chosen = preferred_devices(available, ["qgpu-core-0-5"], 7, [1, 2], card_of_device)
+    assert chosen[0] == "qgpu-core-0-5"
+    assert [card_of_device(d) for d in chosen[1:]] == [1, 1, 1, 2, 2, 2]
+
+
+def test_preferred_devices_fill_from_elsewhere_when_the_card_is_short():
+    chosen = preferred_devices(["qgpu-core-0-0", "qgpu-core-1-0", "qgpu-core-1-1"], [], 2, [0], card_of_device)
+    assert chosen == ["qgpu-core-0-0", "qgpu-core-1-0"]
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(0, 3), st.booleans()), min_size=1, max_size=8),
+       st.randoms(use_true_random=False))
+def test_admission_in_bind_order_gives_every_container_its_own_record(shapes, rnd):
+    """Pods of random (often equal) sizes, one or two containers, core+memory resources each:
+    when kubelet admits in bind order, every container receives exactly its own record."""
+    pods = []
+    for i, (size, card, two) in enumerate(shapes):
+        containers = [("a", qgpu(size * 10, size), [(card, f"GPU-{card}", size * 100, size * 1024)])]
+        if two:
+            containers.append(("b", qgpu(size * 10, size), [(card + 4, f"GPU-{card + 4}", size * 100, size * 1024)]))
+        pods.append(pod(f"p{i}", N, containers, bind_time=i + 1))
+    listed = pods[:]
+    rnd.shuffle(listed)  # the API returns pods in any order
+    served: set = set()
+    for p in pods:
+        for c in p["spec"]["containers"]:
+            for resource in (CORE, MEM):
+                size = int(c["resources"]["limits"][resource])
+                m = match(N, resource, size, listed, served)
+                assert (m.pod, m.container) == (p["metadata"]["name"], c["name"])
+                served.add((m.pod_uid, m.container, resource))

@@ -1,0 +1,68 @@
+"""`qgpu status`: cluster records and store files rendered through the shared view."""
+
+from __future__ import annotations
+
+import json
+
+from podfactory import pod, qgpu
+
+from qgpu_runtime.cli import main
+from qgpu_runtime.gpu.simulated import build_cards, parse_spec
+from qgpu_runtime.node.nodeinfo import node_metadata
+from qgpu_runtime.node.store import Share, Store
+from qgpu_runtime.status_cmd import cluster_status, kubectl_main
+
+
+def node_obj(name, spec="2xT4-16G", policy="fixed-share"):
+    labels, notes = node_metadata(build_cards(parse_spec(spec), name), {}, policy)
+    return {"metadata": {"name": name, "labels": labels, "annotations": notes}}, build_cards(parse_spec(spec), name)
+
+
+def test_cluster_status_sums_live_records_per_card():
+    n1, cards = node_obj("n1")
+    pods = [pod("a", "n1", [("main", qgpu(30, 5), [(0, cards[0].uuid, 300, 5120)])], phase="Running"),
+            pod("b", "n1", [("main", qgpu(20, 2), [(0, cards[0].uuid, 200, 2048)])], klass="offline"),
+            pod("old", "n1", [("main", qgpu(50, 5), [(1, cards[1].uuid, 500, 5120)])], phase="Succeeded")]
+    (status,) = cluster_status([n1], pods)
+    assert (status.name, status.policy) == ("n1", "fixed-share")
+    c0, c1 = status.cards
+    assert (c0.model, c0.memory_mib, c0.core_allocated_milli, c0.memory_allocated_mib) == ("T4", 16384, 500, 7168)
+    assert [(w.name, w.klass) for w in c0.workloads] == [("default/a", "normal"), ("default/b", "offline")]
+    assert c1.workloads == () and c1.core_allocated_milli == 0
+
+
+def test_cluster_status_shows_nodes_known_only_from_records():
+    p = pod("a", "bare", [("main", qgpu(30, 5), [(0, "GPU-x", 300, 5120)])])
+    (status,) = cluster_status([], [p])
+    assert (status.name, status.cards[0].model, status.cards[0].uuid) == ("bare", "?", "GPU-x")
+
+
+def write_store(path):
+    s = Store(path)
+    cards = build_cards(parse_spec("1xV100-32G"), "host")
+    s.sync_cards(cards)
+    s.set_meta({"node": "host", "policy": "burst-share"})
+    s.record(__import__("qgpu_runtime.node.store", fromlist=["Grant"]).Grant("j1", "", "train", "", "job", ("x",), 1),
+             [Share("j1", "", "train", "", 0, cards[0].uuid, 300, 4096, "offline", 1)])
+    s.close()
+
+
+def test_status_json_from_a_store_file(tmp_path, capsys):
+    write_store(tmp_path / "meta.db")
+    assert main(["status", "--standalone-db", str(tmp_path / "meta.db"), "--json"]) == 0
+    (n,) = json.loads(capsys.readouterr().out)["nodes"]
+    assert (n["name"], n["policy"]) == ("host", "burst-share")
+    assert n["cards"][0]["workloads"] == [{"name": "train", "core_milli": 300, "memory_mib": 4096, "klass": "offline"}]
+
+
+def test_kubectl_plugin_table_from_a_store_file(tmp_path, capsys):
+    write_store(tmp_path / "meta.db")
+    assert kubectl_main(["status", "--standalone-db", str(tmp_path / "meta.db")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["NODE", "POLICY", "CARD"]
+    assert "train(30%/4096MiB,offline)" in out[1] and "V100" in out[1]
+
+
+def test_status_names_a_missing_store(tmp_path, capsys):
+    assert main(["status", "--standalone-db", str(tmp_path / "nope.db")]) == 1
+    assert "nope.db: no such store file" in capsys.readouterr().err

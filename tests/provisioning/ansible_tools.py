@@ -1,0 +1,52 @@
+"""Helpers for the provisioning tests: where the checkout and its Ansible tools are, and how to
+run ansible-playbook / molecule against localhost. (A plain module, not a conftest, so its name
+cannot collide with other test folders' conftest modules.)"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+ROLES = sorted(p.parent.parent.parent.name for p in (REPO / "roles").glob("*/molecule/default/molecule.yml"))
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished ansible-playbook or molecule run."""
+
+    returncode: int
+    output: str
+
+    def recap_changed(self) -> int:
+        """Sum of changed=N over the PLAY RECAP lines."""
+        total = 0
+        for line in self.output.splitlines():
+            if " changed=" in line and "ok=" in line:
+                total += int(line.split(" changed=")[1].split()[0])
+        return total
+
+
+def tool_env(**extra: str) -> dict[str, str]:
+    """Environment for Ansible tools: this venv first on PATH, no colours. Playbooks run from the
+    repository root, so its ansible.cfg applies; molecule writes its own."""
+    env = dict(os.environ)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["ANSIBLE_NOCOLOR"] = "1"
+    env["NO_COLOR"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_tool(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env: str) -> Run:
+    proc = subprocess.run(argv, cwd=cwd, env=tool_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=timeout, check=False)
+    return Run(proc.returncode, proc.stdout)
+
+
+def ansible_playbook(*args: str, timeout: int = 600) -> Run:
+    return run_tool([str(BIN / "ansible-playbook"), *args], timeout=timeout)

@@ -1,0 +1,87 @@
+"""The extender config as the role renders it for every kube-scheduler config format, checked
+against the field names each format documents (kube-scheduler config/<version>/types.go and the
+1.14-era scheduler Policy API; see docs/provisioning.md). The v1 file is additionally loaded by
+a real kube-scheduler in tests/k8s once that fixture exists."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ansible_tools import REPO, ansible_playbook
+
+# The first (and for Policy, a middle) release of each format; test_scheduler_wiring.py covers
+# the version-to-format table in full.
+VERSIONS = {"1.16.15": "policy", "1.19.16": "v1beta1", "1.22.17": "v1beta2", "1.23.17": "v1beta3", "1.25.16": "v1"}
+
+# Extender fields of the legacy Policy (pkg/scheduler/api/v1 types.go): Go names decoded
+# case-insensitively, enableHttps spelt with a lower-case "ttps", httpTimeout a time.Duration (ns).
+POLICY_EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeVerb", "weight", "bindVerb",
+                          "enableHttps", "tlsConfig", "httpTimeout", "nodeCacheCapable", "managedResources", "ignorable"}
+# KubeSchedulerConfiguration v1beta1..v1 Extender: enableHTTPS, httpTimeout a metav1.Duration string.
+CONFIG_EXTENDER_FIELDS = (POLICY_EXTENDER_FIELDS - {"enableHttps"}) | {"enableHTTPS"}
+TLS_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
+MANAGED_RESOURCE_FIELDS = {"name", "ignoredByScheduler"}
+CONFIG_TOP_LEVEL = {"apiVersion", "kind", "clientConnection", "leaderElection", "extenders"}
+GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    sandbox = tmp_path_factory.mktemp("masters")
+    run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                           "-e", json.dumps({"sandbox": str(sandbox), "versions": list(VERSIONS)}))
+    assert run.returncode == 0, run.output[-4000:]
+    return sandbox
+
+
+def load_config(rendered: Path, version: str) -> dict:
+    qgpu = rendered / version / "etc/kubernetes/qgpu"
+    if VERSIONS[version] == "policy":
+        return json.loads((qgpu / "scheduler-policy.json").read_text())
+    return yaml.safe_load((qgpu / "kube-scheduler-config.yaml").read_text())
+
+
+@pytest.mark.parametrize("version", [v for v, f in VERSIONS.items() if f == "policy"])
+def test_policy_uses_the_legacy_field_names_and_integer_nanoseconds(rendered: Path, version: str) -> None:
+    policy = load_config(rendered, version)
+    assert set(policy) == {"kind", "apiVersion", "extenders"}
+    assert (policy["kind"], policy["apiVersion"]) == ("Policy", "v1")
+    (extender,) = policy["extenders"]
+    assert set(extender) == POLICY_EXTENDER_FIELDS
+    assert extender["enableHttps"] is True
+    assert extender["httpTimeout"] == 15_000_000_000 and isinstance(extender["httpTimeout"], int)
+    assert set(extender["tlsConfig"]) <= TLS_FIELDS
+    assert all(set(r) == MANAGED_RESOURCE_FIELDS for r in extender["managedResources"])
+
+
+@pytest.mark.parametrize("version", [v for v, f in VERSIONS.items() if f != "policy"])
+def test_component_config_uses_its_field_names_and_a_duration_string(rendered: Path, version: str) -> None:
+    config = load_config(rendered, version)
+    assert set(config) == CONFIG_TOP_LEVEL
+    assert config["apiVersion"] == f"kubescheduler.config.k8s.io/{VERSIONS[version]}"
+    assert config["kind"] == "KubeSchedulerConfiguration"
+    assert config["clientConnection"] == {"kubeconfig": "/etc/kubernetes/scheduler.conf"}
+    assert config["leaderElection"] == {"leaderElect": True}
+    (extender,) = config["extenders"]
+    assert set(extender) == CONFIG_EXTENDER_FIELDS
+    assert extender["enableHTTPS"] is True
+    assert extender["httpTimeout"] == "15s" and GO_DURATION.match(extender["httpTimeout"])
+    assert set(extender["tlsConfig"]) <= TLS_FIELDS
+    assert all(set(r) == MANAGED_RESOURCE_FIELDS for r in extender["managedResources"])
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_the_manifest_loads_exactly_the_rendered_file(rendered: Path, version: str) -> None:
+    manifest = yaml.safe_load((rendered / version / "etc/kubernetes/manifests/kube-scheduler.yaml").read_text())
+    args = manifest["spec"]["containers"][0]["args"]
+    if VERSIONS[version] == "policy":
+        assert args == ["--policy-config-file=/etc/kubernetes/qgpu/scheduler-policy.json", "--use-legacy-policy-config=true"]
+    else:
+        assert args == ["--config=/etc/kubernetes/qgpu/kube-scheduler-config.yaml"]
+    other = "kube-scheduler-config.yaml" if VERSIONS[version] == "policy" else "scheduler-policy.json"
+    assert not (rendered / version / "etc/kubernetes/qgpu" / other).exists()

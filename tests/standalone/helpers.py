@@ -1,0 +1,77 @@
+"""Run the real `qgpu` commands as subprocesses against a temporary standalone database."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONUNBUFFERED"] = "1"
+    return e
+
+
+def qgpu(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "qgpu_runtime.cli", *args], env=env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def qgpu_done(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qgpu_runtime.cli", *args], env=env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def rows(db: Path, sql: str) -> list[tuple]:
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def wait_for(predicate, timeout: float = 20.0, every: float = 0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = predicate()
+        if got:
+            return got
+        time.sleep(every)
+    raise AssertionError(f"condition not met within {timeout}s")
+
+
+def proc_state(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return raw[raw.rindex(")") + 2]
+
+
+def job_pgids(db: Path) -> dict[str, int]:
+    """Running jobs by name; empty while the database is still being created."""
+    try:
+        return {r[0]: r[1] for r in rows(db, "SELECT name, pgid FROM jobs WHERE pgid IS NOT NULL")}
+    except sqlite3.OperationalError:
+        return {}
+
+
+def stop(p: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20) -> int:
+    if p.poll() is None:
+        p.send_signal(sig)
+    return p.wait(timeout=timeout)
+
+
+def write_json(path: Path, value) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value))
+    tmp.replace(path)

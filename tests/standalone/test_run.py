@@ -1,0 +1,107 @@
+"""`qgpu run`: booking through the placement engine, concurrency, release on every kind of exit."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from qgpu_runtime.standalone.host_status import host_status
+from qgpu_runtime.standalone.store import Store
+
+from .helpers import job_pgids, proc_state, qgpu, qgpu_done, rows, wait_for
+
+SIM = ("--gpu-backend", "simulated", "--simulated-gpus", "2xT4-16G")
+
+
+def test_job_gets_its_card_and_quota_in_the_environment_and_its_exit_code_back(db):
+    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--",
+                     "sh", "-c", 'echo "$CUDA_VISIBLE_DEVICES $QGPU_CORE_MILLI $QGPU_MEMORY_MIB"; exit 7')
+    assert done.returncode == 7
+    uuid, core, memory = done.stdout.split()
+    assert uuid.startswith("GPU-") and (core, memory) == ("300", "5120")
+    assert rows(db, "SELECT count(*) FROM jobs") == [(0,)] and rows(db, "SELECT count(*) FROM shares") == [(0,)]
+
+
+def test_many_concurrent_runs_never_overbook_a_card(db):
+    assert qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true").returncode == 0
+    # 2 cards x 2 shares of 40 % fit; 12 runs race for them
+    runs = [qgpu("run", "--dbfile", str(db), "--core", "40", "--memory", "1", "--", "sleep", "3") for _ in range(12)]
+    codes = [p.wait(timeout=60) for p in runs]
+    assert sorted(codes) == [0] * 4 + [75] * 8
+    errors = [p.stderr.read() for p in runs]
+    assert sum("does not fit now" in e for e in errors) == 8
+
+
+def test_a_job_that_does_not_fit_fails_with_the_reason(db):
+    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "20", "--", "true")
+    assert done.returncode == 75
+    assert "does not fit now" in done.stderr and "--wait" in done.stderr
+
+
+def test_bad_request_names_the_flag_value_and_rule(db):
+    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "150", "--memory", "5", "--", "true")
+    assert done.returncode == 2 and "--core 150" in done.stderr and "multiple of 100" in done.stderr
+    online = qgpu_done("run", "--dbfile", str(db), "--class", "online", "--core", "30", "--memory", "5", "--", "true")
+    assert online.returncode == 2 and "--core" in online.stderr and "memory only" in online.stderr
+
+
+def test_without_recorded_cards_or_a_backend_the_error_says_what_to_do(db):
+    done = qgpu_done("run", "--dbfile", str(db), "--core", "30", "--memory", "5", "--", "true")
+    assert done.returncode == 2 and "qgpu manager serve --standalone" in done.stderr
+
+
+def test_nvml_failure_is_a_clear_error_never_a_simulated_fallback(db, no_nvidia_driver):
+    done = qgpu_done("run", "--dbfile", str(db), "--gpu-backend", "nvml", "--core", "30", "--memory", "5", "--", "true")
+    assert done.returncode == 2 and "nvml" in done.stderr.lower()
+    assert rows(db, "SELECT count(*) FROM cards") == [(0,)]
+
+
+def test_wait_starts_the_job_once_room_is_released(db):
+    first = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                 "--core", "80", "--memory", "8", "--", "sleep", "1.5")
+    wait_for(lambda: job_pgids(db))
+    t0 = time.monotonic()
+    second = qgpu_done("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--", "true")
+    assert second.returncode == 0 and "waiting for room" in second.stderr
+    assert first.wait(timeout=30) == 0 and time.monotonic() - t0 > 0.5
+
+
+def test_wait_timeout_gives_up_with_the_reason(db):
+    first = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                 "--core", "80", "--memory", "8", "--", "sleep", "5")
+    wait_for(lambda: job_pgids(db))
+    done = qgpu_done("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--wait-timeout", "0.5", "--", "true")
+    assert done.returncode == 75 and "still does not fit" in done.stderr
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=30)
+
+
+def test_ctrl_c_reaches_the_job_and_the_booking_is_released(db):
+    p = qgpu("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--", "sleep", "30")
+    wait_for(lambda: job_pgids(db))
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=20) == 128 + signal.SIGINT
+    assert rows(db, "SELECT count(*) FROM jobs") == [(0,)]
+
+
+def test_a_killed_supervisor_takes_its_job_down_and_the_booking_is_reaped(db):
+    p = qgpu("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--", "sleep", "30")
+    pgid = wait_for(lambda: job_pgids(db).get("sleep"))
+    p.kill()
+    p.wait(timeout=10)
+    wait_for(lambda: proc_state(pgid) in (None, "Z"))
+    store = Store(str(db))
+    try:
+        assert [c.workloads for c in host_status(store).cards] == [(), ()]  # the reader reaps first
+    finally:
+        store.close()
+    assert rows(db, "SELECT count(*) FROM jobs") == [(0,)]
+
+
+def test_qgpu_status_reads_the_standalone_database(db):
+    p = qgpu("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--name", "train", "--", "sleep", "30")
+    wait_for(lambda: job_pgids(db))
+    table = qgpu_done("status", "--standalone-db", str(db)).stdout
+    assert "best-effort" in table and "T4" in table and "train(30%/5120MiB)" in table
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
