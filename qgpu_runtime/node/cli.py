@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -72,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         pods = KubePodSource(args.kubeconfig)
     manager = NodeManager(config, backend, store, pods)
     stop = threading.Event()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     manager.start()
@@ -82,7 +84,11 @@ def run(args: argparse.Namespace) -> int:
         log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
              ", ".join(k.name for k in config.resources))
-    stop.wait()
+    # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
+    # threads, and then only a main thread that wakes up on its own runs the Python handler.
+    while not stop.wait(0.5):
+        pass
+    log.info("stopping")
     manager.stop()
     store.close()
     return 0

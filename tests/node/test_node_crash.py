@@ -92,7 +92,14 @@ def test_store_stays_consistent_through_kill_9_mid_allocate(short_tmp):
         for p in list(queue):
             kubelet.admit(p)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        try:
+            assert proc.wait(timeout=30) == 0
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGUSR1)  # the manager dumps its threads' stacks into manager.log
+            time.sleep(1)
+            proc.kill()
+            raise AssertionError("manager ignored SIGTERM for 30 s; its log and stacks:\n"
+                                 + (root / "manager.log").read_text()[-8000:]) from None
     finally:
         kubelet.stop()
 
