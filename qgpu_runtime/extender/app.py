@@ -21,9 +21,10 @@ from qgpu_runtime.extender.wire import (
     FilterResult,
     WireError,
     encode_binding_result,
-    encode_priorities,
+    encode_priorities_json,
 )
 from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.kube.serving import RawJSON
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
 log = logging.getLogger(__name__)
@@ -115,10 +116,10 @@ class ExtenderApp:
         try:
             request = self._request(args.pod)
         except RequestError:
-            return 200, encode_priorities({n: 0 for n in names})
-        if not request.wants_gpu:
-            return 200, encode_priorities({n: 0 for n in names})
-        return 200, encode_priorities(self.cache.prioritize(args.pod, request, names))
+            request = None
+        if request is None or not request.wants_gpu:
+            return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
+        return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(args.pod, request, names)))
 
     def bind(self, body: bytes) -> Response:
         args = BindingArgs.decode(body)

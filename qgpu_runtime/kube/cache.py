@@ -27,6 +27,7 @@ import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any, Iterable, Mapping
 
 import numpy as np
@@ -126,8 +127,8 @@ class AllocationCache:
         self._empty: ClusterState | None = None
         self._version = 0
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
-        self._never: OrderedDict[tuple, dict[str, str]] = OrderedDict()
-        self._memo: tuple[str, int, dict[str, int]] | None = None
+        self._never: OrderedDict[tuple, np.ndarray] = OrderedDict()
+        self._memo: tuple[str, int, np.ndarray] | None = None
         self.problems: list[str] = []
         self.synced = threading.Event()
 
@@ -308,19 +309,25 @@ class AllocationCache:
                     self._seen.popitem(last=False)
             state = self.state()
             self._forget_stale_assumption(state, pod)
-            scores, failed = engine.score(state, request, self.policy, names)
+            scored = engine.score_rows(state, request, self.policy, state.rows_of(names))
+            ok = scored.score >= 0
+            failed: dict[str, str] = {}
             unresolvable: dict[str, str] = {}
-            if failed:
+            if not ok.all():
+                # Unknown nodes and nodes this shape could not fit even empty: preemption cannot help.
                 never = self._never_fits(request)
-                for name in [n for n in failed if n in never or n not in state.index]:
-                    unresolvable[name] = failed.pop(name)
-            held = self._hold(state, key, request, scores, names, now_ns) if scores else None
-            self._memo = (key, self._version, scores)
-        passed = [n for n in names if n in scores]
-        return FilterOutcome(passed, failed, unresolvable, held)
+                hopeless = ~ok & ((scored.rows < 0) | never[np.where(scored.rows >= 0, scored.rows, 0)])
+                for into, pick in ((unresolvable, hopeless), (failed, ~ok & ~hopeless)):
+                    if pick.any():
+                        into.update(zip(compress(names, pick.tolist()),
+                                        map(engine.REASONS.__getitem__, scored.code[pick].tolist())))
+            held = self._hold(state, key, request, scored, names, now_ns) if ok.any() else None
+            self._memo = (key, self._version, scored.node_score)
+        return FilterOutcome(list(compress(names, ok.tolist())), failed, unresolvable, held)
 
-    def _never_fits(self, request: PodRequest) -> dict[str, str]:
-        """Nodes that could not take this shape of request even empty (preemption cannot help).
+    def _never_fits(self, request: PodRequest) -> np.ndarray:
+        """By state row: nodes that could not take this shape of request even empty (preemption
+        cannot help).
 
         Depends only on the request's shape and the node specs, so it is computed once per shape
         over all nodes and kept until the node set changes: a burst of identical pods pays once.
@@ -331,17 +338,18 @@ class AllocationCache:
         never = self._never.get(shape)
         if never is None:
             assert self._empty is not None
-            _, never = engine.score(self._empty, request, self.policy, list(self._empty.names))
+            empty = self._empty
+            never = engine.score_rows(empty, request, self.policy, np.arange(empty.node_count)).score < 0
             self._never[shape] = never
             while len(self._never) > 256:
                 self._never.popitem(last=False)
         return never
 
-    def _hold(self, state: ClusterState, key: str, request: PodRequest, scores: dict[str, int], names: list[str], now_ns: int) -> str | None:
-        top = max(scores.values())
-        best = next(n for n in names if scores.get(n) == top)  # first of the best, in the scheduler's order
+    def _hold(self, state: ClusterState, key: str, request: PodRequest, scored: engine.Scored, names: list[str], now_ns: int) -> str | None:
+        at = int(np.argmax(scored.score))  # the first of the best, in the scheduler's order
+        best = names[at]
         mask = np.zeros(state.node_count, dtype=bool)
-        mask[state.index[best]] = True
+        mask[scored.rows[at]] = True
         try:
             placement = engine.place(state, request, self.policy, mask)
             self._commit(state, key, placement)
@@ -351,23 +359,29 @@ class AllocationCache:
         self._tentative[key] = now_ns
         return best
 
-    def prioritize(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> dict[str, int]:
-        """Scores as if this pod held nothing yet (its own tentative hold is set aside)."""
+    def prioritize_scores(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> np.ndarray:
+        """Scores aligned with ``names`` as if this pod held nothing yet (its own tentative hold is
+        set aside); 0 for nodes that failed."""
         key = pod_key(pod)
         with self.lock:
             state = self.state()
+            rows = state.rows_of(names)
             if self._memo is not None and self._memo[0] == key and self._memo[1] == self._version:
-                scores = self._memo[2]  # nothing changed since this pod's filter
+                node_score = self._memo[2]  # nothing changed since this pod's filter
             else:
                 held = state.bookings.get(key) if key in self._tentative else None
                 if held is not None:
                     state.release(key)
                 try:
-                    scores, _ = engine.score(state, request, self.policy, names)
+                    node_score = engine.score_rows(state, request, self.policy, rows).node_score
                 finally:
                     if held is not None:
                         state.commit(key, held)
-        return {n: scores.get(n, 0) for n in names}
+        return np.where(rows >= 0, node_score[np.where(rows >= 0, rows, 0)], 0).clip(0, engine.MAX_SCORE)
+
+    def prioritize(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> dict[str, int]:
+        """:meth:`prioritize_scores` as a dict by node name."""
+        return dict(zip(names, self.prioritize_scores(pod, request, names).tolist()))
 
     def reserve(self, pod: Mapping[str, Any], request: PodRequest, node: str, now_ns: int) -> AllocationRecord:
         """Pick cards on ``node`` and book them, pinned until our record shows up in the watch.

@@ -23,6 +23,10 @@ PostHandler = Callable[[str, bytes], tuple[int, Any]]
 GetHandler = Callable[[], tuple[int, str, bytes]]
 
 
+class RawJSON(bytes):
+    """A handler's answer already encoded as JSON; sent as is (hot paths skip ``json.dumps``)."""
+
+
 @dataclass
 class Routes:
     """POST prefix → handler(rest_of_path, body) returning (status, JSON value);
@@ -60,7 +64,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, status: int, value: Any) -> None:
-        self._send(status, "application/json", json.dumps(value, separators=(",", ":")).encode())
+        body = value if isinstance(value, RawJSON) else json.dumps(value, separators=(",", ":")).encode()
+        self._send(status, "application/json", body)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         handler = self.routes.get.get(self.path.split("?", 1)[0])

@@ -36,7 +36,9 @@ _REASONS = {
     7: "not enough whole free cards",
     8: "the whole node is not free",
     9: "node has no GPUs",
+    10: "node unknown to qgpu (no GPU inventory reported yet)",
 }
+UNKNOWN_NODE = 10
 
 
 class Unschedulable(Exception):
@@ -290,32 +292,63 @@ def place(state: ClusterState, req: PodRequest, policy: Policy, nodes: np.ndarra
     return _placement(state, req, int(ranked.rows[best]), ranked.slots(best))
 
 
-def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
-    """Extender view: a 0..10 score per feasible node among ``names`` and a reason per failed one.
+@dataclass(frozen=True)
+class Scored:
+    """The extender's view of one candidate list, as arrays aligned with that list.
 
-    Unknown node names fail with a reason rather than raising, since the scheduler may know nodes
-    the cache has not seen yet.
+    ``rows``: each name's state row (-1: unknown node); ``score``: 0..10, or -1 where the node
+    failed; ``code``: 0 where it passed, else the key of its reason in ``REASONS``;
+    ``node_score``: the same scores by state row (-1 for rows not scored), so a later call with
+    another list of names can look them up without scoring again.
     """
+
+    rows: np.ndarray
+    score: np.ndarray
+    code: np.ndarray
+    node_score: np.ndarray
+
+
+REASONS = _REASONS
+
+
+def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray) -> Scored:
+    """Score the nodes at ``rows`` (from :meth:`ClusterState.rows_of`) in one vector pass.
+
+    No per-node Python work: a kube-scheduler that sends 5,000 names pays for numpy, not for a
+    loop over them.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    known = rows >= 0
     mask = np.zeros(state.node_count, dtype=bool)
-    failed: dict[str, str] = {}
-    for name in names:
-        if name in state.index:
-            mask[state.index[name]] = True
-        else:
-            failed[name] = "node unknown to qgpu (no GPU inventory reported yet)"
+    mask[rows[known]] = True
     feasible, allowed = check_nodes(state, req)
     feasible = Feasibility(feasible.ok & mask, feasible.code)
     ranked = rank(state, req, policy, feasible, allowed)
-    failed.update(feasible.reasons(state, np.nonzero(mask)[0]))
-    kept = set(int(r) for r in ranked.rows)
-    for r in np.nonzero(feasible.ok)[0]:
-        if int(r) not in kept:
-            failed[state.names[r]] = _REASONS[6]
-    scores: dict[str, int] = {}
+    node_score = np.full(state.node_count, -1, dtype=np.int64)
     if len(ranked.rows):
         key = ranked.tier * (np.ptp(ranked.cost) + 1.0) + ranked.cost
         lo, hi = float(key.min()), float(key.max())
         span = hi - lo
-        for r, k in zip(ranked.rows, key):
-            scores[state.names[int(r)]] = MAX_SCORE if span == 0 else int(round(MAX_SCORE * (hi - float(k)) / span))
+        if span == 0:
+            node_score[ranked.rows] = MAX_SCORE
+        else:
+            node_score[ranked.rows] = np.round(MAX_SCORE * (hi - key) / span).astype(np.int64)
+    node_code = feasible.code.copy()
+    node_code[(node_code == 0) & (node_score < 0)] = 6  # feasible, but no card choice survived ranking
+    safe = np.where(known, rows, 0)
+    score = np.where(known, node_score[safe], -1)
+    code = np.where(known, node_code[safe], UNKNOWN_NODE)
+    return Scored(rows, score, code, node_score)
+
+
+def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
+    """Extender view as dicts: a 0..10 score per feasible node among ``names`` and a reason per
+    failed one (see :func:`score_rows` for the array form the extender serves from).
+
+    Unknown node names fail with a reason rather than raising, since the scheduler may know nodes
+    the cache has not seen yet.
+    """
+    s = score_rows(state, req, policy, state.rows_of(names))
+    scores = {n: v for n, v in zip(names, s.score.tolist()) if v >= 0}
+    failed = {n: _REASONS[c] for n, c in zip(names, s.code.tolist()) if c}
     return scores, failed

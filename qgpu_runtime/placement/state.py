@@ -10,6 +10,7 @@ replaying the same allocation twice or releasing twice changes nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -148,6 +149,10 @@ class ClusterState:
     @property
     def node_count(self) -> int:
         return len(self.names)
+
+    def rows_of(self, names: Sequence[str]) -> np.ndarray:
+        """Each name's row, -1 for names this state does not know (one C-level pass)."""
+        return np.fromiter(map(self.index.get, names, repeat(-1)), dtype=np.int64, count=len(names))
 
     @property
     def max_cards(self) -> int:

@@ -6,7 +6,17 @@ import json
 
 import pytest
 
-from qgpu_runtime.extender.wire import BindingArgs, ExtenderArgs, FilterResult, WireError, encode_priorities
+from hypothesis import given
+from hypothesis import strategies as st
+
+from qgpu_runtime.extender.wire import (
+    BindingArgs,
+    ExtenderArgs,
+    FilterResult,
+    WireError,
+    encode_priorities,
+    encode_priorities_json,
+)
 
 POD = {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": []}}
 
@@ -58,3 +68,13 @@ def test_binding_args_need_pod_name_and_node():
         BindingArgs.decode(json.dumps({"PodName": "p"}))
     with pytest.raises(WireError, match="PodUID"):
         BindingArgs.decode(json.dumps({"PodName": "p", "Node": "n", "PodUID": 5}))
+
+
+@given(st.lists(st.tuples(st.text(), st.integers(-5, 20))))
+def test_priorities_as_json_bytes_equal_the_dict_form_for_any_host_name(pairs):
+    """The hot-path encoder (no per-host dicts) says exactly what json.dumps of the dict form says,
+    for any names: quotes, backslashes, control characters and non-ASCII included."""
+    names = [n for n, _ in pairs]
+    scores = [s for _, s in pairs]
+    want = [{"Host": n, "Score": max(0, min(10, s))} for n, s in pairs]
+    assert json.loads(encode_priorities_json(names, scores)) == want

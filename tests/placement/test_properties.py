@@ -194,3 +194,61 @@ def test_frag_whole_card_and_cpu_only_costs_equal_scoring_the_after_state(data, 
     tie = pol.tie_weight * (0.5 * cpu_a / np.maximum(state.cpu_cap[rows], 1)
                             + 0.5 * free_a.sum(axis=1) / np.maximum(state.n_cards[rows] * 1000, 1))
     assert np.allclose(cost, after - before + balance + tie, atol=1e-6)
+
+
+def reference_scores(state: ClusterState, req: PodRequest, policy, names: list[str]):
+    """The extender's scores computed the slow, obvious way: one node at a time.
+
+    A node passes when ``place`` restricted to it succeeds; its cost is the ranking key of that
+    node alone; scores then spread the keys of the passing nodes linearly over 0..10 (best = 10).
+    """
+    from qgpu_runtime.placement.engine import REASONS, Feasibility, rank
+
+    feasible, allowed = check_nodes(state, req)
+    keys: dict[str, tuple[int, float]] = {}
+    failed: dict[str, str] = {}
+    for name in names:
+        if name not in state.index:
+            failed[name] = REASONS[10]
+            continue
+        r = state.index[name]
+        if not feasible.ok[r]:
+            failed[name] = REASONS[int(feasible.code[r])]
+            continue
+        only = np.zeros(state.node_count, dtype=bool)
+        only[r] = True
+        ranked = rank(state, req, policy, Feasibility(feasible.ok & only, feasible.code), allowed)
+        if not len(ranked.rows):
+            failed[name] = REASONS[6]
+            continue
+        keys[name] = (int(ranked.tier[0]), float(ranked.cost[0]))
+    if not keys:
+        return {}, failed
+    costs = [c for _, c in keys.values()]
+    spread = max(costs) - min(costs) + 1.0
+    flat = {n: t * spread + c for n, (t, c) in keys.items()}
+    lo, hi = min(flat.values()), max(flat.values())
+    return {n: 10 if hi == lo else int(round(10 * (hi - k) / (hi - lo))) for n, k in flat.items()}, failed
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), nodes=clusters(), policy=st.sampled_from(["binpack", "spread", "bestfit"]))
+def test_vector_scores_equal_the_node_by_node_reference(data, nodes, policy):
+    """score_rows (one numpy pass over the scheduler's list) against a per-node loop, on random
+    clusters, bookings and candidate lists with unknown and repeated names."""
+    from qgpu_runtime.placement.engine import score, score_rows
+
+    state = ClusterState(nodes)
+    pol = make_policy(policy)
+    for i in range(data.draw(st.integers(0, 8))):
+        req = data.draw(requests(i))
+        try:
+            state.commit(req.name, place(state, req, pol))
+        except Unschedulable:
+            pass
+    req = data.draw(requests(99))
+    names = data.draw(st.lists(st.sampled_from([n.name for n in nodes] + ["ghost"]), max_size=8))
+    want_scores, want_failed = reference_scores(state, req, pol, names)
+    assert score(state, req, pol, names) == (want_scores, want_failed)
+    scored = score_rows(state, req, pol, state.rows_of(names))
+    assert [want_scores.get(n, -1) for n in names] == scored.score.tolist()
