@@ -30,7 +30,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.kube.cache import AllocationCache, Expired
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, record_annotations
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
@@ -148,7 +148,7 @@ class Binder:
 
         def attempt() -> None:
             try:
-                self.api.create_namespaced_binding(namespace, body, _preload_content=False, _request_timeout=self.timeout)
+                drain(self.api.create_namespaced_binding(namespace, body, _preload_content=False, _request_timeout=self.timeout))
             except ApiException as exc:
                 if exc.status == 409:
                     # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
@@ -176,9 +176,9 @@ class Binder:
         ]
         if BIND_TIME in annotations:
             ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(BIND_TIME)}"})
-        with_backoff(lambda: self.api.patch_namespaced_pod(
+        with_backoff(lambda: drain(self.api.patch_namespaced_pod(
             name, namespace, ops, _content_type="application/json-patch+json",
-            _preload_content=False, _request_timeout=self.timeout), attempts=self.attempts)
+            _preload_content=False, _request_timeout=self.timeout)), attempts=self.attempts)
 
     def delete_expired(self, expired: Expired) -> None:
         self.remove_record(expired.namespace, expired.name, expired.record_raw, expired.uid)

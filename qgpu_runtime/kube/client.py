@@ -28,3 +28,15 @@ def raw_json(response: Any) -> Any:
     model deserialisation.
     """
     return json.loads(response.data)
+
+
+def drain(response: Any) -> None:
+    """Finish a ``_preload_content=False`` call whose body we do not need.
+
+    urllib3 returns a connection to the pool only once its response was read to the end; an
+    unread one is dropped, and the next call pays a new TCP and TLS handshake with the apiserver.
+    """
+    try:
+        response.read()
+    finally:
+        response.release_conn()
