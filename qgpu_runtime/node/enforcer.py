@@ -140,6 +140,7 @@ class NodeIsolation:
         self._refresh_s = refresh_s
         self._last_refresh: float | None = None
         self._workloads: list[Workload] = []
+        self._last_error: str | None = None
         sampler, self._actuator = backend(resolver)
         sink = PodEventSink(events, self._pod_of)
         self.engine = build_engine(policy, sampler, self._actuator, metrics.registry, sink, memory_tolerance_mib)
@@ -187,16 +188,21 @@ class NodeIsolation:
                                           allowance.get(w.key, {}), charged))
         return IsolationSnapshot(self.policy.value, tuple(rows), len(self.resolver.unmanaged))
 
-    def _safe_tick(self, dt_s: float, now: float) -> None:
+    def tick_or_log(self, dt_s: float, now: float) -> None:
         try:
             self.tick(dt_s, now)
-        except Exception:  # one bad tick (API hiccup, a process vanishing mid-read) must not end isolation
+        except Exception as exc:  # one bad tick (NVML hiccup, a process vanishing mid-read) must not end isolation
             self._metrics.tick_errors.inc()
-            log.exception("isolation tick failed")
+            # 20 ticks a second: the same failure is logged in full once, then counted
+            if repr(exc) != self._last_error:
+                log.exception("isolation tick failed (repeats are counted in qgpu_isolation_tick_errors_total)")
+            self._last_error = repr(exc)
+        else:
+            self._last_error = None
 
     def serve(self, stop: threading.Event) -> None:
         try:
-            run_every(self.tick_s, stop, self._safe_tick, time.monotonic)
+            run_every(self.tick_s, stop, self.tick_or_log, time.monotonic)
         finally:
             self.close()
 

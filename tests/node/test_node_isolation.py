@@ -47,7 +47,8 @@ RESOURCE = "tke.cloud.tencent.com/qgpu-core"
 class World:
     """A node: cards, a proc root, pods in a file, a store with shares, and the isolation loop."""
 
-    def __init__(self, tmp: Path, policy: Policy, cards: int = 1, memory_mib: int = 16384, tolerance_mib: int = 0) -> None:
+    def __init__(self, tmp: Path, policy: Policy, cards: int = 1, memory_mib: int = 16384, tolerance_mib: int = 0,
+                 wrap_sampler=lambda sampler: sampler) -> None:
         self.gpus = make_backend(cards=cards, memory_mib=memory_mib).gpus
         self.proc = FakeProc(tmp / "proc")
         self.kernel = SimKernel(self.proc, self.gpus)
@@ -60,7 +61,8 @@ class World:
         self.now = 0.0
 
         def backend(resolver: ContainerResolver):
-            return SimProcessSampler(self.gpus, resolver.owner), SignalActuator(resolver.groups, killpg=self.kernel.killpg)
+            return (wrap_sampler(SimProcessSampler(self.gpus, resolver.owner)),
+                    SignalActuator(resolver.groups, killpg=self.kernel.killpg))
 
         self.loop = NodeIsolation(policy, self.store, lambda max_age: self.source.pods_on_node(NODE),
                                   ContainerResolver(self.proc.root), backend, self.metrics, self.source,
@@ -393,3 +395,32 @@ def test_the_command_line_reports_a_bad_label_and_exits_2(short_tmp, caplog):
         faulthandler.unregister(signal.SIGUSR1)
     assert rc == 2
     assert any(f"node label {POLICY_LABEL}: 'strict' is not a known isolation policy" in r.getMessage() for r in caplog.records)
+
+
+class LostCard:
+    """A sampler whose card fell off the bus (NVML raises) until ``back`` is set."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+        self.back = False
+
+    def sample(self, workloads, dt_s, held):
+        if not self.back:
+            raise RuntimeError("nvmlDeviceGetProcessUtilization: GPU is lost")
+        return self.sampler.sample(workloads, dt_s, held)
+
+
+def test_a_failing_tick_is_counted_logged_once_and_the_loop_goes_on(world_of, caplog):
+    lost: list[LostCard] = []
+    w = world_of(Policy.FIXED_SHARE, wrap_sampler=lambda s: lost.append(LostCard(s)) or lost[0])
+    uid, cid = w.add_pod("a", 300)
+    w.run_process(101, cgroupfs(uid, cid), 1000)
+    with caplog.at_level(logging.ERROR, logger="qgpu.node.isolation"):
+        for n in range(5):
+            w.loop.tick_or_log(TICK, (n + 1) * TICK)
+    assert len([r for r in caplog.records if "isolation tick failed" in r.getMessage()]) == 1
+    assert w.samples()[("qgpu_isolation_tick_errors_total", frozenset())] == 5
+    lost[0].back = True
+    w.now = 5 * TICK
+    w.drive(1.0)
+    assert w.kernel.signalled(101)  # enforcing again
