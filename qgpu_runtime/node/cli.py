@@ -91,10 +91,11 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
+    from qgpu_runtime.node.manager import NodeUnreadable
 
     try:
         manager.start()
-    except (ValueError, NvmlUnavailable) as exc:  # a policy label naming no policy; NVML missing for isolation
+    except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
         log.error("%s", exc)
         manager.stop()
         store.close()

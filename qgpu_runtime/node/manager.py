@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
-from qgpu_runtime.isolation.policy import Policy, parse_policy
+from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver
@@ -69,6 +69,10 @@ class ManagerConfig:
         return self.plugin_dir / "kubelet.sock"
 
 
+class NodeUnreadable(RuntimeError):
+    """The node object (its policy label) could not be read at start."""
+
+
 class AllocateRefused(RuntimeError):
     """Allocate cannot be answered truthfully; the message is what the user sees on the pod."""
 
@@ -106,8 +110,9 @@ class NodeManager:
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
         """Raises ValueError when the node's policy label (or --isolation-policy) is not a policy,
-        NvmlUnavailable when isolation needs NVML and cannot have it; nothing is served then."""
-        self.policy = resolve_policy(self.config.isolation_policy, self.pods.node_labels(self.config.node))
+        NodeUnreadable when the label cannot be read, NvmlUnavailable when isolation needs NVML and
+        cannot have it; nothing is served then."""
+        self.policy = resolve_policy(self.config.isolation_policy, self._node_labels())
         if self._isolation_backend is not None:  # before serving anything: NVML may be missing
             self.isolation = NodeIsolation(
                 self.policy, self.store, self._pods_cached, ContainerResolver(self.config.proc_root),
@@ -135,6 +140,17 @@ class NodeManager:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _node_labels(self) -> dict[str, str]:
+        """The node's labels for its policy; unreadable is fatal only when no override is given."""
+        try:
+            return self.pods.node_labels(self.config.node)
+        except Exception as exc:
+            if self.config.isolation_policy is not None:
+                log.warning("node %s: cannot read its labels (%s); --isolation-policy decides", self.config.node, exc)
+                return {}
+            raise NodeUnreadable(f"node {self.config.node}: cannot read its label {POLICY_LABEL} for the isolation "
+                                 f"policy: {exc} (give --isolation-policy to start without it)") from exc
 
     def stop(self) -> None:
         self._stop.set()

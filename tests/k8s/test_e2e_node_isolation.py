@@ -98,3 +98,24 @@ def test_memory_watchdog_writes_a_warning_event_on_the_offending_pod(cluster, ns
     assert event["type"] == "Warning" and event["involvedObject"]["uid"] == uid
     assert "4096 MiB" in event["message"] and "quota of 2048 MiB" in event["message"]
     assert kernel.signalled(101) == [signal.SIGCONT, signal.SIGTERM] and 101 not in gpus[0].processes
+
+
+def test_a_node_the_api_does_not_know_stops_the_start_unless_the_flag_decides(cluster, tmp_path):
+    from qgpu_runtime.node.manager import NodeUnreadable
+
+    gpus = make_backend().gpus
+    kernel = SimKernel(FakeProc(tmp_path / "proc"), gpus)
+    m = manager(cluster, tmp_path / "a", "iso-missing", gpus, kernel)
+    try:
+        with pytest.raises(NodeUnreadable, match=rf"node iso-missing: cannot read its label {POLICY_LABEL}"):
+            m.start()
+    finally:
+        m.stop()
+        m.store.close()
+    m = manager(cluster, tmp_path / "b", "iso-missing", gpus, kernel, override="fs")
+    m.start()
+    try:
+        assert m.policy is Policy.FIXED_SHARE
+    finally:
+        m.stop()
+        m.store.close()
