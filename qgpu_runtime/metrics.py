@@ -168,6 +168,72 @@ def render(snap: Snapshot) -> list[GaugeMetricFamily]:
             info, healthy, total, used, card_util, core_alloc, mem_alloc]
 
 
+@dataclass(frozen=True)
+class EnforcedContainer:
+    """What the isolation loop did to one container in its last tick."""
+
+    namespace: str
+    pod: str
+    container: str
+    held: bool
+    allowance: Mapping[int, float | None]  # card -> allowance rate in milli of the card (None: unlimited)
+    charged: Mapping[int, float]  # card -> use the engine charged over the tick, milli of the card
+
+
+@dataclass(frozen=True)
+class IsolationSnapshot:
+    policy: str = ""
+    containers: tuple[EnforcedContainer, ...] = ()
+    unmanaged_processes: int = 0
+
+
+class IsolationCollector(Collector):
+    """Renders the isolation loop's last tick (empty until the loop runs)."""
+
+    def __init__(self, node: str) -> None:
+        self._node = node
+        self._snapshot: IsolationSnapshot | None = None
+        self._lock = threading.Lock()
+
+    def update(self, snapshot: IsolationSnapshot) -> None:
+        with self._lock:
+            self._snapshot = snapshot
+
+    def collect(self):
+        with self._lock:
+            snap = self._snapshot
+        if snap is not None:
+            yield from render_isolation(self._node, snap)
+
+
+def render_isolation(node: str, snap: IsolationSnapshot) -> list[GaugeMetricFamily]:
+    labels = ["node", "namespace", "pod", "container"]
+    policy = GaugeMetricFamily("qgpu_isolation_policy_info", "isolation policy the node enforces (value 1)",
+                               labels=["node", "policy"])
+    policy.add_metric([node, snap.policy], 1)
+    held = GaugeMetricFamily("qgpu_container_held", "1 while the isolation loop holds (SIGSTOP) the container's GPU processes",
+                             labels=labels)
+    allowance = GaugeMetricFamily("qgpu_container_core_allowance_ratio",
+                                  "compute the control law allows the container on a card (absent: unlimited)",
+                                  labels=[*labels, "card"])
+    charged = GaugeMetricFamily("qgpu_container_core_charged_ratio",
+                                "compute the isolation loop charged the container on a card over its last tick",
+                                labels=[*labels, "card"])
+    for c in snap.containers:
+        base = [node, c.namespace, c.pod, c.container]
+        held.add_metric(base, 1 if c.held else 0)
+        for card, rate in sorted(c.allowance.items()):
+            if rate is not None:
+                allowance.add_metric([*base, str(card)], rate / 1000)
+        for card, used in sorted(c.charged.items()):
+            charged.add_metric([*base, str(card)], used / 1000)
+    unmanaged = GaugeMetricFamily("qgpu_isolation_unmanaged_processes",
+                                  "GPU processes in the last sample that belong to no qgpu container (left alone)",
+                                  labels=["node"])
+    unmanaged.add_metric([node], snap.unmanaged_processes)
+    return [policy, held, allowance, charged, unmanaged]
+
+
 @dataclass
 class ManagerMetrics:
     """Everything the manager exports, in its own registry (no process-global state)."""
@@ -177,6 +243,9 @@ class ManagerMetrics:
     allocations: Counter
     allocate_seconds: Histogram
     mismatches: Counter
+    isolation: IsolationCollector
+    holds: Counter
+    tick_errors: Counter
 
     @classmethod
     def create(cls, node: str) -> "ManagerMetrics":
@@ -191,4 +260,10 @@ class ManagerMetrics:
         mismatches = Counter("qgpu_allocation_owner_mismatch_total",
                              "PreStartContainer found kubelet gave the devices to another container than Allocate assumed",
                              ["resource"], registry=registry)
-        return cls(registry, collector, allocations, seconds, mismatches)
+        isolation = IsolationCollector(node)
+        registry.register(isolation)
+        holds = Counter("qgpu_isolation_holds_total", "times the isolation loop held a container (SIGSTOP of its process groups)",
+                        registry=registry)
+        tick_errors = Counter("qgpu_isolation_tick_errors_total", "isolation loop ticks that failed (logged; the loop goes on)",
+                              registry=registry)
+        return cls(registry, collector, allocations, seconds, mismatches, isolation, holds, tick_errors)

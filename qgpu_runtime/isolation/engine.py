@@ -2,8 +2,8 @@
 
 One engine per node. It keeps one controller state per card and holds a workload (all of its
 processes) when any of its cards says hold, because a process cannot be suspended on one card
-and not on another. It only signals on change, and resumes everything it held when closed, so
-a manager that exits never leaves a workload frozen.
+and not on another. It only signals on change, resumes a held workload that leaves, and resumes everything it
+held when closed, so a manager that exits never leaves a workload frozen.
 """
 
 from __future__ import annotations
@@ -114,7 +114,9 @@ class IsolationEngine:
         self._live = live
         for key in sorted(want_held - self._held):
             self._actuator.hold(key)
-        for key in sorted((self._held - want_held) & live):
+        # A held workload that left the list is resumed too: a container whose pod is being
+        # deleted must be able to handle its SIGTERM, and signals to ended work are harmless.
+        for key in sorted(self._held - want_held):
             self._actuator.resume(key)
         self._held = want_held
         if self._watchdog is not None:

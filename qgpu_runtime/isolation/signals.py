@@ -21,18 +21,25 @@ log = logging.getLogger("qgpu.isolation.signals")
 
 
 class SignalActuator:
-    """Acts on process groups; ``groups`` maps a workload key to its process-group ids."""
+    """Acts on process groups; ``groups`` maps a workload key to its process-group ids.
 
-    def __init__(self, groups: Callable[[str], Sequence[int]], grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic):
+    ``killpg`` is the kernel's ``os.killpg``; tests of callers that map processes themselves (the
+    node manager) give one that acts on simulated processes, since signalling made-up process
+    groups on the test host could hit real ones.
+    """
+
+    def __init__(self, groups: Callable[[str], Sequence[int]], grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
+                 killpg: Callable[[int, int], None] = os.killpg):
         self._groups = groups
         self._grace_s = grace_s
         self._clock = clock
+        self._killpg = killpg
         self._kill_due: dict[int, float] = {}
 
     def _signal(self, key: str, sig: signal.Signals) -> None:
         for pgid in self._groups(key):
             try:
-                os.killpg(pgid, sig)
+                self._killpg(pgid, sig)
             except ProcessLookupError:
                 pass  # the workload already ended; the store reaps it
             except PermissionError as err:
@@ -61,6 +68,6 @@ class SignalActuator:
                 continue
             del self._kill_due[pgid]
             try:
-                os.killpg(pgid, signal.SIGKILL)
+                self._killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass

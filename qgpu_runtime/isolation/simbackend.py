@@ -16,21 +16,70 @@ from qgpu_runtime.isolation.simgpu import SimulatedGPU
 
 
 @dataclass
+class SimProcessSampler:
+    """Per-process samples of simulated cards, attributed to workloads by ``owner(pid)``.
+
+    This is how the NVML sampler sees a real node (processes first, owners second), so a caller
+    that maps processes to workloads itself (the node manager, through cgroups) is tested on the
+    same path it runs in production. With ``sample_period_s`` set, utilization is reported the way
+    NVML does it on real cards: one sample per process every period, averaged over it, charged
+    through the same :class:`UsageEstimator` the NVML sampler uses. Without it, every tick is
+    measured exactly. Several processes of one workload on one card are summed.
+    """
+
+    gpus: Mapping[int, SimulatedGPU]
+    owner: Callable[[int], str | None]
+    sample_period_s: float | None = None
+    _estimators: dict[int, UsageEstimator] = field(default_factory=dict)
+    _pending: dict[tuple[int, int], float] = field(default_factory=dict)  # (card, pid) -> milli-s since last sample
+    _since_sample: float = 0.0
+
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset()) -> Mapping[int, Mapping[str, Usage]]:
+        wanted = {w.key for w in workloads}
+        sparse = self.sample_period_s is not None
+        emit = False
+        if sparse:
+            self._since_sample += dt_s
+            emit = self._since_sample >= self.sample_period_s - 1e-9
+        out: dict[int, dict[str, Usage]] = {}
+        for card, gpu in self.gpus.items():
+            for pid, seen in gpu.sample(dt_s).items():
+                key = self.owner(pid)
+                if key is None or key not in wanted:
+                    continue
+                used = seen.used_milli
+                if sparse:
+                    slot = (card, pid)
+                    self._pending[slot] = self._pending.get(slot, 0.0) + seen.used_milli * dt_s
+                    raw = ()
+                    if emit:
+                        now_us = round(gpu.now * 1e6)
+                        raw = (RawSample(now_us, self._pending.pop(slot) / self._since_sample / 10.0),)
+                    estimator = self._estimators.setdefault(card, UsageEstimator())
+                    used = estimator.charge(pid, dt_s, key not in held, raw) / dt_s
+                before = out.setdefault(card, {}).get(key, Usage(0.0, 0))
+                out[card][key] = Usage(before.used_milli + used, before.memory_mib + seen.memory_mib)
+        if emit:
+            self._since_sample = 0.0
+        return out
+
+
+@dataclass
 class SimBackend:
     """Simulated cards plus which simulated pid runs each workload on each card.
 
-    With ``sample_period_s`` set, utilization is reported the way NVML does it on real cards: one
-    sample per process every period, averaged over it, charged through the same
-    :class:`UsageEstimator` the NVML sampler uses. Without it, every tick is measured exactly.
+    Sampling goes through :class:`SimProcessSampler` with the pid table as the owner map;
+    ``sample_period_s`` is passed on (see there).
     """
 
     gpus: dict[int, SimulatedGPU]
     pids: dict[str, dict[int, int]] = field(default_factory=dict)  # workload key -> card -> pid
     stopped: dict[str, str] = field(default_factory=dict)  # workload key -> why
     sample_period_s: float | None = None
-    _estimators: dict[int, UsageEstimator] = field(default_factory=dict)
-    _pending: dict[tuple[int, int], float] = field(default_factory=dict)  # (card, pid) -> milli-s since last sample
-    _since_sample: float = 0.0
+    _sampler: SimProcessSampler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._sampler = SimProcessSampler(self.gpus, self._owner)
 
     def start(self, key: str, card: int, pid: int, demand_milli: float, memory_mib: int = 0, memory_limit_mib: int | None = None) -> None:
         self.gpus[card].spawn(pid, demand_milli, memory_mib, memory_limit_mib)
@@ -39,34 +88,13 @@ class SimBackend:
     def _each(self, key: str) -> list[tuple[SimulatedGPU, int]]:
         return [(self.gpus[card], pid) for card, pid in self.pids.get(key, {}).items()]
 
+    def _owner(self, pid: int) -> str | None:
+        return next((key for key, cards in self.pids.items() if pid in cards.values()), None)
+
     # Sampler
     def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset()) -> Mapping[int, Mapping[str, Usage]]:
-        by_pid = {index: gpu.sample(dt_s) for index, gpu in self.gpus.items()}
-        sparse = self.sample_period_s is not None
-        emit = False
-        if sparse:
-            self._since_sample += dt_s
-            emit = self._since_sample >= self.sample_period_s - 1e-9
-        out: dict[int, dict[str, Usage]] = {}
-        for w in workloads:
-            for card, pid in self.pids.get(w.key, {}).items():
-                seen = by_pid[card].get(pid)
-                if seen is None:
-                    continue
-                used = seen.used_milli
-                if sparse:
-                    slot = (card, pid)
-                    self._pending[slot] = self._pending.get(slot, 0.0) + seen.used_milli * dt_s
-                    raw = ()
-                    if emit:
-                        now_us = round(self.gpus[card].now * 1e6)
-                        raw = (RawSample(now_us, self._pending.pop(slot) / self._since_sample / 10.0),)
-                    estimator = self._estimators.setdefault(card, UsageEstimator())
-                    used = estimator.charge(pid, dt_s, w.key not in held, raw) / dt_s
-                out.setdefault(card, {})[w.key] = Usage(used, seen.memory_mib)
-        if emit:
-            self._since_sample = 0.0
-        return out
+        self._sampler.sample_period_s = self.sample_period_s
+        return self._sampler.sample(workloads, dt_s, held)
 
     # Actuator
     def hold(self, key: str) -> None:

@@ -29,7 +29,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--pod-resources-socket", type=Path, default=Path("/var/lib/kubelet/pod-resources/kubelet.sock"))
     serve.add_argument("--state-dir", type=Path, default=Path("/var/lib/qgpu"),
                        help="host folder for per-container quota files mounted at /etc/qgpu")
-    serve.add_argument("--isolation-policy", default="fixed-share", choices=("fixed-share", "burst-share", "best-effort"))
+    serve.add_argument("--isolation-policy", metavar="POLICY",
+                       help="override the node label tke.cloud.tencent.com/qgpu-schedule-policy: "
+                            "best-effort|be, fixed-share|fs, burst-share|bs (default: the label; best-effort without it)")
+    serve.add_argument("--no-isolation", action="store_true",
+                       help="do not run the isolation loop (device plugin, store and metrics only)")
+    serve.add_argument("--proc-root", type=Path, default=Path("/proc"),
+                       help="where GPU processes' cgroup and stat files are read (the host's /proc: run with hostPID)")
     serve.add_argument("--no-device-specs", action="store_true", help="leave /dev/nvidia* to the container runtime")
     serve.add_argument("--metrics-address", default="0.0.0.0")
     serve.add_argument("--metrics-port", type=int, default=5678, help="Prometheus /metrics port; -1 disables")
@@ -57,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
             node=args.nodename, resources=parse_resources(args.resources), plugin_dir=args.device_plugin_dir,
             pod_resources_socket=args.pod_resources_socket, state_dir=args.state_dir,
             isolation_policy=args.isolation_policy, pass_device_specs=not args.no_device_specs,
-            sample_interval_s=args.sample_interval, label_node=not args.no_node_labels)
+            sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
+            # --tick and --memory-tolerance are shared with `serve --standalone` (standalone/manager_cmd.py)
+            isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
+            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0)
         backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
         store = Store(args.dbfile)
     except (ValueError, BackendError, StoreError) as exc:
@@ -71,12 +80,26 @@ def run(args: argparse.Namespace) -> int:
         from qgpu_runtime.node.kube_client import KubePodSource
 
         pods = KubePodSource(args.kubeconfig)
-    manager = NodeManager(config, backend, store, pods)
+    isolation = None
+    if not args.no_isolation:
+        from qgpu_runtime.node.enforcer import default_backend
+
+        isolation = default_backend(backend, [c.index for c in backend.cards()])
+    manager = NodeManager(config, backend, store, pods, isolation=isolation)
     stop = threading.Event()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    manager.start()
+    from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
+    from qgpu_runtime.node.manager import NodeUnreadable
+
+    try:
+        manager.start()
+    except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
+        log.error("%s", exc)
+        manager.stop()
+        store.close()
+        return 2
     if args.metrics_port >= 0:
         from prometheus_client import start_http_server
 

@@ -42,3 +42,19 @@ class KubePodSource:
 
     def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
         self._core.patch_node(node, {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}})
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        resp = self._core.read_node(node, _preload_content=False)
+        return dict((json.loads(resp.data).get("metadata") or {}).get("labels") or {})
+
+    def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
+        """A Warning Event on the pod, so ``kubectl describe pod`` shows why qgpu acted on it."""
+        from datetime import datetime, timezone
+
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        self._core.create_namespaced_event(namespace, {
+            "metadata": {"generateName": f"{pod}.qgpu-", "namespace": namespace},
+            "involvedObject": {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": pod, "uid": pod_uid},
+            "reason": reason, "message": message, "type": "Warning",
+            "source": {"component": "qgpu-manager"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        })

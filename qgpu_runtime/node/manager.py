@@ -1,8 +1,9 @@
 """The node manager: GPUs, device plugins, allocation store, health, metrics — wired together.
 
 Threads: one gRPC server per resource (kubelet calls in), a health watcher (NVML/XID events), a
-kubelet watcher (re-registers when kubelet restarts and re-creates its socket), and a sampler
-(metrics, once per interval). Allocate is serialised by one lock: kubelet admits one pod at a
+kubelet watcher (re-registers when kubelet restarts and re-creates its socket), a sampler
+(metrics, once per interval) and, when given an isolation backend, the isolation loop
+(node/enforcer.py: the node's policy enforced on its containers every tick). Allocate is serialised by one lock: kubelet admits one pod at a
 time anyway, and the matching rule needs a consistent view of what was already served.
 """
 
@@ -18,8 +19,11 @@ from pathlib import Path
 from typing import Callable
 
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
+from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.node import matching, reconcile
+from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
@@ -31,8 +35,6 @@ from qgpu_runtime.node.store import Store
 
 log = logging.getLogger(__name__)
 
-ISOLATION_POLICIES = ("fixed-share", "burst-share", "best-effort")
-
 
 @dataclass(frozen=True)
 class ManagerConfig:
@@ -41,22 +43,34 @@ class ManagerConfig:
     plugin_dir: Path = Path("/var/lib/kubelet/device-plugins")
     pod_resources_socket: Path = DEFAULT_SOCKET
     state_dir: Path = Path("/var/lib/qgpu")
-    isolation_policy: str = "fixed-share"
+    isolation_policy: str | None = None  # override of the node label; None: the label decides
     pass_device_specs: bool = True
     sample_interval_s: float = 1.0
     watch_interval_s: float = 1.0
     pod_refresh_s: float = 10.0
     label_node: bool = True
+    proc_root: Path = Path("/proc")
+    isolation_tick_s: float = 0.05
+    isolation_refresh_s: float = 1.0
+    memory_tolerance_mib: int = 0
 
     def __post_init__(self) -> None:
-        if self.isolation_policy not in ISOLATION_POLICIES:
-            raise ValueError(f"--isolation-policy: {self.isolation_policy!r} unknown; choose {', '.join(ISOLATION_POLICIES)}")
+        if self.isolation_policy is not None:
+            parse_policy(self.isolation_policy, field="--isolation-policy")
         if self.sample_interval_s <= 0:
             raise ValueError(f"--sample-interval: {self.sample_interval_s} must be positive")
+        if not 0.005 <= self.isolation_tick_s <= 5:
+            raise ValueError(f"--tick: {self.isolation_tick_s!r} is not allowed: must be 0.005..5 seconds")
+        if self.memory_tolerance_mib < 0:
+            raise ValueError(f"--memory-tolerance: {self.memory_tolerance_mib!r} is not allowed: must be >= 0")
 
     @property
     def kubelet_socket(self) -> Path:
         return self.plugin_dir / "kubelet.sock"
+
+
+class NodeUnreadable(RuntimeError):
+    """The node object (its policy label) could not be read at start."""
 
 
 class AllocateRefused(RuntimeError):
@@ -71,7 +85,8 @@ class _Health:
 
 class NodeManager:
     def __init__(self, config: ManagerConfig, backend: GpuBackend, store: Store, pods: PodSource,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None) -> None:
+        """``isolation`` None: device plugin, store and metrics only (nothing is throttled)."""
         self.config = config
         self.backend = backend
         self.store = store
@@ -86,12 +101,25 @@ class NodeManager:
         self._threads: list[threading.Thread] = []
         self.plugins = [PluginServer(k, self, config.plugin_dir) for k in config.resources]
         self._kubelet_inode: int | None = None
-        self._pods_cache: tuple[float, list[dict]] = (0.0, [])
+        self._pods_cache: tuple[float, list[dict]] | None = None
+        self._pods_lock = threading.Lock()
+        self._isolation_backend = isolation
+        self.isolation: NodeIsolation | None = None
+        self.policy = Policy.BEST_EFFORT
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self) -> None:
+        """Raises ValueError when the node's policy label (or --isolation-policy) is not a policy,
+        NodeUnreadable when the label cannot be read, NvmlUnavailable when isolation needs NVML and
+        cannot have it; nothing is served then."""
+        self.policy = resolve_policy(self.config.isolation_policy, self._node_labels())
+        if self._isolation_backend is not None:  # before serving anything: NVML may be missing
+            self.isolation = NodeIsolation(
+                self.policy, self.store, self._pods_cached, ContainerResolver(self.config.proc_root),
+                self._isolation_backend, self.metrics, self.pods, self.config.isolation_tick_s,
+                self.config.isolation_refresh_s, self.config.memory_tolerance_mib)
         self.store.sync_cards(list(self.cards.values()))
-        self.store.set_meta({"node": self.config.node, "policy": self.config.isolation_policy, "kind": "node"})
+        self.store.set_meta({"node": self.config.node, "policy": self.policy.value, "kind": "node"})
         self.reconcile()
         self._publish_node()
         self.config.plugin_dir.mkdir(parents=True, exist_ok=True)
@@ -99,11 +127,30 @@ class NodeManager:
             plugin.start()
         self._register_all()
         self.sample_once()
-        for name, target in (("health", self._health_loop), ("kubelet-watch", self._watch_loop),
-                             ("sampler", self._sample_loop)):
+        loops: list[tuple[str, Callable[[], None]]] = [
+            ("health", self._health_loop), ("kubelet-watch", self._watch_loop), ("sampler", self._sample_loop)]
+        if self.isolation is not None:
+            isolation = self.isolation
+            loops.append(("isolation", lambda: isolation.serve(self._stop)))
+            log.info("isolation: policy %s, tick %.3f s, processes read from %s", self.policy.value,
+                     self.config.isolation_tick_s, self.config.proc_root)
+        else:
+            log.info("isolation: off (policy %s is advertised but not enforced)", self.policy.value)
+        for name, target in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+
+    def _node_labels(self) -> dict[str, str]:
+        """The node's labels for its policy; unreadable is fatal only when no override is given."""
+        try:
+            return self.pods.node_labels(self.config.node)
+        except Exception as exc:
+            if self.config.isolation_policy is not None:
+                log.warning("node %s: cannot read its labels (%s); --isolation-policy decides", self.config.node, exc)
+                return {}
+            raise NodeUnreadable(f"node {self.config.node}: cannot read its label {POLICY_LABEL} for the isolation "
+                                 f"policy: {exc} (give --isolation-policy to start without it)") from exc
 
     def stop(self) -> None:
         self._stop.set()
@@ -219,7 +266,7 @@ class NodeManager:
             served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
             try:
                 m = matching.match(self.config.node, kind.name, len(device_ids), pods, served)
-                grant = build_grant(m, self.cards, self.config.isolation_policy, self.config.state_dir,
+                grant = build_grant(m, self.cards, self.policy.value, self.config.state_dir,
                                     self.config.pass_device_specs)
             except (matching.NoMatch, GrantError) as exc:
                 raise AllocateRefused(str(exc)) from exc
@@ -314,22 +361,30 @@ class NodeManager:
     def _publish_node(self) -> None:
         if not self.config.label_node:
             return
-        labels, notes = node_metadata(list(self.cards.values()), self.unhealthy(), self.config.isolation_policy)
+        labels, notes = node_metadata(list(self.cards.values()), self.unhealthy(), self.policy.value)
         try:
             self.pods.patch_node(self.config.node, labels, notes)
         except Exception as exc:
             log.warning("node %s: could not write labels/annotations: %s", self.config.node, exc)
 
-    def _pods_for_metrics(self) -> list[dict]:
-        stamp, pods = self._pods_cache
+    def _pods_cached(self, max_age_s: float) -> list[dict]:
+        """The node's pods, listed again when the cached list is older than ``max_age_s`` (or
+        ``--pod-refresh``); the metrics sampler and the isolation loop share one list."""
         now = time.monotonic()
-        if now - stamp >= self.config.pod_refresh_s:
-            try:
-                pods = self.pods.pods_on_node(self.config.node)
-                self._pods_cache = (now, pods)
-            except Exception as exc:
-                log.warning("metrics: listing pods failed: %s", exc)
-        return pods
+        with self._pods_lock:
+            cached = self._pods_cache
+            if cached is not None and now - cached[0] < min(max_age_s, self.config.pod_refresh_s):
+                return cached[1]
+            pods = self.pods.pods_on_node(self.config.node)
+            self._pods_cache = (now, pods)
+            return pods
+
+    def _pods_for_metrics(self) -> list[dict]:
+        try:
+            return self._pods_cached(self.config.pod_refresh_s)
+        except Exception as exc:
+            log.warning("metrics: listing pods failed: %s", exc)
+            return self._pods_cache[1] if self._pods_cache else []
 
     def sample_once(self) -> None:
         try:

@@ -22,12 +22,18 @@ class PodSource(Protocol):
 
     def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None: ...
 
+    def node_labels(self, node: str) -> dict[str, str]: ...
+
+    def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None: ...
+
 
 class FilePodSource:
     """Pods from a JSON file (``{"items": [pod, ...]}`` or a bare list), re-read when it changes.
 
     Patches are applied to the file atomically (write to a temp file, rename), so another process
-    — a test, a demo script — sees them. A node patch goes to ``<file>.node.json``.
+    — a test, a demo script — sees them. The node object lives in ``<file>.node.json`` (patches
+    merge into it; its labels are what ``node_labels`` reads); events are appended, one JSON object
+    a line, to ``<file>.events.jsonl``.
     """
 
     def __init__(self, path: Path) -> None:
@@ -69,8 +75,32 @@ class FilePodSource:
                     return
             raise LookupError(f"pod {namespace}/{name} is not in {self.path}")
 
+    def _node_file(self) -> Path:
+        return self.path.with_suffix(".node.json")
+
+    def _node(self, node: str) -> dict[str, Any]:
+        try:
+            data = json.loads(self._node_file().read_text())
+        except FileNotFoundError:
+            return {"metadata": {"name": node}}
+        return data if isinstance(data, dict) else {"metadata": {"name": node}}
+
     def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
-        target = self.path.with_suffix(".node.json")
-        tmp = target.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"metadata": {"name": node, "labels": dict(labels), "annotations": dict(annotations)}}))
-        os.replace(tmp, target)
+        with self._lock:
+            obj = self._node(node)
+            meta = obj.setdefault("metadata", {})
+            meta.setdefault("labels", {}).update(labels)
+            meta.setdefault("annotations", {}).update(annotations)
+            target = self._node_file()
+            tmp = target.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(obj))
+            os.replace(tmp, target)
+
+    def node_labels(self, node: str) -> dict[str, str]:
+        with self._lock:
+            return dict((self._node(node).get("metadata") or {}).get("labels") or {})
+
+    def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
+        line = json.dumps({"namespace": namespace, "pod": pod, "uid": pod_uid, "reason": reason, "message": message})
+        with self._lock, open(self.path.with_suffix(".events.jsonl"), "a") as f:
+            f.write(line + "\n")

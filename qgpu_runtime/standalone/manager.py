@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +19,8 @@ from prometheus_client import CollectorRegistry
 from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, TickReport, Workload
 from qgpu_runtime.isolation.mps import MpsDaemon, MpsError, pinned_limits_supported
 from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.isolation.runner import build_engine, run_every
 from qgpu_runtime.isolation.signals import SignalActuator
-from qgpu_runtime.isolation.watchdog import MemoryWatchdog
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
 from qgpu_runtime.standalone.simhost import SimulatedHost
@@ -82,11 +81,10 @@ class StandaloneManager:
             sampler = NvmlSampler(nvml, [c.index for c in cards], self._owner)
             actuator = self.signals
             self._start_mps(cuda_driver_version(nvml))
-        watchdog = MemoryWatchdog(self.registry, self.store, actuator.stop)
         # With MPS under fixed-share the thread percentage caps compute; duty cycling would cap twice.
         enforce_compute = not (self._mps is not None and self.config.policy is Policy.FIXED_SHARE)
-        self.engine = IsolationEngine(self.config.policy, sampler, actuator, watchdog=watchdog,
-                                      memory_tolerance_mib=self.config.memory_tolerance_mib, enforce_compute=enforce_compute)
+        self.engine = build_engine(self.config.policy, sampler, actuator, self.registry, self.store,
+                                   self.config.memory_tolerance_mib, enforce_compute)
         log.info("standalone manager on %s: %d card(s), policy %s, backend %s, MPS %s",
                  self.config.node_name, len(cards), self.config.policy.value, self.config.gpu_backend,
                  "on" if self._mps else "off")
@@ -132,12 +130,8 @@ class StandaloneManager:
         return report
 
     def serve(self, stop: threading.Event) -> None:
-        last = time.monotonic()
         try:
-            while not stop.wait(max(0.0, last + self.config.tick_s - time.monotonic())):
-                now = time.monotonic()
-                self.tick(max(now - last, 1e-3), now)
-                last = now
+            run_every(self.config.tick_s, stop, self.tick)
         finally:
             self.close()
 

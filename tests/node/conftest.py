@@ -69,7 +69,8 @@ def node(short_tmp):
     write_pods(pods_file, [])
     config = ManagerConfig(node=NODE, resources=parse_resources(RESOURCES), plugin_dir=plugin_dir,
                            pod_resources_socket=root / "pod-resources" / "kubelet.sock", state_dir=root / "state",
-                           sample_interval_s=0.2, watch_interval_s=0.1, pod_refresh_s=0.0)
+                           sample_interval_s=0.2, watch_interval_s=0.1, pod_refresh_s=0.0,
+                           isolation_policy="fixed-share")
     manager = NodeManager(config, backend, store, FilePodSource(pods_file))
     manager.start()
     kubelet.wait_for(lambda: len(kubelet.plugins) == 3 and all(p.devices for p in kubelet.plugins.values()))

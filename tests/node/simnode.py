@@ -1,0 +1,94 @@
+"""A modelled node for the isolation loop's tests: a proc root, a kernel stand-in, cgroup texts.
+
+Used by tests/node/test_node_isolation.py and tests/k8s/test_e2e_node_isolation.py. Signals are
+delivered to simulated processes, never to the test host (made-up process groups could be real).
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+from qgpu_runtime.isolation.simbackend import SimProcessSampler
+from qgpu_runtime.isolation.simgpu import SimulatedGPU
+
+
+class FakeProc:
+    """A proc root: ``<pid>/cgroup`` and ``<pid>/stat`` for every process that exists."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def add(self, pid: int, cgroup: str, pgid: int, start_time: int = 1000) -> None:
+        d = self.root / str(pid)
+        d.mkdir()
+        (d / "cgroup").write_text(cgroup)
+        # comm with a space and a parenthesis, as real ones may have
+        (d / "stat").write_text(f"{pid} (python (w) 1) S 1 {pgid} {pgid} 0 -1 4194560 " + "0 " * 12 + f"{start_time} 0 0\n")
+
+    def remove(self, pid: int) -> None:
+        for f in (self.root / str(pid)).iterdir():
+            f.unlink()
+        (self.root / str(pid)).rmdir()
+
+    def group(self, pgid: int) -> list[int]:
+        out = []
+        for d in self.root.iterdir():
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                out.append(int(d.name))
+        return sorted(out)
+
+
+class SimKernel:
+    """Delivers process-group signals to simulated processes, and remembers every one sent."""
+
+    def __init__(self, proc: FakeProc, gpus: dict[int, SimulatedGPU]) -> None:
+        self.proc = proc
+        self.gpus = gpus
+        self.sent: list[tuple[int, signal.Signals]] = []
+
+    def killpg(self, pgid: int, sig: int) -> None:
+        members = self.proc.group(pgid)
+        if not members:
+            raise ProcessLookupError(pgid)
+        self.sent.append((pgid, signal.Signals(sig)))
+        for pid in members:
+            for gpu in self.gpus.values():
+                if sig == signal.SIGSTOP:
+                    gpu.suspend(pid)
+                elif sig == signal.SIGCONT:
+                    gpu.resume(pid)
+                elif sig in (signal.SIGTERM, signal.SIGKILL):
+                    gpu.exit(pid)
+            if sig in (signal.SIGTERM, signal.SIGKILL):
+                self.proc.remove(pid)
+
+    def signalled(self, pgid: int) -> list[signal.Signals]:
+        return [s for g, s in self.sent if g == pgid]
+
+
+def cgroupfs(uid: str, cid: str) -> str:
+    return f"12:devices:/kubepods/burstable/pod{uid}/{cid}\n11:memory:/kubepods/burstable/pod{uid}/{cid}\n"
+
+
+def systemd(uid: str, cid: str) -> str:
+    return f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{uid.replace('-', '_')}.slice/cri-containerd-{cid}.scope\n"
+
+
+def cid_of(n: int) -> str:
+    return f"{n:x}".rjust(64, "c")
+
+
+class AdvancingSampler:
+    """Runs the simulated cards for the time the manager's loop really waited, then samples them."""
+
+    def __init__(self, gpus: dict[int, SimulatedGPU], owner) -> None:
+        self._gpus = gpus
+        self._sampler = SimProcessSampler(gpus, owner)
+
+    def sample(self, workloads, dt_s, held):
+        for gpu in self._gpus.values():
+            gpu.advance(dt_s)
+        return self._sampler.sample(workloads, dt_s, held)
