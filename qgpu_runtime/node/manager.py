@@ -23,7 +23,7 @@ from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
-from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.pods import PodSource, PodSourceError
 from qgpu_runtime.node.record import ASSIGNED, assigned
 from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
@@ -32,6 +32,7 @@ from qgpu_runtime.node.store import Store
 log = logging.getLogger(__name__)
 
 ISOLATION_POLICIES = ("fixed-share", "burst-share", "best-effort")
+NODE_PUBLISH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ManagerConfig:
     watch_interval_s: float = 1.0
     pod_refresh_s: float = 10.0
     label_node: bool = True
+    api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
 
     def __post_init__(self) -> None:
         if self.isolation_policy not in ISOLATION_POLICIES:
@@ -87,12 +89,17 @@ class NodeManager:
         self.plugins = [PluginServer(k, self, config.plugin_dir) for k in config.resources]
         self._kubelet_inode: int | None = None
         self._pods_cache: tuple[float, list[dict]] = (0.0, [])
+        self._publish_due: float | None = None  # monotonic time of the next node-label attempt; None: published
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, until: threading.Event | None = None) -> bool:
+        """Reconcile, publish, serve kubelet. While the pods cannot be read (apiserver down) it waits
+        and retries; it returns False, having served nothing, if ``until`` is set meanwhile.
+        Raises :class:`PodSourceError` when retrying cannot help (forbidden, not found)."""
         self.store.sync_cards(list(self.cards.values()))
         self.store.set_meta({"node": self.config.node, "policy": self.config.isolation_policy, "kind": "node"})
-        self.reconcile()
+        if not self._reconcile_when_ready(until or self._stop):
+            return False
         self._publish_node()
         self.config.plugin_dir.mkdir(parents=True, exist_ok=True)
         for plugin in self.plugins:
@@ -104,6 +111,26 @@ class NodeManager:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        return True
+
+    def _reconcile_when_ready(self, until: threading.Event) -> bool:
+        """Kubelet is served only after reconciliation: Allocate answered from a store that still
+        holds deleted pods' shares would refuse or double-book cards."""
+        delay = 1.0
+        while True:
+            try:
+                self.reconcile()
+                return True
+            except PodSourceError as exc:
+                if not exc.transient:
+                    raise
+                log.warning("start-up reconciliation: %s; kubelet is not served until the pods of node %s can be "
+                            "read; retrying in %.0f s", exc, self.config.node, delay)
+            deadline = time.monotonic() + delay
+            while (left := deadline - time.monotonic()) > 0:
+                if until.wait(min(left, 0.5)):  # short slices: SIGTERM may land on another thread
+                    return False
+            delay = min(delay * 2, self.config.api_retry_max_s)
 
     def stop(self) -> None:
         self._stop.set()
@@ -143,6 +170,8 @@ class NodeManager:
                 self.check_kubelet()
             except Exception:  # keep watching: the next tick retries
                 log.exception("kubelet watch failed")
+            if self._publish_due is not None and time.monotonic() >= self._publish_due:
+                self._publish_node()
 
     def check_kubelet(self) -> None:
         """Serve again and re-register when kubelet restarted (new socket) or our sockets vanished."""
@@ -317,8 +346,12 @@ class NodeManager:
         labels, notes = node_metadata(list(self.cards.values()), self.unhealthy(), self.config.isolation_policy)
         try:
             self.pods.patch_node(self.config.node, labels, notes)
-        except Exception as exc:
-            log.warning("node %s: could not write labels/annotations: %s", self.config.node, exc)
+        except Exception as exc:  # retried from the kubelet watcher until it lands
+            self._publish_due = time.monotonic() + NODE_PUBLISH_RETRY_S
+            log.warning("node %s: could not write GPU labels/annotations (retrying in %.0f s): %s",
+                        self.config.node, NODE_PUBLISH_RETRY_S, exc)
+            return
+        self._publish_due = None
 
     def _pods_for_metrics(self) -> list[dict]:
         stamp, pods = self._pods_cache
