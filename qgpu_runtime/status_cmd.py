@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY
+from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.node.record import ALLOCATION, RecordError, parse_record
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
 
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
             api = KubePodSource(args.kubeconfig)
             nodes = cluster_status(api.list_nodes(), api.list_pods())
-    except (StatusSourceError, OSError) as exc:
+    except (StatusSourceError, PodSourceError, OSError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
     if args.node:

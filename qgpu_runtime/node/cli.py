@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from qgpu_runtime.gpu import BackendError, open_backend
     from qgpu_runtime.node.manager import ManagerConfig, NodeManager
+    from qgpu_runtime.node.pods import PodSourceError
     from qgpu_runtime.node.resources import parse_resources
     from qgpu_runtime.node.store import Store, StoreError
 
@@ -79,7 +80,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         from qgpu_runtime.node.kube_client import KubePodSource
 
-        pods = KubePodSource(args.kubeconfig)
+        try:
+            pods = KubePodSource(args.kubeconfig)
+        except PodSourceError as exc:
+            log.error("%s", exc)
+            store.close()
+            return 2
+        log.info("reading pods of node %s from the Kubernetes API at %s", args.nodename, pods.server)
     isolation = None
     if not args.no_isolation:
         from qgpu_runtime.node.enforcer import default_backend
@@ -94,12 +101,22 @@ def run(args: argparse.Namespace) -> int:
     from qgpu_runtime.node.manager import NodeUnreadable
 
     try:
-        manager.start()
+        started = manager.start(until=stop)
+    except PodSourceError as exc:  # retrying cannot help: wrong RBAC, node or credentials
+        log.error("cannot start: %s", exc)
+        manager.stop()
+        store.close()
+        return 1
     except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
         log.error("%s", exc)
         manager.stop()
         store.close()
         return 2
+    if not started:
+        log.info("stopped before the pods of node %s could be read", args.nodename)
+        manager.stop()
+        store.close()
+        return 0
     if args.metrics_port >= 0:
         from prometheus_client import start_http_server
 

@@ -3,58 +3,121 @@
 Kept small so it can be exercised against a real kube-apiserver fixture (tests/k8s) without
 touching the rest of the manager. Responses are read as raw JSON (``_preload_content=False``),
 which is both faster than the generated models and the API-JSON shape the rest of qgpu reads.
+
+Every call has a timeout (a hung apiserver must not hang kubelet's Allocate) and is retried with
+backoff when the failure is transient (5xx, 429, refused or dropped connections, timeouts). What
+still fails is raised as :class:`~qgpu_runtime.node.pods.PodSourceError`, whose message names the
+call, the apiserver and the reason — never a bare traceback.
+
+API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 grants exactly this):
+``pods``: ``list`` (this node's pods, by field selector) and ``patch`` (``qgpu.io/assigned``);
+``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
+annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). ``list_pods``/``list_nodes``
+serve ``qgpu status``, which runs with the user's own credentials, not the manager's.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, TypeVar
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
+from qgpu_runtime.kube.retry import is_transient, with_backoff
+from qgpu_runtime.node.pods import PodSourceError
+
+T = TypeVar("T")
+
+# Said explicitly: the generated client labels every PATCH as a JSON *patch* (a list of operations)
+# and only its REST layer quietly rewrites dict bodies; metadata maps merge the same either way.
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def _api_client(kubeconfig: str | None, context: str | None) -> client.ApiClient:
+    try:
+        if kubeconfig:
+            return config.new_client_from_config(config_file=kubeconfig, context=context)
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config(context=context)
+        return client.ApiClient()
+    except (config.ConfigException, OSError, ValueError) as exc:
+        where = f"--kubeconfig {kubeconfig}" if kubeconfig else "in-cluster config, then ~/.kube/config"
+        raise PodSourceError(f"cannot load Kubernetes client configuration ({where}): {exc}", transient=False) from exc
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a failed API call: the HTTP status and the apiserver's message, or the network error."""
+    if isinstance(exc, ApiException):
+        try:
+            message = json.loads(exc.body or "{}").get("message")
+        except (ValueError, AttributeError):
+            message = None
+        return f"HTTP {exc.status} {message or exc.reason}"
+    reason = getattr(exc, "reason", None)  # urllib3's MaxRetryError wraps the socket error
+    return f"{type(exc).__name__}: {reason or exc}"
 
 
 class KubePodSource:
-    def __init__(self, kubeconfig: str | None = None, context: str | None = None) -> None:
-        from kubernetes import client, config
-
-        if kubeconfig:
-            api_client = config.new_client_from_config(config_file=kubeconfig, context=context)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config(context=context)
-            api_client = client.ApiClient()
+    def __init__(self, kubeconfig: str | None = None, context: str | None = None, *,
+                 timeout: tuple[float, float] = REQUEST_TIMEOUT, attempts: int = 3) -> None:
+        api_client = _api_client(kubeconfig, context)
+        self.server = str(api_client.configuration.host)
         self._core = client.CoreV1Api(api_client)
+        self._timeout = timeout
+        self._attempts = attempts
+
+    def _call(self, what: str, call: Callable[[], T]) -> T:
+        try:
+            return with_backoff(call, attempts=self._attempts, base_s=0.2, cap_s=2.0)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
+            transient = is_transient(exc)
+            tries = f" after {self._attempts} attempts" if transient else ""
+            raise PodSourceError(f"{what} at {self.server}{tries}: {describe(exc)}", transient=transient) from exc
+
+    def _items(self, what: str, call: Callable[[], Any]) -> list[dict[str, Any]]:
+        return list(json.loads(self._call(what, call).data).get("items", []))
 
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
-        resp = self._core.list_pod_for_all_namespaces(field_selector=f"spec.nodeName={node}", _preload_content=False)
-        return list(json.loads(resp.data).get("items", []))
+        return self._items(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout))
 
     def list_pods(self) -> list[dict[str, Any]]:
-        resp = self._core.list_pod_for_all_namespaces(_preload_content=False)
-        return list(json.loads(resp.data).get("items", []))
+        return self._items("listing pods", lambda: self._core.list_pod_for_all_namespaces(
+            _preload_content=False, _request_timeout=self._timeout))
 
     def list_nodes(self) -> list[dict[str, Any]]:
-        resp = self._core.list_node(_preload_content=False)
-        return list(json.loads(resp.data).get("items", []))
+        return self._items("listing nodes", lambda: self._core.list_node(
+            _preload_content=False, _request_timeout=self._timeout))
 
     def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None:
-        self._core.patch_namespaced_pod(name, namespace, {"metadata": {"annotations": dict(values)}})
+        body = {"metadata": {"annotations": dict(values)}}
+        drain(self._call(f"patching the annotations of pod {namespace}/{name}", lambda: self._core.patch_namespaced_pod(
+            name, namespace, body, _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
 
     def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None:
-        self._core.patch_node(node, {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}})
+        body = {"metadata": {"labels": dict(labels), "annotations": dict(annotations)}}
+        drain(self._call(f"patching the labels and annotations of node {node}", lambda: self._core.patch_node(
+            node, body, _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
 
     def node_labels(self, node: str) -> dict[str, str]:
-        resp = self._core.read_node(node, _preload_content=False)
-        return dict((json.loads(resp.data).get("metadata") or {}).get("labels") or {})
+        doc = json.loads(self._call(f"reading node {node}", lambda: self._core.read_node(
+            node, _preload_content=False, _request_timeout=self._timeout)).data)
+        return dict((doc.get("metadata") or {}).get("labels") or {})
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
         """A Warning Event on the pod, so ``kubectl describe pod`` shows why qgpu acted on it."""
         from datetime import datetime, timezone
 
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        self._core.create_namespaced_event(namespace, {
+        body = {
             "metadata": {"generateName": f"{pod}.qgpu-", "namespace": namespace},
             "involvedObject": {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": pod, "uid": pod_uid},
             "reason": reason, "message": message, "type": "Warning",
             "source": {"component": "qgpu-manager"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        })
+        }
+        drain(self._call(f"recording event {reason} on pod {namespace}/{pod}", lambda: self._core.create_namespaced_event(
+            namespace, body, _preload_content=False, _request_timeout=self._timeout)))

@@ -27,13 +27,15 @@ from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_
 from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
-from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.pods import PodSource, PodSourceError
 from qgpu_runtime.node.record import ASSIGNED, assigned
 from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
 from qgpu_runtime.node.store import Store
 
 log = logging.getLogger(__name__)
+
+NODE_PUBLISH_RETRY_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class ManagerConfig:
     isolation_tick_s: float = 0.05
     isolation_refresh_s: float = 1.0
     memory_tolerance_mib: int = 0
+    api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
 
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:
@@ -103,24 +106,30 @@ class NodeManager:
         self._kubelet_inode: int | None = None
         self._pods_cache: tuple[float, list[dict]] | None = None
         self._pods_lock = threading.Lock()
+        self._publish_due: float | None = None  # monotonic time of the next node-label attempt; None: published
         self._isolation_backend = isolation
         self.isolation: NodeIsolation | None = None
         self.policy = Policy.BEST_EFFORT
 
     # ---- lifecycle ------------------------------------------------------------------------
-    def start(self) -> None:
-        """Raises ValueError when the node's policy label (or --isolation-policy) is not a policy,
-        NodeUnreadable when the label cannot be read, NvmlUnavailable when isolation needs NVML and
-        cannot have it; nothing is served then."""
+    def start(self, until: threading.Event | None = None) -> bool:
+        """Reconcile, publish, serve kubelet. While the pods cannot be read (apiserver down) it waits
+        and retries; it returns False, having served nothing, if ``until`` is set meanwhile.
+
+        Raises :class:`PodSourceError` when retrying cannot help (forbidden, not found); ValueError
+        when the node's policy label (or --isolation-policy) is not a policy, NodeUnreadable when
+        the label cannot be read, NvmlUnavailable when isolation needs NVML and cannot have it.
+        Nothing is served then."""
+        self.store.sync_cards(list(self.cards.values()))
+        if not self._reconcile_when_ready(until or self._stop):
+            return False
         self.policy = resolve_policy(self.config.isolation_policy, self._node_labels())
         if self._isolation_backend is not None:  # before serving anything: NVML may be missing
             self.isolation = NodeIsolation(
                 self.policy, self.store, self._pods_cached, ContainerResolver(self.config.proc_root),
                 self._isolation_backend, self.metrics, self.pods, self.config.isolation_tick_s,
                 self.config.isolation_refresh_s, self.config.memory_tolerance_mib)
-        self.store.sync_cards(list(self.cards.values()))
         self.store.set_meta({"node": self.config.node, "policy": self.policy.value, "kind": "node"})
-        self.reconcile()
         self._publish_node()
         self.config.plugin_dir.mkdir(parents=True, exist_ok=True)
         for plugin in self.plugins:
@@ -140,6 +149,26 @@ class NodeManager:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
+        return True
+
+    def _reconcile_when_ready(self, until: threading.Event) -> bool:
+        """Kubelet is served only after reconciliation: Allocate answered from a store that still
+        holds deleted pods' shares would refuse or double-book cards."""
+        delay = 1.0
+        while True:
+            try:
+                self.reconcile()
+                return True
+            except PodSourceError as exc:
+                if not exc.transient:
+                    raise
+                log.warning("start-up reconciliation: %s; kubelet is not served until the pods of node %s can be "
+                            "read; retrying in %.0f s", exc, self.config.node, delay)
+            deadline = time.monotonic() + delay
+            while (left := deadline - time.monotonic()) > 0:
+                if until.wait(min(left, 0.5)):  # short slices: SIGTERM may land on another thread
+                    return False
+            delay = min(delay * 2, self.config.api_retry_max_s)
 
     def _node_labels(self) -> dict[str, str]:
         """The node's labels for its policy; unreadable is fatal only when no override is given."""
@@ -190,6 +219,8 @@ class NodeManager:
                 self.check_kubelet()
             except Exception:  # keep watching: the next tick retries
                 log.exception("kubelet watch failed")
+            if self._publish_due is not None and time.monotonic() >= self._publish_due:
+                self._publish_node()
 
     def check_kubelet(self) -> None:
         """Serve again and re-register when kubelet restarted (new socket) or our sockets vanished."""
@@ -364,8 +395,12 @@ class NodeManager:
         labels, notes = node_metadata(list(self.cards.values()), self.unhealthy(), self.policy.value)
         try:
             self.pods.patch_node(self.config.node, labels, notes)
-        except Exception as exc:
-            log.warning("node %s: could not write labels/annotations: %s", self.config.node, exc)
+        except Exception as exc:  # retried from the kubelet watcher until it lands
+            self._publish_due = time.monotonic() + NODE_PUBLISH_RETRY_S
+            log.warning("node %s: could not write GPU labels/annotations (retrying in %.0f s): %s",
+                        self.config.node, NODE_PUBLISH_RETRY_S, exc)
+            return
+        self._publish_due = None
 
     def _pods_cached(self, max_age_s: float) -> list[dict]:
         """The node's pods, listed again when the cached list is older than ``max_age_s`` (or
