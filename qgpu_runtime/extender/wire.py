@@ -10,7 +10,9 @@ Decoding refuses wrong shapes with a :class:`WireError` naming the field: a clie
 from __future__ import annotations
 
 import json
+import operator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, Mapping, Sequence
 
@@ -115,17 +117,25 @@ def encode_priorities(scores: Mapping[str, int]) -> list[dict[str, Any]]:
     return [{"Host": host, "Score": max(MIN_PRIORITY, min(MAX_PRIORITY, int(score)))} for host, score in scores.items()]
 
 
-_PRIORITY = '{{"Host":{},"Score":{}}}'.format
+@lru_cache(maxsize=1 << 16)
+def _priority_head(host: str) -> str:
+    """``{"Host":"<host>","Score":`` — escaped by the json module's own C encoder, so any name
+    comes out exactly as ``json.dumps`` writes it; cached, since the same nodes recur every call."""
+    return '{"Host":' + encode_basestring_ascii(host) + ',"Score":'
+
+
+_PRIORITY_TAIL = tuple(f"{score}}}" for score in range(MIN_PRIORITY, MAX_PRIORITY + 1))
 
 
 def encode_priorities_json(names: Sequence[str], scores: Sequence[int] | np.ndarray) -> bytes:
     """:func:`encode_priorities` for scores aligned with ``names``, straight to JSON bytes.
 
-    Each host goes through the json module's own C string encoder, so any name is escaped exactly
-    as ``json.dumps`` would; no per-host dict is built (5,000 names cost well under a millisecond).
+    No per-host dict and no per-host Python frame: cached heads joined with one of eleven
+    precomputed tails in C-level maps (5,000 hosts: about half a millisecond).
     """
-    values = np.clip(np.asarray(scores, dtype=np.int64), MIN_PRIORITY, MAX_PRIORITY).tolist()
-    return ("[" + ",".join(map(_PRIORITY, map(encode_basestring_ascii, names), values)) + "]").encode()
+    values = np.clip(np.asarray(scores, dtype=np.int64), MIN_PRIORITY, MAX_PRIORITY) - MIN_PRIORITY
+    parts = map(operator.add, map(_priority_head, names), map(_PRIORITY_TAIL.__getitem__, values.tolist()))
+    return ("[" + ",".join(parts) + "]").encode()
 
 
 @dataclass(frozen=True)
