@@ -66,8 +66,16 @@ def pod(name: str) -> dict[str, Any]:
                      "containers": [{"name": "c", "image": PAUSE, "resources": {"limits": {CORE: "25", MEMORY: "4"}}}]}}
 
 
-def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int) -> dict[str, Any]:
-    """Pods bound per second by a freshly started scheduler facing `pods` pending pods."""
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int,
+               extender_pid: int | None = None) -> dict[str, Any]:
+    """Pods bound per second by a freshly started scheduler facing `pods` pending pods, and the CPU
+    each process spent per bound pod meanwhile (on a small machine CPU is what bounds the rate)."""
     cp.stop_scheduler()
     ns = f"bench-{int(time.time() * 1000) % 10**8}"
     api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
@@ -95,8 +103,13 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     watcher = threading.Thread(target=follow, daemon=True)
     watcher.start()
     time.sleep(0.5)
+    pids = {name: cp.processes[name].popen.pid for name in ("etcd", "kube-apiserver")}
+    if extender_pid is not None:
+        pids["qgpu-extender"] = extender_pid
+    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
-    cp.start_scheduler(extenders, qps=5000)
+    pids["kube-scheduler"] = cp.start_scheduler(extenders, qps=5000).popen.pid
+    cpu_before["kube-scheduler"] = 0.0
     deadline = time.perf_counter() + 600
     while not done.wait(2.0) and time.perf_counter() < deadline:
         # Belt and braces: a watch can drop; the list is the truth about who is bound.
@@ -108,12 +121,14 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
         if len(bound_at) >= pods:
             done.set()
     finished = len(bound_at) >= pods
+    cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) * 1000 / pods, 2) for name, pid in pids.items()}
     times = sorted(bound_at.values())
     if not finished or len(times) < 2:
         raise RuntimeError(f"only {len(times)}/{pods} pods bound within 600 s")
     span = times[-1] - times[0]
     return {"pods": pods, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
-            "pods_per_s": round((len(times) - 1) / span, 1)}
+            "pods_per_s": round((len(times) - 1) / span, 1),
+            "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)}}
 
 
 def latency(url: str, ca: Path, node_names: list[str], samples: int) -> dict[str, Any]:
@@ -208,20 +223,21 @@ def main() -> int:
         extender = extender_server(cp, priority=args.priority, assume_timeout=120)
         extender.start()
         ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s")]
-        result["with_extender"] = throughput(cp, api, ext, args.pods)
+        result["with_extender"] = throughput(cp, api, ext, args.pods, extender.process.popen.pid)
         cp.stop_scheduler()
         plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False)
         extender.stop()
         plain.start()
         result["with_extender_plain_http"] = throughput(
-            cp, api, [extender_config(plain.url, ca_file=None, managed_resources=MANAGED_RESOURCES, timeout="30s")], args.pods)
+            cp, api, [extender_config(plain.url, ca_file=None, managed_resources=MANAGED_RESOURCES, timeout="30s")], args.pods,
+            plain.process.popen.pid)
         cp.stop_scheduler()
         plain.stop()
         best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best")
         best.start()
         result["with_extender_best_filter"] = throughput(
             cp, api, [extender_config(best.url, ca_file=best.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s",
-                                      prioritize=False)], args.pods)
+                                      prioritize=False)], args.pods, best.process.popen.pid)
         best.stop()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], args.pods)
@@ -267,6 +283,11 @@ def append_markdown(r: dict[str, Any]) -> None:
         f"| same over plain HTTP | {r['with_extender_plain_http']['pods_per_s']} ({r['ratio_with_extender_plain_http']}) |",
         f"| `--filter-result best`, no prioritizeVerb: filter+bind over HTTPS | {r['with_extender_best_filter']['pods_per_s']} ({r['ratio_with_extender_best_filter']}) |",
     ]
+    for key, label in (("without_extender", "without extender"), ("with_extender", "with extender, HTTPS"),
+                       ("with_extender_best_filter", "with extender, `best`")):
+        cpu = r[key]["cpu_ms_per_pod"]
+        parts = ", ".join(f"{name} {value}" for name, value in cpu.items() if name != "all")
+        lines.append(f"| CPU ms per bound pod, {label}: all processes (by process) | {cpu['all']} ({parts}) |")
     for lat in r["latency"]:
         fp = lat["filter_plus_prioritize_ms"]
         lines.append(f"| filter+prioritize, {lat['cluster_nodes']} nodes in the cluster, {lat['nodes']} names per call: p50 / p99 ms | {fp['p50']} / {fp['p99']} |")
