@@ -137,6 +137,9 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     assert site.first.returncode == 0, site.first.output[-6000:]
     yield site
     teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
+    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) if live_object(cluster, d)]
+    left += [f"Node/{n}: {k}" for names in pools.values() for n in names
+             for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
     # A fail-closed webhook left behind would refuse every later pod of this control plane.
     admission = client.AdmissionregistrationV1Api(cluster.api_client)
     for delete in (admission.delete_mutating_webhook_configuration, admission.delete_validating_webhook_configuration):
@@ -146,6 +149,18 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             if exc.status != 404:
                 raise
     assert teardown.returncode == 0, teardown.output[-4000:]
+    assert left == [], "teardown.yml left these behind"
+
+
+def live_object(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The object a manifest document names, as the apiserver has it; None when absent."""
+    resource = DynamicClient(cluster.api_client).resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+    try:
+        return resource.get(name=doc["metadata"]["name"], namespace=doc["metadata"].get("namespace")).to_dict()
+    except ApiException as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 # -- node pools --------------------------------------------------------------------------------
@@ -209,15 +224,14 @@ def rendered_objects(site: Site) -> list[dict[str, Any]]:
 
 
 def test_every_rendered_object_is_in_the_apiserver(site: Site) -> None:
-    dynamic = DynamicClient(site.cluster.api_client)
     docs = rendered_objects(site)
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
                      "Secret", "Service", "ServiceAccount", "ValidatingWebhookConfiguration"]
     for doc in docs:
         meta = doc["metadata"]
-        resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
-        live = resource.get(name=meta["name"], namespace=meta.get("namespace")).to_dict()
+        live = live_object(site.cluster, doc)
+        assert live is not None, f"{doc['kind']}/{meta['name']} not in the apiserver"
         assert live["metadata"]["labels"] == meta["labels"], f"{doc['kind']}/{meta['name']}"
         assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ansible"
 
