@@ -240,10 +240,17 @@ class ControlPlane:
             "leaderElection": {"leaderElect": False},
             "extenders": extenders,
         }
-        path = self._write_yaml("scheduler-config.yaml", config)
+        return self.start_scheduler_from_file(self._write_yaml("scheduler-config.yaml", config), timeout=timeout)
+
+    def start_scheduler_from_file(self, config: Path, *, name: str = "kube-scheduler", timeout: float = 60.0) -> Process:
+        """(Re)start kube-scheduler ``name`` with ``--config`` pointing at an existing file (e.g. one an
+        Ansible role rendered) and wait until it answers ``/readyz``: a config kube-scheduler refuses
+        makes it exit, which raises :class:`ControlPlaneError` with its log."""
+        self._stop_process(name)
+        path = config
         port = free_port()
         self.scheduler_port = port
-        proc = self._spawn("kube-scheduler", [
+        proc = self._spawn(name, [
             str(self.bindir / "kube-scheduler"), f"--config={path}",
             "--bind-address=127.0.0.1", f"--secure-port={port}",
             f"--authentication-kubeconfig={self.scheduler_kubeconfig}",
@@ -263,16 +270,18 @@ class ControlPlane:
         self._wait(proc, ready, timeout)
         return proc
 
-    def stop_scheduler(self) -> None:
-        proc = self.processes.pop("kube-scheduler", None)
+    def stop_scheduler(self, name: str = "kube-scheduler") -> None:
+        self._stop_process(name)
+
+    def _stop_process(self, name: str) -> None:
+        proc = self.processes.pop(name, None)
         if proc is not None:
             proc.stop()
 
     def stop(self) -> None:
-        for name in ("kube-scheduler", "kube-apiserver", "etcd"):
-            proc = self.processes.pop(name, None)
-            if proc is not None:
-                proc.stop()
+        # Extra schedulers (start_scheduler_from_file with another name) first, etcd last.
+        for name in [n for n in self.processes if n not in ("kube-apiserver", "etcd")] + ["kube-apiserver", "etcd"]:
+            self._stop_process(name)
         data = getattr(self, "_etcd_data", None)
         if data is not None:
             shutil.rmtree(data, ignore_errors=True)

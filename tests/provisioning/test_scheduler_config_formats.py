@@ -27,6 +27,10 @@ CONFIG_EXTENDER_FIELDS = (POLICY_EXTENDER_FIELDS - {"enableHttps"}) | {"enableHT
 TLS_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
 MANAGED_RESOURCE_FIELDS = {"name", "ignoredByScheduler"}
 CONFIG_TOP_LEVEL = {"apiVersion", "kind", "clientConnection", "leaderElection", "extenders"}
+# What the qgpu_manager DaemonSet advertises on the nodes: only these are checked against node
+# capacity by kube-scheduler; every other managed resource is the extender's alone.
+NODE_RESOURCES = {"tke.cloud.tencent.com/qgpu-core", "tke.cloud.tencent.com/qgpu-memory",
+                  "tke.cloud.tencent.com/qgpu-core-greedy"}
 GO_DURATION = re.compile(r"^([0-9]+(\.[0-9]+)?(ns|us|µs|ms|s|m|h))+$")
 
 
@@ -57,6 +61,7 @@ def test_policy_uses_the_legacy_field_names_and_integer_nanoseconds(rendered: Pa
     assert extender["httpTimeout"] == 15_000_000_000 and isinstance(extender["httpTimeout"], int)
     assert set(extender["tlsConfig"]) <= TLS_FIELDS
     assert all(set(r) == MANAGED_RESOURCE_FIELDS for r in extender["managedResources"])
+    assert {r["name"] for r in extender["managedResources"] if not r["ignoredByScheduler"]} == NODE_RESOURCES
 
 
 @pytest.mark.parametrize("version", [v for v, f in VERSIONS.items() if f != "policy"])
@@ -73,6 +78,7 @@ def test_component_config_uses_its_field_names_and_a_duration_string(rendered: P
     assert extender["httpTimeout"] == "15s" and GO_DURATION.match(extender["httpTimeout"])
     assert set(extender["tlsConfig"]) <= TLS_FIELDS
     assert all(set(r) == MANAGED_RESOURCE_FIELDS for r in extender["managedResources"])
+    assert {r["name"] for r in extender["managedResources"] if not r["ignoredByScheduler"]} == NODE_RESOURCES
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))
