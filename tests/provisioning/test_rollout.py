@@ -53,16 +53,18 @@ class NodeWatch:
 
     cluster: Cluster
     selector: str
+    count: int  # nodes the selector matches: the watch is ready once it has listed them all
     transitions: list[tuple[str, bool]] = field(default_factory=list)
     seen_sentinel: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
+        self._token = uuid.uuid4().hex
         self._watch = watch.Watch()
         self._ready = threading.Event()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
-        self._ready.wait(30)
+        assert self._ready.wait(30), "the node watch did not list the nodes"
 
     def _run(self) -> None:
         try:
@@ -75,13 +77,12 @@ class NodeWatch:
         state: dict[str, bool] = {}
         for event in self._watch.stream(self.cluster.api.list_node, label_selector=self.selector, timeout_seconds=900):
             node = event["object"]
-            if SENTINEL in (node.metadata.annotations or {}):
+            if (node.metadata.annotations or {}).get(SENTINEL) == self._token:
                 self.seen_sentinel.set()
-                continue
             unschedulable = bool(node.spec.unschedulable)
             if node.metadata.name not in state:  # the initial ADDED events
                 state[node.metadata.name] = unschedulable
-                if len(state) == 1:
+                if len(state) == self.count:
                     self._ready.set()
                 continue
             if state[node.metadata.name] != unschedulable:
@@ -91,7 +92,7 @@ class NodeWatch:
     def stop(self, any_node: str) -> list[tuple[str, bool]]:
         """Waits until the watch has delivered everything up to now (an annotation written after
         the run comes back through it), then stops it."""
-        self.cluster.api.patch_node(any_node, {"metadata": {"annotations": {SENTINEL: uuid.uuid4().hex}}})
+        self.cluster.api.patch_node(any_node, {"metadata": {"annotations": {SENTINEL: self._token}}})
         assert self.seen_sentinel.wait(60), "the node watch never delivered the sentinel annotation"
         self._stopping.set()
         self._watch.stop()
@@ -129,7 +130,7 @@ class Fleet:
 
     def roll(self, *extra: str) -> tuple[Run, list[tuple[str, bool]]]:
         selector = ",".join(f"{k}={v}" for k, v in self.label.items())
-        node_watch = NodeWatch(self.cluster, selector)
+        node_watch = NodeWatch(self.cluster, selector, len(self.nodes))
         run = ansible_playbook("-i", str(self.inventory), PLAYBOOK, *extra)
         (self.work / "rollout.log").write_text(run.output)  # kept by pytest's tmp_path for a failed run
         return run, node_watch.stop(self.nodes[0])
@@ -364,6 +365,27 @@ def test_every_node_was_provisioned_in_its_own_sandbox(rolled: Rolled) -> None:
         plan = json.loads((root / name / "var/lib/qgpu/provisioning/nvidia_driver.json").read_text())
         assert plan["install"] is True and plan["gpus"] == ["0000:3b:00.0"], name
         assert (root / name / "opt/qgpu/installed.json").is_file(), name
+
+
+def changed_tasks(run: Run) -> dict[str, set[str]]:
+    """task header -> hosts reported `changed` in it."""
+    changed: dict[str, set[str]] = {}
+    task = ""
+    for line in run.output.splitlines():
+        if line.startswith(("TASK [", "RUNNING HANDLER [")):
+            task = line.split(" ***")[0]
+        elif match := re.match(r"^changed: \[([^\]\s]+)", line):
+            changed.setdefault(task, set()).add(match.group(1))
+    return changed
+
+
+def test_a_second_rollout_changes_nothing_but_the_cordon(rolled: Rolled) -> None:
+    """Runs last in its group on purpose: it rolls the fleet again."""
+    again, transitions = rolled.fleet.roll("-e", "qgpu_rollout_batch=2")
+    assert again.returncode == 0, again.output[-6000:]
+    nodes = set(rolled.fleet.nodes)
+    assert changed_tasks(again) == {"TASK [Cordon the node]": nodes, "TASK [Uncordon the node]": nodes}, again.output[-6000:]
+    assert sorted(transitions) == sorted([(n, True) for n in nodes] + [(n, False) for n in nodes])
 
 
 # -- a rollout that fails: batches of two, a node of the second batch cannot pass its preflight ----
