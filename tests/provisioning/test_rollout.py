@@ -36,7 +36,7 @@ from kubernetes.client.rest import ApiException
 from ansible_tools import REPO, Run, ansible_playbook
 from test_k8s_half import expected_pool_labels
 from tests.k8s.conftest import Cluster
-from tests.k8s.kubeobjects import PAUSE, cards, gpu_node, wait_for
+from tests.k8s.kubeobjects import PAUSE, cards, gpu_node
 
 pytestmark = pytest.mark.slow
 
