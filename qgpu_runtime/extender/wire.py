@@ -112,11 +112,6 @@ class FilterResult:
         return doc
 
 
-def encode_priorities(scores: Mapping[str, int]) -> list[dict[str, Any]]:
-    """HostPriorityList: a bare array of {Host, Score}, scores clamped to 0..10."""
-    return [{"Host": host, "Score": max(MIN_PRIORITY, min(MAX_PRIORITY, int(score)))} for host, score in scores.items()]
-
-
 @lru_cache(maxsize=1 << 16)
 def _priority_head(host: str) -> str:
     """``{"Host":"<host>","Score":`` — escaped by the json module's own C encoder, so any name
@@ -128,10 +123,11 @@ _PRIORITY_TAIL = tuple(f"{score}}}" for score in range(MIN_PRIORITY, MAX_PRIORIT
 
 
 def encode_priorities_json(names: Sequence[str], scores: Sequence[int] | np.ndarray) -> bytes:
-    """:func:`encode_priorities` for scores aligned with ``names``, straight to JSON bytes.
+    """HostPriorityList (a bare array of {Host, Score}, scores clamped to 0..10) for scores
+    aligned with ``names``, straight to JSON bytes.
 
     No per-host dict and no per-host Python frame: cached heads joined with one of eleven
-    precomputed tails in C-level maps (5,000 hosts: about half a millisecond).
+    precomputed tails in C-level maps (5,000 hosts: about 0.6 ms on the dev machine).
     """
     values = np.clip(np.asarray(scores, dtype=np.int64), MIN_PRIORITY, MAX_PRIORITY) - MIN_PRIORITY
     parts = map(operator.add, map(_priority_head, names), map(_PRIORITY_TAIL.__getitem__, values.tolist()))

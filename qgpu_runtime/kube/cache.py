@@ -316,7 +316,7 @@ class AllocationCache:
             if not ok.all():
                 # Unknown nodes and nodes this shape could not fit even empty: preemption cannot help.
                 never = self._never_fits(request)
-                hopeless = ~ok & ((scored.rows < 0) | never[np.where(scored.rows >= 0, scored.rows, 0)])
+                hopeless = ~ok & engine.at_rows(never, scored.rows, True)
                 for into, pick in ((unresolvable, hopeless), (failed, ~ok & ~hopeless)):
                     if pick.any():
                         into.update(zip(compress(names, pick.tolist()),
@@ -377,7 +377,7 @@ class AllocationCache:
                 finally:
                     if held is not None:
                         state.commit(key, held)
-        return np.where(rows >= 0, node_score[np.where(rows >= 0, rows, 0)], 0).clip(0, engine.MAX_SCORE)
+        return engine.at_rows(node_score, rows, 0).clip(0, engine.MAX_SCORE)
 
     def prioritize(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> dict[str, int]:
         """:meth:`prioritize_scores` as a dict by node name."""

@@ -9,8 +9,12 @@ import os
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
+
+if TYPE_CHECKING:
+    from qgpu_runtime.node.manager import NodeManager
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,6 +49,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read pods from this JSON file instead of the API (demos, hosts without an apiserver)")
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
     serve.add_argument("--log-level", default="INFO")
+
+
+def _start(manager: NodeManager, stop: threading.Event, log: logging.Logger) -> int | None:
+    """Start the manager; None when it serves, else the exit code (nothing is served then)."""
+    from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
+    from qgpu_runtime.node.manager import NodeUnreadable
+    from qgpu_runtime.node.pods import PodSourceError
+
+    try:
+        if manager.start(until=stop):
+            return None
+    except PodSourceError as exc:  # retrying cannot help: wrong RBAC, node or credentials
+        log.error("cannot start: %s", exc)
+        return 1
+    except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
+        log.error("%s", exc)
+        return 2
+    log.info("stopped before the pods of node %s could be read", manager.config.node)
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,26 +120,11 @@ def run(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
-    from qgpu_runtime.node.manager import NodeUnreadable
-
-    try:
-        started = manager.start(until=stop)
-    except PodSourceError as exc:  # retrying cannot help: wrong RBAC, node or credentials
-        log.error("cannot start: %s", exc)
+    code = _start(manager, stop, log)
+    if code is not None:
         manager.stop()
         store.close()
-        return 1
-    except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
-        log.error("%s", exc)
-        manager.stop()
-        store.close()
-        return 2
-    if not started:
-        log.info("stopped before the pods of node %s could be read", args.nodename)
-        manager.stop()
-        store.close()
-        return 0
+        return code
     if args.metrics_port >= 0:
         from prometheus_client import start_http_server
 

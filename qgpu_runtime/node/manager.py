@@ -3,8 +3,9 @@
 Threads: one gRPC server per resource (kubelet calls in), a health watcher (NVML/XID events), a
 kubelet watcher (re-registers when kubelet restarts and re-creates its socket), a sampler
 (metrics, once per interval) and, when given an isolation backend, the isolation loop
-(node/enforcer.py: the node's policy enforced on its containers every tick). Allocate is serialised by one lock: kubelet admits one pod at a
-time anyway, and the matching rule needs a consistent view of what was already served.
+(node/enforcer.py: the node's policy enforced on its containers every tick). Allocate is
+serialised by one lock: kubelet admits one pod at a time anyway, and the matching rule needs a
+consistent view of what was already served.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from qgpu_runtime.placement.state import ALLOC_MODES, CardShare, ClusterState, C
 
 MAX_SCORE = 10
 
-_REASONS = {
+REASONS = {
     1: "GPU model not allowed for this pod",
     2: "node allocation mode does not match the T9k request",
     3: "online/offline pods need a node labelled mixed-qgpu-enable=enable",
@@ -63,7 +63,7 @@ class Feasibility:
 
     def reasons(self, state: ClusterState, rows: np.ndarray | None = None) -> dict[str, str]:
         rows = np.nonzero(~self.ok)[0] if rows is None else rows
-        return {state.names[r]: _REASONS[int(self.code[r])] for r in rows if not self.ok[r]}
+        return {state.names[r]: REASONS[int(self.code[r])] for r in rows if not self.ok[r]}
 
 
 def _model_mask(state: ClusterState, req: PodRequest) -> np.ndarray:
@@ -286,7 +286,7 @@ def place(state: ClusterState, req: PodRequest, policy: Policy, nodes: np.ndarra
         scope = np.nonzero(nodes)[0] if nodes is not None else None
         reasons = feasible.reasons(state, scope)
         for r in np.nonzero(feasible.ok)[0]:
-            reasons[state.names[r]] = _REASONS[6]
+            reasons[state.names[r]] = REASONS[6]
         raise Unschedulable(req.key, reasons)
     best = int(ranked.order()[0])
     return _placement(state, req, int(ranked.rows[best]), ranked.slots(best))
@@ -308,7 +308,13 @@ class Scored:
     node_score: np.ndarray
 
 
-REASONS = _REASONS
+
+def at_rows(by_row: np.ndarray, rows: np.ndarray, missing: int | bool) -> np.ndarray:
+    """``by_row[rows]`` for rows from :meth:`ClusterState.rows_of`; ``missing`` where a row is -1."""
+    known = rows >= 0
+    if not len(by_row):  # no nodes at all: every row is -1
+        return np.full(len(rows), missing, dtype=np.result_type(by_row, type(missing)))
+    return np.where(known, by_row[np.where(known, rows, 0)], missing)
 
 
 def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray) -> Scored:
@@ -335,10 +341,7 @@ def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.nd
             node_score[ranked.rows] = np.round(MAX_SCORE * (hi - key) / span).astype(np.int64)
     node_code = feasible.code.copy()
     node_code[(node_code == 0) & (node_score < 0)] = 6  # feasible, but no card choice survived ranking
-    safe = np.where(known, rows, 0)
-    score = np.where(known, node_score[safe], -1)
-    code = np.where(known, node_code[safe], UNKNOWN_NODE)
-    return Scored(rows, score, code, node_score)
+    return Scored(rows, at_rows(node_score, rows, -1), at_rows(node_code, rows, UNKNOWN_NODE), node_score)
 
 
 def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:
@@ -350,5 +353,5 @@ def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]
     """
     s = score_rows(state, req, policy, state.rows_of(names))
     scores = {n: v for n, v in zip(names, s.score.tolist()) if v >= 0}
-    failed = {n: _REASONS[c] for n, c in zip(names, s.code.tolist()) if c}
+    failed = {n: REASONS[c] for n, c in zip(names, s.code.tolist()) if c}
     return scores, failed

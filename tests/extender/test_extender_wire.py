@@ -14,7 +14,6 @@ from qgpu_runtime.extender.wire import (
     ExtenderArgs,
     FilterResult,
     WireError,
-    encode_priorities,
     encode_priorities_json,
 )
 
@@ -57,7 +56,7 @@ def test_malformed_args_name_the_field(body, field):
 
 
 def test_priorities_are_a_bare_array_clamped_to_0_10():
-    assert encode_priorities({"a": 12, "b": -1, "c": 7}) == [
+    assert json.loads(encode_priorities_json(["a", "b", "c"], [12, -1, 7])) == [
         {"Host": "a", "Score": 10}, {"Host": "b", "Score": 0}, {"Host": "c", "Score": 7}]
 
 
@@ -72,7 +71,7 @@ def test_binding_args_need_pod_name_and_node():
 
 @given(st.lists(st.tuples(st.text(), st.integers(-5, 20))))
 def test_priorities_as_json_bytes_equal_the_dict_form_for_any_host_name(pairs):
-    """The hot-path encoder (no per-host dicts) says exactly what json.dumps of the dict form says,
+    """The hot-path encoder (no per-host dicts) says exactly what json.dumps of the dict form would,
     for any names: quotes, backslashes, control characters and non-ASCII included."""
     names = [n for n, _ in pairs]
     scores = [s for _, s in pairs]

@@ -234,3 +234,9 @@ def test_unknown_policy_lists_the_known_ones():
 def test_duplicate_node_names_are_refused():
     with pytest.raises(StateError, match="node names must be unique, repeated: a"):
         ClusterState([node("a"), node("a")])
+
+
+def test_score_on_a_cluster_without_nodes_fails_every_name_as_unknown():
+    state = ClusterState([])
+    scores, failed = score(state, share(30), make_policy("binpack"), ["a", "b"])
+    assert scores == {} and failed == {n: "node unknown to qgpu (no GPU inventory reported yet)" for n in "ab"}
