@@ -38,6 +38,7 @@ class ExtenderMetrics:
     latency: Histogram
     requests: Counter
     binds: Counter
+    connections: Counter
     nodes: Gauge
     bookings: Gauge
 
@@ -52,6 +53,9 @@ class ExtenderMetrics:
             requests=Counter("qgpu_extender_requests_total", "Extender calls by verb and HTTP status",
                              ["verb", "code"], registry=registry),
             binds=Counter("qgpu_extender_binds_total", "Bind attempts by result", ["result"], registry=registry),
+            # kube-scheduler keeps at most 2 idle connections per extender: a count that grows with
+            # the binds means concurrent calls open (and handshake) new ones.
+            connections=Counter("qgpu_extender_connections", "Connections accepted", registry=registry),
             nodes=Gauge("qgpu_extender_cached_nodes", "Nodes in the extender's cache", registry=registry),
             bookings=Gauge("qgpu_extender_bookings", "Pods whose cards are booked in the cache", registry=registry),
         )

@@ -1,10 +1,10 @@
 """Bind: pick the cards, write the allocation record, create the Binding — as one API write.
 
-The pods/binding subresource copies the Binding's own ``metadata.annotations`` onto the pod in the
-same storage update that sets ``spec.nodeName`` (kube-apiserver's BindingREST). qgpu puts the
-allocation record there, so the record and the Binding succeed or fail together: there is never a
-Binding without a record and never a record without a Binding, whatever dies when. It also halves
-the API writes per pod compared with a patch followed by a Binding.
+A Binding (``POST /api/v1/namespaces/<ns>/bindings``) has its own ``metadata.annotations`` copied
+onto the pod in the same storage update that sets ``spec.nodeName`` (kube-apiserver's BindingREST).
+qgpu puts the allocation record there, so the record and the Binding succeed or fail together:
+there is never a Binding without a record and never a record without a Binding, whatever dies
+when. It also halves the API writes per pod compared with a patch followed by a Binding.
 
 Steps:
 1. book the cards in the cache (under the cache lock, with a per-node lock around the decision, so

@@ -72,6 +72,7 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     routes = Routes(
         post={"/": lambda verb, body: app.handle(verb, body)},
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": readyz, "/metrics": metrics},
+        on_connection=app.metrics.connections.inc,
     )
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file)
     feeder = CacheFeeder(api, cache)

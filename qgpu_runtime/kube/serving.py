@@ -34,6 +34,7 @@ class Routes:
 
     post: dict[str, PostHandler]
     get: dict[str, GetHandler]
+    on_connection: Callable[[], None] | None = None  # called once per accepted connection
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -48,6 +49,8 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
         # stall the accept loop.
+        if self.routes.on_connection is not None:
+            self.routes.on_connection()
         if isinstance(self.request, ssl.SSLSocket):
             self.request.settimeout(10)
             self.request.do_handshake()

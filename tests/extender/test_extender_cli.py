@@ -55,3 +55,39 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
     assert set(doc["FailedAndUnresolvableNodes"]) == {"tiny"}
     with pytest.raises(ValueError, match="filter_result='some'"):
         ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="some")
+
+
+def test_served_extender_counts_accepted_connections(tmp_path):
+    """kube-scheduler keeps two idle connections per extender; the counter shows when concurrent
+    binds make it open (and handshake) more. Keep-alive calls on one connection count once."""
+    import argparse
+    import http.client
+
+    from qgpu_runtime.extender import cli as extender_cli
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
+    parser = argparse.ArgumentParser()
+    extender_cli.add_arguments(parser)
+    args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig)])
+    args.port = 0  # any free port
+    server, _, _ = extender_cli.build(args)
+    server.start()
+    try:
+        def metric(conn: http.client.HTTPConnection) -> float:
+            conn.request("GET", "/metrics")
+            lines = conn.getresponse().read().decode().splitlines()
+            return float(next(line.split()[1] for line in lines if line.startswith("qgpu_extender_connections_total ")))
+
+        first = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        assert metric(first) == 1.0
+        assert metric(first) == 1.0  # same keep-alive connection
+        second = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        assert metric(second) == 2.0
+        first.close()
+        second.close()
+    finally:
+        server.stop()
