@@ -109,6 +109,19 @@ def _entry(pod: Mapping[str, Any]) -> PodEntry:
     )
 
 
+@dataclass(frozen=True)
+class _FilterMemo:
+    """The last filter's answer: prioritize of the same pod gets back the list filter passed, and
+    nothing needs scoring or mapping to rows again while the state is unchanged."""
+
+    key: str
+    version: int
+    node_score: np.ndarray
+    state: ClusterState
+    passed: list[str]
+    passed_rows: np.ndarray
+
+
 class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
@@ -128,7 +141,7 @@ class AllocationCache:
         self._version = 0
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._never: OrderedDict[tuple, np.ndarray] = OrderedDict()
-        self._memo: tuple[str, int, np.ndarray] | None = None
+        self._memo: _FilterMemo | None = None
         self.problems: list[str] = []
         self.synced = threading.Event()
 
@@ -322,8 +335,9 @@ class AllocationCache:
                         into.update(zip(compress(names, pick.tolist()),
                                         map(engine.REASONS.__getitem__, scored.code[pick].tolist())))
             held = self._hold(state, key, request, scored, names, now_ns) if ok.any() else None
-            self._memo = (key, self._version, scored.node_score)
-        return FilterOutcome(list(compress(names, ok.tolist())), failed, unresolvable, held)
+            passed = list(compress(names, ok.tolist()))
+            self._memo = _FilterMemo(key, self._version, scored.node_score, state, passed, scored.rows[ok])
+        return FilterOutcome(passed, failed, unresolvable, held)
 
     def _never_fits(self, request: PodRequest) -> np.ndarray:
         """By state row: nodes that could not take this shape of request even empty (preemption
@@ -348,10 +362,9 @@ class AllocationCache:
     def _hold(self, state: ClusterState, key: str, request: PodRequest, scored: engine.Scored, names: list[str], now_ns: int) -> str | None:
         at = int(np.argmax(scored.score))  # the first of the best, in the scheduler's order
         best = names[at]
-        mask = np.zeros(state.node_count, dtype=bool)
-        mask[scored.rows[at]] = True
         try:
-            placement = engine.place(state, request, self.policy, mask)
+            # The cards the ranking chose on that node: what place() restricted to it would pick.
+            placement = engine.placement_at(state, request, scored, int(scored.rows[at]))
             self._commit(state, key, placement)
         except (engine.Unschedulable, StateError) as exc:
             log.warning("pod %s: could not hold %s after filter: %s", key, best, exc)
@@ -365,9 +378,13 @@ class AllocationCache:
         key = pod_key(pod)
         with self.lock:
             state = self.state()
-            rows = state.rows_of(names)
-            if self._memo is not None and self._memo[0] == key and self._memo[1] == self._version:
-                node_score = self._memo[2]  # nothing changed since this pod's filter
+            memo = self._memo
+            if memo is not None and memo.state is state and names == memo.passed:
+                rows = memo.passed_rows  # the list filter just answered, as kube-scheduler sends it back
+            else:
+                rows = state.rows_of(names)
+            if memo is not None and memo.key == key and memo.version == self._version:
+                node_score = memo.node_score  # nothing changed since this pod's filter
             else:
                 held = state.bookings.get(key) if key in self._tentative else None
                 if held is not None:

@@ -299,13 +299,25 @@ class Scored:
     ``rows``: each name's state row (-1: unknown node); ``score``: 0..10, or -1 where the node
     failed; ``code``: 0 where it passed, else the key of its reason in ``REASONS``;
     ``node_score``: the same scores by state row (-1 for rows not scored), so a later call with
-    another list of names can look them up without scoring again.
+    another list of names can look them up without scoring again; ``ranked``: the ranking behind
+    the scores, which holds each ranked node's card choice (see :func:`placement_at`).
     """
 
     rows: np.ndarray
     score: np.ndarray
     code: np.ndarray
     node_score: np.ndarray
+    ranked: Ranked | None = None
+
+
+def placement_at(state: ClusterState, req: PodRequest, scored: Scored, row: int) -> Placement:
+    """The placement on state row ``row`` that ``scored`` ranked: the same cards ``place`` would
+    pick with the choice restricted to that node, without checking and ranking every node again."""
+    ranked = scored.ranked
+    at = int(np.searchsorted(ranked.rows, row)) if ranked is not None else 0  # ranked rows ascend
+    if ranked is None or at >= len(ranked.rows) or int(ranked.rows[at]) != row:
+        raise Unschedulable(req.key, {state.names[row]: "node was not ranked for this pod"})
+    return _placement(state, req, row, ranked.slots(at))
 
 
 
@@ -341,7 +353,7 @@ def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.nd
             node_score[ranked.rows] = np.round(MAX_SCORE * (hi - key) / span).astype(np.int64)
     node_code = feasible.code.copy()
     node_code[(node_code == 0) & (node_score < 0)] = 6  # feasible, but no card choice survived ranking
-    return Scored(rows, at_rows(node_score, rows, -1), at_rows(node_code, rows, UNKNOWN_NODE), node_score)
+    return Scored(rows, at_rows(node_score, rows, -1), at_rows(node_code, rows, UNKNOWN_NODE), node_score, ranked)
 
 
 def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]) -> tuple[dict[str, int], dict[str, str]]:

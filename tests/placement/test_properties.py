@@ -8,6 +8,7 @@ everything restores the initial capacity exactly.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -252,3 +253,30 @@ def test_vector_scores_equal_the_node_by_node_reference(data, nodes, policy):
     assert score(state, req, pol, names) == (want_scores, want_failed)
     scored = score_rows(state, req, pol, state.rows_of(names))
     assert [want_scores.get(n, -1) for n in names] == scored.score.tolist()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), nodes=clusters(), policy=st.sampled_from(["binpack", "spread", "bestfit", "frag"]))
+def test_placement_from_the_ranking_equals_placing_on_that_node_alone(data, nodes, policy):
+    """The extender holds the filter's best node with the card choice its ranking already made
+    (engine.placement_at); it must be exactly what place() picks when restricted to that node."""
+    from qgpu_runtime.placement.engine import placement_at, score_rows
+
+    state = ClusterState(nodes)
+    pol = make_policy(policy)
+    for i in range(data.draw(st.integers(0, 8))):
+        req = data.draw(requests(i))
+        try:
+            state.commit(req.name, place(state, req, pol))
+        except Unschedulable:
+            pass
+    req = data.draw(requests(99))
+    scored = score_rows(state, req, pol, np.arange(state.node_count))
+    for row in range(state.node_count):
+        only = np.zeros(state.node_count, dtype=bool)
+        only[row] = True
+        if scored.node_score[row] < 0:
+            with pytest.raises(Unschedulable):
+                placement_at(state, req, scored, row)
+            continue
+        assert placement_at(state, req, scored, row) == place(state, req, pol, only)
