@@ -1,6 +1,7 @@
 """Bind: pick the cards, write the allocation record, create the Binding — as one API write.
 
-A Binding (``POST /api/v1/namespaces/<ns>/bindings``) has its own ``metadata.annotations`` copied
+A Binding (``POST /api/v1/namespaces/<ns>/pods/<name>/binding``, the ``pods/binding`` subresource
+kube-scheduler itself uses and the ClusterRole grants) has its own ``metadata.annotations`` copied
 onto the pod in the same storage update that sets ``spec.nodeName`` (kube-apiserver's BindingREST).
 qgpu puts the allocation record there, so the record and the Binding succeed or fail together:
 there is never a Binding without a record and never a record without a Binding, whatever dies
@@ -148,7 +149,8 @@ class Binder:
 
         def attempt() -> None:
             try:
-                drain(self.api.create_namespaced_binding(namespace, body, _preload_content=False, _request_timeout=self.timeout))
+                drain(self.api.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
+                                                            _request_timeout=self.timeout))
             except ApiException as exc:
                 if exc.status == 409:
                     # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.

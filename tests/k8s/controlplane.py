@@ -340,10 +340,11 @@ class QgpuServer:
 
 
 def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
-                    assume_timeout: float = 30.0, filter_result: str = "all") -> QgpuServer:
+                    assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None) -> QgpuServer:
+    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given)."""
     port = port or free_port()
     argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
-            "--kubeconfig", str(cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
+            "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
             "--filter-result", filter_result]
     if tls:
         pair = cp.ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
