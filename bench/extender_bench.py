@@ -17,6 +17,7 @@ Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import http.client
 import json
@@ -31,7 +32,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -72,8 +73,75 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# --pin: (control-plane CPUs, CPUs of the extender and this script), or None to share every core.
+PIN: tuple[set[int], set[int]] | None = None
+
+
+@contextlib.contextmanager
+def control_plane_cpus() -> Iterator[None]:
+    """Processes spawned inside inherit the control plane's CPUs (with --pin); Go sizes GOMAXPROCS
+    from that mask at start. Affinity is per thread: only the calling thread is switched."""
+    if PIN is None:
+        yield
+        return
+    os.sched_setaffinity(0, PIN[0])
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, PIN[1])
+
+
+def scrape(url: str, ca: Path | None = None) -> dict[tuple[str, str], float]:
+    """Prometheus text of ``url`` as {(metric name, label text): value} (insecure TLS when no CA)."""
+    import urllib.request
+    if ca is not None:
+        ctx = ssl.create_default_context(cafile=str(ca))
+    else:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    out: dict[tuple[str, str], float] = {}
+    with urllib.request.urlopen(url, context=ctx if url.startswith("https") else None, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if not line or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            name, _, labels = head.partition("{")
+            try:
+                out[(name, labels.rstrip("}"))] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def mean_ms(metrics: dict[tuple[str, str], float], name: str, must: str = "") -> float | None:
+    """Mean of a histogram (sum/count) over the series whose labels contain ``must``, in ms."""
+    total = sum(v for (n, labels), v in metrics.items() if n == f"{name}_sum" and must in labels)
+    count = sum(v for (n, labels), v in metrics.items() if n == f"{name}_count" and must in labels)
+    return round(1000 * total / count, 3) if count else None
+
+
+def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
+    """Where a pod's time went: kube-scheduler's own histograms (the scheduling cycle, which is
+    serial, and the binding cycle, which is not), and the extender's time per verb as it saw it."""
+    sched = scrape(f"https://127.0.0.1:{cp.scheduler_port}/metrics")
+    split: dict[str, Any] = {
+        "scheduler_algorithm_ms": mean_ms(sched, "scheduler_scheduling_algorithm_duration_seconds"),
+        "scheduler_attempt_ms": mean_ms(sched, "scheduler_scheduling_attempt_duration_seconds", 'result="scheduled"'),
+        "scheduler_bind_ms": mean_ms(sched, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'),
+    }
+    if extender is not None:
+        ext = scrape(f"{extender.url}/metrics", extender.ca_file)
+        for verb in ("filter", "prioritize", "bind"):
+            split[f"extender_{verb}_ms"] = mean_ms(ext, "qgpu_extender_request_duration_seconds", f'verb="{verb}"')
+        connections = ext.get(("qgpu_extender_connections_total", ""))
+        if connections is not None:
+            split["extender_connections"] = connections
+    return split
+
+
 def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int,
-               extender_pid: int | None = None) -> dict[str, Any]:
+               extender_pid: int | None = None, extender: Any | None = None) -> dict[str, Any]:
     """Pods bound per second by a freshly started scheduler facing `pods` pending pods, and the CPU
     each process spent per bound pod meanwhile (on a small machine CPU is what bounds the rate)."""
     cp.stop_scheduler()
@@ -108,7 +176,8 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
         pids["qgpu-extender"] = extender_pid
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
-    pids["kube-scheduler"] = cp.start_scheduler(extenders, qps=5000).popen.pid
+    with control_plane_cpus():
+        pids["kube-scheduler"] = cp.start_scheduler(extenders, qps=5000).popen.pid
     cpu_before["kube-scheduler"] = 0.0
     deadline = time.perf_counter() + 600
     while not done.wait(2.0) and time.perf_counter() < deadline:
@@ -126,7 +195,8 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     if not finished or len(times) < 2:
         raise RuntimeError(f"only {len(times)}/{pods} pods bound within 600 s")
     span = times[-1] - times[0]
-    return {"pods": pods, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
+    split = time_split(cp, extender)
+    return {"pods": pods, "time_split": split, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
             "pods_per_s": round((len(times) - 1) / span, 1),
             "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)}}
 
@@ -206,7 +276,17 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--priority", default="binpack", choices=("binpack", "spread", "frag"))
     parser.add_argument("--markdown", action="store_true", help="append the results to docs/benchmarks.md")
+    parser.add_argument("--pin", action="store_true",
+                        help="etcd, kube-apiserver and kube-scheduler on CPU 0, the extender and this script on the "
+                             "others (the extender on cores of its own, as in its own pod on a bigger control-plane node)")
     args = parser.parse_args()
+    global PIN
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin needs at least 2 CPUs")
+        PIN = ({cpus[0]}, set(cpus[1:]))
+        os.sched_setaffinity(0, PIN[1])
 
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
     cp = ControlPlane(testbin_dir(build=True), workdir)
@@ -214,7 +294,8 @@ def main() -> int:
     result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True,
                                                            text=True).stdout.strip(), "priority": args.priority}
     try:
-        cp.start()
+        with control_plane_cpus():
+            cp.start()
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
         t = time.perf_counter()
         make_nodes(api, 0, args.nodes)
@@ -223,21 +304,21 @@ def main() -> int:
         extender = extender_server(cp, priority=args.priority, assume_timeout=120)
         extender.start()
         ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s")]
-        result["with_extender"] = throughput(cp, api, ext, args.pods, extender.process.popen.pid)
+        result["with_extender"] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
         cp.stop_scheduler()
         plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False)
         extender.stop()
         plain.start()
         result["with_extender_plain_http"] = throughput(
             cp, api, [extender_config(plain.url, ca_file=None, managed_resources=MANAGED_RESOURCES, timeout="30s")], args.pods,
-            plain.process.popen.pid)
+            plain.process.popen.pid, plain)
         cp.stop_scheduler()
         plain.stop()
         best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best")
         best.start()
         result["with_extender_best_filter"] = throughput(
             cp, api, [extender_config(best.url, ca_file=best.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s",
-                                      prioritize=False)], args.pods, best.process.popen.pid)
+                                      prioritize=False)], args.pods, best.process.popen.pid, best)
         best.stop()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], args.pods)
@@ -261,6 +342,7 @@ def main() -> int:
     result["machine"] = machine()
     result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result["command"] = "python bench/extender_bench.py " + " ".join(sys.argv[1:])
+    result["cpus"] = "shared" if PIN is None else {"control_plane": sorted(PIN[0]), "extender_and_bench": sorted(PIN[1])}
     print(json.dumps(result, indent=2))
     if args.markdown:
         append_markdown(result)
@@ -275,6 +357,7 @@ def append_markdown(r: dict[str, Any]) -> None:
         f"- Command: `{r['command']}`",
         f"- Machine: {r['machine']}; {r['kubernetes']} (kube-apiserver, kube-scheduler, etcd from scripts/k8s-testbin), all on this machine",
         f"- Policy: {r['priority']}; fake nodes with {CARDS} cards each; pods ask qgpu-core 25, qgpu-memory 4",
+        f"- CPUs: {'all shared' if r['cpus'] == 'shared' else 'control plane on ' + str(r['cpus']['control_plane']) + ', extender and benchmark on ' + str(r['cpus']['extender_and_bench'])}",
         "",
         "| measurement | value |",
         "|---|---|",
@@ -288,6 +371,11 @@ def append_markdown(r: dict[str, Any]) -> None:
         cpu = r[key]["cpu_ms_per_pod"]
         parts = ", ".join(f"{name} {value}" for name, value in cpu.items() if name != "all")
         lines.append(f"| CPU ms per bound pod, {label}: all processes (by process) | {cpu['all']} ({parts}) |")
+    for key, label in (("without_extender", "without extender"), ("with_extender", "with extender, HTTPS"),
+                       ("with_extender_best_filter", "with extender, `best`")):
+        split = r[key]["time_split"]
+        parts = ", ".join(f"{name} {value}" for name, value in split.items())
+        lines.append(f"| time split, {label}: mean ms per call from kube-scheduler's and the extender's histograms; connections accepted | {parts} |")
     for lat in r["latency"]:
         fp = lat["filter_plus_prioritize_ms"]
         lines.append(f"| filter+prioritize, {lat['cluster_nodes']} nodes in the cluster, {lat['nodes']} names per call: p50 / p99 ms | {fp['p50']} / {fp['p99']} |")
