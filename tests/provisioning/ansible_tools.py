@@ -9,6 +9,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -50,3 +51,14 @@ def run_tool(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env: str) 
 
 def ansible_playbook(*args: str, timeout: int = 600) -> Run:
     return run_tool([str(BIN / "ansible-playbook"), *args], timeout=timeout)
+
+
+def expected_pool_labels(group_vars: dict[str, Any]) -> dict[str, str | None]:
+    """What the pool's group vars ask for; None: the label must be absent."""
+    return {
+        "qgpu-device-enable": "enable",
+        "tke.cloud.tencent.com/qgpu-schedule-policy": group_vars["qgpu_node_pool_isolation_policy"],
+        "mixed-qgpu-enable": "enable" if group_vars.get("qgpu_node_pool_mixed") else None,
+        "sched.tensorstack.dev/accelerator": group_vars.get("qgpu_node_pool_accelerator") or None,
+        "sched.tensorstack.dev/node-alloc-mode": group_vars.get("qgpu_node_pool_alloc_mode") or None,
+    }

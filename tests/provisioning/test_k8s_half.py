@@ -35,7 +35,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ansible_tools import REPO, Run, ansible_playbook
+from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from qgpu_runtime.kube.records import ALLOCATION
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
@@ -168,17 +168,6 @@ def live_object(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any] | None:
 
 
 # -- node pools --------------------------------------------------------------------------------
-
-
-def expected_pool_labels(group_vars: dict[str, Any]) -> dict[str, str | None]:
-    """What the pool's group vars ask for; None: the label must be absent."""
-    return {
-        "qgpu-device-enable": "enable",
-        "tke.cloud.tencent.com/qgpu-schedule-policy": group_vars["qgpu_node_pool_isolation_policy"],
-        "mixed-qgpu-enable": "enable" if group_vars.get("qgpu_node_pool_mixed") else None,
-        "sched.tensorstack.dev/accelerator": group_vars.get("qgpu_node_pool_accelerator") or None,
-        "sched.tensorstack.dev/node-alloc-mode": group_vars.get("qgpu_node_pool_alloc_mode") or None,
-    }
 
 
 @pytest.mark.parametrize("pool", POOLS)

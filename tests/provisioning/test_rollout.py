@@ -33,8 +33,7 @@ import yaml
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from ansible_tools import REPO, Run, ansible_playbook
-from test_k8s_half import expected_pool_labels
+from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import PAUSE, cards, gpu_node
 
