@@ -320,7 +320,6 @@ def placement_at(state: ClusterState, req: PodRequest, scored: Scored, row: int)
     return _placement(state, req, row, ranked.slots(at))
 
 
-
 def at_rows(by_row: np.ndarray, rows: np.ndarray, missing: int | bool) -> np.ndarray:
     """``by_row[rows]`` for rows from :meth:`ClusterState.rows_of`; ``missing`` where a row is -1."""
     known = rows >= 0
