@@ -9,7 +9,6 @@ Decoding refuses wrong shapes with a :class:`WireError` naming the field: a clie
 
 from __future__ import annotations
 
-import json
 import operator
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -17,6 +16,8 @@ from json.encoder import encode_basestring_ascii  # type: ignore[attr-defined]
 from typing import Any, Mapping, Sequence
 
 import numpy as np
+
+from qgpu_runtime.jsondoc import load_json
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 10
@@ -37,13 +38,7 @@ def _get(doc: Mapping[str, Any], name: str) -> Any:
 
 
 def _object(raw: bytes | str, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"{what}: body is not JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise WireError(f"{what}: body is a JSON {type(doc).__name__}, expected an object")
-    return doc
+    return load_json(raw, dict, f"{what}: body", WireError)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ import json
 from decimal import Decimal
 from typing import Any, Mapping
 
+from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS as CARDS
 from qgpu_runtime.placement.state import CardSpec, NodeSpec
@@ -28,12 +29,7 @@ def cards_annotation(cards: list[CardSpec] | tuple[CardSpec, ...], unhealthy: fr
 
 
 def parse_cards(node_name: str, raw: str) -> tuple[CardSpec, ...]:
-    try:
-        doc = json.loads(raw)
-    except (TypeError, ValueError) as exc:
-        raise NodeInventoryError(f"node {node_name}: annotation {CARDS} is not JSON ({exc})") from exc
-    if not isinstance(doc, list):
-        raise NodeInventoryError(f"node {node_name}: annotation {CARDS}={raw[:80]!r}: must be a JSON list of cards")
+    doc = load_json(raw, list, f"node {node_name}: annotation {CARDS}", NodeInventoryError)
     cards = []
     seen: list[int] = []
     for i, card in enumerate(doc):

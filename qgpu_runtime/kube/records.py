@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 
@@ -80,12 +81,7 @@ def _field(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], whe
 
 def parse_record(raw: str) -> AllocationRecord:
     """Decode the annotation value; refuses unknown versions and malformed fields by name."""
-    try:
-        doc = json.loads(raw)
-    except (TypeError, ValueError) as exc:
-        raise RecordError(f"{ALLOCATION}: not JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise RecordError(f"{ALLOCATION}: {type(doc).__name__}: must be a JSON object")
+    doc = load_json(raw, dict, ALLOCATION, RecordError)
     version = doc.get("version")
     if version != RECORD_VERSION:
         raise RecordError(f"{ALLOCATION}: version={version!r}: only version {RECORD_VERSION} is known")

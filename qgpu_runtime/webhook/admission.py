@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, CardLimits, RequestError, parse_pod
 
 REVIEW_VERSION = "admission.k8s.io/v1"
@@ -35,12 +36,7 @@ class WebhookConfig:
 
 
 def _review(body: bytes | str) -> tuple[dict[str, Any], dict[str, Any]]:
-    try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ReviewError(f"AdmissionReview: body is not JSON ({exc})") from exc
-    if not isinstance(doc, dict):
-        raise ReviewError(f"AdmissionReview: body is a JSON {type(doc).__name__}, expected an object")
+    doc = load_json(body, dict, "AdmissionReview: body", ReviewError)
     if doc.get("apiVersion") != REVIEW_VERSION or doc.get("kind") != "AdmissionReview":
         raise ReviewError(f"AdmissionReview: apiVersion={doc.get('apiVersion')!r} kind={doc.get('kind')!r}: "
                           f"only {REVIEW_VERSION} AdmissionReview is served")

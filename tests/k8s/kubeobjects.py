@@ -12,6 +12,7 @@ from qgpu_runtime.kube.nodes import CARDS, cards_annotation
 from qgpu_runtime.kube.records import ALLOCATION, AllocationRecord, parse_record
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.placement.state import CardSpec
+from tests.polling import poll
 
 T = TypeVar("T")
 PAUSE = "registry.k8s.io/pause:3.10"
@@ -69,14 +70,8 @@ def record(pod: Mapping[str, Any]) -> AllocationRecord | None:
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float = 60.0, interval: float = 0.2) -> T:
-    deadline = time.monotonic() + timeout
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = probe()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+    """:func:`tests.polling.poll` with the API's pace: the description first, a minute by default."""
+    return poll(probe, timeout, interval, what)
 
 
 def bound(api: client.CoreV1Api, namespace: str, name: str, timeout: float = 60.0) -> dict[str, Any]:

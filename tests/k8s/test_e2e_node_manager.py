@@ -15,16 +15,15 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import jinja2
 import pytest
 import yaml
-from kubernetes import client
 
 from qgpu_runtime.kube.nodes import node_spec
 from qgpu_runtime.placement.state import CardSpec
 from tests.k8s.controlplane import ROOT, free_port, kubeconfig
 from tests.k8s.kubeobjects import bound, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import CORE, MEMORY, ManagedNode, bare_node, bind_with_record, read_node
+from tests.k8s.rbac import kubeconfig_bound_to, template_cluster_role
 
 NONE_SCHEDULER = "qgpu-test-nobody"  # pods the real scheduler must leave alone: the test binds them itself
 
@@ -272,35 +271,13 @@ def test_manager_with_a_missing_kubeconfig_exits_naming_it(tmp_path, managed):
 
 # ---- RBAC: the ClusterRole the deployment template grants is enough, and no more is used -----------
 
-def manager_cluster_role() -> dict[str, Any]:
-    """The ClusterRole of templates/kubernetes/qgpu-manager.yaml.j2, rendered as the role renders it."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates" / "kubernetes")),
-                             undefined=jinja2.StrictUndefined)
-    env.filters["to_json"] = json.dumps
-    env.filters["combine"] = lambda a, b: {**a, **b}
-    text = env.get_template("qgpu-manager.yaml.j2").render(
-        ansible_managed="test", qgpu_manager_namespace="kube-system", qgpu_manager_isolation_policies=[])
-    (role,) = [d for d in yaml.safe_load_all(text) if d and d["kind"] == "ClusterRole"]
-    return role
-
-
 def test_manager_works_with_exactly_the_clusterrole_of_its_template(tmp_path, cluster, ns, managed):
-    role = manager_cluster_role()
+    role = template_cluster_role("qgpu-manager.yaml.j2", qgpu_manager_namespace="kube-system",
+                                 qgpu_manager_isolation_policies=[])
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
                              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
                              {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
-    name = f"qgpu-manager-{ns}"
-    rbac = client.RbacAuthorizationV1Api(cluster.api_client)
-    rbac.create_cluster_role({**role, "metadata": {**role["metadata"], "name": name}})
-    user = f"qgpu-manager-test-{ns}"
-    rbac.create_cluster_role_binding({
-        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": name},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": name},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
-    cp = cluster.cp
-    pair = cp.ca.issue(f"manager-{ns}", user, client=True)
-    cfg = tmp_path / "manager.kubeconfig"
-    cfg.write_text(yaml.safe_dump(kubeconfig(cp.server, cp.ca.cert_path, pair, user)))
+    cfg = kubeconfig_bound_to(cluster, role, f"qgpu-manager-{ns}", tmp_path / "manager.kubeconfig")
 
     node = managed("1xT4-16G", start=False)
     # start-up reconciliation lists this pod; Allocate serves it and patches qgpu.io/assigned

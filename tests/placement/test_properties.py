@@ -7,6 +7,8 @@ everything restores the initial capacity exactly.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -120,10 +122,10 @@ def test_any_sequence_of_placements_and_releases_keeps_the_books(data, nodes, po
     assert all(np.array_equal(a, b) for a, b in zip(initial, final))
 
 
-def filled(data, nodes, pol: FragPolicy) -> tuple[ClusterState, FragPolicy]:
-    """A cluster after a drawn sequence of placements by ``pol``."""
+def filled(data, nodes, pol, most: int = 12) -> tuple[ClusterState, Any]:
+    """A cluster after a drawn sequence of up to ``most`` placements by ``pol``."""
     state = ClusterState(nodes)
-    for i in range(data.draw(st.integers(0, 12))):
+    for i in range(data.draw(st.integers(0, most))):
         req = data.draw(requests(i))
         pol.observe(req)
         try:
@@ -239,14 +241,7 @@ def test_vector_scores_equal_the_node_by_node_reference(data, nodes, policy):
     clusters, bookings and candidate lists with unknown and repeated names."""
     from qgpu_runtime.placement.engine import score, score_rows
 
-    state = ClusterState(nodes)
-    pol = make_policy(policy)
-    for i in range(data.draw(st.integers(0, 8))):
-        req = data.draw(requests(i))
-        try:
-            state.commit(req.name, place(state, req, pol))
-        except Unschedulable:
-            pass
+    state, pol = filled(data, nodes, make_policy(policy), most=8)
     req = data.draw(requests(99))
     names = data.draw(st.lists(st.sampled_from([n.name for n in nodes] + ["ghost"]), max_size=8))
     want_scores, want_failed = reference_scores(state, req, pol, names)
@@ -262,14 +257,7 @@ def test_placement_from_the_ranking_equals_placing_on_that_node_alone(data, node
     (engine.placement_at); it must be exactly what place() picks when restricted to that node."""
     from qgpu_runtime.placement.engine import placement_at, score_rows
 
-    state = ClusterState(nodes)
-    pol = make_policy(policy)
-    for i in range(data.draw(st.integers(0, 8))):
-        req = data.draw(requests(i))
-        try:
-            state.commit(req.name, place(state, req, pol))
-        except Unschedulable:
-            pass
+    state, pol = filled(data, nodes, make_policy(policy), most=8)
     req = data.draw(requests(99))
     scored = score_rows(state, req, pol, np.arange(state.node_count))
     for row in range(state.node_count):

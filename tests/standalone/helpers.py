@@ -8,8 +8,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+from tests.polling import poll as wait_for  # noqa: F401 - the tests import it from here
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,16 +38,6 @@ def rows(db: Path, sql: str) -> list[tuple]:
         return con.execute(sql).fetchall()
     finally:
         con.close()
-
-
-def wait_for(predicate, timeout: float = 20.0, every: float = 0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got = predicate()
-        if got:
-            return got
-        time.sleep(every)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def proc_state(pid: int) -> str | None:
