@@ -38,8 +38,9 @@ def _write_key(key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey, path: Path) 
 class CertificateAuthority:
     """A CA that signs leaf certificates into a directory."""
 
-    def __init__(self, directory: Path, common_name: str = "qgpu-test-ca"):
+    def __init__(self, directory: Path, common_name: str = "qgpu-test-ca", *, days: int = 2):
         self.directory = directory
+        self.days = days
         directory.mkdir(parents=True, exist_ok=True)
         self._key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.timezone.utc)
@@ -50,13 +51,27 @@ class CertificateAuthority:
             .public_key(self._key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=2))
+            .not_valid_after(now + datetime.timedelta(days=days))
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .add_extension(x509.KeyUsage(True, False, False, False, False, True, True, False, False), critical=True)
             .sign(self._key, hashes.SHA256())
         )
         self.cert_path = directory / "ca.crt"
         self.cert_path.write_bytes(self._cert.public_bytes(serialization.Encoding.PEM))
+        # kube-controller-manager signs CSRs with it, and a persistent cluster issues more later.
+        _write_key(self._key, directory / "ca.key")
+
+    @classmethod
+    def load(cls, directory: Path, *, days: int = 2) -> CertificateAuthority:
+        """The CA written to ``directory`` by an earlier run."""
+        ca = cls.__new__(cls)
+        ca.directory, ca.days = directory, days
+        ca.cert_path = directory / "ca.crt"
+        ca._cert = x509.load_pem_x509_certificate(ca.cert_path.read_bytes())
+        key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), password=None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey)
+        ca._key = key
+        return ca
 
     @property
     def pem(self) -> bytes:
@@ -82,7 +97,7 @@ class CertificateAuthority:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=max(1, self.days - 1)))
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.KeyUsage(True, False, True, False, False, False, False, False, False), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
