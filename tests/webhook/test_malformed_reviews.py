@@ -60,3 +60,7 @@ def test_structure_mutated_reviews_are_validated_or_refused(doc):
 @given(doc=mutations(REVIEW))
 def test_structure_mutated_reviews_are_mutated_or_refused(doc):
     answer("/mutate", doc)
+
+
+def test_review_bodies_are_limited_to_two_objects_of_the_apiservers_largest():
+    assert ROUTES.body_limits == {"/validate": 8 * 1024 * 1024, "/mutate": 8 * 1024 * 1024}
