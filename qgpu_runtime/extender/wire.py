@@ -18,6 +18,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from qgpu_runtime.jsondoc import load_json
+from qgpu_runtime.model.podshape import check_pod
+from qgpu_runtime.model.quantity import show_value
 
 MIN_PRIORITY = 0
 MAX_PRIORITY = 10
@@ -59,11 +61,7 @@ class ExtenderArgs:
     @classmethod
     def decode(cls, raw: bytes | str) -> "ExtenderArgs":
         doc = _object(raw, "ExtenderArgs")
-        pod = _get(doc, "Pod")
-        if not isinstance(pod, dict):
-            raise WireError(f"ExtenderArgs.Pod: {type(pod).__name__}: must be a Pod object")
-        if not isinstance(pod.get("metadata"), dict) or not isinstance(pod.get("spec"), dict):
-            raise WireError("ExtenderArgs.Pod: metadata and spec must be objects")
+        pod = check_pod(_get(doc, "Pod"), "ExtenderArgs.Pod", WireError)
         node_list = _get(doc, "Nodes")
         names = _get(doc, "NodeNames")
         nodes: list[dict[str, Any]] | None = None
@@ -73,6 +71,9 @@ class ExtenderArgs:
             items = node_list.get("items") or []
             if not isinstance(items, list) or not all(isinstance(n, dict) and isinstance(n.get("metadata"), dict) for n in items):
                 raise WireError("ExtenderArgs.Nodes.items: must be a list of Node objects with metadata")
+            for i, item in enumerate(items):
+                if not isinstance(item["metadata"].get("name"), str):
+                    raise WireError(f"ExtenderArgs.Nodes.items[{i}].metadata.name={show_value(item['metadata'].get('name'))}: must be a string")
             nodes = items
         if names is not None:
             if not isinstance(names, list) or not set(map(type, names)) <= {str}:

@@ -6,7 +6,9 @@ most common complaint against them). Kernels already queued keep running for a m
 SIGSTOP; the control law repays that as debt.
 
 Workloads are whole process groups (standalone jobs run in their own session), so a job's
-children are held with it.
+children are held with it. Whoever maps a workload to its groups re-checks them when asked (the
+PIDs behind them may have been reused); as a last line, the actuator itself never signals group 0
+(``killpg(0)`` is the caller's own group), group 1 (init's) or the manager's own group.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ from typing import Callable, Sequence
 log = logging.getLogger("qgpu.isolation.signals")
 
 
+def forbidden_group(pgid: int, own_pgid: int) -> str | None:
+    """Why ``pgid`` must never be signalled, or None: ``killpg`` of 0 or 1 (or negative numbers,
+    which Linux reads as "every process") reaches far beyond a workload, and the manager's own
+    group would freeze the loop that is meant to resume it."""
+    if pgid <= 1:
+        return f"group {pgid} is never a workload's"
+    if pgid == own_pgid:
+        return "it is the manager's own process group"
+    return None
+
+
 class SignalActuator:
     """Acts on process groups; ``groups`` maps a workload key to its process-group ids.
 
@@ -29,15 +42,20 @@ class SignalActuator:
     """
 
     def __init__(self, groups: Callable[[str], Sequence[int]], grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 killpg: Callable[[int, int], None] = os.killpg):
+                 killpg: Callable[[int, int], None] = os.killpg, own_pgid: int | None = None):
         self._groups = groups
         self._grace_s = grace_s
         self._clock = clock
         self._killpg = killpg
-        self._kill_due: dict[int, float] = {}
+        self._own_pgid = os.getpgrp() if own_pgid is None else own_pgid
+        self._kill_due: dict[int, tuple[float, str]] = {}  # pgid -> (when, workload key)
 
     def _signal(self, key: str, sig: signal.Signals) -> None:
         for pgid in self._groups(key):
+            why = forbidden_group(pgid, self._own_pgid)
+            if why is not None:
+                log.error("refusing to send %s to process group %d of %s: %s", sig.name, pgid, key, why)
+                continue
             try:
                 self._killpg(pgid, sig)
             except ProcessLookupError:
@@ -58,15 +76,21 @@ class SignalActuator:
         self._signal(key, signal.SIGTERM)
         due = self._clock() + self._grace_s
         for pgid in self._groups(key):
-            self._kill_due[pgid] = due
+            self._kill_due[pgid] = (due, key)
 
     def reap(self) -> None:
-        """SIGKILL the groups whose grace period ran out; call every tick."""
+        """SIGKILL the groups whose grace period ran out; call every tick.
+
+        The groups are asked for again first: seconds after SIGTERM a group may have ended and
+        its number gone to someone else's process, which must not be killed.
+        """
         now = self._clock()
-        for pgid, due in list(self._kill_due.items()):
+        for pgid, (due, key) in list(self._kill_due.items()):
             if now < due:
                 continue
             del self._kill_due[pgid]
+            if pgid not in self._groups(key) or forbidden_group(pgid, self._own_pgid) is not None:
+                continue
             try:
                 self._killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:

@@ -3,17 +3,37 @@
 The stdlib server is enough: the callers are one kube-scheduler and one kube-apiserver, which keep
 connections alive (HTTP/1.1), and the work per call is a vector computation, not I/O. TLS is the
 stdlib's, with the certificate files the operator provides.
+
+Anything that can reach the port can also be slow or greedy, and one thread per connection makes
+that cheap to exploit. So (:class:`ServerLimits`):
+
+- at most ``max_connections`` connections; a new one past the cap closes the connection that has
+  waited longest for its next request (an idle keep-alive or a client trickling a request line),
+  and is refused only when every connection is mid-request;
+- deadlines, not per-read timeouts (a client sending a byte every few seconds never trips those):
+  ``idle_timeout_s`` to start a request, ``header_timeout_s`` for its headers, a body deadline
+  that grows with Content-Length at ``min_body_rate`` bytes/s, ``write_timeout_s`` to take the
+  answer; a watchdog thread shuts the socket of any connection past its deadline;
+- at most ``body_budget`` bytes of request bodies held at once, reserved from Content-Length
+  before reading (a 503 past it), and at most ``max_in_flight`` requests decoded and handled at
+  once (a 503 after ``busy_wait_s``): decoding JSON multiplies a body's size several times, so
+  that is where the count is kept small, while a slow body holds only its reservation, not a
+  handler slot;
+- a body limit per path (:attr:`Routes.body_limits`), sized to what its caller sends, checked
+  against Content-Length before a byte of the body is read.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import ssl
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -30,36 +50,173 @@ class RawJSON(bytes):
 @dataclass
 class Routes:
     """POST prefix → handler(rest_of_path, body) returning (status, JSON value);
-    GET exact path → handler() returning (status, content type, body)."""
+    GET exact path → handler() returning (status, content type, body).
+    ``body_limits``: exact POST path → the largest body accepted there (others: ``MAX_BODY``)."""
 
     post: dict[str, PostHandler]
     get: dict[str, GetHandler]
     on_connection: Callable[[], None] | None = None  # called once per accepted connection
+    body_limits: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """How much one server gives its clients; see the module docstring. ``idle_timeout_s`` stays
+    above the 90 s Go's HTTP client keeps idle connections, or kube-scheduler would race the
+    close with a POST it cannot retry."""
+
+    max_connections: int = 256
+    max_in_flight: int = 16
+    idle_timeout_s: float = 120.0
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    min_body_rate: float = 1024 * 1024
+    write_timeout_s: float = 30.0
+    busy_wait_s: float = 5.0
+    body_budget: int = 512 * 1024 * 1024
+    watch_interval_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"ServerLimits.{name}={value!r}: must be > 0")
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    phase: str  # "idle" (waiting for a request: may be closed for a newcomer), "reading", "working", "writing"
+    deadline: float | None  # monotonic; None while the handler works (our time, not the client's)
+    since: float
+
+
+class _Connections:
+    """Every open connection with its phase and deadline; the watchdog and the accept loop use it."""
+
+    def __init__(self, limits: ServerLimits, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._open: dict[int, _Connection] = {}
+        self.refused = 0
+        self.evicted = 0
+        self.expired = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def admit(self, sock: socket.socket) -> bool:
+        """Take a new connection (idle until its first request), making room if at the cap."""
+        now = self._clock()
+        with self._lock:
+            if len(self._open) >= self.limits.max_connections:
+                idle = [c for c in self._open.values() if c.phase == "idle"]
+                if not idle:
+                    self.refused += 1
+                    return False
+                oldest = min(idle, key=lambda c: c.since)
+                del self._open[id(oldest.sock)]  # its thread finds the socket shut and ends
+                _shut(oldest.sock)
+                self.evicted += 1
+            self._open[id(sock)] = _Connection(sock, "idle", now + self.limits.idle_timeout_s, now)
+        return True
+
+    def phase(self, sock: socket.socket, phase: str, timeout_s: float | None) -> None:
+        now = self._clock()
+        with self._lock:
+            conn = self._open.get(id(sock))
+            if conn is None:  # evicted: the socket is already shut
+                return
+            conn.phase = phase
+            conn.since = now
+            conn.deadline = None if timeout_s is None else now + timeout_s
+
+    def leave(self, sock: socket.socket) -> None:
+        with self._lock:
+            conn = self._open.get(id(sock))
+            if conn is not None and conn.sock is sock:
+                del self._open[id(sock)]
+
+    def expire(self) -> None:
+        """Shut every connection past its deadline (its blocked read or write then fails)."""
+        now = self._clock()
+        with self._lock:
+            late = [c for c in self._open.values() if c.deadline is not None and now >= c.deadline]
+            for conn in late:
+                del self._open[id(conn.sock)]
+                self.expired += 1
+        for conn in late:
+            log.debug("closing a connection %.1fs into phase %s: past its deadline", now - conn.since, conn.phase)
+            _shut(conn.sock)
+
+
+class _Budget:
+    """Bytes that may be reserved at once; reservations never wait."""
+
+    def __init__(self, total: int) -> None:
+        self._left = total
+        self._lock = threading.Lock()
+
+    def reserve(self, n: int) -> bool:
+        with self._lock:
+            if n > self._left:
+                return False
+            self._left -= n
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._left += n
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        # the plain socket's shutdown, also for TLS sockets: SSLSocket.shutdown would drop the
+        # TLS state under the thread still using it
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed by its thread
 
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "qgpu"
-    timeout = 120  # idle keep-alive connections are closed after this many seconds
     # Headers and body leave in two writes; with Nagle on, the peer's delayed ACK adds ~40 ms to
     # every keep-alive call.
     disable_nagle_algorithm = True
     routes: Routes
+    limits: ServerLimits
+    connections: _Connections
+    in_flight: threading.BoundedSemaphore
+    bodies: _Budget
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
-        # stall the accept loop.
+        # stall the accept loop; it gets the header deadline.
         if self.routes.on_connection is not None:
             self.routes.on_connection()
+        self.timeout = self.limits.idle_timeout_s  # a backstop; the watchdog's deadlines are what bind
         if isinstance(self.request, ssl.SSLSocket):
-            self.request.settimeout(10)
+            self.connections.phase(self.request, "reading", self.limits.header_timeout_s)
+            self.request.settimeout(self.limits.header_timeout_s)
             self.request.do_handshake()
         super().setup()
+
+    def handle_one_request(self) -> None:
+        self.connections.phase(self.request, "idle", self.limits.idle_timeout_s)
+        super().handle_one_request()
+
+    def parse_request(self) -> bool:
+        # called once the request line is in: the headers now have their own deadline
+        self.connections.phase(self.request, "reading", self.limits.header_timeout_s)
+        return super().parse_request()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
 
     def _send(self, status: int, content_type: str, body: bytes) -> None:
+        self.connections.phase(self.request, "writing", self.limits.write_timeout_s)
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(body)))
@@ -71,6 +228,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(status, "application/json", body)
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
+        self.connections.phase(self.request, "working", None)
         handler = self.routes.get.get(self.path.split("?", 1)[0])
         if handler is None:
             self._json(404, {"Error": f"no GET route {self.path}"})
@@ -86,33 +244,81 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._json(411 if "Content-Length" not in self.headers else 400, {"Error": "a request body with Content-Length is required"})
             return
-        if length < 0 or length > MAX_BODY:
+        limit = self.routes.body_limits.get(path, MAX_BODY)
+        if length < 0 or length > limit:
             self.close_connection = True
-            self._json(413, {"Error": f"Content-Length {length}: must be within 0..{MAX_BODY}"})
+            self._json(413, {"Error": f"Content-Length {length}: must be within 0..{limit} for {path}"})
             return
-        body = self.rfile.read(length)
+        if not self.bodies.reserve(length):
+            self.close_connection = True  # the body stays unread
+            self._json(503, {"Error": f"busy: {self.limits.body_budget} bytes of request bodies in memory; retry"})
+            return
+        try:
+            self.connections.phase(self.request, "reading", self.limits.body_timeout_s + length / self.limits.min_body_rate)
+            body = self.rfile.read(length)
+            if len(body) < length:  # the client left, or the watchdog closed a trickle
+                self.close_connection = True
+                return
+            self.connections.phase(self.request, "working", None)
+            if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
+                self.close_connection = True
+                status, value = 503, {"Error": f"busy: {self.limits.max_in_flight} requests in flight; retry"}
+            else:
+                try:
+                    status, value = self._handle(path, body)
+                finally:
+                    self.in_flight.release()
+        finally:
+            self.bodies.release(length)
+        self._json(status, value)
+
+    def _handle(self, path: str, body: bytes) -> tuple[int, Any]:
         for prefix, handler in self.routes.post.items():
             if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
                 rest = path[len(prefix):].strip("/")
                 try:
-                    status, value = handler(rest, body)
+                    return handler(rest, body)
                 except Exception:  # noqa: BLE001 - answer, log, keep serving
                     log.exception("handler for %s failed", path)
-                    status, value = 500, {"Error": "internal error; see the server log"}
-                self._json(status, value)
-                return
-        self._json(404, {"Error": f"no POST route {path}"})
+                    return 500, {"Error": "internal error; see the server log"}
+        return 404, {"Error": f"no POST route {path}"}
+
+
+class _Server(ThreadingHTTPServer):
+    """Threads per connection, admitted through :class:`_Connections`."""
+
+    daemon_threads = True
+    connections: _Connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.admit(request):
+            log.warning("refusing a connection from %s: %d connections, all mid-request",
+                        client_address[0], self.connections.limits.max_connections)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connections.leave(request)
 
 
 class JsonServer:
     """Serves ``routes`` on host:port (TLS when cert and key are given) in a daemon thread."""
 
-    def __init__(self, host: str, port: int, routes: Routes, cert_file: str | None = None, key_file: str | None = None):
+    def __init__(self, host: str, port: int, routes: Routes, cert_file: str | None = None, key_file: str | None = None,
+                 limits: ServerLimits = ServerLimits()):
         if bool(cert_file) != bool(key_file):
             raise ValueError("TLS needs both a certificate file and a private key file, or neither")
-        handler = type("Handler", (_Handler,), {"routes": routes})
-        self.httpd = ThreadingHTTPServer((host, port), handler)
-        self.httpd.daemon_threads = True
+        self.limits = limits
+        self.connections = _Connections(limits)
+        handler = type("Handler", (_Handler,), {"routes": routes, "limits": limits, "connections": self.connections,
+                                                "in_flight": threading.BoundedSemaphore(limits.max_in_flight),
+                                                "bodies": _Budget(limits.body_budget)})
+        self.httpd = _Server((host, port), handler)
+        self.httpd.connections = self.connections
         self.httpd.handle_error = lambda request, address: log.debug("connection from %s failed", address, exc_info=True)  # type: ignore[method-assign]
         self.tls = bool(cert_file)
         if cert_file and key_file:
@@ -122,14 +328,23 @@ class JsonServer:
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
         self.port = int(self.httpd.server_address[1])
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="http-deadlines", daemon=True)
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.limits.watch_interval_s):
+            self.connections.expire()
 
     def start(self) -> None:
+        self._watchdog.start()
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         self._thread.start()
 
     def serve_forever(self) -> None:
+        self._watchdog.start()
         self.httpd.serve_forever()
 
     def stop(self) -> None:
+        self._stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()

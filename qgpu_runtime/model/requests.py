@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, Iterable, Mapping
+
+from qgpu_runtime.model.quantity import QuantityError, parse_quantity, show_value
 
 CORE_MILLI_PER_CARD = 1000
 MIB_PER_GIB = 1024
@@ -165,21 +167,6 @@ class PodRequest:
         return any(c.whole_node for c in self.containers)
 
 
-def parse_quantity(value: Any) -> Decimal:
-    """Parse a Kubernetes quantity ("2", "100", "1k", "500m", 3) into an exact Decimal.
-
-    Delegates to the Kubernetes client's own parser so suffix rules match the apiserver's.
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a quantity")
-    from kubernetes.utils.quantity import parse_quantity as k8s_parse_quantity
-
-    try:
-        return Decimal(k8s_parse_quantity(value))
-    except (ValueError, TypeError, InvalidOperation) as exc:
-        raise ValueError(f"{value!r} is not a quantity") from exc
-
-
 def _resources(container: Mapping[str, Any], section: str) -> dict[str, Any]:
     resources = container.get("resources") or {}
     values = resources.get(section) or {}
@@ -193,19 +180,15 @@ class _Collector:
         self.problems: list[Problem] = []
 
     def add(self, container: str, resource: str, value: Any, rule: str) -> None:
-        self.problems.append(Problem(container, resource, _show(value), rule))
-
-
-def _show(value: Any) -> str:
-    return value if isinstance(value, str) else repr(value)
+        self.problems.append(Problem(container, resource, show_value(value), rule))
 
 
 def _integer(c: _Collector, container: str, resource: str, raw: Any, rule: str) -> int | None:
     """A positive integer quantity, or None after recording why it is not one."""
     try:
         number = parse_quantity(raw)
-    except ValueError:
-        c.add(container, resource, raw, f"not a number; {rule}")
+    except QuantityError as exc:
+        c.add(container, resource, raw, f"{exc.rule}; {rule}")
         return None
     if number <= 0:
         c.add(container, resource, raw, f"must be positive; {rule}")
@@ -269,7 +252,7 @@ def _parse_container(
     before = len(c.problems)
     for key in known:
         if key in lim and key in req and _same_quantity(lim[key], req[key]) is False:
-            c.add(name, key, f"requests {_show(req[key])} / limits {_show(lim[key])}", "requests must equal limits for GPU resources")
+            c.add(name, key, f"requests {show_value(req[key])} / limits {show_value(lim[key])}", "requests must equal limits for GPU resources")
         values[key] = lim.get(key, req.get(key))
     if len(c.problems) != before:
         return None
@@ -281,7 +264,7 @@ def _parse_container(
 def _same_quantity(a: Any, b: Any) -> bool | None:
     try:
         return parse_quantity(a) == parse_quantity(b)
-    except ValueError:
+    except QuantityError:
         return None  # the value check reports it
 
 
@@ -446,7 +429,7 @@ def _pod_compute(containers: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
                 cpu += parse_quantity(req["cpu"])
             if "memory" in req:
                 mem += parse_quantity(req["memory"])
-        except ValueError:
+        except QuantityError:
             continue  # the apiserver validates CPU and memory; not our rule to enforce
     return int(cpu * 1000), int(mem / (1024 * 1024))
 

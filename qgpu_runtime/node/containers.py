@@ -10,6 +10,11 @@ alone and logged once.
 Process groups (``<proc>/<pid>/stat`` field 5) are what the actuator signals, so a container's
 GPU process is held together with the children in its group. The proc root is configurable so
 tests read a fake one; in a cluster the manager runs with ``hostPID`` and reads ``/proc``.
+
+A PID is re-identified whenever its groups are asked for, i.e. just before a signal: its start
+time must be the one seen when it was attributed and its cgroup must still be the container's,
+or it was reused by another process and is dropped. A group is signalled only if every process
+in it is the container's: a shared or foreign group is left alone and logged.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from qgpu_runtime.isolation.engine import CardQuota, Workload
+from qgpu_runtime.isolation.procfs import ProcFS
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.node.cgroups import container_id, pod_and_container
 from qgpu_runtime.node.store import Share
@@ -27,6 +33,15 @@ from qgpu_runtime.node.store import Share
 log = logging.getLogger("qgpu.node.isolation")
 
 FINISHED = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class _Attributed:
+    """Who a PID was when the sampler attributed it: re-checked before every signal."""
+
+    key: str
+    start_ticks: int
+    container: tuple[str, str] | None  # (pod UID, container ID) of its cgroup
 
 
 @dataclass(frozen=True)
@@ -76,7 +91,8 @@ class ContainerResolver:
         self._refs: dict[str, ContainerRef] = {}  # key -> container
         self._by_container_id: dict[str, str] = {}  # container id -> key
         self._booked_uids: set[str] = set()
-        self._pids: dict[int, str] = {}  # pid -> key
+        self._proc = ProcFS(proc_root)
+        self._pids: dict[int, _Attributed] = {}
         self._logged: set[tuple[int, str]] = set()  # (pid, start time) of unmanaged processes already logged
         self.unmanaged: set[int] = set()  # GPU processes seen in the last sample that are not ours
         self.unknown_containers = 0  # processes of booked pods whose container ID the pod list lacks
@@ -104,8 +120,8 @@ class ContainerResolver:
                     self._by_container_id[container_id(st["containerID"])] = key
         # pids of a container that just left are kept until the next update, so the engine can
         # still resume them in the tick that sees it gone
-        self._pids = {pid: key for pid, key in self._pids.items()
-                      if (key in self._refs or key in previous) and self._alive(pid)}
+        self._pids = {pid: seen for pid, seen in self._pids.items()
+                      if (seen.key in self._refs or seen.key in previous) and self._alive(pid)}
         return [w for _, w in found.values()]
 
     def ref(self, key: str) -> ContainerRef:
@@ -120,62 +136,68 @@ class ContainerResolver:
 
     def owner(self, pid: int) -> str | None:
         """The key of the qgpu container ``pid`` runs in, or None (left alone, logged once)."""
-        cgroup = self._read(pid, "cgroup")
-        if cgroup is None:
+        cgroup = self._proc.cgroup(pid)
+        stat = self._proc.stat(pid)
+        if cgroup is None or stat is None:
             return None  # ended between the sample and now
-        found = pod_and_container(cgroup)
-        key = None
-        why = "not in a Kubernetes pod"
-        if found is not None:
-            uid, cid = found
-            key = self._by_container_id.get(cid)
-            if key is None and uid in self._booked_uids:
-                self.unknown_containers += 1
-                why = f"in pod {uid}, container {cid[:12]} not (yet) in the pod's status"
-            elif key is None:
-                why = f"in pod {uid}, which holds no qgpu share"
-            elif self._refs[key].pod_uid != uid:
-                key, why = None, f"container {cid[:12]} is listed under another pod than its cgroup's {uid}"
+        key, why, pending = self._container_of(cgroup)
+        self.unknown_containers += pending
         if key is None:
             self.unmanaged.add(pid)
-            stamp = (pid, self._start_time(pid))
+            stamp = (pid, str(stat.start_ticks))
             if stamp not in self._logged:
                 self._logged.add(stamp)
                 log.info("GPU process %d is %s: left alone", pid, why)
             return None
-        self._pids[pid] = key
+        self._pids[pid] = _Attributed(key, stat.start_ticks, pod_and_container(cgroup))
         return key
 
+    def _container_of(self, cgroup: str) -> tuple[str | None, str, bool]:
+        """The key of the qgpu container a cgroup text names, or None and why not; the flag says
+        the pod is booked but its container is not (yet) in the pod's status."""
+        found = pod_and_container(cgroup)
+        if found is None:
+            return None, "not in a Kubernetes pod", False
+        uid, cid = found
+        key = self._by_container_id.get(cid)
+        if key is None and uid in self._booked_uids:
+            return None, f"in pod {uid}, container {cid[:12]} not (yet) in the pod's status", True
+        if key is None:
+            return None, f"in pod {uid}, which holds no qgpu share", False
+        if self._refs[key].pod_uid != uid:
+            return None, f"container {cid[:12]} is listed under another pod than its cgroup's {uid}", False
+        return key, "", False
+
+    def _in_container(self, pid: int, container: tuple[str, str] | None) -> bool:
+        cgroup = self._proc.cgroup(pid)
+        return cgroup is not None and pod_and_container(cgroup) == container
+
     def pids(self, key: str) -> list[int]:
-        return sorted(pid for pid, k in self._pids.items() if k == key)
+        return sorted(pid for pid, seen in self._pids.items() if seen.key == key)
 
     def groups(self, key: str) -> list[int]:
-        """Process groups of the container's GPU processes (what SIGSTOP/SIGCONT are sent to)."""
-        groups = {g for g in (self.process_group(pid) for pid in self.pids(key)) if g is not None}
-        return sorted(groups)
-
-    def process_group(self, pid: int) -> int | None:
-        fields = self._stat_fields(pid)
-        return int(fields[2]) if fields else None
+        """Process groups of the container's GPU processes (what SIGSTOP/SIGCONT are sent to),
+        checked now: reused PIDs are dropped, and a group holding any process that is not the
+        container's is left out (logged)."""
+        groups: dict[int, tuple[str, str] | None] = {}
+        for pid in self.pids(key):
+            seen = self._pids[pid]
+            stat = self._proc.stat(pid)
+            if stat is None or stat.start_ticks != seen.start_ticks or not self._in_container(pid, seen.container):
+                log.info("PID %d of %s ended or now names another process: no longer signalled", pid, key)
+                del self._pids[pid]
+                continue
+            groups[stat.pgid] = seen.container
+        safe = []
+        for pgid, container in sorted(groups.items()):
+            foreign = [m for m in self._proc.group_members(pgid) if not self._in_container(m, container)]
+            if foreign:
+                log.warning("process group %d of %s also holds process(es) %s outside the container: not signalled",
+                            pgid, key, ", ".join(map(str, foreign)))
+                continue
+            safe.append(pgid)
+        return safe
 
     # -- /proc reading --------------------------------------------------------------------------
-    def _read(self, pid: int, name: str) -> str | None:
-        try:
-            return (self.proc_root / str(pid) / name).read_text()
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
-            return None
-
     def _alive(self, pid: int) -> bool:
         return (self.proc_root / str(pid)).is_dir()
-
-    def _stat_fields(self, pid: int) -> list[str] | None:
-        """Fields of ``stat`` after the command name (which may hold spaces and parentheses)."""
-        stat = self._read(pid, "stat")
-        if not stat or ")" not in stat:
-            return None
-        fields = stat.rsplit(")", 1)[1].split()
-        return fields if len(fields) > 19 else None
-
-    def _start_time(self, pid: int) -> str:
-        fields = self._stat_fields(pid)
-        return fields[19] if fields else ""

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from qgpu_runtime.isolation.policy import POLICY_LABEL
 from qgpu_runtime.model import AppClass, PodRequest, RequestError, parse_pod
 from qgpu_runtime.model.requests import QGPU_APP_CLASS, QGPU_CORE, QGPU_CORE_GREEDY, QGPU_MEMORY
-from qgpu_runtime.placement import CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, make_policy, place
+from qgpu_runtime.placement import (CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, Unschedulable,
+                                    make_policy, place)
 from qgpu_runtime.standalone.config import HostConfig
 from qgpu_runtime.standalone.store import JobRecord, JobShare, StoredCard, Store
 
@@ -30,6 +31,18 @@ _FLAG_OF = {QGPU_CORE: "--core", QGPU_CORE_GREEDY: "--core", QGPU_MEMORY: "--mem
 
 class JobRequestError(ValueError):
     """A `qgpu run` request breaks a rule; the message names the flag, the value and the rule."""
+
+
+class NeverFits(Exception):
+    """No card of this host could hold the job even with every card free: two cards on a
+    one-card host, more memory than any card has. Waiting cannot help, unlike
+    :class:`placement.Unschedulable`, which only says the job does not fit now."""
+
+    def __init__(self, reasons: dict[str, str], cards: list[StoredCard]):
+        self.reasons = reasons
+        held = ", ".join(f"card {c.index} {c.model} {c.memory_mib} MiB" for c in cards) or "no cards"
+        why = "; ".join(reasons.values())
+        super().__init__(f"{why} even with every card free (this host has {held})")
 
 
 @dataclass(frozen=True)
@@ -82,15 +95,30 @@ def new_job_id(name: str) -> str:
     return f"{name}-{secrets.token_hex(3)}"
 
 
+def ensure_ever_fits(config: HostConfig, cards: list[StoredCard], request: PodRequest) -> None:
+    """Raise :class:`NeverFits` when the host's cards could not take ``request`` even if no job
+    held any of them: the same engine, asked about capacity instead of current use."""
+    try:
+        place(host_state(config, cards, []), request, make_policy(config.placement))
+    except Unschedulable as err:
+        raise NeverFits(err.reasons, cards) from err
+
+
 def try_book(store: Store, config: HostConfig, spec: JobSpec, job_id: str, command: str,
              supervisor_pid: int, supervisor_start: int, created: float) -> JobRecord:
-    """Book the job in one write transaction, or raise :class:`placement.Unschedulable`."""
+    """Book the job in one write transaction, or raise :class:`placement.Unschedulable` (not now)
+    or :class:`NeverFits` (not on this host, ever)."""
     request = job_request(spec)
     with store.transaction():
         store.reap()
         cards = store.cards()
         state = host_state(config, cards, store.booked_jobs())
-        placement = place(state, request, make_policy(config.placement))
+        policy = make_policy(config.placement)
+        try:
+            placement = place(state, request, policy)
+        except Unschedulable:
+            ensure_ever_fits(config, cards, request)
+            raise
         container = placement.containers[0]
         job = JobRecord(
             id=job_id, name=spec.name, klass=request.klass.value,

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -24,11 +24,27 @@ from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
 from qgpu_runtime.standalone.simhost import SimulatedHost
-from qgpu_runtime.standalone.store import JobRecord, Store
+from qgpu_runtime.standalone.store import JobRecord, Store, process_start_ticks
 
 log = logging.getLogger("qgpu.standalone.manager")
 
 REAP_EVERY_S = 1.0
+
+
+def job_groups(job: JobRecord | None, start_of: Callable[[int], int | None] = process_start_ticks) -> list[int]:
+    """The job's process group, checked at the moment of signalling: if a process now holds the
+    group leader's PID with another start time, the job ended and the number was reused, so
+    nothing is signalled. A leader that is gone leaves its group's number reserved while any of
+    its children live (the kernel does not reuse a PID in use as a group ID), so the group is
+    still the job's."""
+    if job is None or not job.pgid:
+        return []
+    now = start_of(job.pgid)
+    if now is not None and now != job.pgid_start:
+        log.warning("job %s: PID %d now names another process (started at %d, not %s): not signalled",
+                    job.id, job.pgid, now, job.pgid_start)
+        return []
+    return [job.pgid]
 
 
 def workload_of(job: JobRecord) -> Workload:
@@ -48,9 +64,9 @@ class StandaloneManager:
         self.store = store
         self.config = config
         self.registry = registry
-        self._groups: dict[str, int] = {}
+        self._running: dict[str, JobRecord] = {}
         self._by_pgid: dict[int, str] = {}
-        self.signals = SignalActuator(lambda key: [self._groups[key]] if key in self._groups else [])
+        self.signals = SignalActuator(lambda key: job_groups(self._running.get(key)))
         self._mps: _Mps | None = None
         self._sim: SimulatedHost | None = None
         self._usage_file = usage_file
@@ -121,8 +137,8 @@ class StandaloneManager:
         else:
             jobs = self.store.booked_jobs()
         running = [j for j in jobs if j.pgid]
-        self._groups = {j.id: j.pgid for j in running if j.pgid}
-        self._by_pgid = {pgid: key for key, pgid in self._groups.items()}
+        self._running = {j.id: j for j in running}
+        self._by_pgid = {j.pgid: j.id for j in running if j.pgid}
         if self._sim is not None:
             self._sim.sync(running)
         report = self.engine.tick([workload_of(j) for j in running], dt_s)

@@ -5,7 +5,8 @@ card and quota, and releases the booking when CMD ends, however it ends. A job t
 fails at once with the placement engine's reason, or waits for room with ``--wait``.
 
 Exit status: CMD's own (128 + N when a signal N ended it); 2 for a bad request or setup; 75 when
-the job does not fit and ``--wait`` was not given (or its ``--wait-timeout`` ran out).
+the job does not fit and ``--wait`` was not given (or its ``--wait-timeout`` ran out); 69 when no
+card of the host could ever hold it (``--wait`` does not wait for that).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.placement import Unschedulable
-from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, new_job_id, try_book
+from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, NeverFits, new_job_id, try_book
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
 from qgpu_runtime.standalone.store import Store, StoreError, process_start_ticks
 from qgpu_runtime.standalone.supervisor import job_environment, supervise
@@ -27,7 +28,8 @@ from qgpu_runtime.standalone.supervisor import job_environment, supervise
 # the same file `qgpu manager serve` uses by default, so a plain `--standalone` host needs no flags
 DEFAULT_DB = os.environ.get("QGPU_STANDALONE_DB", "/var/lib/qgpu/meta.db")
 EXIT_USAGE = 2
-EXIT_NO_FIT = 75
+EXIT_NO_FIT = 75  # EX_TEMPFAIL: try again later
+EXIT_NEVER_FITS = 69  # EX_UNAVAILABLE: this host cannot serve the request at all
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
             break
         except JobRequestError as err:
             return _fail(str(err))
+        except NeverFits as err:
+            return _fail(f"job {spec.name!r} can never fit on this host: {err}", EXIT_NEVER_FITS)
         except Unschedulable as err:
             reasons = "; ".join(f"{node}: {why}" for node, why in sorted(err.reasons.items()))
             if not args.wait:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from qgpu_runtime.jsondoc import load_json
+from qgpu_runtime.model.podshape import check_pod
+from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, CardLimits, RequestError, parse_pod
 
 REVIEW_VERSION = "admission.k8s.io/v1"
@@ -43,6 +45,11 @@ def _review(body: bytes | str) -> tuple[dict[str, Any], dict[str, Any]]:
     request = doc.get("request")
     if not isinstance(request, dict) or not isinstance(request.get("uid"), str) or not request["uid"]:
         raise ReviewError("AdmissionReview.request: must be an object with a non-empty uid")
+    if not isinstance(request.get("kind"), (dict, type(None))):
+        raise ReviewError(f"AdmissionReview.request.kind={show_value(request['kind'])}: must be an object (group, version, kind)")
+    for name in ("operation", "namespace"):
+        if not isinstance(request.get(name), (str, type(None))):
+            raise ReviewError(f"AdmissionReview.request.{name}={show_value(request[name])}: must be a string")
     return doc, request
 
 
@@ -60,10 +67,7 @@ def _pod(request: Mapping[str, Any]) -> dict[str, Any] | None:
     kind = request.get("kind") or {}
     if request.get("operation") not in ("CREATE", "UPDATE") or kind.get("kind") != "Pod" or kind.get("group", "") != "":
         return None
-    pod = request.get("object")
-    if not isinstance(pod, dict):
-        raise ReviewError("AdmissionReview.request.object: must be the Pod object")
-    pod = dict(pod)
+    pod = dict(check_pod(request.get("object"), "AdmissionReview.request.object", ReviewError))
     meta = dict(pod.get("metadata") or {})
     meta.setdefault("namespace", request.get("namespace") or "default")
     pod["metadata"] = meta

@@ -37,10 +37,16 @@ def handler(review: Callable[[bytes, WebhookConfig], dict[str, Any]], config: We
     return handle
 
 
+# kube-apiserver takes request bodies of at most 3 MiB, and an AdmissionReview carries at most two
+# copies of the object (object and oldObject, on UPDATE) plus a small envelope.
+MAX_REVIEW_BYTES = 8 * 1024 * 1024
+
+
 def routes(config: WebhookConfig) -> Routes:
     return Routes(
         post={"/validate": handler(validate, config), "/mutate": handler(mutate, config)},
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
+        body_limits={"/validate": MAX_REVIEW_BYTES, "/mutate": MAX_REVIEW_BYTES},
     )
 
 

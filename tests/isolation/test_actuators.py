@@ -147,3 +147,35 @@ def test_mps_client_settings():
                    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "30", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=5120M"}
     assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT" not in client_env("/p", "/l", 300, 5120, pinned_limits=False)
     assert (pinned_limits_supported(11040), pinned_limits_supported(11050), pinned_limits_supported(13000)) == (False, True, True)
+
+
+class _Recorder:
+    """A killpg that records instead of signalling: these groups are made up."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[int, int]] = []
+
+    def __call__(self, pgid: int, sig: int) -> None:
+        self.sent.append((pgid, sig))
+
+
+@pytest.mark.parametrize("pgid", [0, 1, -1, 4242], ids=["zero", "init", "negative", "own"])
+def test_the_actuator_never_signals_group_zero_init_or_its_own(pgid):
+    kill = _Recorder()
+    act = SignalActuator(lambda key: [pgid], killpg=kill, own_pgid=4242, clock=lambda: 10.0, grace_s=0.0)
+    act.hold("job")
+    act.stop("job", "over quota")
+    act.reap()
+    assert kill.sent == []
+
+
+def test_the_grace_kill_is_not_sent_to_a_group_that_is_no_longer_the_workloads():
+    kill = _Recorder()
+    groups = {"job": [777]}
+    clock = {"now": 0.0}
+    act = SignalActuator(lambda key: groups.get(key, []), killpg=kill, own_pgid=1000, clock=lambda: clock["now"])
+    act.stop("job", "over quota")
+    groups["job"] = []  # it ended after SIGTERM; 777 may now be someone else's group
+    clock["now"] = 6.0
+    act.reap()
+    assert signal.SIGKILL not in [s for _, s in kill.sent]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qgpu_runtime.model import AppClass, CardLimits, Dialect, RequestError, parse_pod
+from qgpu_runtime.model.quantity import GRAMMAR
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
@@ -57,7 +58,7 @@ def test_qgpu_memory_fraction_is_rejected():
 @pytest.mark.parametrize("value,rule", [
     ("0", "must be positive"),
     ("-3", "must be positive"),
-    ("abc", "not a number"),
+    ("abc", f"not a quantity: {GRAMMAR}"),
 ])
 def test_qgpu_core_zero_negative_and_non_numeric_are_rejected(value, rule):
     assert errors(pod({CORE: value, MEM: "2"})) == [

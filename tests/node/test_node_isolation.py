@@ -13,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -424,3 +425,53 @@ def test_a_failing_tick_is_counted_logged_once_and_the_loop_goes_on(world_of, ca
     w.now = 5 * TICK
     w.drive(1.0)
     assert w.kernel.signalled(101)  # enforcing again
+
+
+# ---- signalling only what the container owns ---------------------------------------------------
+def test_a_reused_pid_is_not_signalled_as_the_containers(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("capped", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000)
+    w.drive(0.2)
+    assert w.loop.engine.held == {"default/capped/main"}
+    # the GPU process exits while held; the kernel gives PID 101 to a host process in its own group
+    w.gpus[0].exit(101)
+    w.proc.remove(101)
+    w.proc.add(101, "0::/system.slice/sshd.service\n", pgid=101, start_time=2000)
+    sent = len(w.kernel.sent)
+    w.drive(2.0)
+    assert [s for pgid, s in w.kernel.sent[sent:] if pgid == 101] == []
+
+
+def test_a_pid_reused_inside_the_same_container_is_not_signalled_until_sampled_again(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("capped", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000)
+    w.drive(0.2)
+    w.proc.remove(101)
+    w.proc.add(101, cgroupfs(uid, cid), pgid=101, start_time=2000)
+    assert w.loop.resolver.groups("default/capped/main") == []
+    assert w.loop.resolver.owner(101) == "default/capped/main"  # the sampler attributes it anew
+    assert w.loop.resolver.groups("default/capped/main") == [101]
+
+
+def test_a_group_holding_a_process_outside_the_container_is_never_signalled(world_of, caplog):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("capped", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000, pgid=101)
+    w.proc.add(303, "0::/user.slice/user-1000.slice/session-3.scope\n", pgid=101)  # a host shell in that group
+    with caplog.at_level(logging.WARNING, logger="qgpu.node.isolation"):
+        w.drive(1.0)
+    assert w.kernel.signalled(101) == []
+    assert any("process group 101 of default/capped/main also holds process(es) 303 outside the container" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("pgid", [0, 1, os.getpgrp()], ids=["zero", "init", "own"])
+def test_group_zero_init_and_the_managers_own_are_never_signalled(world_of, pgid):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("capped", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000, pgid=pgid)
+    w.drive(1.0)
+    assert w.loop.engine.held == {"default/capped/main"}  # the engine wanted to hold it
+    assert w.kernel.sent == []

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import time
+
+from qgpu_runtime.standalone.manager import job_groups
+from qgpu_runtime.standalone.store import JobRecord, process_start_ticks
 
 from .helpers import job_pgids, proc_state, qgpu, qgpu_done, rows, stop, wait_for, write_json
 
@@ -90,3 +94,32 @@ def test_manager_refuses_nvml_when_there_is_no_driver(db, no_nvidia_driver):
 def test_manager_without_standalone_is_the_cluster_node_manager(db):
     done = qgpu_done("manager", "serve", "--dbfile", str(db))
     assert done.returncode == 2 and "--nodename is required" in done.stderr
+
+
+def _job(pgid: int, pgid_start: int) -> JobRecord:
+    return JobRecord("j-1", "j", "normal", 300, 1024, (), "sleep", 0.0, 1, 1, pgid=pgid, pgid_start=pgid_start)
+
+
+def test_a_job_group_is_signalled_while_its_leader_is_the_recorded_process():
+    assert job_groups(_job(4321, 777), start_of={4321: 777}.get) == [4321]
+
+
+def test_a_job_group_whose_leader_pid_was_reused_is_not_signalled():
+    """The job ended and PID 4321 went to a process started later: it is not the job's."""
+    assert job_groups(_job(4321, 777), start_of={4321: 9000}.get) == []
+
+
+def test_a_job_group_whose_leader_is_gone_is_still_the_jobs():
+    """The number stays reserved while the job's children live in that group."""
+    assert job_groups(_job(4321, 777), start_of={}.get) == [4321]
+
+
+def test_a_real_process_is_recognised_by_its_start_time():
+    p = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        start = process_start_ticks(p.pid)
+        assert job_groups(_job(p.pid, start)) == [p.pid]
+        assert job_groups(_job(p.pid, start - 1)) == []
+    finally:
+        p.kill()
+        p.wait()

@@ -32,10 +32,34 @@ def test_many_concurrent_runs_never_overbook_a_card(db):
     assert sum("does not fit now" in e for e in errors) == 8
 
 
-def test_a_job_that_does_not_fit_fails_with_the_reason(db):
-    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "20", "--", "true")
+def test_a_job_that_does_not_fit_now_fails_with_the_reason(db):
+    first = qgpu("run", "--dbfile", str(db), *SIM, "--core", "200", "--", "sleep", "5")
+    wait_for(lambda: job_pgids(db))
+    done = qgpu_done("run", "--dbfile", str(db), "--core", "30", "--memory", "5", "--", "true")
     assert done.returncode == 75
     assert "does not fit now" in done.stderr and "--wait" in done.stderr
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=30)
+
+
+def test_more_memory_than_any_card_never_fits(db):
+    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "20", "--", "true")
+    assert done.returncode == 69
+    assert done.stderr.startswith("qgpu run: job 'true' can never fit on this host: ")
+    assert "(this host has card 0 T4 16384 MiB, card 1 T4 16384 MiB)" in done.stderr
+
+
+def test_more_cards_than_the_host_has_never_fits(db):
+    done = qgpu_done("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                     "--core", "200", "--", "true")
+    assert done.returncode == 69 and "can never fit on this host" in done.stderr
+
+
+def test_wait_does_not_wait_for_the_impossible(db):
+    """Without the check this would wait for ever (no --wait-timeout): returning shows it did not."""
+    done = qgpu_done("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                     "--core", "200", "--wait", "--", "true")
+    assert done.returncode == 69 and "waiting for room" not in done.stderr
 
 
 def test_bad_request_names_the_flag_value_and_rule(db):

@@ -1,0 +1,130 @@
+"""The JSON server under slow and greedy clients: bounded connections, deadlines, in-flight cap,
+per-path body limits. Every flood is loopback, bounded in count and closed by the test."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import threading
+from contextlib import ExitStack
+from typing import Iterator
+
+import pytest
+
+from qgpu_runtime.kube.serving import JsonServer, Routes, ServerLimits
+from tests.polling import poll
+
+FAST = ServerLimits(max_connections=8, max_in_flight=2, idle_timeout_s=30.0, header_timeout_s=0.3, body_timeout_s=0.3,
+                    min_body_rate=1e6, busy_wait_s=0.2, watch_interval_s=0.05)
+
+
+def echo(rest: str, body: bytes) -> tuple[int, object]:
+    return 200, {"got": len(body)}
+
+
+@pytest.fixture
+def server() -> Iterator[JsonServer]:
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo, "/small": echo}, get={}, body_limits={"/small": 100}), limits=FAST)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def post(port: int, path: str, body: bytes) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("POST", path, body=body)
+        response = conn.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        conn.close()
+
+
+def opened(stack: ExitStack, port: int, first_bytes: bytes = b"") -> socket.socket:
+    sock = stack.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+SLOW_HEADERS = b"POST /echo HTTP/1.1\r\nHost: x\r\n"  # the blank line never comes
+SLOW_BODY = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n0123456789"  # 990 bytes never come
+
+
+def test_a_flood_of_idle_and_slow_connections_does_not_stop_a_legitimate_request(server):
+    with ExitStack() as flood:
+        for _ in range(30):
+            opened(flood, server.port)
+        for _ in range(3):
+            opened(flood, server.port, SLOW_HEADERS)
+        for _ in range(2):
+            opened(flood, server.port, SLOW_BODY)
+        assert post(server.port, "/echo", b"{}") == (200, {"got": 2})
+        assert len(server.connections) <= FAST.max_connections
+
+
+def test_slow_headers_are_closed_at_their_deadline(server):
+    with ExitStack() as stack:
+        sock = opened(stack, server.port, SLOW_HEADERS)
+        assert sock.recv(1) == b""  # the server closed it; the 10 s client timeout would raise instead
+
+
+def test_a_slow_body_is_closed_at_its_deadline(server):
+    with ExitStack() as stack:
+        sock = opened(stack, server.port, SLOW_BODY)
+        assert sock.recv(1) == b""
+
+
+def test_a_body_above_the_paths_limit_is_refused_before_it_is_read(server):
+    status, doc = post(server.port, "/small", b"x" * 101)
+    assert status == 413 and doc["Error"] == "Content-Length 101: must be within 0..100 for /small"
+    assert post(server.port, "/echo", b"x" * 101)[0] == 200
+
+
+def test_requests_past_the_in_flight_cap_get_503():
+    release = threading.Event()
+    entered = threading.Semaphore(0)
+
+    def blocked(rest: str, body: bytes) -> tuple[int, object]:
+        entered.release()
+        release.wait(10)
+        return 200, {}
+
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/block": blocked}, get={}), limits=FAST)
+    srv.start()
+    try:
+        holders = [threading.Thread(target=post, args=(srv.port, "/block", b"{}")) for _ in range(FAST.max_in_flight)]
+        for t in holders:
+            t.start()
+        for _ in holders:
+            assert entered.acquire(timeout=10)
+        status, doc = post(srv.port, "/block", b"{}")
+        assert status == 503 and doc["Error"].startswith("busy: 2 requests in flight")
+        release.set()
+        for t in holders:
+            t.join(10)
+    finally:
+        release.set()
+        srv.stop()
+
+
+def test_bodies_past_the_memory_budget_get_503():
+    limits = ServerLimits(body_budget=1000, header_timeout_s=5.0, body_timeout_s=5.0, watch_interval_s=0.05)
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={}), limits=limits)
+    srv.start()
+    try:
+        with ExitStack() as stack:
+            slow = opened(stack, srv.port, SLOW_BODY)  # reserves 1000 bytes, sends 10
+            # the server thread reserves asynchronously: wait for the refusal, then pin its words
+            status, doc = poll(lambda: (answer := post(srv.port, "/echo", b"{}"))[0] == 503 and answer, what="a 503")
+            assert doc == {"Error": "busy: 1000 bytes of request bodies in memory; retry"}
+            slow.close()
+        poll(lambda: post(srv.port, "/echo", b"{}") == (200, {"got": 2}), what="the budget to be given back")
+    finally:
+        srv.stop()
+
+
+def test_limits_refuse_nonsense():
+    with pytest.raises(ValueError, match="ServerLimits.max_connections=0: must be > 0"):
+        ServerLimits(max_connections=0)
