@@ -1,0 +1,60 @@
+"""The real node: one cluster per test session, brought up exactly as ``scripts/local-cluster up``
+does (tests/realnode/localcluster.py) and provisioned by site.yml through inventories/local-cluster
+with rollout waits on, so qgpu's extender, webhook and node manager run as pods from the image the
+qgpu_image role builds. Torn down at the end, leaving the host as it was."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import yaml
+
+from tests.realnode.localcluster import ROOT, LocalCluster
+
+pytestmark = pytest.mark.slow
+
+
+def _run(*argv: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(argv), check=True, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _bin(script: str) -> Path:
+    out = _run(str(ROOT / "scripts" / script), stdout=subprocess.PIPE)
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def site_yml(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess[str]:
+    """site.yml against the cluster, as `scripts/local-cluster up` runs it; output kept for asserts."""
+    vars_file = cluster.dir / "inventory-vars.yml"
+    vars_file.write_text(yaml.safe_dump(cluster.inventory_vars()))
+    env = {**os.environ, "ANSIBLE_CONFIG": str(ROOT / "ansible.cfg"), "ANSIBLE_FORCE_COLOR": "0"}
+    out = subprocess.run([str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(ROOT / "inventories" / "local-cluster"),
+                          "-e", f"@{vars_file}", *extra, str(ROOT / "playbooks" / "site.yml")],
+                         cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (cluster.logs / "site-yml.log").open("a").write(out.stdout)
+    return out
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    if os.geteuid() != 0:
+        pytest.skip("the real node needs root: containerd, the kubelet, mounts and cgroups")
+    _run(str(ROOT / "scripts" / "local-cluster-deps"))
+    workdir = Path(tempfile.mkdtemp(prefix="qgpu-realnode-"))
+    cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False,
+                           log=lambda msg: print(f"local-cluster: {msg}", file=sys.stderr, flush=True))
+    try:
+        cluster.up()
+        out = site_yml(cluster)
+        if out.returncode != 0:
+            raise AssertionError(f"site.yml failed on the local cluster:\n{out.stdout[-6000:]}")
+        cluster.first_site_yml = out.stdout  # type: ignore[attr-defined]
+        yield cluster
+    finally:
+        cluster.down()

@@ -1,0 +1,114 @@
+"""Pods of every dialect on the real node: admitted by the webhook, placed by the extender (through
+the real kube-scheduler), allocated by the real kubelet through qgpu's device plugins, run by
+containerd, and what the container itself prints is checked: visible devices, QGPU_*, T9K_GPU_*
+and the quota file, which must agree with the allocation record on the pod."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator
+
+import pytest
+
+from qgpu_runtime.kube.records import ALLOCATION, parse_record
+from tests.realnode import kube
+from tests.realnode.localcluster import LocalCluster
+
+ALLOC_MODE = "sched.tensorstack.dev/node-alloc-mode"
+PRINT = ("env | grep -E '^(NVIDIA_VISIBLE_DEVICES|QGPU_|T9K_GPU_)' | sort; echo '--- quota'; "
+         "cat /etc/qgpu/quota.json | tr -d '\\n'; echo; echo '--- end'; sleep 3600")
+
+
+@pytest.fixture(scope="module")
+def ns(local_cluster: LocalCluster) -> Iterator[str]:
+    api = kube.core(local_cluster)
+    yield kube.namespace(api, "dialects")
+    api.delete_namespace("dialects")
+
+
+def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, str]) -> tuple[dict[str, str], dict[str, Any], dict]:
+    """(container env, quota.json, pod) of a pod asking for ``limits``, as its container printed them."""
+    api = kube.core(cluster)
+    api.create_namespaced_pod(ns, kube.shell_pod(name, cluster_image(cluster), PRINT, limits=limits))
+    pod = kube.wait_phase(api, ns, name, ("Running",))
+    text = kube.wait_log(api, ns, name, "--- end")
+    env_part, quota_part = text.split("--- quota", 1)
+    env = dict(line.split("=", 1) for line in env_part.strip().splitlines())
+    quota = json.loads(quota_part.split("--- end", 1)[0].strip())
+    return env, quota, kube.read(api, ns, name)
+
+
+def cluster_image(cluster: LocalCluster) -> str:
+    (ds,) = kube.apps(cluster).list_namespaced_daemon_set("kube-system", label_selector="app.kubernetes.io/name=qgpu-scheduler").items
+    return str(ds.spec.template.spec.containers[0].image)
+
+
+def assert_matches_record(env: dict[str, str], quota: dict[str, Any], pod: dict) -> None:
+    record = parse_record(pod["metadata"]["annotations"][ALLOCATION])
+    (placed,) = record.containers
+    uuids = [c.uuid for c in placed.cards]
+    assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids)
+    assert env["QGPU_CORE_MILLI"] == ",".join(str(c.core_milli) for c in placed.cards)
+    assert env["QGPU_MEMORY_MIB"] == ",".join(str(c.memory_mib) for c in placed.cards)
+    assert [c["uuid"] for c in quota["cards"]] == uuids
+    assert quota["pod"] == f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
+    assert pod["spec"]["nodeName"] == "localhost"
+
+
+def delete(cluster: LocalCluster, ns: str, name: str) -> None:
+    """Free the cards for the next test: the pod gone from the API (its grant released by the node)."""
+    api = kube.core(cluster)
+    api.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+    kube.wait_gone(api, ns, name)
+
+
+def set_alloc_mode(cluster: LocalCluster, mode: str | None) -> None:
+    kube.core(cluster).patch_node("localhost", {"metadata": {"labels": {ALLOC_MODE: mode}}})
+
+
+def test_qgpu_core_and_memory(local_cluster: LocalCluster, ns: str) -> None:
+    env, quota, pod = run_and_read(local_cluster, ns, "qgpu", {"tke.cloud.tencent.com/qgpu-core": "30",
+                                                               "tke.cloud.tencent.com/qgpu-memory": "2"})
+    assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"], env["QGPU_POLICY"]) == ("300", "2048", "fixed-share")
+    assert env["QGPU_CLASS"] == "normal"
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "qgpu")
+
+
+def test_vcuda_core_and_memory(local_cluster: LocalCluster, ns: str) -> None:
+    env, quota, pod = run_and_read(local_cluster, ns, "vcuda", {"tencent.com/vcuda-core": "50",
+                                                                "tencent.com/vcuda-memory": "8"})
+    assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == ("500", "2048")  # 8 units of 256 MiB
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "vcuda")
+
+
+def test_nvidia_gpu_gets_a_whole_card(local_cluster: LocalCluster, ns: str) -> None:
+    env, quota, pod = run_and_read(local_cluster, ns, "nvidia", {"nvidia.com/gpu": "1"})
+    assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == ("1000", "32768")
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "nvidia")
+
+
+def test_t9k_percent_on_an_sgn_node(local_cluster: LocalCluster, ns: str) -> None:
+    set_alloc_mode(local_cluster, "sgn")
+    try:
+        env, quota, pod = run_and_read(local_cluster, ns, "t9k-percent", {"tensorstack.dev/nvidia-gpu-percent": "25"})
+    finally:
+        set_alloc_mode(local_cluster, None)
+    assert env["T9K_GPU_PERCENT"] == "25"
+    assert env["T9K_GPU_MEMORY"] == "8192"  # 25 % of a 32 GiB card
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "t9k-percent")
+
+
+def test_t9k_whole_card_on_an_xgn_node(local_cluster: LocalCluster, ns: str) -> None:
+    set_alloc_mode(local_cluster, "xgn")
+    try:
+        env, quota, pod = run_and_read(local_cluster, ns, "t9k-gpu", {"tensorstack.dev/nvidia-gpu": "1"})
+    finally:
+        set_alloc_mode(local_cluster, None)
+    assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == ("1000", "32768")
+    assert any(k.startswith("T9K_GPU_") for k in env), env
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "t9k-gpu")
