@@ -111,6 +111,11 @@ def builds(containerd: Containerd, tmp_path_factory: pytest.TempPathFactory) -> 
     return Builds(first, second, inventory)
 
 
+def base_dir(key: str) -> Path:
+    """The role's cache entry for a base key (vars/main.yml: the key's sha256, 16 hex digits)."""
+    return REPO / ".cache/image/base" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 def read_archive(path: Path) -> dict[str, bytes]:
     with tarfile.open(path) as tar:
         return {member.name: tar.extractfile(member).read() for member in tar.getmembers() if member.isfile()}
@@ -223,3 +228,29 @@ def test_the_manifests_default_to_the_image_this_role_builds() -> None:
     for role in ("qgpu_scheduler", "qgpu_manager", "qgpu_webhook"):
         defaults = (REPO / "roles" / role / "defaults/main.yml").read_text()
         assert f"{role}_image: \"{{{{ qgpu_image | default('{REFERENCE}') }}}}\"" in defaults, role
+
+
+def test_an_operator_base_archive_becomes_the_base(builds: Builds, containerd: Containerd, tmp_path: Path) -> None:
+    """A root filesystem tar named by qgpu_image_base_archive replaces debootstrap (here: the
+    cached Debian base, tarred, plus a marker file only that tar has)."""
+    debian = base_dir("debootstrap bookworm minbase http://deb.debian.org/debian amd64 python3")
+    base = tmp_path / "base.tar"
+    subprocess.run(["tar", "--numeric-owner", "--sort=name", "-cf", str(base), "-C", str(debian), "."], check=True)
+    (tmp_path / "etc").mkdir()
+    (tmp_path / "etc/qgpu-base-marker").write_text("operator base\n")
+    subprocess.run(["tar", "--numeric-owner", "-rf", str(base), "-C", str(tmp_path), "./etc/qgpu-base-marker"], check=True)
+    tag = "operator-base"
+    run = ansible_playbook("-i", str(builds.inventory), PLAYBOOK, "-e", json.dumps({
+        "qgpu_image_base_archive": str(base), "qgpu_image_tag": tag}), timeout=1200)
+    archive = ARCHIVE.with_name(f"localhost_qgpu_qgpu-runtime_{tag}-amd64.oci.tar")
+    extracted = base_dir("archive " + hashlib.sha256(base.read_bytes()).hexdigest())
+    try:
+        assert run.returncode == 0, run.output[-6000:]
+        ran = containerd.ctr("run", "--rm", f"localhost/qgpu/qgpu-runtime:{tag}", "qgpu-base", "cat", "/etc/qgpu-base-marker")
+        assert (ran.returncode, ran.stdout) == (0, "operator base\n"), ran.stderr
+    finally:
+        archive.unlink(missing_ok=True)
+        Path(f"{archive}.json").unlink(missing_ok=True)
+        containerd.ctr("images", "rm", f"localhost/qgpu/qgpu-runtime:{tag}")
+        shutil.rmtree(extracted, ignore_errors=True)
+        Path(f"{extracted}.lock").unlink(missing_ok=True)
