@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -60,7 +61,9 @@ class Node:
 def node(short_tmp):
     root = short_tmp
     plugin_dir = root / "device-plugins"
-    kubelet = TestKubelet(plugin_dir, root / "pod-resources" / "kubelet.sock")
+    seed = random.randrange(2**32)
+    print(f"test kubelet seed {seed} (TestKubelet(..., seed={seed}) repeats this run's Allocate order)")
+    kubelet = TestKubelet(plugin_dir, root / "pod-resources" / "kubelet.sock", seed=seed)
     kubelet.start()
     control = root / "control.json"
     backend = SimulatedBackend(build_cards(parse_spec("2xT4-16G"), NODE), control)

@@ -180,23 +180,35 @@ def test_restart_releases_pods_deleted_while_the_manager_was_down(node):
     assert quota_dirs == {keep["metadata"]["uid"]}
 
 
-def test_out_of_order_admission_is_detected_at_prestart_and_fixed_by_reconciliation(node):
+def _admit_late_before_early(node) -> None:
+    """Two same-size pods; kubelet admits the later-bound one first, so Allocate (which cannot tell
+    them apart) serves it the older record: 50 qgpu-core and 4 qgpu-memory devices each, which the
+    real kubelet lists in pod-resources as 54 one-ID entries."""
+    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
+    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
+    node.set_pods([early, late])
+    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+
+
+def test_prestart_detects_the_wrong_owner_of_a_multi_device_grant(node):
     from prometheus_client import generate_latest
 
+    _admit_late_before_early(node)
+    text = generate_latest(node.manager.metrics.registry).decode()
+    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-core"} 1.0' in text
+    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-memory"} 1.0' in text
+
+
+def test_reconciliation_moves_a_multi_device_grant_to_the_owner_kubelet_lists(node):
     from qgpu_runtime.gpu.simulated import SimulatedBackend
     from qgpu_runtime.node.manager import NodeManager
     from qgpu_runtime.node.pods import FilePodSource
 
-    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
-    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
-    node.set_pods([early, late])
-    # kubelet admits 'late' first (same size): Allocate cannot tell and serves the older record.
-    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
-    text = generate_latest(node.manager.metrics.registry).decode()
-    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-core"} 1.0' in text
+    _admit_late_before_early(node)
     node.manager.stop()
     backend = SimulatedBackend(node.manager.backend.cards(), node.control)
     node.manager = NodeManager(node.manager.config, backend, node.store, FilePodSource(node.pods_file))
     node.manager.start()
-    # The store now says what kubelet really did: 'late' holds card 1.
+    # The store now says what kubelet really did: 'late' holds card 1, for both resources.
+    assert {(g.pod, g.resource) for g in node.store.grants()} == {("late", CORE), ("late", MEM)}
     assert {(s.workload, s.card_index) for s in node.store.shares()} == {("late", 1)}
