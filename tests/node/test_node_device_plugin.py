@@ -23,6 +23,13 @@ def test_registers_every_resource_the_extender_places_by_default(node):
         T9K_GPU, T9K_PCT, T9K_NODE, "nvidia.com/gpu"])
 
 
+def test_the_default_resources_are_every_resource_the_extender_places():
+    from qgpu_runtime.model.requests import GPU_RESOURCES
+    from qgpu_runtime.node.resources import DEFAULT_RESOURCES
+
+    assert sorted(DEFAULT_RESOURCES) == sorted(GPU_RESOURCES)
+
+
 def test_each_resource_advertises_its_units_per_card(node):
     assert len(node.kubelet.devices(CORE)) == 200  # 2 cards x 100 percent
     assert len(node.kubelet.devices(MEM)) == 32  # 2 cards x 16 GiB
