@@ -266,7 +266,7 @@ class NodeManager:
             if seen == self._health.version and not self._stop.is_set():
                 self._health_changed.wait(timeout_s)
             version, bad = self._health.version, set(self._health.unhealthy)
-        return version, [(d, card.index not in bad) for card in self.cards.values() for d in kind.device_ids(card)]
+        return version, [(d, not bad.intersection(cards)) for d, cards in kind.advertised(self.cards.values()).items()]
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
@@ -283,13 +283,16 @@ class NodeManager:
     def _allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
         if not device_ids:
             raise AllocateRefused(f"kubelet sent no device IDs for {kind.name}")
+        try:
+            kind.check_request(self.cards, device_ids)
+        except ValueError as exc:
+            raise AllocateRefused(str(exc)) from exc
         bad = self.unhealthy()
+        advertised = kind.advertised(self.cards.values())
         for d in device_ids:
-            card = card_of_device(d)
-            if card is None or card not in self.cards:
-                raise AllocateRefused(f"device ID {d!r} is not one this node advertises for {kind.name}")
-            if card in bad:
-                raise AllocateRefused(f"device {d!r} is on card {card}, which is unhealthy ({bad[card]})")
+            sick = [c for c in advertised[d] if c in bad]
+            if sick:
+                raise AllocateRefused(f"device {d!r} is on card {sick[0]}, which is unhealthy ({bad[sick[0]]})")
         with self._allocate_lock:
             try:
                 pods = self.pods.pods_on_node(self.config.node)

@@ -1,4 +1,11 @@
-"""Client for kubelet's pod-resources API (v1): which device IDs each container holds."""
+"""Client for kubelet's pod-resources API (v1): which device IDs each container holds.
+
+The real kubelet answers ``List`` with one ``ContainerDevices`` per device ID
+(``pkg/kubelet/cm/container_manager.go containerDevicesFromResourceDeviceInstances``): a container
+holding 30 qgpu-core and 4 qgpu-memory devices comes back as 34 entries of one ID each. Callers
+compare whole grants (the owner check at PreStartContainer, reconciliation's reassign step), so
+:func:`list_held` merges the entries back into one per (namespace, pod, container, resource).
+"""
 
 from __future__ import annotations
 
@@ -22,7 +29,8 @@ class HeldDevices:
 
 
 def list_held(socket: Path, timeout_s: float = 5.0) -> list[HeldDevices] | None:
-    """Every (container, resource) with devices, or None when kubelet does not serve the API here."""
+    """Every (container, resource) with devices, one entry each however kubelet split them, or None
+    when kubelet does not serve the API here."""
     if not socket.exists():
         return None
     api = protos.podresources()
@@ -34,5 +42,10 @@ def list_held(socket: Path, timeout_s: float = 5.0) -> list[HeldDevices] | None:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED):
                 return None
             raise
-    return [HeldDevices(p.namespace, p.name, c.name, d.resource_name, frozenset(d.device_ids))
-            for p in resp.pod_resources for c in p.containers for d in c.devices]
+    merged: dict[tuple[str, str, str, str], set[str]] = {}
+    for p in resp.pod_resources:
+        for c in p.containers:
+            for d in c.devices:
+                merged.setdefault((p.namespace, p.name, c.name, d.resource_name), set()).update(d.device_ids)
+    return [HeldDevices(ns, pod, container, resource, frozenset(ids))
+            for (ns, pod, container, resource), ids in merged.items()]

@@ -4,12 +4,14 @@ Kubelet only counts devices, so every resource is advertised as N device IDs per
 is the resource's unit count on that card (100 per card for percent resources, one per GiB for
 qgpu-memory, one per 256 MiB for vcuda-memory, one per card for whole-card resources). Device IDs
 name their card (``<short>-<card index>-<n>``) so pod-resources answers can be read back to cards.
+T9k's ``nvidia-gpu-node`` is the exception: it counts nodes, so it is one device per node
+(``<short>-node-0``), healthy only while every card is.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable, Sequence
 
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import requests as rq
@@ -21,6 +23,7 @@ class ResourceKind:
     short: str
     units_per_card: Callable[[CardInfo], int]
     description: str
+    whole_node: bool = False  # one device for the node, not units per card
 
     @property
     def socket_name(self) -> str:
@@ -31,6 +34,44 @@ class ResourceKind:
 
     def device_ids(self, card: CardInfo) -> list[str]:
         return [self.device_id(card.index, n) for n in range(self.units_per_card(card))]
+
+    @property
+    def node_device_id(self) -> str:
+        return f"{self.short}-node-0"
+
+    def advertised(self, cards: Iterable[CardInfo]) -> dict[str, tuple[int, ...]]:
+        """Every device ID advertised for this resource -> the cards whose health it carries."""
+        cards = list(cards)
+        if self.whole_node:
+            return {self.node_device_id: tuple(c.index for c in cards)} if cards else {}
+        return {d: (c.index,) for c in cards for d in self.device_ids(c)}
+
+    def check_request(self, cards: dict[int, CardInfo], device_ids: Sequence[str]) -> None:
+        """Refuse IDs this resource never advertised, and IDs named twice: kubelet only hands out
+        advertised devices, once each, so either means a confused kubelet or a forged call, and
+        answering it would grant cards nobody accounted for. ValueError names the ID and the rule."""
+        seen: set[str] = set()
+        for d in device_ids:
+            if d in seen:
+                raise ValueError(f"device ID {d!r} is named twice in one Allocate of {self.name}: each device "
+                                 "is granted at most once")
+            seen.add(d)
+            if self.whole_node:
+                if d != self.node_device_id:
+                    raise ValueError(f"device ID {d!r} is not one this node advertises for {self.name}: the node "
+                                     f"has one device, {self.node_device_id!r}")
+                continue
+            card = card_of_device(d)
+            if card is None or d.rsplit("-", 2)[0] != self.short:
+                raise ValueError(f"device ID {d!r} is not one this node advertises for {self.name}: IDs are "
+                                 f"'{self.short}-<card index>-<unit>'")
+            if card not in cards:
+                raise ValueError(f"device ID {d!r} of {self.name} names card {card}; this node has cards "
+                                 f"{sorted(cards)}")
+            unit, units = int(d.rsplit("-", 1)[1]), self.units_per_card(cards[card])
+            if unit >= units:
+                raise ValueError(f"device ID {d!r} of {self.name}: unit {unit} is out of range; card {card} "
+                                 f"has units 0..{units - 1}")
 
 
 def card_of_device(device_id: str) -> int | None:
@@ -49,10 +90,15 @@ CATALOG: dict[str, ResourceKind] = {k.name: k for k in (
     ResourceKind(rq.VCUDA_MEMORY, "vcuda-memory", lambda c: c.memory_mib // rq.VCUDA_MEMORY_UNIT_MIB, "TKEStack vcuda: 256 MiB units"),
     ResourceKind(rq.T9K_GPU, "t9k-gpu", lambda c: 1, "T9k: whole cards"),
     ResourceKind(rq.T9K_GPU_PERCENT, "t9k-gpu-percent", lambda c: 100, "T9k: percent of a card's memory"),
+    ResourceKind(rq.T9K_GPU_NODE, "t9k-gpu-node", lambda c: 0, "T9k: the whole node (one device per node)",
+                 whole_node=True),
     ResourceKind(rq.NVIDIA_GPU, "nvidia-gpu", lambda c: 1, "NVIDIA: whole cards"),
 )}
 
-DEFAULT_RESOURCES = (rq.QGPU_CORE, rq.QGPU_MEMORY, rq.QGPU_CORE_GREEDY)
+# Every resource the extender can place: a pod of any dialect finds its resource advertised. Leave
+# nvidia.com/gpu out (--resources) where NVIDIA's own device plugin runs: two plugins advertising
+# one name make kubelet's count of it wrong (docs/node-manager.md, "Resources").
+DEFAULT_RESOURCES = tuple(CATALOG)
 
 
 def parse_resources(value: str) -> tuple[ResourceKind, ...]:

@@ -6,7 +6,8 @@ with the isolation engine (docs/node-manager.md, "Container environment"):
 - ``NVIDIA_VISIBLE_DEVICES``: card UUIDs, comma-separated, in the record's order.
 - ``QGPU_CORE_MILLI`` / ``QGPU_MEMORY_MIB``: per card, comma-separated in the same order.
 - ``QGPU_CLASS``: online, offline or normal. ``QGPU_POLICY``: the node's isolation policy.
-- ``T9K_GPU_PERCENT`` / ``T9K_GPU_MEMORY`` (MiB) for T9k nvidia-gpu-percent requests.
+- ``T9K_GPU_*`` for every T9k request (:func:`t9k_envs`): the mode (``xgn`` whole cards, ``sgn``
+  percent, ``node`` the whole node), the card count, and for percent requests the percent and MiB.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping, Sequence
 
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import requests as rq
 from qgpu_runtime.node.matching import Match, container_quantity
+from qgpu_runtime.node.record import CardShareRecord
 from qgpu_runtime.node.store import Grant, Share
 
 CONTAINER_CONFIG_DIR = "/etc/qgpu"
@@ -71,10 +74,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
         "QGPU_POLICY": policy,
     }
     spec_container = next(c for c in (m.pod_obj.get("spec") or {}).get("containers", []) if c.get("name") == m.container)
-    pct = container_quantity(spec_container, rq.T9K_GPU_PERCENT)
-    if pct is not None:
-        envs["T9K_GPU_PERCENT"] = str(pct)
-        envs["T9K_GPU_MEMORY"] = ",".join(str(s.memory_mib) for s in shares)
+    envs.update(t9k_envs(spec_container, shares))
     host_dir = state_dir / "containers" / m.pod_uid / m.container
     mounts = (Mount(CONTAINER_CONFIG_DIR, str(host_dir), True),)
     devices: tuple[DeviceNode, ...] = ()
@@ -88,6 +88,27 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
     }
     notes = {"qgpu.io/pod": f"{m.namespace}/{m.pod}", "qgpu.io/pod-uid": m.pod_uid, "qgpu.io/container": m.container}
     return ContainerGrant(envs, mounts, devices, notes, quota)
+
+
+T9K_MODES = ((rq.T9K_GPU, "xgn"), (rq.T9K_GPU_PERCENT, "sgn"), (rq.T9K_GPU_NODE, "node"))
+
+
+def t9k_envs(spec_container: Mapping[str, Any], shares: Sequence[CardShareRecord]) -> dict[str, str]:
+    """The T9k variables for a container that asks in the T9k dialect, none otherwise. Every mode
+    gets the same names, so a T9k image reads its mode and cards without guessing the request.
+
+    ``T9K_GPU_MODE`` xgn | sgn | node; ``T9K_GPU_COUNT`` cards granted; for sgn also
+    ``T9K_GPU_PERCENT`` (percent of the card's memory asked) and ``T9K_GPU_MEMORY`` (MiB per card)."""
+    for resource, mode in T9K_MODES:
+        asked = container_quantity(spec_container, resource)
+        if asked is None:
+            continue
+        envs = {"T9K_GPU_MODE": mode, "T9K_GPU_COUNT": str(len(shares))}
+        if resource == rq.T9K_GPU_PERCENT:
+            envs["T9K_GPU_PERCENT"] = str(asked)
+            envs["T9K_GPU_MEMORY"] = ",".join(str(s.memory_mib) for s in shares)
+        return envs
+    return {}
 
 
 def store_rows(m: Match, resource: str, device_ids: tuple[str, ...], now_ns: int) -> tuple[Grant, list[Share]]:

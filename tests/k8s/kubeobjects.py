@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
-from typing import Any, Callable, Iterable, Mapping, TypeVar
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
+import yaml
 from kubernetes import client
 
 from qgpu_runtime.kube.nodes import CARDS, cards_annotation
@@ -17,6 +20,46 @@ from tests.polling import poll
 T = TypeVar("T")
 PAUSE = "registry.k8s.io/pause:3.10"
 MANAGED_RESOURCES = tuple(sorted(GPU_RESOURCES))
+REPO = Path(__file__).resolve().parents[2]
+
+
+def pool_xgn_taint() -> dict[str, str]:
+    """The taint roles/qgpu_node_pool puts on xgn nodes, read from the role's defaults."""
+    defaults = yaml.safe_load((REPO / "roles/qgpu_node_pool/defaults/main.yml").read_text())
+    return dict(defaults["qgpu_node_pool_xgn_taint"])
+
+
+def tolerates(tolerations: Sequence[Mapping[str, Any]], taint: Mapping[str, Any]) -> bool:
+    """Kubernetes' rule (core/v1 Toleration.ToleratesTaint): same effect (or none), and the key with
+    Exists or the key and value with Equal (the default); an empty key with Exists tolerates all."""
+    for t in tolerations:
+        if t.get("effect") and t["effect"] != taint["effect"]:
+            continue
+        operator = t.get("operator") or "Equal"
+        if not t.get("key"):
+            if operator == "Exists":
+                return True
+            continue
+        if t["key"] == taint["key"] and (operator == "Exists" or t.get("value", "") == taint.get("value", "")):
+            return True
+    return False
+
+
+def patched(doc: Mapping[str, Any], ops: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """``doc`` with JSON-patch (RFC 6902) ``add`` operations applied, the only kind qgpu's mutating
+    webhook emits, as the apiserver applies them."""
+    out = copy.deepcopy(dict(doc))
+    for op in ops:
+        assert op["op"] == "add", op
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        target: Any = out
+        for part in parents:
+            target = target[int(part)] if isinstance(target, list) else target[part]
+        if isinstance(target, list):
+            target.insert(len(target) if last == "-" else int(last), op["value"])
+        else:
+            target[last] = op["value"]
+    return out
 
 
 def cards(n: int, model: str = "V100", memory_mib: int = 32768, node: str = "n") -> list[CardSpec]:

@@ -13,7 +13,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from tests.k8s.controlplane import QgpuServer, free_port
-from tests.k8s.kubeobjects import gpu_pod, read_pod
+from tests.k8s.kubeobjects import gpu_pod, pool_xgn_taint, read_pod, tolerates
 
 ENABLED = {"qgpu-webhook": "enabled"}
 
@@ -79,5 +79,5 @@ def test_exclusive_pod_is_completed_by_the_mutating_webhook(cluster, webhook):
         assert time.monotonic() < deadline, "mutating webhook never became active"
         n += 1
         time.sleep(0.5)
-    assert {"key": "sched.tensorstack.dev/xgn-mode", "operator": "Equal", "value": "true", "effect": "NoSchedule"} in pod["spec"]["tolerations"]
+    assert tolerates(pod["spec"]["tolerations"], pool_xgn_taint())  # the taint qgpu_node_pool puts on xgn nodes
     assert pod["spec"]["containers"][0]["resources"]["requests"]["tensorstack.dev/nvidia-gpu"] == "1"

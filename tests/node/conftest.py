@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -18,11 +19,11 @@ from testkubelet import TestKubelet  # noqa: E402
 from qgpu_runtime.gpu.simulated import SimulatedBackend, build_cards, parse_spec  # noqa: E402
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager  # noqa: E402
 from qgpu_runtime.node.pods import FilePodSource  # noqa: E402
-from qgpu_runtime.node.resources import parse_resources  # noqa: E402
+from qgpu_runtime.node.resources import DEFAULT_RESOURCES, parse_resources  # noqa: E402
 from qgpu_runtime.node.store import Store  # noqa: E402
 
 NODE = "gpu-node-1"
-RESOURCES = "tke.cloud.tencent.com/qgpu-core,tke.cloud.tencent.com/qgpu-memory,tensorstack.dev/nvidia-gpu-percent"
+RESOURCES = ",".join(DEFAULT_RESOURCES)  # what `qgpu-node serve` serves without --resources
 
 
 @pytest.fixture
@@ -60,7 +61,9 @@ class Node:
 def node(short_tmp):
     root = short_tmp
     plugin_dir = root / "device-plugins"
-    kubelet = TestKubelet(plugin_dir, root / "pod-resources" / "kubelet.sock")
+    seed = random.randrange(2**32)
+    print(f"test kubelet seed {seed} (TestKubelet(..., seed={seed}) repeats this run's Allocate order)")
+    kubelet = TestKubelet(plugin_dir, root / "pod-resources" / "kubelet.sock", seed=seed)
     kubelet.start()
     control = root / "control.json"
     backend = SimulatedBackend(build_cards(parse_spec("2xT4-16G"), NODE), control)
@@ -73,7 +76,7 @@ def node(short_tmp):
                            isolation_policy="fixed-share")
     manager = NodeManager(config, backend, store, FilePodSource(pods_file))
     manager.start()
-    kubelet.wait_for(lambda: len(kubelet.plugins) == 3 and all(p.devices for p in kubelet.plugins.values()))
+    kubelet.wait_for(lambda: len(kubelet.plugins) == len(DEFAULT_RESOURCES) and all(p.devices for p in kubelet.plugins.values()))
     n = Node(root, manager, kubelet, store, pods_file, control)
     yield n
     n.manager.stop()  # the test may have replaced it (restart tests)

@@ -13,12 +13,27 @@ from qgpu_runtime.node.record import ASSIGNED
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
 T9K_PCT = "tensorstack.dev/nvidia-gpu-percent"
+T9K_GPU = "tensorstack.dev/nvidia-gpu"
+T9K_NODE = "tensorstack.dev/nvidia-gpu-node"
 
 
-def test_registers_each_resource_with_units_per_card(node):
-    assert sorted(node.kubelet.registrations) == sorted([CORE, MEM, T9K_PCT])
+def test_registers_every_resource_the_extender_places_by_default(node):
+    assert sorted(node.kubelet.registrations) == sorted([
+        CORE, MEM, "tke.cloud.tencent.com/qgpu-core-greedy", "tencent.com/vcuda-core", "tencent.com/vcuda-memory",
+        T9K_GPU, T9K_PCT, T9K_NODE, "nvidia.com/gpu"])
+
+
+def test_the_default_resources_are_every_resource_the_extender_places():
+    from qgpu_runtime.model.requests import GPU_RESOURCES
+    from qgpu_runtime.node.resources import DEFAULT_RESOURCES
+
+    assert sorted(DEFAULT_RESOURCES) == sorted(GPU_RESOURCES)
+
+
+def test_each_resource_advertises_its_units_per_card(node):
     assert len(node.kubelet.devices(CORE)) == 200  # 2 cards x 100 percent
     assert len(node.kubelet.devices(MEM)) == 32  # 2 cards x 16 GiB
+    assert len(node.kubelet.devices(T9K_GPU)) == 2  # whole cards
     assert set(node.kubelet.devices(CORE).values()) == {"Healthy"}
     assert node.kubelet.plugins[CORE].options.pre_start_required
 
@@ -106,8 +121,57 @@ def test_t9k_percent_request_gets_t9k_variables(node):
     p = pod("t9k", "gpu-node-1", [("main", {T9K_PCT: "25"}, [(0, node.uuid(0), 0, 4096)])])
     node.set_pods([p])
     envs = node.kubelet.admit(p)["main"]
-    assert envs["T9K_GPU_PERCENT"] == "25" and envs["T9K_GPU_MEMORY"] == "4096"
+    t9k = {k: v for k, v in envs.items() if k.startswith("T9K_")}
+    assert t9k == {"T9K_GPU_MODE": "sgn", "T9K_GPU_COUNT": "1", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "4096"}
     assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+
+
+def test_t9k_whole_card_request_gets_t9k_variables(node):
+    p = pod("xgn", "gpu-node-1", [("main", {T9K_GPU: "1"}, [(1, node.uuid(1), 1000, 16384)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    assert {k: v for k, v in envs.items() if k.startswith("T9K_")} == {"T9K_GPU_MODE": "xgn", "T9K_GPU_COUNT": "1"}
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+
+
+def test_the_whole_node_is_one_device(node):
+    assert node.kubelet.devices(T9K_NODE) == {"t9k-gpu-node-node-0": "Healthy"}
+
+
+def test_t9k_whole_node_request_gets_every_card_and_t9k_variables(node):
+    p = pod("node", "gpu-node-1", [("main", {T9K_NODE: "1"}, [(0, node.uuid(0), 1000, 16384),
+                                                              (1, node.uuid(1), 1000, 16384)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    assert {k: v for k, v in envs.items() if k.startswith("T9K_")} == {"T9K_GPU_MODE": "node", "T9K_GPU_COUNT": "2"}
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == f"{node.uuid(0)},{node.uuid(1)}"
+    assert [(g.pod, g.resource, g.device_ids) for g in node.store.grants()] == [("node", T9K_NODE, ("t9k-gpu-node-node-0",))]
+
+
+def test_the_whole_node_device_turns_unhealthy_with_any_card(node):
+    before = node.kubelet.plugins[T9K_NODE].updates
+    node.control_write({"unhealthy": {"1": "XID 79"}})
+    node.kubelet.wait_for(lambda: node.kubelet.plugins[T9K_NODE].updates > before)
+    assert node.kubelet.devices(T9K_NODE) == {"t9k-gpu-node-node-0": "Unhealthy"}
+
+
+@pytest.mark.parametrize(("resource", "ids", "says"), [
+    (CORE, ["qgpu-memory-0-0"], "'qgpu-memory-0-0' is not one this node advertises for tke.cloud.tencent.com/qgpu-core: "
+                                "IDs are 'qgpu-core-<card index>-<unit>'"),
+    (CORE, ["qgpu-core-2-0"], "'qgpu-core-2-0' of tke.cloud.tencent.com/qgpu-core names card 2; this node has cards [0, 1]"),
+    (MEM, ["qgpu-memory-0-16"], "'qgpu-memory-0-16' of tke.cloud.tencent.com/qgpu-memory: unit 16 is out of range; "
+                                "card 0 has units 0..15"),
+    (CORE, ["qgpu-core-0-3", "qgpu-core-0-3"], "'qgpu-core-0-3' is named twice in one Allocate"),
+    (T9K_NODE, ["t9k-gpu-node-0-0"], "the node has one device, 't9k-gpu-node-node-0'"),
+], ids=["other-resource", "no-such-card", "unit-out-of-range", "duplicate", "whole-node"])
+def test_allocate_refuses_device_ids_never_advertised(node, resource, ids, says):
+    p = pod("a", "gpu-node-1", [("main", {resource: str(len(ids))}, [(0, node.uuid(0), 100, 1024)])])
+    node.set_pods([p])
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.allocate(resource, ids)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert says in err.value.details()
+    assert node.store.grants() == []
 
 
 def test_xid_marks_the_cards_devices_unhealthy_and_allocate_refuses_them(node):
@@ -180,23 +244,35 @@ def test_restart_releases_pods_deleted_while_the_manager_was_down(node):
     assert quota_dirs == {keep["metadata"]["uid"]}
 
 
-def test_out_of_order_admission_is_detected_at_prestart_and_fixed_by_reconciliation(node):
+def _admit_late_before_early(node) -> None:
+    """Two same-size pods; kubelet admits the later-bound one first, so Allocate (which cannot tell
+    them apart) serves it the older record: 50 qgpu-core and 4 qgpu-memory devices each, which the
+    real kubelet lists in pod-resources as 54 one-ID entries."""
+    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
+    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
+    node.set_pods([early, late])
+    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+
+
+def test_prestart_detects_the_wrong_owner_of_a_multi_device_grant(node):
     from prometheus_client import generate_latest
 
+    _admit_late_before_early(node)
+    text = generate_latest(node.manager.metrics.registry).decode()
+    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-core"} 1.0' in text
+    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-memory"} 1.0' in text
+
+
+def test_reconciliation_moves_a_multi_device_grant_to_the_owner_kubelet_lists(node):
     from qgpu_runtime.gpu.simulated import SimulatedBackend
     from qgpu_runtime.node.manager import NodeManager
     from qgpu_runtime.node.pods import FilePodSource
 
-    early = pod("early", "gpu-node-1", [("main", qgpu(50, 4), [(1, node.uuid(1), 500, 4096)])], bind_time=100)
-    late = pod("late", "gpu-node-1", [("main", qgpu(50, 4), [(0, node.uuid(0), 500, 4096)])], bind_time=200)
-    node.set_pods([early, late])
-    # kubelet admits 'late' first (same size): Allocate cannot tell and serves the older record.
-    assert node.kubelet.admit(late)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
-    text = generate_latest(node.manager.metrics.registry).decode()
-    assert 'qgpu_allocation_owner_mismatch_total{resource="tke.cloud.tencent.com/qgpu-core"} 1.0' in text
+    _admit_late_before_early(node)
     node.manager.stop()
     backend = SimulatedBackend(node.manager.backend.cards(), node.control)
     node.manager = NodeManager(node.manager.config, backend, node.store, FilePodSource(node.pods_file))
     node.manager.start()
-    # The store now says what kubelet really did: 'late' holds card 1.
+    # The store now says what kubelet really did: 'late' holds card 1, for both resources.
+    assert {(g.pod, g.resource) for g in node.store.grants()} == {("late", CORE), ("late", MEM)}
     assert {(s.workload, s.card_index) for s in node.store.shares()} == {("late", 1)}

@@ -2,14 +2,18 @@
 
 It serves ``Registration`` on ``<dir>/kubelet.sock``, connects back to every plugin that registers,
 consumes its ListAndWatch stream, and admits pods the way kubelet does: containers in spec order,
+a container's resources in random order (kubelet walks a Go map; ``seed`` makes a run repeatable),
 for each resource GetPreferredAllocation (when offered) then Allocate, with device IDs taken from
-the healthy, unused ones. It also serves pod-resources ``List`` from what it handed out, and can
+the healthy, unused ones. It also serves pod-resources ``List`` from what it handed out, one
+``ContainerDevices`` per device ID as the real kubelet does
+(``pkg/kubelet/cm/container_manager.go containerDevicesFromResourceDeviceInstances``), and can
 "restart" (delete every socket in the folder and serve a new kubelet.sock), as kubelet does.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import threading
 import time
 from concurrent import futures
@@ -36,8 +40,9 @@ class Plugin:
 class TestKubelet:
     __test__ = False  # not a pytest class
 
-    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None) -> None:
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path | None = None, seed: int | None = None) -> None:
         self.dir = plugin_dir
+        self.rng = random.Random(seed)
         self.pod_resources_socket = pod_resources_socket
         self.plugins: dict[str, Plugin] = {}
         self.registrations: list[str] = []
@@ -76,7 +81,7 @@ class TestKubelet:
                 with kubelet._cond:
                     pods = [api.pb2.PodResources(namespace=ns, name=name, containers=[
                         api.pb2.ContainerResources(name=c, devices=[
-                            api.pb2.ContainerDevices(resource_name=r, device_ids=ids) for r, ids in res.items()])
+                            api.pb2.ContainerDevices(resource_name=r, device_ids=[d]) for r, ids in res.items() for d in ids])
                         for c, res in containers.items()]) for (ns, name), containers in kubelet.held.items()]
                 return api.pb2.ListPodResourcesResponse(pod_resources=pods)
 
@@ -185,9 +190,9 @@ class TestKubelet:
         envs: dict[str, dict[str, str]] = {}
         for container in pod["spec"]["containers"]:
             limits = (container.get("resources") or {}).get("limits") or {}
-            for resource, qty in limits.items():
-                if resource not in self.plugins:
-                    continue
+            wanted = [(r, q) for r, q in limits.items() if r in self.plugins]
+            self.rng.shuffle(wanted)
+            for resource, qty in wanted:
                 size = int(qty)
                 with self._cond:
                     free = self._free(resource)

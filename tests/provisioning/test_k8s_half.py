@@ -41,7 +41,18 @@ from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
 from tests.k8s.conftest import Cluster
-from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod
+from qgpu_runtime.webhook.admission import WebhookConfig, mutation
+from tests.k8s.kubeobjects import (
+    bound,
+    cards,
+    events_for,
+    gpu_node,
+    gpu_pod,
+    patched,
+    pool_xgn_taint,
+    read_pod,
+    tolerates,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +60,9 @@ EXAMPLE = REPO / "inventories" / "example"
 POOLS = ("qgpu_pool_training", "qgpu_pool_inference", "qgpu_pool_mixed")
 NAMESPACE = "kube-system"  # as in inventories/example
 POLICIES = ("best-effort", "fixed-share", "burst-share")
-XGN_TAINT = {"key": "sched.tensorstack.dev/node-alloc-mode", "value": "xgn", "effect": "NoSchedule"}
+XGN_TAINT = pool_xgn_taint()
+# The xgn taint of earlier releases, which no webhook-mutated pod tolerates: a run must remove it.
+RETIRED_XGN_TAINT = {"key": "sched.tensorstack.dev/node-alloc-mode", "value": "xgn", "effect": "NoSchedule"}
 # A label and a taint qgpu does not own, put on one node before the run: they must survive it.
 FOREIGN_LABEL = ("team.example.com/owner", "ml-platform")
 FOREIGN_TAINT = {"key": "dedicated.example.com/gpu", "value": "training", "effect": "NoSchedule"}
@@ -134,7 +147,7 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             gpu_node(cluster.api, name, cards(2, model, memory, node=name))
     first_training = pools["qgpu_pool_training"][0]
     cluster.api.patch_node(first_training, {"metadata": {"labels": dict([FOREIGN_LABEL])},
-                                            "spec": {"taints": [FOREIGN_TAINT]}})
+                                            "spec": {"taints": [FOREIGN_TAINT, RETIRED_XGN_TAINT]}})
     write_inventory(work / "inventory", cluster, work / "root", pools)
     first = run_kube_plays(work / "inventory")
     assert first.returncode == 0, first.output[-6000:]
@@ -202,6 +215,20 @@ def test_only_xgn_nodes_carry_the_xgn_taint(site: Site) -> None:
                 assert XGN_TAINT in taints, name
             else:
                 assert taints == [], name
+
+
+def test_the_retired_xgn_taint_is_removed(site: Site) -> None:
+    node = site.node(site.pools["qgpu_pool_training"][0])
+    assert RETIRED_XGN_TAINT["key"] not in [t["key"] for t in node["spec"]["taints"]]
+
+
+def test_a_webhook_mutated_whole_card_t9k_pod_tolerates_the_taint_the_role_put_on(site: Site) -> None:
+    """The pool role's taint as the apiserver holds it, against the webhook's own mutation."""
+    node = site.node(site.pools["qgpu_pool_training"][0])
+    qgpu_taints = [t for t in node["spec"]["taints"] if t["key"] != FOREIGN_TAINT["key"]]
+    pod = gpu_pod("whole", {"tensorstack.dev/nvidia-gpu": 1})
+    tolerations = patched(pod, mutation(pod, WebhookConfig()))["spec"]["tolerations"]
+    assert qgpu_taints and all(tolerates(tolerations, t) for t in qgpu_taints), (qgpu_taints, tolerations)
 
 
 def test_foreign_labels_and_taints_survive(site: Site) -> None:
@@ -440,7 +467,7 @@ def advertise_as_the_manager_daemonset(cluster: Cluster, name: str, inventory: l
     """Node capacity for the resources the role's manager DaemonSet serves (its default
     --resources), counted per card as the device plugin advertises them to kubelet."""
     status = cluster.api.read_node_status(name).status
-    extended = {r: str(sum(CATALOG[r].units_per_card(card) for card in inventory)) for r in DEFAULT_RESOURCES}
+    extended = {r: str(len(CATALOG[r].advertised(inventory))) for r in DEFAULT_RESOURCES}
     capacity = {**status.capacity, **extended}
     cluster.api.patch_node_status(name, {"status": {"capacity": capacity, "allocatable": capacity}})
 
@@ -509,9 +536,8 @@ def test_the_role_v1_config_runs_kube_scheduler_through_the_extender(cluster: Cl
         before = extender_requests(cluster)
         for pod, (limits, _) in DIALECT_PODS.items():
             spec = gpu_pod(pod, limits, selector=label)
-            if pod == "t9k-whole":
-                spec["spec"]["tolerations"] = [{**XGN_TAINT, "operator": "Equal"}]
-            cluster.api.create_namespaced_pod(namespace, spec)
+            # As qgpu's mutating webhook completes it (the whole-card pod's xgn toleration).
+            cluster.api.create_namespaced_pod(namespace, patched(spec, mutation(spec, WebhookConfig())))
         placed = {pod: bound_or_reason(cluster, namespace, pod) for pod in DIALECT_PODS}
         assert {pod: placed[pod] in {nodes[k] for k in kinds} for pod, (_, kinds) in DIALECT_PODS.items()} == {
             pod: True for pod in DIALECT_PODS}, placed
