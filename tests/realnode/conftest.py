@@ -43,9 +43,17 @@ def site_yml(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess[
 
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[LocalCluster]:
+    """A fresh cluster for the session; with QGPU_REALNODE_CLUSTER=<dir> the tests run against a
+    cluster `scripts/local-cluster up` already runs there (kept afterwards; quick iterations)."""
     if os.geteuid() != 0:
         pytest.skip("the real node needs root: containerd, the kubelet, mounts and cgroups")
     _run(str(ROOT / "scripts" / "local-cluster-deps"))
+    existing = os.environ.get("QGPU_REALNODE_CLUSTER")
+    if existing:
+        cluster = LocalCluster(Path(existing), _bin("k8s-testbin"), _bin("containerd-bin"))
+        cluster.first_site_yml = ""  # type: ignore[attr-defined]
+        yield cluster
+        return
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-realnode-"))
     cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False,
                            log=lambda msg: print(f"local-cluster: {msg}", file=sys.stderr, flush=True))

@@ -100,5 +100,8 @@ def poll_allocatable(api: client.CoreV1Api, want: Mapping[str, str], node: str =
                      timeout: float = 60.0) -> dict[str, str]:
     """The node's allocatable once it lists every resource of ``want`` (the kubelet reports device
     plugins' counts at its next node-status update, not at registration)."""
-    return poll(lambda: (a := allocatable(api, node)) if all(k in a for k in want) else None,
-                timeout=timeout, interval=0.5, what=f"node {node} allocatable listing {sorted(want)}")
+    def probe() -> dict[str, str] | None:
+        have = allocatable(api, node)
+        return have if all(k in have for k in want) else None
+
+    return poll(probe, timeout=timeout, interval=0.5, what=f"node {node} allocatable listing {sorted(want)}")

@@ -40,21 +40,24 @@ def test_the_node_advertises_every_dialect_with_card_counts(local_cluster: Local
     want = {"tke.cloud.tencent.com/qgpu-core": "200", "tke.cloud.tencent.com/qgpu-memory": "64",
             "tke.cloud.tencent.com/qgpu-core-greedy": "200", "tencent.com/vcuda-core": "200",
             "tencent.com/vcuda-memory": "256", "tensorstack.dev/nvidia-gpu": "2",
-            "tensorstack.dev/nvidia-gpu-percent": "200", "nvidia.com/gpu": "2"}
+            "tensorstack.dev/nvidia-gpu-percent": "200", "tensorstack.dev/nvidia-gpu-node": "1",
+            "nvidia.com/gpu": "2"}
     have = kube.poll_allocatable(api, want)
     assert {k: have.get(k) for k in want} == want
 
 
 def test_kube_scheduler_static_pod_reads_the_extender_config_the_role_wrote(local_cluster: LocalCluster) -> None:
     manifest = yaml.safe_load((local_cluster.dir / "manifests" / "kube-scheduler.yaml").read_text())
-    command = manifest["spec"]["containers"][0]["command"]
-    config = next(a.split("=", 1)[1] for a in command if a.startswith("--config="))
+    container = manifest["spec"]["containers"][0]
+    argv = container.get("command", []) + container.get("args", [])
+    config = next(a.split("=", 1)[1] for a in argv if a.startswith("--config="))
     extenders = yaml.safe_load(open(config))["extenders"]
     assert [e["urlPrefix"] for e in extenders] == [f"http://127.0.0.1:{local_cluster.port('extender')}"]
     api = kube.core(local_cluster)
     mirror = kube.read(api, "kube-system", "kube-scheduler-localhost")
     assert mirror["status"]["phase"] == "Running"
-    assert any(a.startswith("--config=") for a in mirror["spec"]["containers"][0]["command"])
+    running = mirror["spec"]["containers"][0]
+    assert any(a.startswith("--config=") for a in running.get("command", []) + running.get("args", []))
 
 
 def test_a_second_site_yml_changes_nothing(local_cluster: LocalCluster) -> None:

@@ -46,10 +46,10 @@ def cluster_image(cluster: LocalCluster) -> str:
 def assert_matches_record(env: dict[str, str], quota: dict[str, Any], pod: dict) -> None:
     record = parse_record(pod["metadata"]["annotations"][ALLOCATION])
     (placed,) = record.containers
-    uuids = [c.uuid for c in placed.cards]
+    uuids = [c.uuid for c in placed.shares]
     assert env["NVIDIA_VISIBLE_DEVICES"] == ",".join(uuids)
-    assert env["QGPU_CORE_MILLI"] == ",".join(str(c.core_milli) for c in placed.cards)
-    assert env["QGPU_MEMORY_MIB"] == ",".join(str(c.memory_mib) for c in placed.cards)
+    assert env["QGPU_CORE_MILLI"] == ",".join(str(c.core_milli) for c in placed.shares)
+    assert env["QGPU_MEMORY_MIB"] == ",".join(str(c.memory_mib) for c in placed.shares)
     assert [c["uuid"] for c in quota["cards"]] == uuids
     assert quota["pod"] == f"{pod['metadata']['namespace']}/{pod['metadata']['name']}"
     assert pod["spec"]["nodeName"] == "localhost"

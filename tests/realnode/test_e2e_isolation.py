@@ -52,7 +52,7 @@ def running_gpu_pod(cluster: LocalCluster, ns: str, name: str, core: str, memory
         "tke.cloud.tencent.com/qgpu-core": core, "tke.cloud.tencent.com/qgpu-memory": memory_gib}))
     pod = kube.wait_phase(api, ns, name, ("Running",))
     (placed,) = parse_record(pod["metadata"]["annotations"][ALLOCATION]).containers
-    return pod, host_pid(cluster, pod), placed.cards[0].index
+    return pod, host_pid(cluster, pod), placed.shares[0].index
 
 
 def test_fixed_share_holds_and_releases_a_busy_container(local_cluster: LocalCluster, ns: str) -> None:

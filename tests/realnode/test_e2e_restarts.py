@@ -69,7 +69,7 @@ def test_kubelet_restart_keeps_running_pods_and_the_plugins_register_again(local
     assert still["status"]["containerStatuses"][0]["containerID"] == before["status"]["containerStatuses"][0]["containerID"]
     assert still["metadata"]["annotations"][ALLOCATION] == before["metadata"]["annotations"][ALLOCATION]
     shares = store_shares(local_cluster)
-    assert (before["metadata"]["uid"], parse_record(before["metadata"]["annotations"][ALLOCATION]).containers[0].cards[0].index) in shares
+    assert (before["metadata"]["uid"], parse_record(before["metadata"]["annotations"][ALLOCATION]).containers[0].shares[0].index) in shares
     assert any(uid == after["metadata"]["uid"] for uid, _ in shares)
     delete(local_cluster, ns, "before")
     delete(local_cluster, ns, "after")
