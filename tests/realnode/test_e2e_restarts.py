@@ -46,7 +46,7 @@ def store_shares(cluster: LocalCluster) -> dict[tuple[str, int], int]:
     """Core milli booked per (pod uid, card) in the node's own store (the manager's SQLite file)."""
     store = Store(cluster.dir / "host" / "qgpu" / "meta.db")
     try:
-        return {(s.pod_uid, s.card_index): s.core_milli for s in store.shares()}
+        return {(s.workload_id, s.card_index): s.core_milli for s in store.shares()}
     finally:
         store.close()
 
@@ -83,6 +83,11 @@ def test_manager_sigkill_double_books_nothing_and_new_pods_are_still_admitted(lo
     api = kube.core(local_cluster)
     poll(lambda: manager_pod(local_cluster)["status"]["containerStatuses"][0]["restartCount"] > restarts,
          timeout=60, what="the manager container restarted by the kubelet")
+    # Until its plugins register again the kubelet holds the devices unhealthy, and a pod bound in
+    # that window fails admission (docs/node-manager.md, failure modes): wait for Ready, as a
+    # rollout would.
+    poll(lambda: manager_pod(local_cluster)["status"]["containerStatuses"][0].get("ready"), timeout=90,
+         what="the restarted manager Ready")
     for name in ("b", "c", "d"):
         api.create_namespaced_pod(ns, kube.shell_pod(name, cluster_image(local_cluster), "exec sleep 3600",
                                                      limits={CORE: "60", MEMORY: "8"}))
@@ -103,7 +108,9 @@ def test_a_pod_deleted_while_the_manager_is_down_is_released_when_it_is_back(loc
     doomed = gpu_pod(local_cluster, ns, "doomed", core="50", memory="4")
     assert any(uid == doomed["metadata"]["uid"] for uid, _ in store_shares(local_cluster))
     apps = kube.apps(local_cluster)
-    (ds,) = apps.list_namespaced_daemon_set("kube-system", label_selector="app.kubernetes.io/name=qgpu-manager").items
+    # One DaemonSet per isolation policy: the one whose pod runs here.
+    owner = manager_pod(local_cluster)["metadata"]["ownerReferences"][0]["name"]
+    ds = apps.read_namespaced_daemon_set(owner, "kube-system")
     selector = dict(ds.spec.template.spec.node_selector or {})
     # The manager leaves the node (its DaemonSet no longer matches it) ...
     apps.patch_namespaced_daemon_set(ds.metadata.name, "kube-system",

@@ -70,7 +70,9 @@ def test_a_disruption_budget_stops_the_drain_and_the_node_stays_cordoned(local_c
     assert "node localhost failed in \"Drain the node" in out.stdout, out.stdout[-3000:]
     assert api.read_node("localhost").spec.unschedulable is True
     assert running_pod(api, "web") == web  # the budget held: never evicted
+    # The operator lifts the budget and the cordon, as the failure message tells them to.
     policy.delete_namespaced_pod_disruption_budget("web", ns)
+    api.patch_node("localhost", {"spec": {"unschedulable": None}})
 
 
 def test_without_a_blocking_budget_real_pods_are_evicted_and_run_again_after_uncordon(local_cluster: LocalCluster, ns: str) -> None:
@@ -80,6 +82,8 @@ def test_without_a_blocking_budget_real_pods_are_evicted_and_run_again_after_unc
     assert out.returncode == 0, out.stdout[-4000:]
     assert not api.read_node("localhost").spec.unschedulable
     for app, old in before.items():
-        new = poll(lambda: (n := running_pod(api, app)) if n and n != old else None, timeout=120,
-                   what=f"{app} replaced by a new running pod")
-        assert new != old
+        def replaced(app: str = app, old: str = old) -> str | None:
+            name = running_pod(api, app)
+            return name if name and name != old else None
+
+        assert poll(replaced, timeout=120, what=f"{app} replaced by a new running pod") != old
