@@ -34,7 +34,6 @@ from ansible_tools import REPO, Run, ansible_playbook
 PLAYBOOK = "playbooks/image.yml"
 VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
 REFERENCE = f"localhost/qgpu/qgpu-runtime:{VERSION}"
-ARCHIVE = REPO / ".cache/image" / f"localhost_qgpu_qgpu-runtime_{VERSION}-amd64.oci.tar"
 NAMESPACE = "k8s.io"
 
 pytestmark = pytest.mark.slow
@@ -58,6 +57,10 @@ class Builds:
     first: Run
     second: Run
     inventory: Path
+
+    @property
+    def archive(self) -> Path:
+        return built_archive(self.first)
 
 
 def require_tools() -> None:
@@ -111,6 +114,18 @@ def builds(containerd: Containerd, tmp_path_factory: pytest.TempPathFactory) -> 
     return Builds(first, second, inventory)
 
 
+def built_archive(run: Run) -> Path:
+    """The archive the role reports ("Report the image"): it lives under its inputs key."""
+    match = re.search(r'^\s+"?archive"?: "?([^"\s,]+)', run.output, re.MULTILINE)
+    assert match, run.output[-3000:]
+    return Path(match.group(1))
+
+
+def remove_archive(archive: Path) -> None:
+    """Drop an archive a test built for another reference (and its key directory)."""
+    shutil.rmtree(archive.parent, ignore_errors=True)
+
+
 def base_dir(key: str) -> Path:
     """The role's cache entry for a base key (vars/main.yml: the key's sha256, 16 hex digits)."""
     return REPO / ".cache/image/base" / hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -133,7 +148,7 @@ def task_result(run: Run, task: str) -> str:
 
 
 def test_archive_is_an_oci_layout_with_every_blob_matching_its_digest(builds: Builds) -> None:
-    files = read_archive(ARCHIVE)
+    files = read_archive(builds.archive)
     assert json.loads(files["oci-layout"]) == {"imageLayoutVersion": "1.0.0"}
     index = json.loads(files["index.json"])
     [entry] = index["manifests"]
@@ -150,7 +165,7 @@ def test_archive_is_an_oci_layout_with_every_blob_matching_its_digest(builds: Bu
 
 
 def test_layer_is_sorted_with_fixed_times_and_numeric_owners(builds: Builds) -> None:
-    files = read_archive(ARCHIVE)
+    files = read_archive(builds.archive)
     manifest = json.loads(blob(files, json.loads(files["index.json"])["manifests"][0]["digest"]))
     with tarfile.open(fileobj=gzip.GzipFile(fileobj=io.BytesIO(blob(files, manifest["layers"][0]["digest"])))) as layer:
         members = {m.name: m for m in layer.getmembers()}
@@ -164,16 +179,18 @@ def test_layer_is_sorted_with_fixed_times_and_numeric_owners(builds: Builds) -> 
 
 
 def test_rewriting_the_archive_from_the_same_inputs_gives_the_same_digest(builds: Builds) -> None:
-    before = json.loads(Path(f"{ARCHIVE}.json").read_text())["manifest_digest"]
-    Path(f"{ARCHIVE}.json").unlink()
+    sidecar = Path(f"{builds.archive}.json")
+    before = json.loads(sidecar.read_text())["manifest_digest"]
+    sidecar.unlink()
     run = ansible_playbook("-i", str(builds.inventory), PLAYBOOK)
     assert run.returncode == 0, run.output[-6000:]
     assert task_result(run, "Write the OCI image archive") == "changed"
-    assert json.loads(Path(f"{ARCHIVE}.json").read_text())["manifest_digest"] == before
+    assert built_archive(run) == builds.archive
+    assert json.loads(sidecar.read_text())["manifest_digest"] == before
 
 
 def test_first_run_imports_the_image_into_containerd(builds: Builds, containerd: Containerd) -> None:
-    digest = json.loads(Path(f"{ARCHIVE}.json").read_text())["manifest_digest"]
+    digest = json.loads(Path(f"{builds.archive}.json").read_text())["manifest_digest"]
     listed = containerd.ctr("images", "list", f"name=={REFERENCE}")
     assert listed.returncode == 0, listed.stderr
     assert [line.split()[:3] for line in listed.stdout.splitlines()[1:]] == [
@@ -206,16 +223,17 @@ def test_registry_set_pushes_the_archive_with_skopeo_instead_of_importing(builds
     pushed = f"registry.test:5000/qgpu/qgpu-runtime:{VERSION}"
     run = ansible_playbook("-i", str(builds.inventory), PLAYBOOK, "-e", json.dumps({
         "qgpu_image_registry": "registry.test:5000", "qgpu_image": pushed, "qgpu_image_skopeo": str(skopeo)}))
-    archive = ARCHIVE.with_name(f"registry.test_5000_qgpu_qgpu-runtime_{VERSION}-amd64.oci.tar")
     try:
         assert run.returncode == 0, run.output[-6000:]
+        archive = built_archive(run)
+        assert archive.name == f"registry.test_5000_qgpu_qgpu-runtime_{VERSION}-amd64.oci.tar"
         recorded = [json.loads(line) for line in calls.read_text().splitlines()]
         assert recorded == [["inspect", "--raw", f"docker://{pushed}"],
                             ["copy", "--preserve-digests", f"oci-archive:{archive}", f"docker://{pushed}"]]
+        assert task_result(run, "Import the image into this node's containerd") == "skipping"
     finally:
-        archive.unlink(missing_ok=True)
-        Path(f"{archive}.json").unlink(missing_ok=True)
-    assert task_result(run, "Import the image into this node's containerd") == "skipping"
+        if run.returncode == 0:
+            remove_archive(built_archive(run))
 
 
 def test_a_qgpu_image_other_than_the_build_fails_naming_both(builds: Builds) -> None:
@@ -242,15 +260,14 @@ def test_an_operator_base_archive_becomes_the_base(builds: Builds, containerd: C
     tag = "operator-base"
     run = ansible_playbook("-i", str(builds.inventory), PLAYBOOK, "-e", json.dumps({
         "qgpu_image_base_archive": str(base), "qgpu_image_tag": tag}), timeout=1200)
-    archive = ARCHIVE.with_name(f"localhost_qgpu_qgpu-runtime_{tag}-amd64.oci.tar")
     extracted = base_dir("archive " + hashlib.sha256(base.read_bytes()).hexdigest())
     try:
         assert run.returncode == 0, run.output[-6000:]
         ran = containerd.ctr("run", "--rm", f"localhost/qgpu/qgpu-runtime:{tag}", "qgpu-base", "cat", "/etc/qgpu-base-marker")
         assert (ran.returncode, ran.stdout) == (0, "operator base\n"), ran.stderr
     finally:
-        archive.unlink(missing_ok=True)
-        Path(f"{archive}.json").unlink(missing_ok=True)
+        if run.returncode == 0:
+            remove_archive(built_archive(run))
         containerd.ctr("images", "rm", f"localhost/qgpu/qgpu-runtime:{tag}")
         shutil.rmtree(extracted, ignore_errors=True)
         Path(f"{extracted}.lock").unlink(missing_ok=True)

@@ -26,7 +26,7 @@ options:
     elements: dict
     required: true
   exclude: {description: fnmatch patterns of image paths (no leading slash) left out of the layer., type: list, elements: str, default: []}
-  console_scripts: {description: "{site: image dir of the installed package, src: host dir of it, interpreter, bin_dir}: write the [console_scripts] of every *.dist-info there.", type: dict}
+  console_scripts: {description: "{src: host directory of an installed tree (pip --target), interpreter: the image's python, bin_dir: image directory}: write a script for each [console_scripts] entry of every *.dist-info in src.", type: dict}
   user: {description: "{name, uid, gid, home}: appended to etc/passwd and etc/group of the merged trees, home created.", type: dict}
   config: {description: "Image config: env, cmd, entrypoint, working_dir, user, labels.", type: dict, default: {}}
   architecture: {description: GOARCH of the image., type: str, default: amd64}
@@ -194,7 +194,8 @@ def add_console_scripts(entries: dict[str, Entry], spec: dict[str, Any]) -> list
     return written
 
 
-def tar_info(tar: tarfile.TarFile, path: str, entry: Entry, mtime: int) -> tuple[tarfile.TarInfo, IO[bytes] | None]:
+def tar_info(tar: tarfile.TarFile, path: str, entry: Entry, mtime: int) -> tuple[tarfile.TarInfo | None, IO[bytes] | None]:
+    """The member's header (None for what tar cannot hold: sockets) and its data, if a file."""
     if entry.source is None:
         info = tarfile.TarInfo(path)
         info.uid, info.gid, info.mode = entry.uid, entry.gid, entry.mode
