@@ -73,10 +73,17 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         post={"/": lambda verb, body: app.handle(verb, body)},
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": readyz, "/metrics": metrics},
         on_connection=app.metrics.connections.inc,
+        # kube-scheduler's bind body is an ExtenderBindingArgs (pod name, namespace, UID, node):
+        # a few hundred bytes. filter/prioritize carry a node list (or, without nodeCacheCapable,
+        # whole Node objects) and keep the server's default.
+        body_limits={"/bind": BIND_BODY_LIMIT},
     )
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file)
     feeder = CacheFeeder(api, cache)
     return server, app, (feeder, binder)
+
+
+BIND_BODY_LIMIT = 64 * 1024
 
 
 def run(args: argparse.Namespace) -> int:

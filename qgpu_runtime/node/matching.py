@@ -61,6 +61,12 @@ class NoMatch(LookupError):
     """No pending pod fits the call; ``str()`` explains, pod by pod."""
 
 
+# A plain count of at most this many ASCII digits is read directly; anything else (full-width
+# digits, thousands of digits, suffixes) goes through the bounded quantity parser, which refuses
+# what the apiserver refuses and never builds a huge integer.
+MAX_PLAIN_DIGITS = 18
+
+
 def container_quantity(container: Mapping[str, Any], resource: str) -> int | None:
     resources = container.get("resources") or {}
     for section in ("limits", "requests"):
@@ -69,7 +75,7 @@ def container_quantity(container: Mapping[str, Any], resource: str) -> int | Non
             raw = values[resource]
             if isinstance(raw, int) and not isinstance(raw, bool):
                 return raw
-            if isinstance(raw, str) and raw.isdigit():
+            if isinstance(raw, str) and raw.isascii() and raw.isdigit() and len(raw) <= MAX_PLAIN_DIGITS:
                 return int(raw)  # the usual case; skips the general parser on kubelet's hot path
             try:
                 q = parse_quantity(raw)

@@ -57,11 +57,9 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
         ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="some")
 
 
-def test_served_extender_counts_accepted_connections(tmp_path):
-    """kube-scheduler keeps two idle connections per extender; the counter shows when concurrent
-    binds make it open (and handshake) more. Keep-alive calls on one connection count once."""
+def served_extender(tmp_path):
+    """The extender's HTTP server exactly as `qgpu extender serve` wires it (its apiserver unreachable)."""
     import argparse
-    import http.client
 
     from qgpu_runtime.extender import cli as extender_cli
 
@@ -76,6 +74,35 @@ def test_served_extender_counts_accepted_connections(tmp_path):
     args.port = 0  # any free port
     server, _, _ = extender_cli.build(args)
     server.start()
+    return server
+
+
+def test_a_bind_body_larger_than_any_binding_is_refused_before_it_is_read(tmp_path):
+    """A bind carries one pod's name, namespace, UID and node: 64 KiB is far above it, and a client
+    announcing more gets 413 without the server reading (or buffering) the body."""
+    import http.client
+
+    from qgpu_runtime.extender.cli import BIND_BODY_LIMIT
+
+    server = served_extender(tmp_path)
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.putrequest("POST", "/bind")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", str(BIND_BODY_LIMIT + 1))
+        conn.endheaders()
+        assert conn.getresponse().status == 413
+        conn.close()
+    finally:
+        server.stop()
+
+
+def test_served_extender_counts_accepted_connections(tmp_path):
+    """kube-scheduler keeps two idle connections per extender; the counter shows when concurrent
+    binds make it open (and handshake) more. Keep-alive calls on one connection count once."""
+    import http.client
+
+    server = served_extender(tmp_path)
     try:
         def metric(conn: http.client.HTTPConnection) -> float:
             conn.request("GET", "/metrics")

@@ -110,3 +110,20 @@ def test_admission_in_bind_order_gives_every_container_its_own_record(shapes, rn
                 m = match(N, resource, size, listed, served)
                 assert (m.pod, m.container) == (p["metadata"]["name"], c["name"])
                 served.add((m.pod_uid, m.container, resource))
+
+
+@pytest.mark.parametrize("raw", ["５０", "9" * 5000, "1e600000"])
+def test_odd_or_huge_quantities_are_no_match_not_a_crash(raw):
+    """Full-width digits and digit strings past Python's int limit go to the bounded parser, which
+    refuses them: the container simply asks for nothing this resource can match."""
+    from qgpu_runtime.node.matching import container_quantity
+
+    container = {"name": "c", "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": raw}}}
+    assert container_quantity(container, "tke.cloud.tencent.com/qgpu-core") is None
+
+
+def test_a_plain_count_is_read_directly():
+    from qgpu_runtime.node.matching import container_quantity
+
+    container = {"name": "c", "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": "50"}}}
+    assert container_quantity(container, "tke.cloud.tencent.com/qgpu-core") == 50
