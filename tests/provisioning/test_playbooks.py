@@ -14,7 +14,7 @@ PLAYBOOKS = ["site.yml", "playbooks/site.yml", "playbooks/gpu-nodes.yml", "playb
              "playbooks/reapply-scheduler-extender.yml", "playbooks/teardown.yml"]
 
 
-@pytest.mark.parametrize("inventory", ["inventories/local", "inventories/example"])
+@pytest.mark.parametrize("inventory", ["inventories/local", "inventories/example", "inventories/local-cluster"])
 def test_every_playbook_parses_against_the_inventory(inventory: str) -> None:
     run = run_tool([str(BIN / "ansible-playbook"), "--syntax-check", "-i", inventory, *PLAYBOOKS])
     assert run.returncode == 0, run.output[-4000:]

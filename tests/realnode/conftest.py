@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from tests.realnode.localcluster import ROOT, LocalCluster
+from tests.realnode.localcluster import KUBELET_SYSCTLS, ROOT, LocalCluster
 
 pytestmark = pytest.mark.slow
 
@@ -57,6 +57,7 @@ def local_cluster() -> Iterator[LocalCluster]:
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-realnode-"))
     cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False,
                            log=lambda msg: print(f"local-cluster: {msg}", file=sys.stderr, flush=True))
+    before = host_state(workdir)
     try:
         cluster.up()
         out = site_yml(cluster)
@@ -66,3 +67,25 @@ def local_cluster() -> Iterator[LocalCluster]:
         yield cluster
     finally:
         cluster.down()
+    # `down` leaves the host as it found it: a leak fails the session here.
+    assert host_state(workdir) == before
+
+
+def host_state(workdir: Path) -> dict[str, object]:
+    """What a cluster could leave behind on the host: sysctls the kubelet sets, cgroups, mounts and
+    processes naming the cluster's directory."""
+    procs = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(workdir).encode() in (proc / "cmdline").read_bytes():
+                    procs.append(proc.name)
+            except OSError:
+                pass
+    return {
+        "sysctls": {k: Path("/proc/sys", *k.split(".")).read_text().strip() for k in KUBELET_SYSCTLS},
+        "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob(f"*/qgpu-*")),
+        "mounts": [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(workdir) in line],
+        "processes": procs,
+        "var_lib_kubelet": Path("/var/lib/kubelet").exists(),
+    }

@@ -64,4 +64,15 @@ def test_a_second_site_yml_changes_nothing(local_cluster: LocalCluster) -> None:
     out = site_yml(local_cluster)
     assert out.returncode == 0, out.stdout[-4000:]
     recap = re.findall(r"^(\S+)\s+: ok=\d+\s+changed=(\d+)", out.stdout, re.M)
-    assert recap and all(changed == "0" for _, changed in recap), out.stdout[-4000:]
+    assert recap and all(changed == "0" for _, changed in recap), changed_tasks(out.stdout)
+
+
+def changed_tasks(output: str) -> list[str]:
+    """The TASK headers followed by a 'changed:' line in ansible-playbook's output."""
+    tasks, current = [], ""
+    for line in output.splitlines():
+        if line.startswith("TASK ["):
+            current = line.rstrip("* ")
+        elif line.startswith("changed:"):
+            tasks.append(f"{current} -> {line}")
+    return tasks
