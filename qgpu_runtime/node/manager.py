@@ -51,6 +51,7 @@ class ManagerConfig:
     sample_interval_s: float = 1.0
     watch_interval_s: float = 1.0
     pod_refresh_s: float = 10.0
+    release_interval_s: float = 10.0  # how often shares of deleted or finished pods are released while running
     label_node: bool = True
     proc_root: Path = Path("/proc")
     isolation_tick_s: float = 0.05
@@ -215,6 +216,7 @@ class NodeManager:
         return True
 
     def _watch_loop(self) -> None:
+        released_at = time.monotonic()
         while not self._stop.wait(self.config.watch_interval_s):
             try:
                 self.check_kubelet()
@@ -222,6 +224,12 @@ class NodeManager:
                 log.exception("kubelet watch failed")
             if self._publish_due is not None and time.monotonic() >= self._publish_due:
                 self._publish_node()
+            if time.monotonic() - released_at >= self.config.release_interval_s:
+                released_at = time.monotonic()
+                try:
+                    self.release_gone()
+                except Exception as exc:  # apiserver away: the next interval retries
+                    log.warning("releasing the shares of deleted pods: %s", exc)
 
     def check_kubelet(self) -> None:
         """Serve again and re-register when kubelet restarted (new socket) or our sockets vanished."""
@@ -380,6 +388,24 @@ class NodeManager:
             except Exception as exc:
                 log.warning("pod %s/%s: could not write %s: %s", ns, name, ASSIGNED, exc)
         return p
+
+    def release_gone(self) -> dict[str, str]:
+        """Release the shares of pods deleted or finished while the manager runs (not only at the
+        next start), so metrics, `qgpu status` and the isolation loop stop counting them.
+
+        Only the API's view decides (rules 1-2 of node/reconcile.py): pod-resources lags an
+        Allocate kubelet has not finished, so its rules stay at start-up. Holding the Allocate lock
+        across the listing and the release keeps a pod created meanwhile from being released."""
+        with self._allocate_lock:
+            pods = self.pods.pods_on_node(self.config.node)
+            gone = reconcile.plan(self.store.grants(), self.store.shares(), pods, None).release_pods
+            if gone:
+                self.store.release_pods(gone)
+        for uid, why in gone.items():
+            log.info("release pod %s: %s", uid, why)
+        if gone:
+            self._remove_stale_container_dirs(pods)
+        return gone
 
     def _remove_stale_container_dirs(self, pods: list[dict]) -> None:
         """Quota folders of pods that are gone or finished (also ones written just before a crash)."""

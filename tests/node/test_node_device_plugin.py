@@ -276,3 +276,24 @@ def test_reconciliation_moves_a_multi_device_grant_to_the_owner_kubelet_lists(no
     # The store now says what kubelet really did: 'late' holds card 1, for both resources.
     assert {(g.pod, g.resource) for g in node.store.grants()} == {("late", CORE), ("late", MEM)}
     assert {(s.workload, s.card_index) for s in node.store.shares()} == {("late", 1)}
+
+
+def test_a_pod_deleted_while_the_manager_runs_is_released_without_a_restart(node):
+    """Its shares used to stay until the next start: metrics showed a card over 100 %."""
+    import dataclasses
+
+    from tests.polling import poll
+
+    keep = pod("keep", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 100, 1024)])], bind_time=1)
+    gone = pod("gone", "gpu-node-1", [("main", qgpu(10, 1), [(1, node.uuid(1), 100, 1024)])], bind_time=2)
+    done = pod("done", "gpu-node-1", [("main", qgpu(10, 1), [(1, node.uuid(1), 100, 1024)])], bind_time=3)
+    node.set_pods([keep, gone, done])
+    for p in (keep, gone, done):
+        node.kubelet.admit(p)
+    done["status"]["phase"] = "Succeeded"
+    node.set_pods([keep, done])
+    node.manager.config = dataclasses.replace(node.manager.config, release_interval_s=0.05)
+    poll(lambda: {s.workload for s in node.store.shares()} == {"keep"}, timeout=10,
+         what="the deleted and the finished pod released by the running manager")
+    assert {g.pod for g in node.store.grants()} == {"keep"}
+    assert {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]}

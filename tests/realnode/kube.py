@@ -3,8 +3,9 @@ logs, the node's allocatable, events."""
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
+import pytest
 from kubernetes import client, config
 
 from tests.polling import poll
@@ -27,6 +28,18 @@ def namespace(api: client.CoreV1Api, name: str) -> str:
     poll(lambda: any(sa.metadata.name == "default" for sa in api.list_namespaced_service_account(name).items),
          timeout=30, what=f"the default ServiceAccount of namespace {name}")
     return name
+
+
+def namespace_fixture(name: str) -> Any:
+    """A module fixture: namespace ``name`` for the module's pods, deleted after it."""
+
+    @pytest.fixture(scope="module")
+    def ns(local_cluster: LocalCluster) -> Iterator[str]:
+        api = core(local_cluster)
+        yield namespace(api, name)
+        api.delete_namespace(name)
+
+    return ns
 
 
 def shell_pod(name: str, image: str, script: str, *, limits: Mapping[str, str] | None = None,

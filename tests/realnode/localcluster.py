@@ -51,6 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # run as a script: the tests package lives in the checkout
     sys.path.insert(0, str(ROOT))
 
+from tests.k8s.controlplane import kubeconfig  # noqa: E402
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys  # noqa: E402
 from tests.realnode.images import PAUSE_REF as PAUSE_IMAGE, kube_scheduler_ref  # noqa: E402
 
@@ -91,16 +92,6 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def kubeconfig(server: str, ca: Path, client: KeyPair, user: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "qgpu-local", "cluster": {"server": server, "certificate-authority": str(ca)}}],
-        "users": [{"name": user, "user": {"client-certificate": str(client.cert), "client-key": str(client.key)}}],
-        "contexts": [{"name": "qgpu-local", "context": {"cluster": "qgpu-local", "user": user}}],
-        "current-context": "qgpu-local",
-    }
 
 
 @dataclass

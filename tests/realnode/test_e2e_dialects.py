@@ -6,9 +6,8 @@ and the quota file, which must agree with the allocation record on the pod."""
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any
 
-import pytest
 
 from qgpu_runtime.kube.records import ALLOCATION, parse_record
 from tests.realnode import kube
@@ -19,11 +18,7 @@ PRINT = ("env | grep -E '^(NVIDIA_VISIBLE_DEVICES|QGPU_|T9K_GPU_)' | sort; echo 
          "cat /etc/qgpu/quota.json | tr -d '\\n'; echo; echo '--- end'; sleep 3600")
 
 
-@pytest.fixture(scope="module")
-def ns(local_cluster: LocalCluster) -> Iterator[str]:
-    api = kube.core(local_cluster)
-    yield kube.namespace(api, "dialects")
-    api.delete_namespace("dialects")
+ns = kube.namespace_fixture("dialects")
 
 
 def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, str]) -> tuple[dict[str, str], dict[str, Any], dict]:
@@ -90,25 +85,27 @@ def test_nvidia_gpu_gets_a_whole_card(local_cluster: LocalCluster, ns: str) -> N
     delete(local_cluster, ns, "nvidia")
 
 
-def test_t9k_percent_on_an_sgn_node(local_cluster: LocalCluster, ns: str) -> None:
-    set_alloc_mode(local_cluster, "sgn")
+def run_on_alloc_mode(cluster: LocalCluster, ns: str, mode: str, name: str, limits: dict[str, str]) -> tuple[dict[str, str], dict[str, Any], dict]:
+    """``run_and_read`` with the node labelled as a T9k ``mode`` (xgn/sgn) node while the pod lands."""
+    set_alloc_mode(cluster, mode)
     try:
-        env, quota, pod = run_and_read(local_cluster, ns, "t9k-percent", {"tensorstack.dev/nvidia-gpu-percent": "25"})
+        return run_and_read(cluster, ns, name, limits)
     finally:
-        set_alloc_mode(local_cluster, None)
+        set_alloc_mode(cluster, None)
+
+
+def test_t9k_percent_on_an_sgn_node(local_cluster: LocalCluster, ns: str) -> None:
+    env, quota, pod = run_on_alloc_mode(local_cluster, ns, "sgn", "t9k-percent", {"tensorstack.dev/nvidia-gpu-percent": "25"})
     assert env["T9K_GPU_PERCENT"] == "25"
     assert env["T9K_GPU_MEMORY"] == "8192"  # 25 % of a 32 GiB card
+    assert env["T9K_GPU_MODE"] == "sgn"
     assert_matches_record(env, quota, pod)
     delete(local_cluster, ns, "t9k-percent")
 
 
 def test_t9k_whole_card_on_an_xgn_node(local_cluster: LocalCluster, ns: str) -> None:
-    set_alloc_mode(local_cluster, "xgn")
-    try:
-        env, quota, pod = run_and_read(local_cluster, ns, "t9k-gpu", {"tensorstack.dev/nvidia-gpu": "1"})
-    finally:
-        set_alloc_mode(local_cluster, None)
+    env, quota, pod = run_on_alloc_mode(local_cluster, ns, "xgn", "t9k-gpu", {"tensorstack.dev/nvidia-gpu": "1"})
     assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == ("1000", "32768")
-    assert any(k.startswith("T9K_GPU_") for k in env), env
+    assert (env["T9K_GPU_MODE"], env["T9K_GPU_COUNT"]) == ("xgn", "1")
     assert_matches_record(env, quota, pod)
     delete(local_cluster, ns, "t9k-gpu")

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Iterator
-
-import pytest
 
 from qgpu_runtime.kube.records import ALLOCATION, parse_record
 from qgpu_runtime.node.store import Store
@@ -22,11 +19,7 @@ CORE = "tke.cloud.tencent.com/qgpu-core"
 MEMORY = "tke.cloud.tencent.com/qgpu-memory"
 
 
-@pytest.fixture(scope="module")
-def ns(local_cluster: LocalCluster) -> Iterator[str]:
-    api = kube.core(local_cluster)
-    yield kube.namespace(api, "restarts")
-    api.delete_namespace("restarts")
+ns = kube.namespace_fixture("restarts")
 
 
 def gpu_pod(cluster: LocalCluster, ns: str, name: str, core: str = "40", memory: str = "4") -> dict:
@@ -128,3 +121,13 @@ def test_a_pod_deleted_while_the_manager_is_down_is_released_when_it_is_back(loc
          timeout=90, what="the manager pod running again")
     poll(lambda: not any(uid == doomed["metadata"]["uid"] for uid, _ in store_shares(local_cluster)), timeout=60,
          what="the deleted pod's share released from the node's store")
+
+
+def test_a_pod_deleted_while_the_manager_runs_is_released_from_the_store(local_cluster: LocalCluster, ns: str) -> None:
+    pod = gpu_pod(local_cluster, ns, "short-lived", core="20", memory="2")
+    uid = pod["metadata"]["uid"]
+    assert any(u == uid for u, _ in store_shares(local_cluster))
+    delete(local_cluster, ns, "short-lived")
+    # The manager's watch loop releases shares of deleted pods every release interval (10 s).
+    poll(lambda: not any(u == uid for u, _ in store_shares(local_cluster)), timeout=40,
+         what="the deleted pod's share released by the running manager")

@@ -4,8 +4,6 @@ closed for what it guards); once it runs again GPU pods are admitted."""
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import pytest
 from kubernetes import client
 
@@ -17,11 +15,7 @@ from tests.realnode.test_e2e_dialects import cluster_image
 SELECTOR = "app.kubernetes.io/name=qgpu-webhook"
 
 
-@pytest.fixture(scope="module")
-def ns(local_cluster: LocalCluster) -> Iterator[str]:
-    api = kube.core(local_cluster)
-    yield kube.namespace(api, "outage")
-    api.delete_namespace("outage")
+ns = kube.namespace_fixture("outage")
 
 
 def park_webhook(cluster: LocalCluster, parked: bool) -> None:
