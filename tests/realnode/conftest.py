@@ -41,9 +41,10 @@ def site_yml(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess[
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def local_cluster() -> Iterator[LocalCluster]:
-    """A fresh cluster for the session; with QGPU_REALNODE_CLUSTER=<dir> the tests run against a
+    """A fresh cluster for tests/realnode, torn down right after its last test (its kubelet,
+    containerd and control plane would otherwise load the machine for the rest of the run); with QGPU_REALNODE_CLUSTER=<dir> the tests run against a
     cluster `scripts/local-cluster up` already runs there (kept afterwards; quick iterations)."""
     if os.geteuid() != 0:
         pytest.skip("the real node needs root: containerd, the kubelet, mounts and cgroups")

@@ -5,7 +5,10 @@ admitted), and a GPU pod deleted while the manager is down (released when it is 
 from __future__ import annotations
 
 import os
+import re
 import signal
+
+from kubernetes import client
 
 from qgpu_runtime.kube.records import ALLOCATION, parse_record
 from qgpu_runtime.node.store import Store
@@ -35,6 +38,16 @@ def manager_pod(cluster: LocalCluster) -> dict:
     return api.api_client.sanitize_for_serialization(pod)
 
 
+def registered(api: client.CoreV1Api, manager: str) -> int:
+    """How often the manager has logged a registration with the kubelet (-1 while its log cannot
+    be read: the apiserver reads it from the kubelet, which may be restarting)."""
+    try:
+        text = kube.logs(api, "kube-system", manager, container="manager")
+    except client.ApiException:
+        return -1
+    return len(re.findall(r"registered .+ with kubelet", text))
+
+
 def store_shares(cluster: LocalCluster) -> dict[tuple[str, int], int]:
     """Core milli booked per (pod uid, card) in the node's own store (the manager's SQLite file)."""
     store = Store(cluster.dir / "host" / "qgpu" / "meta.db")
@@ -53,8 +66,14 @@ def card_load(shares: dict[tuple[str, int], int]) -> dict[int, int]:
 
 def test_kubelet_restart_keeps_running_pods_and_the_plugins_register_again(local_cluster: LocalCluster, ns: str) -> None:
     before = gpu_pod(local_cluster, ns, "before")
-    local_cluster.restart_kubelet()
     api = kube.core(local_cluster)
+    manager = manager_pod(local_cluster)["metadata"]["name"]
+    registrations = registered(api, manager)
+    local_cluster.restart_kubelet()
+    # The manager sees the new kubelet socket and registers its plugins again; until then the
+    # kubelet holds their devices unhealthy and would refuse a pod (as for every device plugin).
+    poll(lambda: registered(api, manager) > registrations, timeout=30, interval=0.5,
+         what="the manager's plugins registered with the restarted kubelet")
     # Re-registration shows as a working Allocate for a new pod after the restart.
     after = gpu_pod(local_cluster, ns, "after")
     still = kube.read(api, ns, "before")
