@@ -38,9 +38,9 @@ from tests.realnode.conftest import _bin, _run, site_yml  # noqa: E402
 from tests.realnode.localcluster import LocalCluster  # noqa: E402
 from tests.realnode.test_e2e_dialects import cluster_image  # noqa: E402
 
-# Four simulated 80 GiB cards: 100 pods of 1 % core and 1 GiB fit with room to spare, so the GPU
-# arm measures the path, not a full node.
-CARDS = [{"model": "A100", "memory_mib": 81920, "count": 4}]
+# Eight simulated 80 GiB cards: 100 pods of 1 % core and 1 GiB fit with room to spare (a card
+# holds at most 20 pods), so the GPU arm measures the path, not a full node.
+CARDS = [{"model": "A100", "memory_mib": 81920, "count": 8}]
 GPU_LIMITS = {"tke.cloud.tencent.com/qgpu-core": "1", "tke.cloud.tencent.com/qgpu-memory": "1"}
 
 
