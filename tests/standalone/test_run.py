@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -129,3 +130,66 @@ def test_qgpu_status_reads_the_standalone_database(db):
     assert "best-effort" in table and "T4" in table and "train(30%/5120MiB)" in table
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=20) == 128 + signal.SIGTERM
+
+
+def _reaped_bookings(db) -> list[tuple]:
+    """The bookings a reader sees after reaping the dead ones: (name, card, core milli)."""
+    store = Store(str(db))
+    try:
+        return sorted((j.name, s.index, s.core_milli) for j in store.jobs() for s in j.shares)
+    finally:
+        store.close()
+
+
+def test_a_child_that_outlives_a_killed_qgpu_run_keeps_the_booking(db, tmp_path):
+    """`kill -9` of `qgpu run` takes the job's leader with it, not the leader's children: the
+    booking must stay while they run, or a second job is put on the same share (120 %)."""
+    child_pid = tmp_path / "child.pid"
+    p = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+             "--core", "60", "--memory", "8", "--name", "trainer", "--",
+             "sh", "-c", f'sleep 120 & echo $! > {child_pid}; wait')
+    wait_for(lambda: job_pgids(db).get("trainer"))
+    child = int(wait_for(lambda: child_pid.exists() and child_pid.read_text().strip()))
+    p.kill()
+    p.wait(timeout=10)
+    leader = job_pgids(db)["trainer"]
+    wait_for(lambda: proc_state(leader) in (None, "Z"), what="the job leader killed with its supervisor")
+    assert proc_state(child) not in (None, "Z")
+
+    assert _reaped_bookings(db) == [("trainer", 0, 600)]
+    second = qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--name", "second", "--", "true")
+    assert second.returncode == 75 and "does not fit now" in second.stderr
+    assert _reaped_bookings(db) == [("trainer", 0, 600)]
+
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: proc_state(child) in (None, "Z"), what="the child gone")
+    wait_for(lambda: _reaped_bookings(db) == [], what="the booking reaped once no process of the job is left")
+    assert qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--", "true").returncode == 0
+
+
+def test_a_command_that_leaves_a_child_behind_keeps_its_booking_until_the_child_exits(db, tmp_path):
+    """The same rule when the command itself ends normally but leaves a background process."""
+    child_pid = tmp_path / "child.pid"
+    done = qgpu_done("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                     "--core", "60", "--memory", "8", "--name", "daemonizer", "--",
+                     "sh", "-c", f'sleep 120 > /dev/null 2>&1 & echo $! > {child_pid}')
+    assert done.returncode == 0 and "still run" in done.stderr
+    child = int(child_pid.read_text())
+    try:
+        assert _reaped_bookings(db) == [("daemonizer", 0, 600)]
+        assert qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--", "true").returncode == 75
+    finally:
+        os.kill(child, signal.SIGKILL)
+    wait_for(lambda: _reaped_bookings(db) == [], what="the booking reaped after the child")
+
+
+def test_a_session_whose_leader_pid_was_reused_holds_nothing():
+    """The job's leader is gone and its PID names a newer process: no process is the job's,
+    even if the newer process leads a session of the same number."""
+    from qgpu_runtime.standalone.store import JobRecord, ProcessInfo, job_processes
+
+    job = JobRecord("j-1", "j", "normal", 300, 1024, (), "sleep", 0.0, 1, 1, pgid=4321, pgid_start=777)
+    sessions = {4321: [ProcessInfo(4400, 4321, 800)]}
+    assert job_processes(job, sessions, start_of={}.get) == [ProcessInfo(4400, 4321, 800)]
+    assert job_processes(job, sessions, start_of={4321: 9000}.get) == []
+    assert job_processes(job, {4321: [ProcessInfo(4400, 4321, 700)]}, start_of={}.get) == []
