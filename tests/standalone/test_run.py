@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import time
 
 from qgpu_runtime.standalone.host_status import host_status
@@ -23,14 +24,47 @@ def test_job_gets_its_card_and_quota_in_the_environment_and_its_exit_code_back(d
     assert rows(db, "SELECT count(*) FROM jobs") == [(0,)] and rows(db, "SELECT count(*) FROM shares") == [(0,)]
 
 
-def test_many_concurrent_runs_never_overbook_a_card(db):
+def _audit_every_booking(db) -> None:
+    """Record, inside each booking's own transaction, what the card holds after it: the store
+    itself then proves the claim at every step, however the processes were scheduled."""
+    con = sqlite3.connect(db)
+    try:
+        con.executescript("""
+            CREATE TABLE audit (card INTEGER, core_milli INTEGER, memory_mib INTEGER, bookings INTEGER);
+            CREATE TRIGGER audit_booking AFTER INSERT ON shares BEGIN
+                INSERT INTO audit SELECT NEW.card_index, sum(core_milli), sum(memory_mib), count(*)
+                FROM shares WHERE card_index = NEW.card_index;
+            END;""")
+    finally:
+        con.close()
+
+
+def test_many_concurrent_runs_never_overbook_a_card(db, tmp_path):
+    """12 runs race for the 4 shares of 40 % that 2 cards hold. It decides on the claim, not on
+    timing: the booked jobs hold their cards until the test releases them, so exactly 4 runs can
+    book however slowly the others start (the old version let jobs end after 3 s, and a run that
+    started later under load rightly got a freed share and failed the count); and the store
+    records each card's total after every single booking, each checked against capacity."""
     assert qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true").returncode == 0
-    # 2 cards x 2 shares of 40 % fit; 12 runs race for them
-    runs = [qgpu("run", "--dbfile", str(db), "--core", "40", "--memory", "1", "--", "sleep", "3") for _ in range(12)]
-    codes = [p.wait(timeout=60) for p in runs]
+    _audit_every_booking(db)
+    release = tmp_path / "release"
+    hold = f"while [ ! -e {release} ]; do sleep 0.05; done"
+    runs = [qgpu("run", "--dbfile", str(db), "--core", "40", "--memory", "1", "--", "sh", "-c", hold) for _ in range(12)]
+    over = "SELECT card, core_milli, memory_mib, bookings FROM audit WHERE core_milli > 1000 OR memory_mib > 16384"
+    try:
+        wait_for(lambda: sum(p.poll() is not None for p in runs) >= 8 or rows(db, over), timeout=180,
+                 what="8 runs turned away")
+        assert rows(db, over) == []
+        assert sorted(r for r in rows(db, "SELECT card_index, sum(core_milli), sum(memory_mib) FROM shares GROUP BY card_index")) == [
+            (0, 800, 2048), (1, 800, 2048)]
+    finally:
+        release.touch()
+    codes = [p.wait(timeout=120) for p in runs]
     assert sorted(codes) == [0] * 4 + [75] * 8
-    errors = [p.stderr.read() for p in runs]
-    assert sum("does not fit now" in e for e in errors) == 8
+    assert sum("does not fit now" in p.stderr.read() for p in runs) == 8
+    audit = rows(db, "SELECT card, core_milli, memory_mib, bookings FROM audit")
+    assert len(audit) == 4 and all(core <= 1000 and memory <= 16384 for _, core, memory, _ in audit), audit
+    assert rows(db, "SELECT count(*) FROM shares") == [(0,)]
 
 
 def test_a_job_that_does_not_fit_now_fails_with_the_reason(db):
