@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     leader: dict[str, int] = {}
 
     def started(pid: int) -> None:
-        leader.update(pgid=pid, pgid_start=process_start_ticks(pid) or 0)
+        # not yet waited for, so readable even if the command already ended (a quick `sh -c 'x &'`)
+        leader.update(pgid=pid, pgid_start=process_start_ticks(pid, exited_too=True) or 0)
         with store.transaction():
             store.set_job_process(job.id, pid, leader["pgid_start"])
 

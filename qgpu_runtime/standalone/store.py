@@ -90,8 +90,9 @@ class ProcessInfo:
     start: int  # clock ticks since boot
 
 
-def _stat_fields(pid: int | str, proc: str = "/proc") -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat, or None when the process is gone or a zombie."""
+def _stat_fields(pid: int | str, proc: str = "/proc", exited_too: bool = False) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat, or None when the process is gone or (unless ``exited_too``)
+    a zombie."""
     try:
         with open(f"{proc}/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
@@ -99,17 +100,18 @@ def _stat_fields(pid: int | str, proc: str = "/proc") -> list[str] | None:
         return None
     # the command name (field 2) may contain spaces and parentheses: split after the last ')'
     fields = raw[raw.rindex(")") + 2:].split()
-    if not fields or fields[0] in ("Z", "X"):  # it has exited; only its exit status is left to collect
+    if not fields or (fields[0] in ("Z", "X") and not exited_too):  # exited; only its status is left to collect
         return None
     return fields
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it does not exist.
+def process_start_ticks(pid: int, exited_too: bool = False) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it does not exist
+    (or has exited, unless ``exited_too``: a parent reads its own child's even if it just ended).
 
     Pids are reused; pid + start time names one process for the life of the host.
     """
-    fields = _stat_fields(pid)
+    fields = _stat_fields(pid, exited_too=exited_too)
     return None if fields is None else int(fields[19])
 
 
