@@ -126,9 +126,7 @@ def session_members(proc: str = "/proc") -> dict[int, list[ProcessInfo]]:
         names = os.listdir(proc)
     except OSError:
         return members
-    for name in names:
-        if not name.isdigit():
-            continue
+    for name in sorted((n for n in names if n.isdigit()), key=int):
         fields = _stat_fields(name, proc)
         if fields is None:
             continue
