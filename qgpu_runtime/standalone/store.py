@@ -215,7 +215,8 @@ class Store:
             yield JobRecord(r[0], r[1], r[2], r[3], r[4], shares, r[6], r[7], r[8], r[9], r[10], r[11], bool(r[12]))
 
     def _live_jobs(self) -> list[JobRecord]:
-        return [j for j in self._rows() if self._job_alive(j, _LazySessions())]
+        sessions = _LazySessions()
+        return [j for j in self._rows() if self._job_alive(j, sessions)]
 
     @staticmethod
     def _job_alive(job: JobRecord, sessions: "_LazySessions") -> bool:
