@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
-import time
 
 from qgpu_runtime.standalone.host_status import host_status
 from qgpu_runtime.standalone.store import Store
@@ -115,14 +114,21 @@ def test_nvml_failure_is_a_clear_error_never_a_simulated_fallback(db, no_nvidia_
     assert rows(db, "SELECT count(*) FROM cards") == [(0,)]
 
 
-def test_wait_starts_the_job_once_room_is_released(db):
+def test_wait_starts_the_job_once_room_is_released(db, tmp_path):
+    """Ordered by events, not by a sleep: the first job holds the card until the second says it
+    waits (a first job that ended on a timer could end before a slow second run even started)."""
+    release = tmp_path / "release"
     first = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
-                 "--core", "80", "--memory", "8", "--", "sleep", "1.5")
+                 "--core", "80", "--memory", "8", "--", "sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done")
     wait_for(lambda: job_pgids(db))
-    t0 = time.monotonic()
-    second = qgpu_done("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--", "true")
-    assert second.returncode == 0 and "waiting for room" in second.stderr
-    assert first.wait(timeout=30) == 0 and time.monotonic() - t0 > 0.5
+    second = qgpu("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--", "true")
+    try:
+        assert "waiting for room" in second.stderr.readline()
+        assert second.poll() is None and rows(db, "SELECT count(*) FROM jobs") == [(1,)]
+    finally:
+        release.touch()
+    assert first.wait(timeout=60) == 0
+    assert second.wait(timeout=60) == 0 and "on card 0" in second.stderr.read()
 
 
 def test_wait_timeout_gives_up_with_the_reason(db):
