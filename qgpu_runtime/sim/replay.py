@@ -21,8 +21,8 @@ import numpy as np
 
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
 from qgpu_runtime.placement.engine import Unschedulable, place
-from qgpu_runtime.placement.policies import FragPolicy, WorkloadShapes, make_policy
-from qgpu_runtime.placement.state import ClusterState, NodeSpec
+from qgpu_runtime.placement.policies import FragPolicy, Policy, WorkloadShapes, make_policy
+from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement
 from qgpu_runtime.sim.trace import TracePod
 
 MAX_ARRIVED_PCT = 130
@@ -35,6 +35,18 @@ class ReplayOptions:
     gpu_memory_mib: int = 0  # GPU memory each sharing pod asks for; 0 leaves GPU memory out
     pod_limit: bool = False  # enforce the qGPU per-card pod-count limit
     extend_to_pct: int = MAX_ARRIVED_PCT
+
+
+@dataclass(frozen=True)
+class ReplayEvent:
+    """One step of a time-ordered replay, as an observer sees it after the state changed:
+    ``arrive`` (placed), ``fail`` (fitted nowhere, ``placement`` None) or ``leave`` (released)."""
+
+    time: int
+    kind: str
+    key: str
+    placement: Placement | None
+    state: ClusterState
 
 
 @dataclass
@@ -101,10 +113,13 @@ def replay_arrivals(
     options: ReplayOptions = ReplayOptions(),
     limits: CardLimits = DEFAULT_LIMITS,
     progress: Callable[[int], None] | None = None,
+    policy_factory: Callable[[], Policy] | None = None,
 ) -> SeedResult:
+    """``policy_factory`` replaces the named policy's constructor (a variant under test);
+    ``policy_name`` still labels the result."""
     state = ClusterState(nodes, limits, enforce_pod_limit=options.pod_limit)
     capacity = state.gpu_capacity_milli()
-    policy = make_policy(policy_name)
+    policy = policy_factory() if policy_factory is not None else make_policy(policy_name)
     order = arrival_order(pods, seed, capacity, options.extend_to_pct)
     bins = options.extend_to_pct + 1
     sums = np.zeros(bins)
@@ -163,9 +178,11 @@ def replay_times(
     options: ReplayOptions = ReplayOptions(),
     limits: CardLimits = DEFAULT_LIMITS,
     progress: Callable[[int], None] | None = None,
+    observer: Callable[[ReplayEvent], None] | None = None,
 ) -> TimedResult:
     """Pods arrive at ``creation_time`` and leave at ``deletion_time``; a pod that does not fit on
-    arrival fails (no queueing). The allocation ratio is averaged over time between events."""
+    arrival fails (no queueing). The allocation ratio is averaged over time between events.
+    ``observer`` sees every event after the state changed (invariant checks)."""
     missing = [p.name for p in pods if p.creation_time is None]
     if missing:
         raise ValueError(f"--replay-times needs creation_time for every pod; missing for {missing[0]} and {len(missing) - 1} more")
@@ -192,6 +209,8 @@ def replay_times(
             released = state.release(key)
             if released is not None:
                 allocated -= released.gpu_milli
+            if observer is not None:
+                observer(ReplayEvent(t, "leave", key, released, state))
         else:
             granted = _submit(state, policy, pod, key, options)
             if granted is None:
@@ -201,6 +220,8 @@ def replay_times(
                 allocated += granted
                 if pod.deletion_time is not None and pod.deletion_time >= t:
                     heapq.heappush(events, (pod.deletion_time, 0, seq, name))
+            if observer is not None:
+                observer(ReplayEvent(t, "fail" if granted is None else "arrive", key, state.bookings.get(key), state))
             if progress is not None:
                 progress(1)
         pct = 100.0 * allocated / capacity

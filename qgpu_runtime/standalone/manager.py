@@ -124,7 +124,8 @@ class StandaloneManager:
 
     def _owner(self, pid: int) -> str | None:
         try:
-            return self._by_pgid.get(os.getpgid(pid))
+            # the job's session, not its group: a child that made a group of its own is still the job's
+            return self._by_pgid.get(os.getsid(pid))
         except (ProcessLookupError, PermissionError):
             return None
 

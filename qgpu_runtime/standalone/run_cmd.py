@@ -12,6 +12,7 @@ card of the host could ever hold it (``--wait`` does not wait for that).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -22,7 +23,7 @@ from qgpu_runtime.model import AppClass
 from qgpu_runtime.placement import Unschedulable
 from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, NeverFits, new_job_id, try_book
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
-from qgpu_runtime.standalone.store import Store, StoreError, process_start_ticks
+from qgpu_runtime.standalone.store import JobRecord, Store, StoreError, job_processes, process_start_ticks, session_members
 from qgpu_runtime.standalone.supervisor import job_environment, supervise
 
 # the same file `qgpu manager serve` uses by default, so a plain `--standalone` host needs no flags
@@ -83,6 +84,14 @@ def _mps_settings(store: Store) -> dict[str, str] | None:
     return {"pipe_dir": pipe, "log_dir": store.get_meta("mps_log_dir") or pipe, "pinned": store.get_meta("mps_pinned") or "0"}
 
 
+def _left_behind(job: JobRecord, leader: dict[str, int]) -> list[int]:
+    """PIDs of the job's processes still alive after its command (the session leader) ended."""
+    if not leader:
+        return []
+    running = dataclasses.replace(job, pgid=leader["pgid"], pgid_start=leader["pgid_start"])
+    return [p.pid for p in job_processes(running, session_members())]
+
+
 def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
@@ -124,12 +133,23 @@ def run(args: argparse.Namespace) -> int:
     print(f"qgpu run: job {job.id} on {cards}, policy {config.policy.value}", file=sys.stderr)
     env = job_environment(os.environ, job, config.policy, _mps_settings(store))
 
+    leader: dict[str, int] = {}
+
     def started(pid: int) -> None:
+        # not yet waited for, so readable even if the command already ended (a quick `sh -c 'x &'`)
+        leader.update(pgid=pid, pgid_start=process_start_ticks(pid, exited_too=True) or 0)
         with store.transaction():
-            store.set_job_process(job.id, pid, process_start_ticks(pid) or 0)
+            store.set_job_process(job.id, pid, leader["pgid_start"])
 
     def release() -> None:
-        store.delete_job(job.id)
+        left = _left_behind(job, leader)
+        if left:
+            # the booking stays with them: the next reader reaps it once the last one exits
+            pids = " ".join(str(p) for p in sorted(left)[:5]) + (" …" if len(left) > 5 else "")
+            print(f"qgpu run: job {job.id}: its command ended but {len(left)} of its processes still run "
+                  f"(pid {pids}); the booking stays until they exit", file=sys.stderr)
+        else:
+            store.delete_job(job.id)
         for event in store.events(job.id):
             print(f"qgpu run: job {job.id}: {event.reason}: {event.message}", file=sys.stderr)
 

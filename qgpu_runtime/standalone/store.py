@@ -4,9 +4,11 @@ Many `qgpu run` processes and one manager share the file. Every booking is one
 ``BEGIN IMMEDIATE`` transaction (read jobs, place, insert), so two runs can never both take the
 last free share; WAL mode lets readers (`qgpu status`, the manager) proceed meanwhile.
 
-A job's booking outlives nothing: it is released by its supervisor on exit, and a supervisor that
-was killed outright is detected by the next reader (its pid is gone or belongs to a newer process,
-told apart by the kernel's start time) and reaped then.
+A booking lives exactly as long as its job: while its supervisor (`qgpu run`) lives, or its job
+leader, or any other process of the job's session (the job runs in a session of its own, whose ID
+is the leader's PID). A job whose processes are all gone is reaped by the next reader. PIDs are
+reused, so a process is named by PID **and** the kernel's start time; a session ID cannot be reused
+while any process still belongs to that session (the kernel keeps the number reserved).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import os
 import sqlite3
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 from qgpu_runtime.isolation.watchdog import IsolationEvent
 
@@ -80,25 +82,73 @@ class JobRecord:
     exclusive: bool = False
 
 
-def process_start_ticks(pid: int) -> int | None:
-    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it does not exist.
+@dataclass(frozen=True)
+class ProcessInfo:
+    """One live process as /proc/PID/stat shows it."""
+    pid: int
+    session: int
+    start: int  # clock ticks since boot
 
-    Pids are reused; pid + start time names one process for the life of the host.
-    """
+
+def _stat_fields(pid: int | str, proc: str = "/proc", exited_too: bool = False) -> list[str] | None:
+    """Fields 3.. of /proc/PID/stat, or None when the process is gone or (unless ``exited_too``)
+    a zombie."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
+        with open(f"{proc}/{pid}/stat", "rb") as f:
             raw = f.read().decode(errors="replace")
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
+    except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
     # the command name (field 2) may contain spaces and parentheses: split after the last ')'
     fields = raw[raw.rindex(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie has exited; only its exit status is left to collect
+    if not fields or (fields[0] in ("Z", "X") and not exited_too):  # exited; only its status is left to collect
         return None
-    return int(fields[19])
+    return fields
+
+
+def process_start_ticks(pid: int, exited_too: bool = False) -> int | None:
+    """The kernel's start time of ``pid`` (clock ticks since boot), or None when it does not exist
+    (or has exited, unless ``exited_too``: a parent reads its own child's even if it just ended).
+
+    Pids are reused; pid + start time names one process for the life of the host.
+    """
+    fields = _stat_fields(pid, exited_too=exited_too)
+    return None if fields is None else int(fields[19])
 
 
 def alive(pid: int | None, start: int | None) -> bool:
     return pid is not None and start is not None and process_start_ticks(pid) == start
+
+
+def session_members(proc: str = "/proc") -> dict[int, list[ProcessInfo]]:
+    """Every live process of the host, by session ID: one pass over ``proc``."""
+    members: dict[int, list[ProcessInfo]] = {}
+    try:
+        names = os.listdir(proc)
+    except OSError:
+        return members
+    for name in sorted((n for n in names if n.isdigit()), key=int):
+        fields = _stat_fields(name, proc)
+        if fields is None:
+            continue
+        info = ProcessInfo(int(name), int(fields[3]), int(fields[19]))
+        members.setdefault(info.session, []).append(info)
+    return members
+
+
+def job_processes(job: "JobRecord", sessions: Mapping[int, list[ProcessInfo]],
+                  start_of: Callable[[int], int | None] = process_start_ticks) -> list[ProcessInfo]:
+    """The live processes of ``job``'s session, its leader included; empty when the job is over.
+
+    If the leader's PID now names a process with another start time, the session ended before
+    (the kernel reuses a PID only once no process uses it as a session ID) and nothing is the
+    job's. A process in the session that started before the leader cannot be the job's either.
+    """
+    if not job.pgid or job.pgid_start is None:
+        return []
+    now = start_of(job.pgid)
+    if now is not None and now != job.pgid_start:
+        return []
+    return [p for p in sessions.get(job.pgid, ()) if p.start >= job.pgid_start]
 
 
 class Store:
@@ -165,11 +215,21 @@ class Store:
             yield JobRecord(r[0], r[1], r[2], r[3], r[4], shares, r[6], r[7], r[8], r[9], r[10], r[11], bool(r[12]))
 
     def _live_jobs(self) -> list[JobRecord]:
-        return [j for j in self._rows() if alive(j.supervisor_pid, j.supervisor_start) or alive(j.pgid, j.pgid_start)]
+        sessions = _LazySessions()
+        return [j for j in self._rows() if self._job_alive(j, sessions)]
+
+    @staticmethod
+    def _job_alive(job: JobRecord, sessions: "_LazySessions") -> bool:
+        if alive(job.supervisor_pid, job.supervisor_start) or alive(job.pgid, job.pgid_start):
+            return True
+        # supervisor and leader gone (`kill -9` of `qgpu run` takes the leader with it): the job
+        # lives on in any child left in its session
+        return bool(job.pgid) and bool(job_processes(job, sessions.get()))
 
     def reap(self) -> list[JobRecord]:
         """Delete bookings whose supervisor and processes are all gone; returns them. Call inside a transaction."""
-        dead = [j for j in self._rows() if not (alive(j.supervisor_pid, j.supervisor_start) or alive(j.pgid, j.pgid_start))]
+        sessions = _LazySessions()
+        dead = [j for j in self._rows() if not self._job_alive(j, sessions)]
         for j in dead:
             self.delete_job(j.id)
         return dead
@@ -214,6 +274,18 @@ class Store:
         sql = "SELECT time, job, card, reason, message FROM events"
         rows = self._db.execute(sql + " WHERE job=? ORDER BY id", (job,)) if job else self._db.execute(sql + " ORDER BY id")
         return [IsolationEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+
+class _LazySessions:
+    """The host's sessions, read from /proc at most once and only when a job needs them."""
+
+    def __init__(self) -> None:
+        self._members: dict[int, list[ProcessInfo]] | None = None
+
+    def get(self) -> dict[int, list[ProcessInfo]]:
+        if self._members is None:
+            self._members = session_members()
+        return self._members
 
 
 class _Tx:

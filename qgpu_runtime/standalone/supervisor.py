@@ -3,9 +3,10 @@
 The job runs in its own session (its own process group), so the isolation manager can suspend the
 whole job with one signal and terminal signals reach it only through us. The supervisor forwards
 SIGINT/SIGTERM/SIGHUP/SIGQUIT to the job's group (a second Ctrl-C kills it), waits, and releases
-the booking in a ``finally``. If the supervisor itself is killed outright, the kernel kills the
-job's leader (PR_SET_PDEATHSIG), and the next reader of the database reaps the booking because
-neither process is alive any more.
+the booking in a ``finally`` unless processes of the job's session outlived its command. If the
+supervisor itself is killed outright, the kernel kills the job's leader (PR_SET_PDEATHSIG); the
+leader's own children may live on, and the booking stays while any process of the session lives
+(:func:`store.job_processes`); the next reader of the database reaps it after the last one.
 """
 
 from __future__ import annotations

@@ -94,3 +94,23 @@ def test_booking_respects_live_jobs_and_reaps_dead_ones(tmp_path):
     assert [j.id for j in store.jobs()] == ["a-1"]
     try_book(store, config, JobSpec("d", 40, 4), "d-1", "x", me, start, 4.0)
     assert sorted(j.id for j in store.jobs()) == ["a-1", "d-1"]
+
+
+def _stat(pid: int, comm: str, state: str, session: int, start: int) -> str:
+    # pid (comm) state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+    # cutime cstime priority nice threads itrealvalue starttime ...
+    fields = [state, "1", str(session), str(session)] + ["0"] * 15 + [str(start), "0", "0"]
+    return f"{pid} ({comm}) " + " ".join(fields) + "\n"
+
+
+def test_sessions_are_read_from_proc_skipping_exited_and_odd_entries(tmp_path):
+    from qgpu_runtime.standalone.store import ProcessInfo, session_members
+
+    for pid, comm, state, session, start in [(10, "sh", "S", 10, 500), (11, "a) (b", "R", 10, 510),
+                                             (12, "gone", "Z", 10, 520), (20, "other", "S", 20, 100)]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_text(_stat(pid, comm, state, session, start))
+    (tmp_path / "self").mkdir()
+    (tmp_path / "30").mkdir()  # vanished between listing and reading
+    assert session_members(str(tmp_path)) == {
+        10: [ProcessInfo(10, 10, 500), ProcessInfo(11, 10, 510)], 20: [ProcessInfo(20, 20, 100)]}

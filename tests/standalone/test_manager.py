@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -123,3 +124,24 @@ def test_a_real_process_is_recognised_by_its_start_time():
     finally:
         p.kill()
         p.wait()
+
+
+def test_children_left_by_a_killed_qgpu_run_stay_under_the_policy(db, manager, tmp_path):
+    """After `kill -9` of `qgpu run` its job's surviving child keeps the booking, so the manager
+    keeps enforcing the share on it; stopping the manager resumes it."""
+    mgr = manager("fixed-share")
+    child_pid = tmp_path / "child.pid"
+    job = qgpu("run", "--dbfile", str(db), "--core", "30", "--memory", "2", "--name", "orphan", "--",
+               "sh", "-c", f"sleep 60 & echo $! > {child_pid}; wait")
+    wait_for(lambda: job_pgids(db).get("orphan"))
+    child = int(wait_for(lambda: child_pid.exists() and child_pid.read_text().strip()))
+    job.kill()
+    job.wait(timeout=10)
+    try:
+        time.sleep(1.5)  # past the manager's once-a-second reaping
+        assert rows(db, "SELECT name FROM jobs") == [("orphan",)]
+        assert 0.5 < _stopped_fraction(child) < 0.9  # still duty-cycled to about its 30 %
+        assert stop(mgr) == 0
+        assert _stopped_fraction(child, 0.5) == 0.0
+    finally:
+        os.kill(child, signal.SIGKILL)

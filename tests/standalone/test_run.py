@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import signal
-import time
+import sqlite3
 
 from qgpu_runtime.standalone.host_status import host_status
 from qgpu_runtime.standalone.store import Store
@@ -22,14 +23,47 @@ def test_job_gets_its_card_and_quota_in_the_environment_and_its_exit_code_back(d
     assert rows(db, "SELECT count(*) FROM jobs") == [(0,)] and rows(db, "SELECT count(*) FROM shares") == [(0,)]
 
 
-def test_many_concurrent_runs_never_overbook_a_card(db):
+def _audit_every_booking(db) -> None:
+    """Record, inside each booking's own transaction, what the card holds after it: the store
+    itself then proves the claim at every step, however the processes were scheduled."""
+    con = sqlite3.connect(db)
+    try:
+        con.executescript("""
+            CREATE TABLE audit (card INTEGER, core_milli INTEGER, memory_mib INTEGER, bookings INTEGER);
+            CREATE TRIGGER audit_booking AFTER INSERT ON shares BEGIN
+                INSERT INTO audit SELECT NEW.card_index, sum(core_milli), sum(memory_mib), count(*)
+                FROM shares WHERE card_index = NEW.card_index;
+            END;""")
+    finally:
+        con.close()
+
+
+def test_many_concurrent_runs_never_overbook_a_card(db, tmp_path):
+    """12 runs race for the 4 shares of 40 % that 2 cards hold. It decides on the claim, not on
+    timing: the booked jobs hold their cards until the test releases them, so exactly 4 runs can
+    book however slowly the others start (the old version let jobs end after 3 s, and a run that
+    started later under load rightly got a freed share and failed the count); and the store
+    records each card's total after every single booking, each checked against capacity."""
     assert qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true").returncode == 0
-    # 2 cards x 2 shares of 40 % fit; 12 runs race for them
-    runs = [qgpu("run", "--dbfile", str(db), "--core", "40", "--memory", "1", "--", "sleep", "3") for _ in range(12)]
-    codes = [p.wait(timeout=60) for p in runs]
+    _audit_every_booking(db)
+    release = tmp_path / "release"
+    hold = f"while [ ! -e {release} ]; do sleep 0.05; done"
+    runs = [qgpu("run", "--dbfile", str(db), "--core", "40", "--memory", "1", "--", "sh", "-c", hold) for _ in range(12)]
+    over = "SELECT card, core_milli, memory_mib, bookings FROM audit WHERE core_milli > 1000 OR memory_mib > 16384"
+    try:
+        wait_for(lambda: sum(p.poll() is not None for p in runs) >= 8 or rows(db, over), timeout=180,
+                 what="8 runs turned away")
+        assert rows(db, over) == []
+        assert sorted(r for r in rows(db, "SELECT card_index, sum(core_milli), sum(memory_mib) FROM shares GROUP BY card_index")) == [
+            (0, 800, 2048), (1, 800, 2048)]
+    finally:
+        release.touch()
+    codes = [p.wait(timeout=120) for p in runs]
     assert sorted(codes) == [0] * 4 + [75] * 8
-    errors = [p.stderr.read() for p in runs]
-    assert sum("does not fit now" in e for e in errors) == 8
+    assert sum("does not fit now" in p.stderr.read() for p in runs) == 8
+    audit = rows(db, "SELECT card, core_milli, memory_mib, bookings FROM audit")
+    assert len(audit) == 4 and all(core <= 1000 and memory <= 16384 for _, core, memory, _ in audit), audit
+    assert rows(db, "SELECT count(*) FROM shares") == [(0,)]
 
 
 def test_a_job_that_does_not_fit_now_fails_with_the_reason(db):
@@ -80,14 +114,21 @@ def test_nvml_failure_is_a_clear_error_never_a_simulated_fallback(db, no_nvidia_
     assert rows(db, "SELECT count(*) FROM cards") == [(0,)]
 
 
-def test_wait_starts_the_job_once_room_is_released(db):
+def test_wait_starts_the_job_once_room_is_released(db, tmp_path):
+    """Ordered by events, not by a sleep: the first job holds the card until the second says it
+    waits (a first job that ended on a timer could end before a slow second run even started)."""
+    release = tmp_path / "release"
     first = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
-                 "--core", "80", "--memory", "8", "--", "sleep", "1.5")
+                 "--core", "80", "--memory", "8", "--", "sh", "-c", f"while [ ! -e {release} ]; do sleep 0.05; done")
     wait_for(lambda: job_pgids(db))
-    t0 = time.monotonic()
-    second = qgpu_done("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--", "true")
-    assert second.returncode == 0 and "waiting for room" in second.stderr
-    assert first.wait(timeout=30) == 0 and time.monotonic() - t0 > 0.5
+    second = qgpu("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--", "true")
+    try:
+        assert "waiting for room" in second.stderr.readline()
+        assert second.poll() is None and rows(db, "SELECT count(*) FROM jobs") == [(1,)]
+    finally:
+        release.touch()
+    assert first.wait(timeout=60) == 0
+    assert second.wait(timeout=60) == 0 and "on card 0" in second.stderr.read()
 
 
 def test_wait_timeout_gives_up_with_the_reason(db):
@@ -129,3 +170,66 @@ def test_qgpu_status_reads_the_standalone_database(db):
     assert "best-effort" in table and "T4" in table and "train(30%/5120MiB)" in table
     p.send_signal(signal.SIGTERM)
     assert p.wait(timeout=20) == 128 + signal.SIGTERM
+
+
+def _reaped_bookings(db) -> list[tuple]:
+    """The bookings a reader sees after reaping the dead ones: (name, card, core milli)."""
+    store = Store(str(db))
+    try:
+        return sorted((j.name, s.index, s.core_milli) for j in store.jobs() for s in j.shares)
+    finally:
+        store.close()
+
+
+def test_a_child_that_outlives_a_killed_qgpu_run_keeps_the_booking(db, tmp_path):
+    """`kill -9` of `qgpu run` takes the job's leader with it, not the leader's children: the
+    booking must stay while they run, or a second job is put on the same share (120 %)."""
+    child_pid = tmp_path / "child.pid"
+    p = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+             "--core", "60", "--memory", "8", "--name", "trainer", "--",
+             "sh", "-c", f'sleep 120 & echo $! > {child_pid}; wait')
+    wait_for(lambda: job_pgids(db).get("trainer"))
+    child = int(wait_for(lambda: child_pid.exists() and child_pid.read_text().strip()))
+    p.kill()
+    p.wait(timeout=10)
+    leader = job_pgids(db)["trainer"]
+    wait_for(lambda: proc_state(leader) in (None, "Z"), what="the job leader killed with its supervisor")
+    assert proc_state(child) not in (None, "Z")
+
+    assert _reaped_bookings(db) == [("trainer", 0, 600)]
+    second = qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--name", "second", "--", "true")
+    assert second.returncode == 75 and "does not fit now" in second.stderr
+    assert _reaped_bookings(db) == [("trainer", 0, 600)]
+
+    os.kill(child, signal.SIGKILL)
+    wait_for(lambda: proc_state(child) in (None, "Z"), what="the child gone")
+    wait_for(lambda: _reaped_bookings(db) == [], what="the booking reaped once no process of the job is left")
+    assert qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--", "true").returncode == 0
+
+
+def test_a_command_that_leaves_a_child_behind_keeps_its_booking_until_the_child_exits(db, tmp_path):
+    """The same rule when the command itself ends normally but leaves a background process."""
+    child_pid = tmp_path / "child.pid"
+    done = qgpu_done("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
+                     "--core", "60", "--memory", "8", "--name", "daemonizer", "--",
+                     "sh", "-c", f'sleep 120 > /dev/null 2>&1 & echo $! > {child_pid}')
+    assert done.returncode == 0 and "still run" in done.stderr
+    child = int(child_pid.read_text())
+    try:
+        assert _reaped_bookings(db) == [("daemonizer", 0, 600)]
+        assert qgpu_done("run", "--dbfile", str(db), "--core", "60", "--memory", "8", "--", "true").returncode == 75
+    finally:
+        os.kill(child, signal.SIGKILL)
+    wait_for(lambda: _reaped_bookings(db) == [], what="the booking reaped after the child")
+
+
+def test_a_session_whose_leader_pid_was_reused_holds_nothing():
+    """The job's leader is gone and its PID names a newer process: no process is the job's,
+    even if the newer process leads a session of the same number."""
+    from qgpu_runtime.standalone.store import JobRecord, ProcessInfo, job_processes
+
+    job = JobRecord("j-1", "j", "normal", 300, 1024, (), "sleep", 0.0, 1, 1, pgid=4321, pgid_start=777)
+    sessions = {4321: [ProcessInfo(4400, 4321, 800)]}
+    assert job_processes(job, sessions, start_of={}.get) == [ProcessInfo(4400, 4321, 800)]
+    assert job_processes(job, sessions, start_of={4321: 9000}.get) == []
+    assert job_processes(job, {4321: [ProcessInfo(4400, 4321, 700)]}, start_of={}.get) == []

@@ -1,0 +1,60 @@
+"""Regression guard on the headline packing figure of docs/benchmarks.md: `frag` on the bundled
+openb trace. A change that makes `frag` pack worse fails here, not only in a benchmark run."""
+
+from __future__ import annotations
+
+import pytest
+
+from qgpu_runtime.placement.policies import FragPolicy
+from qgpu_runtime.sim.replay import ReplayOptions, replay_arrivals
+from qgpu_runtime.sim.trace import load_nodes, load_pods
+from tests.tracedata import openb_trace_dir
+
+TRACE = openb_trace_dir()
+pytestmark = pytest.mark.skipif(TRACE is None, reason="the openb trace is not beside the checkout (set QGPU_TRACE_DIR)")
+
+# The cut: seed 42 of the documented 10-seed run, replayed only until the arrived demand passes
+# 101 % of capacity instead of 130 %. One seed's replay is deterministic, and the shorter run is
+# a prefix of the full one (same shuffle, same stream of extension draws, a policy that learns
+# only from pods already arrived), so its 100 % bin holds exactly the pods of the full run's.
+# That bin is the documented figure itself, not an estimate of it: 4.15 for seed 42.
+CUT_SEED = 42
+CUT = ReplayOptions(extend_to_pct=101)
+
+# Derived from the full figure (docs/benchmarks.md, seeds 42-51): median 4.19 % unallocated at
+# arrived 100 %, per seed 4.15, 4.17, 4.24, 4.26, 4.20, 4.21, 4.18, 4.18, 4.17, 4.22; target for
+# the median <= 4.3 %. The guard allows seed 42 to reach the worst seed of that run, 4.26: a
+# change may trade one seed against another within the spread the documented figure already
+# has (0.11 points, about 2.6 % of the waste), but once seed 42 packs worse than every seed of
+# the documented run did, the figure regressed. 4.26 also keeps the check under the 4.3 target.
+FRAG_UNALLOCATED_PCT_LIMIT = 4.26
+
+
+@pytest.fixture(scope="module")
+def openb():
+    assert TRACE is not None
+    return load_nodes(TRACE / "openb_node_list_gpu_node.csv"), load_pods(TRACE / "openb_pod_list_default.csv")
+
+
+def _unallocated_at_100(openb, policy: str, factory=None) -> float:
+    nodes, pods = openb
+    return replay_arrivals(nodes, pods, policy, CUT_SEED, CUT, policy_factory=factory).unallocated_at(100)
+
+
+def test_frag_packs_the_trace_as_well_as_the_documented_figure(openb):
+    """Threshold derivation: see FRAG_UNALLOCATED_PCT_LIMIT above (worst seed of the 10-seed run)."""
+    unallocated = _unallocated_at_100(openb, "frag")
+    assert unallocated <= FRAG_UNALLOCATED_PCT_LIMIT, (
+        f"frag leaves {unallocated:.2f} % of the GPUs unallocated at arrived 100 % on seed {CUT_SEED}: "
+        f"worse than every seed of the documented run (limit {FRAG_UNALLOCATED_PCT_LIMIT} %)")
+
+
+@pytest.mark.parametrize("variant,factory", [
+    ("bestfit", None),  # the study's baseline: 6.95 % over 10 seeds
+    # one idea of frag undone: no charge for the GPU a choice strands behind the node's CPU (5.40)
+    ("frag without the stranding term", lambda: FragPolicy(cpu_balance=0.0)),
+])
+def test_the_guard_fails_a_policy_that_packs_worse(openb, variant, factory):
+    """The guard can fail: the same cut under a worse policy lands above the limit."""
+    unallocated = _unallocated_at_100(openb, "bestfit" if factory is None else "frag", factory)
+    assert unallocated > FRAG_UNALLOCATED_PCT_LIMIT, f"{variant}: {unallocated:.2f} %"
