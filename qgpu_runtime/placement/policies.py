@@ -208,6 +208,7 @@ class _FragTables:
     mem: np.ndarray
     p: np.ndarray  # [M] pod counts: whole numbers, so equal states score exactly equal
     allowed: np.ndarray  # [G, M] shape m may run on nodes of model group g
+    weight: np.ndarray  # [M] p, times each shape's pressure on the cards it may use (see build)
     scale: float  # 1 / total count, turning count-weighted sums into expectations
     # The shapes' weights per need summed over every shape whose CPU is at most a threshold: a
     # node's weights are then one row lookup by its free CPU instead of a [nodes x shapes] product.
@@ -220,7 +221,14 @@ class _FragTables:
 
     @classmethod
     def build(cls, cards: np.ndarray, core: np.ndarray, cpu: np.ndarray, mem: np.ndarray, p: np.ndarray,
-              models: tuple = (), groups: tuple[frozenset[str] | None, ...] = (None,)) -> "_FragTables":
+              models: tuple = (), groups: tuple[frozenset[str] | None, ...] = (None,),
+              group_cards: np.ndarray | None = None) -> "_FragTables":
+        """``group_cards`` (cards per model group) turns on the pressure weighting: a shape that may
+        use only a part of the cluster's cards counts for total cards / cards it may use times its
+        pods. Its demand falls on those cards alone, so a free card it may use is worth that much
+        more to it, and taking such a card for a pod that could go anywhere costs that much more.
+        With no model requirements every pressure is 1 and the measure is the plain expected
+        fragment."""
         share = (cards >= 1) & (core < CORE_MILLI_PER_CARD)
         whole = (cards >= 1) & (core >= CORE_MILLI_PER_CARD)
         needs = np.array(sorted(set(core[share].tolist())) + [CORE_MILLI_PER_CARD], dtype=np.int64)
@@ -243,9 +251,17 @@ class _FragTables:
             for m, accepted in enumerate(models):
                 if accepted is not None and not (accepted & carried):
                     allowed[g, m] = 0.0
+        weight = p.astype(float)
+        if group_cards is not None and len(p):
+            usable = allowed.T @ group_cards  # [M] cards each shape may use
+            pressure = np.where(usable > 0, group_cards.sum() / np.maximum(usable, 1), 0.0)
+            weight = weight * pressure
+            at_step = np.zeros((len(steps) + 1, len(p)))
+            at_step[rank + 1, np.arange(len(p))] = weight
+            below_or_at = np.cumsum(at_step, axis=0)
         per_group = below_or_at[None, :, :] * allowed[:, None, :]  # [G, D + 1, M]
         return cls(needs, len(needs) - 1, below, fits, share_onehot, whole_onehot, whole_cards,
-                   cpu_only, cpu, mem, p, allowed, 1.0 / max(float(p.sum()), 1.0), steps, per_group @ share_onehot,
+                   cpu_only, cpu, mem, p, allowed, weight, 1.0 / max(float(p.sum()), 1.0), steps, per_group @ share_onehot,
                    per_group @ whole_onehot, per_group @ cpu_only)
 
     def after_deltas(self, g: int) -> tuple[np.ndarray, np.ndarray]:
@@ -281,10 +297,12 @@ class FragPolicy:
 
     name = "frag"
 
-    def __init__(self, shapes: WorkloadShapes | None = None, tie_weight: float = 0.05, cpu_balance: float = 1.0):
+    def __init__(self, shapes: WorkloadShapes | None = None, tie_weight: float = 0.05, cpu_balance: float = 1.0,
+                 model_pressure: bool = True):
         self.shapes = shapes or WorkloadShapes(**PLANNING_SHAPES)
         self.tie_weight = tie_weight
         self.cpu_balance = cpu_balance
+        self.model_pressure = model_pressure
         self._cache: tuple[tuple, tuple, _FragTables] | None = None
 
     def observe(self, req: PodRequest) -> None:
@@ -306,7 +324,8 @@ class FragPolicy:
         arrays = self.shapes.arrays()
         groups = tuple(state.model_groups) if state is not None else (None,)
         if self._cache is None or self._cache[0] is not arrays or self._cache[1] != groups:
-            self._cache = (arrays, groups, _FragTables.build(*arrays, groups=groups))
+            cards = state.group_cards() if state is not None and self.model_pressure else None
+            self._cache = (arrays, groups, _FragTables.build(*arrays, groups=groups, group_cards=cards))
         return self._cache[2]
 
     @staticmethod
@@ -319,7 +338,7 @@ class FragPolicy:
         """Per node, the weight of the shapes it has CPU, memory and a GPU model for: by need, by
         whole-card count, and of CPU-only shapes."""
         if t.mem.any():
-            ok = ((cpu[:, None] >= t.cpu[None, :]) & (mem[:, None] >= t.mem[None, :])) * t.p[None, :] * t.allowed[groups]
+            ok = ((cpu[:, None] >= t.cpu[None, :]) & (mem[:, None] >= t.mem[None, :])) * t.weight[None, :] * t.allowed[groups]
             return ok @ t.share_onehot, ok @ t.whole_onehot, ok @ t.cpu_only
         at = np.searchsorted(t.cpu_steps, cpu, side="right")
         if (mem < 0).any():  # a node short of memory fits nothing

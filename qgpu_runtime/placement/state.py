@@ -155,6 +155,10 @@ class ClusterState:
 
     # -- derived views -------------------------------------------------------------------------
 
+    def group_cards(self) -> np.ndarray:
+        """[G] cards on the nodes of each model group."""
+        return np.bincount(self.node_group, weights=self.n_cards, minlength=len(self.model_groups))
+
     @property
     def node_count(self) -> int:
         return len(self.names)
