@@ -122,7 +122,8 @@ class BestFitPolicy(_NodeLevelPolicy):
 class WorkloadShapes:
     """The distribution of pod shapes seen so far, which the frag policy plans for.
 
-    A shape is (cards, core per card, CPU); host memory is rarely what strands GPUs. The most
+    A shape is (cards, core per card, CPU, GPU models accepted or None for any); host memory is
+    rarely what strands GPUs. The most
     common shapes covering ``coverage`` of the observed pods (at most ``max_shapes``) are kept.
     The defaults keep the common shapes only, which is what the replay's fragmentation meter
     reports; the frag policy plans with every shape (see :data:`PLANNING_SHAPES`). Counting starts
@@ -132,7 +133,7 @@ class WorkloadShapes:
     coverage: float = 0.95
     max_shapes: int = 48
     refresh_growth: float = 0.01
-    counts: dict[tuple[int, int, int], int] = field(default_factory=dict)
+    counts: dict[tuple[int, int, int, frozenset[str] | None], int] = field(default_factory=dict)
     total: int = 0
     cpu_milli: int = 0  # CPU asked by every observed pod, CPU-only pods included
     gpu_milli: int = 0  # GPU (thousandths of a card) asked by every observed pod
@@ -148,7 +149,7 @@ class WorkloadShapes:
             core = c.core_milli if len(req.containers) == 1 else max(x.core_milli for x in req.containers)
         else:
             cards, core = 0, 0
-        key = (cards, core, req.cpu_milli)
+        key = (cards, core, req.cpu_milli, req.models if cards else None)
         self.counts[key] = self.counts.get(key, 0) + 1
         self.total += 1
         self.cpu_milli += req.cpu_milli
@@ -161,10 +162,11 @@ class WorkloadShapes:
         as well as for the pods that will take its free cards."""
         return self.cpu_milli / self.gpu_milli if self.gpu_milli else 0.0
 
-    def arrays(self) -> tuple[np.ndarray, ...]:
-        """(cards, core, cpu, mem, pod count) of the kept shapes; rebuilt when the sample grew."""
+    def arrays(self) -> tuple:
+        """(cards, core, cpu, mem, pod count, accepted models) of the kept shapes; rebuilt when the
+        sample grew. The models are a tuple of frozensets (None: any model)."""
         if self._built_at < 0 or self.total > self._built_at * (1 + self.refresh_growth):
-            ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0]))
+            ranked = sorted(self.counts.items(), key=lambda kv: (-kv[1], kv[0][:3], sorted(kv[0][3] or ())))
             kept, cum = [], 0
             for key, n in ranked[: self.max_shapes]:
                 kept.append((key, n))
@@ -172,11 +174,12 @@ class WorkloadShapes:
                 if cum >= self.coverage * self.total:
                     break
             if not kept:
-                self._arrays = tuple(np.zeros(0) for _ in range(5))
+                self._arrays = tuple(np.zeros(0) for _ in range(5)) + ((),)
             else:
-                keys = np.array([k for k, _ in kept], dtype=np.int64)
+                keys = np.array([k[:3] for k, _ in kept], dtype=np.int64)
                 weight = np.array([n for _, n in kept], dtype=float)
-                self._arrays = (keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=np.int64), weight)
+                models = tuple(k[3] for k, _ in kept)
+                self._arrays = (keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=np.int64), weight, models)
             self._built_at = self.total
         return self._arrays
 
@@ -204,16 +207,28 @@ class _FragTables:
     cpu: np.ndarray
     mem: np.ndarray
     p: np.ndarray  # [M] pod counts: whole numbers, so equal states score exactly equal
+    allowed: np.ndarray  # [G, M] shape m may run on nodes of model group g
+    weight: np.ndarray  # [M] p, times each shape's pressure on the cards it may use (see build)
     scale: float  # 1 / total count, turning count-weighted sums into expectations
     # The shapes' weights per need summed over every shape whose CPU is at most a threshold: a
     # node's weights are then one row lookup by its free CPU instead of a [nodes x shapes] product.
     cpu_steps: np.ndarray  # [D] distinct CPU requests, ascending
-    cum_share: np.ndarray  # [D + 1, U] weights of sharing shapes asking at most cpu_steps[i - 1]
-    cum_whole: np.ndarray  # [D + 1, K]
-    cum_cpu_only: np.ndarray  # [D + 1]
+    # One such table per model group: a shape that names GPU models counts only on nodes that
+    # carry one of them; elsewhere the node's whole free GPU is a fragment for it.
+    cum_share: np.ndarray  # [G, D + 1, U] weights of sharing shapes asking at most cpu_steps[i - 1]
+    cum_whole: np.ndarray  # [G, D + 1, K]
+    cum_cpu_only: np.ndarray  # [G, D + 1]
 
     @classmethod
-    def build(cls, cards: np.ndarray, core: np.ndarray, cpu: np.ndarray, mem: np.ndarray, p: np.ndarray) -> "_FragTables":
+    def build(cls, cards: np.ndarray, core: np.ndarray, cpu: np.ndarray, mem: np.ndarray, p: np.ndarray,
+              models: tuple = (), groups: tuple[frozenset[str] | None, ...] = (None,),
+              group_cards: np.ndarray | None = None) -> "_FragTables":
+        """``group_cards`` (cards per model group) turns on the pressure weighting: a shape that may
+        use only a part of the cluster's cards counts for total cards / cards it may use times its
+        pods. Its demand falls on those cards alone, so a free card it may use is worth that much
+        more to it, and taking such a card for a pod that could go anywhere costs that much more.
+        With no model requirements every pressure is 1 and the measure is the plain expected
+        fragment."""
         share = (cards >= 1) & (core < CORE_MILLI_PER_CARD)
         whole = (cards >= 1) & (core >= CORE_MILLI_PER_CARD)
         needs = np.array(sorted(set(core[share].tolist())) + [CORE_MILLI_PER_CARD], dtype=np.int64)
@@ -229,9 +244,25 @@ class _FragTables:
         at_step = np.zeros((len(steps) + 1, len(p)))
         at_step[rank + 1, np.arange(len(p))] = p
         below_or_at = np.cumsum(at_step, axis=0)  # [D + 1, M]
+        allowed = np.ones((len(groups), len(p)))
+        for g, carried in enumerate(groups):
+            if carried is None:  # a group that stands for every model
+                continue
+            for m, accepted in enumerate(models):
+                if accepted is not None and not (accepted & carried):
+                    allowed[g, m] = 0.0
+        weight = p.astype(float)
+        if group_cards is not None and len(p):
+            usable = allowed.T @ group_cards  # [M] cards each shape may use
+            pressure = np.where(usable > 0, group_cards.sum() / np.maximum(usable, 1), 0.0)
+            weight = weight * pressure
+            at_step = np.zeros((len(steps) + 1, len(p)))
+            at_step[rank + 1, np.arange(len(p))] = weight
+            below_or_at = np.cumsum(at_step, axis=0)
+        per_group = below_or_at[None, :, :] * allowed[:, None, :]  # [G, D + 1, M]
         return cls(needs, len(needs) - 1, below, fits, share_onehot, whole_onehot, whole_cards,
-                   cpu_only, cpu, mem, p, 1.0 / max(float(p.sum()), 1.0), steps, below_or_at @ share_onehot, below_or_at @ whole_onehot,
-                   below_or_at @ cpu_only)
+                   cpu_only, cpu, mem, p, allowed, weight, 1.0 / max(float(p.sum()), 1.0), steps, per_group @ share_onehot,
+                   per_group @ whole_onehot, per_group @ cpu_only)
 
     def after_deltas(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         """How a card's contribution changes when ``g`` thousandths are taken from it, by its free."""
@@ -266,11 +297,13 @@ class FragPolicy:
 
     name = "frag"
 
-    def __init__(self, shapes: WorkloadShapes | None = None, tie_weight: float = 0.05, cpu_balance: float = 1.0):
+    def __init__(self, shapes: WorkloadShapes | None = None, tie_weight: float = 0.05, cpu_balance: float = 1.0,
+                 model_pressure: bool = True):
         self.shapes = shapes or WorkloadShapes(**PLANNING_SHAPES)
         self.tie_weight = tie_weight
         self.cpu_balance = cpu_balance
-        self._cache: tuple[tuple[np.ndarray, ...], _FragTables] | None = None
+        self.model_pressure = model_pressure
+        self._cache: tuple[tuple, tuple, _FragTables] | None = None
 
     def observe(self, req: PodRequest) -> None:
         self.shapes.observe(req)
@@ -285,30 +318,44 @@ class FragPolicy:
     # are folded per need after the CPU/memory check. That keeps a whole (node x card) scoring
     # pass to a few array operations.
 
-    def _tables(self) -> _FragTables:
+    def _tables(self, state: ClusterState | None = None) -> _FragTables:
+        """The lookup tables for the shapes seen so far, on ``state``'s model groups (without a
+        state, one group that carries every model: model requirements are then not weighed)."""
         arrays = self.shapes.arrays()
-        if self._cache is None or self._cache[0] is not arrays:
-            self._cache = (arrays, _FragTables.build(*arrays))
-        return self._cache[1]
+        groups = tuple(state.model_groups) if state is not None else (None,)
+        if self._cache is None or self._cache[0] is not arrays or self._cache[1] != groups:
+            cards = state.group_cards() if state is not None and self.model_pressure else None
+            self._cache = (arrays, groups, _FragTables.build(*arrays, groups=groups, group_cards=cards))
+        return self._cache[2]
 
-    def _weights(self, t: "_FragTables", cpu: np.ndarray, mem: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per node, the weight of the shapes it has CPU and memory for: by need, by whole-card
-        count, and of CPU-only shapes."""
+    @staticmethod
+    def _groups(state: ClusterState | None, rows: np.ndarray | None, count: int) -> np.ndarray:
+        if state is None or rows is None:
+            return np.zeros(count, dtype=np.int64)
+        return state.node_group[rows]
+
+    def _weights(self, t: "_FragTables", cpu: np.ndarray, mem: np.ndarray, groups: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per node, the weight of the shapes it has CPU, memory and a GPU model for: by need, by
+        whole-card count, and of CPU-only shapes."""
         if t.mem.any():
-            ok = ((cpu[:, None] >= t.cpu[None, :]) & (mem[:, None] >= t.mem[None, :])) * t.p[None, :]
+            ok = ((cpu[:, None] >= t.cpu[None, :]) & (mem[:, None] >= t.mem[None, :])) * t.weight[None, :] * t.allowed[groups]
             return ok @ t.share_onehot, ok @ t.whole_onehot, ok @ t.cpu_only
         at = np.searchsorted(t.cpu_steps, cpu, side="right")
         if (mem < 0).any():  # a node short of memory fits nothing
             at = np.where(mem < 0, 0, at)
-        return t.cum_share[at], t.cum_whole[at], t.cum_cpu_only[at]
+        return t.cum_share[groups, at], t.cum_whole[groups, at], t.cum_cpu_only[groups, at]
 
-    def frag_of(self, free: np.ndarray, full: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
-        """[R] expected fragment (thousandths of a card) of nodes with card frees ``free`` [R, C]."""
-        t = self._tables()
+    def frag_of(self, free: np.ndarray, full: np.ndarray, cpu: np.ndarray, mem: np.ndarray,
+                state: ClusterState | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """[R] expected fragment (thousandths of a card) of nodes with card frees ``free`` [R, C].
+        ``state`` and ``rows`` name the nodes, so that shapes asking for other GPU models count
+        the node's free GPU as a fragment; without them every shape may use every node."""
+        t = self._tables(state)
         if not len(t.p):
             return np.zeros(len(free))
         below_sum, fit_count = self._card_sums(t, free)
-        return self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, cpu, mem)
+        groups = self._groups(state, rows, len(free))
+        return self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, cpu, mem, groups)
 
     @staticmethod
     def _card_sums(t: "_FragTables", free: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -316,8 +363,8 @@ class FragPolicy:
         return t.below[free].sum(axis=1), t.fits[free].sum(axis=1)
 
     def _frag(self, t: "_FragTables", total: np.ndarray, below_sum: np.ndarray, fit_count: np.ndarray,
-              full: np.ndarray, cpu: np.ndarray, mem: np.ndarray) -> np.ndarray:
-        w_share, w_whole, w_cpu = self._weights(t, cpu, mem)
+              full: np.ndarray, cpu: np.ndarray, mem: np.ndarray, groups: np.ndarray) -> np.ndarray:
+        w_share, w_whole, w_cpu = self._weights(t, cpu, mem, groups)
         gap = total[:, None] - below_sum
         whole_ok = (full[:, None] >= t.whole_cards[None, :]) * w_whole
         used = w_cpu * total + (w_share * (fit_count > 0) * gap).sum(axis=1) + gap[:, t.full_u] * whole_ok.sum(axis=1)
@@ -348,7 +395,7 @@ class FragPolicy:
 
     def shared_card_cost(self, state: ClusterState, cand: SharedCandidates) -> np.ndarray:
         rows, g = cand.rows, cand.core
-        t = self._tables()
+        t = self._tables(state)
         free, full = self._node_parts(state, rows)
         cpu_after = state.cpu_free[rows] - cand.cpu
         mem_after = state.mem_free[rows] - cand.mem
@@ -358,7 +405,7 @@ class FragPolicy:
         card_term = _CARD_WEIGHT * (free - g) * (-1.0 if cand.spread_cards else 1.0)
         if not len(t.p):
             return np.where(cand.fit, tie[:, None] + card_term, INF)
-        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
+        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows], state, rows)
         # Cards of one node with the same free compute (and wholeness) score the same, so each
         # distinct one is scored once and its cost copied to its twins: an empty 8-card node is one
         # candidate, not eight, which is most of the work on a large, lightly used cluster.
@@ -372,7 +419,7 @@ class FragPolicy:
         below_delta, fits_delta = t.after_deltas(g)
         below_a = t.below[free].sum(axis=1)[ri] + below_delta[f]  # [K, U]
         usable_a = (t.fits[free].sum(axis=1)[ri] + fits_delta[f]) > 0
-        w_share, w_whole, w_cpu = self._weights(t, cpu_after, mem_after)
+        w_share, w_whole, w_cpu = self._weights(t, cpu_after, mem_after, state.node_group[rows])
         gap_a = total_after[ri, None] - below_a
         share_term = (w_share[ri] * usable_a * gap_a).sum(axis=1)
         full_a = full[ri] - (whole[ri, ci] & (g > 0))
@@ -388,24 +435,26 @@ class FragPolicy:
         cpu_after = state.cpu_free[rows] - req.cpu_milli
         balance = self._balance(free.sum(axis=1), state.cpu_free[rows], free_a.sum(axis=1), cpu_after)
         tie = self._tie(state, rows, cpu_after, free_a.sum(axis=1))
-        t = self._tables()
+        t = self._tables(state)
         if not len(t.p):
             return balance + tie
+        groups = state.node_group[rows]
         # Taken cards are whole: they hold no compute below any need and each fits every need, so
         # the after-state's sums follow from the node's without scoring its cards again.
         below_sum, fit_count = self._card_sums(t, free)
         fit_a = fit_count - take.sum(axis=1)[:, None]
-        before = self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, state.cpu_free[rows], state.mem_free[rows])
+        before = self._frag(t, free.sum(axis=1).astype(float), below_sum, fit_count, full, state.cpu_free[rows],
+                            state.mem_free[rows], groups)
         after = self._frag(t, free_a.sum(axis=1).astype(float), below_sum, fit_a, full - take.sum(axis=1), cpu_after,
-                           state.mem_free[rows] - req.memory_mib)
+                           state.mem_free[rows] - req.memory_mib, groups)
         return after - before + balance + tie
 
     def state_cost(self, state: ClusterState, rows: np.ndarray, card_free_after: np.ndarray, req: PodRequest) -> np.ndarray:
         free, full = self._node_parts(state, rows)
-        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
+        before = self.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows], state, rows)
         full_a = (card_free_after == CORE_MILLI_PER_CARD).sum(axis=1)
         cpu_after = state.cpu_free[rows] - req.cpu_milli
-        after = self.frag_of(card_free_after, full_a, cpu_after, state.mem_free[rows] - req.memory_mib)
+        after = self.frag_of(card_free_after, full_a, cpu_after, state.mem_free[rows] - req.memory_mib, state, rows)
         balance = self._balance(free.sum(axis=1), state.cpu_free[rows], card_free_after.sum(axis=1), cpu_after)
         return after - before + balance + self._tie(state, rows, cpu_after, card_free_after.sum(axis=1))
 
@@ -415,13 +464,14 @@ class FragPolicy:
         total = free.sum(axis=1)
         balance = self._balance(total, state.cpu_free[rows], total, cpu_after)
         tie = self._tie(state, rows, cpu_after, total)
-        t = self._tables()
+        t = self._tables(state)
         if not len(t.p):
             return balance + tie
+        groups = state.node_group[rows]
         # The cards do not change, only the CPU and memory that decide which shapes still fit.
         below_sum, fit_count = self._card_sums(t, free)
-        before = self._frag(t, total.astype(float), below_sum, fit_count, full, state.cpu_free[rows], state.mem_free[rows])
-        after = self._frag(t, total.astype(float), below_sum, fit_count, full, cpu_after, state.mem_free[rows] - req.memory_mib)
+        before = self._frag(t, total.astype(float), below_sum, fit_count, full, state.cpu_free[rows], state.mem_free[rows], groups)
+        after = self._frag(t, total.astype(float), below_sum, fit_count, full, cpu_after, state.mem_free[rows] - req.memory_mib, groups)
         return after - before + balance + tie
 
 

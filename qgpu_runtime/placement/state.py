@@ -132,6 +132,15 @@ class ClusterState:
                 self.card_mem_cap[i, j] = card.memory_mib
                 uuids.append(card.uuid)
             self.card_uuid.append(uuids)
+        # Nodes grouped by the set of GPU models they carry (one group per distinct set, usually one
+        # per model): what a pod naming its models can use is decided per group, not per card.
+        self.model_groups: list[frozenset[str]] = []
+        group_ids: dict[frozenset[str], int] = {}
+        self.node_group = np.zeros(n, dtype=np.int64)
+        for i, node in enumerate(nodes):
+            key = frozenset(card.model for card in node.cards)
+            self.node_group[i] = group_ids.setdefault(key, len(group_ids))
+        self.model_groups = list(group_ids)
         self.core_free = np.where(self.card_valid, CORE_MILLI_PER_CARD, 0).astype(np.int64)
         self.mem_free_card = self.card_mem_cap.copy()
         per_card = np.maximum(1, self.card_mem_cap // (limits.gib_per_shared_pod * 1024))
@@ -145,6 +154,10 @@ class ClusterState:
         self.bookings: dict[str, Placement] = {}
 
     # -- derived views -------------------------------------------------------------------------
+
+    def group_cards(self) -> np.ndarray:
+        """[G] cards on the nodes of each model group."""
+        return np.bincount(self.node_group, weights=self.n_cards, minlength=len(self.model_groups))
 
     @property
     def node_count(self) -> int:

@@ -16,6 +16,7 @@ import numpy as np
 from qgpu_runtime.placement.policies import POLICIES
 from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
+from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_gpu_spec
 
 
 class UsageError(ValueError):
@@ -60,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="GPU memory each sharing pod asks for (default 0: GPU memory left out, as in the study)")
     parser.add_argument("--pod-limit", action="store_true", help="enforce the qGPU per-card pod-count limit")
     parser.add_argument("--workers", type=int, default=0, help="processes for seeds (default: one per CPU)")
+    parser.add_argument("--gpu-spec-fraction", type=float, default=None, metavar="F",
+                        help="replay the GPU-model variant: about F of the GPU pods (0..1; the study's "
+                             f"production share is {PRODUCTION_FRACTION:.3f}) get the model requirements "
+                             "GPU pods carry in the study's production cluster (docs/simulator.md)")
+    parser.add_argument("--variant-seed", type=int, default=0, help="seed of the variant's draws (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -186,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--gpu-memory: {args.gpu_memory} must be >= 0")
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
-    except (UsageError, TraceError) as exc:
+        if args.gpu_spec_fraction is not None:
+            pods = with_gpu_spec(pods, nodes, args.gpu_spec_fraction, args.variant_seed)
+    except (UsageError, TraceError, VariantError) as exc:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2
     options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit)

@@ -86,10 +86,10 @@ def arrival_order(pods: Sequence[TracePod], seed: int, capacity_milli: int, exte
 
 def fragmentation_pct(state: ClusterState, shapes: WorkloadShapes) -> float:
     """Expected fragment of the cluster's free GPU, in % of capacity, under ``shapes``."""
-    meter = FragPolicy(shapes)
+    meter = FragPolicy(shapes, model_pressure=False)
     free = np.where(state.exclusive, 0, state.core_free)
     full = state.card_free_whole().sum(axis=1)
-    frag = meter.frag_of(free, full, state.cpu_free, state.mem_free)
+    frag = meter.frag_of(free, full, state.cpu_free, state.mem_free, state, np.arange(state.node_count))
     return round(100.0 * float(frag.sum()) / max(state.gpu_capacity_milli(), 1), 4)
 
 

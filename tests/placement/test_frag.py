@@ -79,3 +79,48 @@ def test_a_rare_multi_card_shape_still_keeps_its_only_node_whole():
     common.observe(whole(8, 64000, "big"))
     assert place(state, whole(1, 4000), policy).node == "nine"
     assert place(state, whole(1, 4000), common).node == "eight"
+
+
+def model_node(name, model, cards=2, cpu=32000):
+    return NodeSpec(name, cpu, 256 * GIB, tuple(CardSpec(i, f"{name}-{i}", model, 16 * GIB) for i in range(cards)))
+
+
+def test_a_pod_that_takes_any_model_leaves_the_model_others_are_bound_to():
+    # Most pods seen so far can only run on T4 cards; a pod that can run anywhere should take the
+    # V100 node's card, not the T4 capacity those pods depend on.
+    state = ClusterState([model_node("t4", "T4"), model_node("v100", "V100M16")])
+    policy = FragPolicy()
+    for i in range(9):
+        bound = shared(600, 4000, f"t{i}")
+        policy.observe(PodRequest("ns", f"t{i}", containers=bound.containers, cpu_milli=4000, models=frozenset({"T4"})))
+    free = whole(1, 4000, "free")
+    policy.observe(free)
+    assert place(state, free, policy).node == "v100"
+
+
+def test_a_node_without_the_model_a_shape_needs_is_all_fragment_for_it():
+    state = ClusterState([model_node("t4", "T4"), model_node("v100", "V100M16")])
+    policy = FragPolicy(model_pressure=False)  # the plain expected fragment
+    policy.observe(PodRequest("ns", "t", containers=shared(500, 1000).containers, cpu_milli=1000, models=frozenset({"T4"})))
+    rows = np.arange(2)
+    frag = policy.frag_of(state.core_free, np.array([2, 2]), state.cpu_free, state.mem_free, state, rows)
+    assert frag.tolist() == [0.0, 2000.0]
+    # Without the nodes' models every shape may use every node (what the measure was before).
+    assert policy.frag_of(state.core_free, np.array([2, 2]), state.cpu_free, state.mem_free).tolist() == [0.0, 0.0]
+
+
+def test_a_pod_that_may_go_anywhere_spares_the_scarcer_model():
+    # One pod in ten needs T4 and one in ten G2, but the cluster has 2 T4 cards against 6 G2: the
+    # T4 pods' demand presses on a third as many cards. The plain expected fragment sees both nodes
+    # alike (each is usable by nine shapes in ten) and packs onto the smaller one; weighing each
+    # shape by the pressure on the cards it may use keeps the T4 cards for the pods that need them.
+    state = ClusterState([model_node("t4", "T4", cards=2), model_node("g2", "G2", cards=6)])
+    policies = FragPolicy(), FragPolicy(model_pressure=False)
+    for policy in policies:
+        policy.observe(PodRequest("ns", "t", containers=whole(1, 4000).containers, cpu_milli=4000, models=frozenset({"T4"})))
+        policy.observe(PodRequest("ns", "g", containers=whole(1, 4000).containers, cpu_milli=4000, models=frozenset({"G2"})))
+        for i in range(8):
+            policy.observe(whole(1, 4000, f"w{i}"))
+    pressure, plain = policies
+    assert place(state, whole(1, 4000), pressure).node == "g2"
+    assert place(state, whole(1, 4000), plain).node == "t4"

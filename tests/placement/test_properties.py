@@ -153,14 +153,14 @@ def test_frag_fast_path_equals_scoring_each_after_state(data, nodes):
     free = _card_free(state, rows)
     whole = state.card_free_whole()[rows]
     full = whole.sum(axis=1)
-    before = pol.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
+    before = pol.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows], state, rows)
     for a in range(len(rows)):
         for j in np.nonzero(fit[a])[0]:
             after_free = free[a:a + 1].copy()
             after_free[0, j] -= c.core_milli
             after_full = full[a:a + 1] - int(whole[a, j] and c.core_milli > 0)
             after = pol.frag_of(after_free, after_full, state.cpu_free[rows[a:a + 1]] - req.cpu_milli,
-                                state.mem_free[rows[a:a + 1]] - req.memory_mib)[0]
+                                state.mem_free[rows[a:a + 1]] - req.memory_mib, state, rows[a:a + 1])[0]
             balance = pol.stranded(after_free.sum(axis=1), state.cpu_free[rows[a:a + 1]] - req.cpu_milli)[0] \
                 - pol.stranded(free[a:a + 1].sum(axis=1), state.cpu_free[rows[a:a + 1]])[0]
             expected = after - before[a] + balance + _CARD_WEIGHT * (free[a, j] - c.core_milli)
@@ -191,8 +191,8 @@ def test_frag_whole_card_and_cpu_only_costs_equal_scoring_the_after_state(data, 
         cost = pol.cpu_only_cost(state, rows, req)
     free_a = np.where(take, 0, free)
     cpu_a = state.cpu_free[rows] - req.cpu_milli
-    before = pol.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows])
-    after = pol.frag_of(free_a, full - take.sum(axis=1), cpu_a, state.mem_free[rows] - req.memory_mib)
+    before = pol.frag_of(free, full, state.cpu_free[rows], state.mem_free[rows], state, rows)
+    after = pol.frag_of(free_a, full - take.sum(axis=1), cpu_a, state.mem_free[rows] - req.memory_mib, state, rows)
     balance = pol.stranded(free_a.sum(axis=1), cpu_a) - pol.stranded(free.sum(axis=1), state.cpu_free[rows])
     tie = pol.tie_weight * (0.5 * cpu_a / np.maximum(state.cpu_cap[rows], 1)
                             + 0.5 * free_a.sum(axis=1) / np.maximum(state.n_cards[rows] * 1000, 1))
