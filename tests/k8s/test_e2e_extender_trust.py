@@ -131,9 +131,10 @@ def test_fake_filters_cannot_reserve_every_card(cluster, ns, label):
             assert status == 200 and "is not an unbound pod the apiserver has" in doc["Error"], doc
         assert metric(second, "qgpu_extender_holds") == 0
         # real pods hold one node each, at most two at once
-        pods = [pending_pod(cluster, ns, f"p{i}", {QGPU_CORE: 50}, label) for i in range(3)]
+        pods = [pending_pod(cluster, ns, f"p{i}", {QGPU_CORE: 50, QGPU_MEMORY: 4}, label) for i in range(3)]
         for p in pods[:2]:
-            assert call(second, "filter", {"Pod": p, "NodeNames": [node]}, None)[1]["NodeNames"] == [node]
+            doc = call(second, "filter", {"Pod": p, "NodeNames": [node]}, None)[1]
+            assert doc["NodeNames"] == [node], doc
         doc = call(second, "filter", {"Pod": pods[2], "NodeNames": [node]}, None)[1]
         assert "--max-holds" in doc["Error"], doc
         for _ in range(3):  # filtering again replaces the pod's hold: one per pod
