@@ -91,12 +91,10 @@ def control_plane_cpus() -> Iterator[None]:
         os.sched_setaffinity(0, PIN[1])
 
 
-def scrape(url: str, ca: Path | None = None) -> dict[tuple[str, str], float]:
-    """Prometheus text of ``url`` as {(metric name, label text): value} (insecure TLS when no CA)."""
+def scrape(url: str, ctx: ssl.SSLContext | None = None) -> dict[tuple[str, str], float]:
+    """Prometheus text of ``url`` as {(metric name, label text): value} (insecure TLS without a context)."""
     import urllib.request
-    if ca is not None:
-        ctx = ssl.create_default_context(cafile=str(ca))
-    else:
+    if ctx is None:
         ctx = ssl.create_default_context()
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
@@ -131,7 +129,7 @@ def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
         "scheduler_bind_ms": mean_ms(sched, "scheduler_framework_extension_point_duration_seconds", 'extension_point="Bind"'),
     }
     if extender is not None:
-        ext = scrape(f"{extender.url}/metrics", extender.ca_file)
+        ext = scrape(f"{extender.url}/metrics", extender.ssl_context())
         for verb in ("filter", "prioritize", "bind"):
             split[f"extender_{verb}_ms"] = mean_ms(ext, "qgpu_extender_request_duration_seconds", f'verb="{verb}"')
         connections = ext.get(("qgpu_extender_connections_total", ""))
@@ -201,14 +199,26 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
             "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)}}
 
 
-def latency(url: str, ca: Path, node_names: list[str], samples: int) -> dict[str, Any]:
+def latency_pods(api: client.CoreV1Api, count: int) -> list[dict[str, Any]]:
+    """Pending pods the apiserver has (the extender refuses filters for any other), which no
+    scheduler picks up (their schedulerName has none)."""
+    namespace = f"bench-latency-{time.time_ns()}"
+    api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    out = []
+    for i in range(count):
+        body = {**pod(f"lat-{i}"), "metadata": {"name": f"lat-{i}", "namespace": namespace}}
+        body["spec"] = {**body["spec"], "schedulerName": "nobody"}
+        out.append(api.api_client.sanitize_for_serialization(api.create_namespaced_pod(namespace, body)))
+    return out
+
+
+def latency(extender: Any, api: client.CoreV1Api, node_names: list[str], samples: int) -> dict[str, Any]:
     """filter+prioritize round trips for one pod each, over one keep-alive HTTPS connection."""
-    host, port = url.removeprefix("https://").split(":")
-    conn = http.client.HTTPSConnection(host, int(port), context=ssl.create_default_context(cafile=str(ca)), timeout=30)
+    host, port = extender.url.removeprefix("https://").split(":")
+    conn = http.client.HTTPSConnection(host, int(port), context=extender.ssl_context(), timeout=30)
     pairs, filters, prioritizes = [], [], []
-    for i in range(samples + 20):
-        body = json.dumps({"Pod": {**pod(f"lat-{time.time_ns()}-{i}"), "metadata": {"name": f"lat-{i}", "namespace": "bench-latency", "uid": f"u{i}"}},
-                           "Nodes": None, "NodeNames": node_names}).encode()
+    for i, real in enumerate(latency_pods(api, samples + 20)):
+        body = json.dumps({"Pod": real, "Nodes": None, "NodeNames": node_names}).encode()
         timings = []
         for verb in ("filter", "prioritize"):
             t = time.perf_counter()
@@ -242,8 +252,7 @@ def scheduler_sample(nodes: int) -> int:
     return max(100, nodes * percentage // 100)
 
 
-def wait_cached(url: str, ca: Path, nodes: int) -> None:
-    ctx = ssl.create_default_context(cafile=str(ca))
+def wait_cached(url: str, ctx: ssl.SSLContext | None, nodes: int) -> None:
     import urllib.request
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -301,12 +310,14 @@ def main() -> int:
         make_nodes(api, 0, args.nodes)
         result["node_creation_s"] = round(time.perf_counter() - t, 1)
         result["without_extender"] = throughput(cp, api, [], args.pods)
-        extender = extender_server(cp, priority=args.priority, assume_timeout=120)
+        # the latency samples hold cards for up to samples + 20 pods at once
+        holds = ("--max-holds", str(max(1000, 2 * args.samples + 100)))
+        extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=holds)
         extender.start()
-        ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s")]
+        ext = [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
         result["with_extender"] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
         cp.stop_scheduler()
-        plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False)
+        plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False, extra_args=holds)
         extender.stop()
         plain.start()
         result["with_extender_plain_http"] = throughput(
@@ -314,11 +325,11 @@ def main() -> int:
             plain.process.popen.pid, plain)
         cp.stop_scheduler()
         plain.stop()
-        best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best")
+        best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best", extra_args=holds)
         best.start()
         result["with_extender_best_filter"] = throughput(
-            cp, api, [extender_config(best.url, ca_file=best.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s",
-                                      prioritize=False)], args.pods, best.process.popen.pid, best)
+            cp, api, [best.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s", prioritize=False)],
+            args.pods, best.process.popen.pid, best)
         best.stop()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], args.pods)
@@ -331,10 +342,10 @@ def main() -> int:
         for total in [args.nodes] + ([args.big_nodes] if args.big_nodes > args.nodes else []):
             if total > args.nodes:
                 make_nodes(api, args.nodes, total)
-            wait_cached(extender.url, extender.ca_file, total)
+            wait_cached(extender.url, extender.ssl_context(), total)
             for sent in sorted({total, scheduler_sample(total)}):
                 names = [f"node-{i:05d}" for i in range(sent)]
-                result["latency"].append({"cluster_nodes": total, **latency(extender.url, extender.ca_file, names, args.samples)})
+                result["latency"].append({"cluster_nodes": total, **latency(extender, api, names, args.samples)})
     finally:
         if extender is not None:
             extender.stop()

@@ -3,6 +3,11 @@
 Status codes follow one rule: a malformed request is the client's mistake (400, with the reason);
 a well-formed request always gets 200 and an extender/v1 body, whose ``Error`` field (filter,
 bind) tells the scheduler that this attempt failed. A bug of ours is the only source of a 500.
+
+Trust: the body names a pod, the apiserver says what it is (:mod:`.trust`). Filter and prioritize
+work on the apiserver's pod and refuse a body that asks for something else; bind is refused unless
+a filter passed that pod (same UID) for that node; filter is refused while ``max_holds`` pods await
+their bind. Refusals are counted by verb and reason.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from qgpu_runtime.extender.wire import (
     encode_binding_result,
     encode_priorities_json,
 )
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
+from qgpu_runtime.kube.cache import AllocationCache, HoldLimit
 from qgpu_runtime.kube.serving import RawJSON
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
@@ -41,6 +47,8 @@ class ExtenderMetrics:
     connections: Counter
     nodes: Gauge
     bookings: Gauge
+    holds: Gauge
+    refused: Counter
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -58,6 +66,9 @@ class ExtenderMetrics:
             connections=Counter("qgpu_extender_connections", "Connections accepted", registry=registry),
             nodes=Gauge("qgpu_extender_cached_nodes", "Nodes in the extender's cache", registry=registry),
             bookings=Gauge("qgpu_extender_bookings", "Pods whose cards are booked in the cache", registry=registry),
+            holds=Gauge("qgpu_extender_holds", "Pods a filter passed that await their bind", registry=registry),
+            refused=Counter("qgpu_extender_refused", "Calls refused by the trust rules",
+                            ["verb", "reason"], registry=registry),
         )
 
 
@@ -71,11 +82,13 @@ class ExtenderApp:
     (HAMi's and gpu-admission's way). Infeasible nodes carry their reasons in both modes."""
 
     def __init__(self, cache: AllocationCache, binder: Binder | None, limits: CardLimits, metrics: ExtenderMetrics | None = None,
-                 filter_result: str = "all"):
+                 filter_result: str = "all", pods: TrustedPods | None = None):
         if filter_result not in FILTER_RESULTS:
             raise ValueError(f"filter_result={filter_result!r}: must be one of {', '.join(FILTER_RESULTS)}")
         self.filter_result = filter_result
         self.cache = cache
+        # Without an API reader the watch cache alone says which pods exist.
+        self.pods = pods or TrustedPods(cache, limits)
         self.binder = binder
         self.limits = limits
         self.metrics = metrics or ExtenderMetrics.create()
@@ -98,17 +111,31 @@ class ExtenderApp:
     def _request(self, pod: dict[str, Any]) -> Any:
         return parse_pod(pod, self.limits)
 
+    def _refuse(self, verb: str, reason: str, message: str) -> None:
+        self.metrics.refused.labels(verb, reason).inc()
+        log.warning("%s refused: %s", verb, message)
+
     def filter(self, body: bytes) -> Response:
         args = ExtenderArgs.decode(body)
         names = args.names
         try:
-            request = self._request(args.pod)
+            pod = self.pods.resolve(args.pod)
+        except UntrustedPod as exc:
+            self._refuse("filter", "untrusted-pod", str(exc))
+            return 200, FilterResult([], error=str(exc)).encode(args)
+        try:
+            request = self._request(pod)
         except RequestError as exc:
             message = f"invalid GPU request: {exc}"
             return 200, FilterResult([], {}, {n: message for n in names}).encode(args)
-        if not request.wants_gpu:
-            return 200, FilterResult(names).encode(args)
-        outcome = self.cache.filter(args.pod, request, names, time.time_ns())
+        try:
+            if not request.wants_gpu:
+                self.cache.authorize(pod, names, time.time_ns())
+                return 200, FilterResult(names).encode(args)
+            outcome = self.cache.filter(pod, request, names, time.time_ns())
+        except HoldLimit as exc:
+            self._refuse("filter", "hold-limit", str(exc))
+            return 200, FilterResult([], error=str(exc)).encode(args)
         passed = outcome.passed
         if self.filter_result == "best" and outcome.held is not None:
             passed = [outcome.held]
@@ -118,15 +145,24 @@ class ExtenderApp:
         args = ExtenderArgs.decode(body)
         names = args.names
         try:
-            request = self._request(args.pod)
+            pod = self.pods.resolve(args.pod)
+            request = self._request(pod)
+        except UntrustedPod as exc:
+            self._refuse("prioritize", "untrusted-pod", str(exc))
+            request = None
         except RequestError:
             request = None
         if request is None or not request.wants_gpu:
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
-        return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(args.pod, request, names)))
+        return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(pod, request, names)))
 
     def bind(self, body: bytes) -> Response:
         args = BindingArgs.decode(body)
+        refusal = self.cache.bind_refusal(f"{args.pod_namespace}/{args.pod_name}", args.pod_uid, args.node)
+        if refusal is not None:
+            self.metrics.binds.labels("refused").inc()
+            self._refuse("bind", "not-filtered", refusal)
+            return 200, encode_binding_result(refusal)
         if self.binder is None:
             return 200, encode_binding_result("this extender runs without an API connection and cannot bind")
         try:
@@ -143,3 +179,4 @@ class ExtenderApp:
             state = self.cache.state()
             self.metrics.nodes.set(state.node_count)
             self.metrics.bookings.set(len(state.bookings))
+        self.metrics.holds.set(self.cache.holds())

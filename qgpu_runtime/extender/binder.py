@@ -13,8 +13,8 @@ Steps:
 2. POST the Binding carrying the record, guarded by the pod's UID;
 3. if it fails, release the booking. A 409 means the pod is bound already: when it is bound to the
    requested node (an earlier attempt of ours got through) the bind is reported as done.
-The pod's spec comes from the scheduler's own filter call when the cache saw it (saving a GET);
-otherwise it is read from the API.
+The pod's spec is the apiserver's pod that the filter of this pod resolved (saving a GET; the
+request body's copy is never used, see :mod:`.trust`); otherwise it is read from the API.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ class Binder:
         return raw_json(with_backoff(
             lambda: self.api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout),
             attempts=self.attempts))
+
+    def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""
+        from qgpu_runtime.extender.trust import UntrustedPod
+
+        try:
+            return self._read_pod(namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise UntrustedPod(f"pod {namespace}/{name}: cannot read it from the apiserver ({_short(exc)})") from exc
 
     def _pod(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
         seen = self.cache.seen_pod(uid) if uid else None

@@ -1,11 +1,17 @@
-"""`qgpu extender serve`: the kube-scheduler extender (filter, prioritize, bind) over HTTP(S).
+"""`qgpu extender serve`: the kube-scheduler extender (filter, prioritize, bind) over HTTPS.
 
 Wiring only: API client → cache fed by watches → verbs → HTTP server, plus the expiry loop.
+
+HTTPS with client certificates is the default and plain HTTP the exception: whoever can call
+``/bind`` can bind any pod, so only kube-scheduler (holding a certificate the client CA signed)
+may call the verbs. Plain HTTP needs ``--insecure-plain-http`` and a loopback address, where only
+processes of the same host (kube-scheduler with host networking) can reach it.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import signal
 import threading
@@ -15,7 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qgpu_runtime.extender.app import ExtenderApp
 from qgpu_runtime.extender.binder import Binder
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.trust import TrustedPods
+from qgpu_runtime.kube.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.kube.serving import JsonServer, Routes
 from qgpu_runtime.kube.watch import CacheFeeder, expire_loop
@@ -33,8 +40,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--priority", choices=PRIORITIES, default="binpack",
                        help="node policy: binpack fills nodes and cards first, spread balances, frag minimises fragmentation")
     serve.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: in-cluster service account)")
-    serve.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this certificate (PEM)")
-    serve.add_argument("--tls-private-key-file", default=None, help="private key of --tls-cert-file (PEM)")
+    serve.add_argument("--tls-cert-file", default=None, help="serve HTTPS with this certificate (PEM); required "
+                       "unless --insecure-plain-http")
+    serve.add_argument("--tls-private-key-file", "--tls-key-file", dest="tls_private_key_file", default=None,
+                       help="private key of --tls-cert-file (PEM)")
+    serve.add_argument("--client-ca-file", default=None,
+                       help="CA (PEM) that signed kube-scheduler's client certificate; only its clients may call "
+                            "filter, prioritize and bind (required with HTTPS)")
+    serve.add_argument("--insecure-plain-http", action="store_true",
+                       help="serve plain HTTP without client authentication; refused unless --address is loopback")
+    serve.add_argument("--max-holds", type=int, default=DEFAULT_MAX_HOLDS,
+                       help=f"at most this many pods hold cards between filter and bind (default {DEFAULT_MAX_HOLDS})")
     serve.add_argument("--assume-timeout", type=float, default=60.0,
                        help="seconds an allocation record may wait for its Binding before it is released (default 60)")
     serve.add_argument("--filter-result", choices=("all", "best"), default="all",
@@ -43,11 +59,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
+def is_loopback(address: str) -> bool:
+    if address == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
 def _check(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise SystemExit(f"qgpu extender serve: --port {args.port}: must be within 1..65535")
-    if bool(args.tls_cert_file) != bool(args.tls_private_key_file):
-        raise SystemExit("qgpu extender serve: --tls-cert-file and --tls-private-key-file go together")
+    tls_flags = {"--tls-cert-file": args.tls_cert_file, "--tls-private-key-file": args.tls_private_key_file,
+                 "--client-ca-file": args.client_ca_file}
+    if args.insecure_plain_http:
+        given = [flag for flag, value in tls_flags.items() if value]
+        if given:
+            raise SystemExit(f"qgpu extender serve: --insecure-plain-http and {', '.join(given)}: "
+                             "choose HTTPS or plain HTTP, not both")
+        if not is_loopback(args.address):
+            raise SystemExit(f"qgpu extender serve: --address {args.address} with --insecure-plain-http: plain HTTP "
+                             "is served only on a loopback address (127.0.0.0/8, ::1, localhost); anything else "
+                             "needs HTTPS with client certificates")
+    else:
+        missing = [flag for flag, value in tls_flags.items() if not value]
+        if missing:
+            raise SystemExit(f"qgpu extender serve: {', '.join(missing)} missing: the extender serves HTTPS with "
+                             "client-certificate authentication (--tls-cert-file, --tls-private-key-file, "
+                             "--client-ca-file); plain HTTP needs --insecure-plain-http and a loopback --address")
+    if args.max_holds < 1:
+        raise SystemExit(f"qgpu extender serve: --max-holds {args.max_holds}: must be >= 1")
     if args.assume_timeout <= 0:
         raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
 
@@ -56,9 +98,11 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     from kubernetes import client
 
     api = client.CoreV1Api(api_client(args.kubeconfig))
-    cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9))
+    cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
+                            max_holds=args.max_holds)
     binder = Binder(api, cache, DEFAULT_LIMITS)
-    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, filter_result=args.filter_result)
+    pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
+    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, filter_result=args.filter_result, pods=pods)
 
     def metrics() -> tuple[int, str, bytes]:
         app.refresh_gauges()
@@ -77,8 +121,11 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         # a few hundred bytes. filter/prioritize carry a node list (or, without nodeCacheCapable,
         # whole Node objects) and keep the server's default.
         body_limits={"/bind": BIND_BODY_LIMIT},
+        # kubelet's probes present no client certificate; the verbs and /metrics need one.
+        open_paths=frozenset({"/healthz", "/readyz"}),
     )
-    server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file)
+    server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
+                        client_ca_file=args.client_ca_file)
     feeder = CacheFeeder(api, cache)
     return server, app, (feeder, binder)
 
@@ -96,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop), name="expire", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s)",
-                                     "HTTPS" if server.tls else "HTTP", args.address, server.port, args.priority)
+                                     "HTTPS with client certificates" if server.client_auth else "plain HTTP (loopback)",
+                                     args.address, server.port, args.priority)
     try:
         server.serve_forever()
     except KeyboardInterrupt:

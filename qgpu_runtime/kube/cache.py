@@ -19,6 +19,15 @@ until its bind. kube-scheduler binds asynchronously and starts the next pod's cy
 the tentative hold, the next filter would not see the previous pod's choice and, under binpack, pick
 the very same card, only for one of the two binds to fail. The hold is released when the pod is
 filtered again, when bind chooses another node, or after the assume timeout.
+
+Filter also *authorizes* the bind: the pod (by key and UID) may be bound only to a node that filter
+passed for it, until its bind, its deletion or the assume timeout. At most ``max_holds`` pods are
+authorized (and hold cards) at once; a filter past that is refused with :class:`HoldLimit`, so no
+caller, however many filters it sends, holds more than that many pods' worth of cards, and each
+pod holds at most one node's.
+
+The cache also keeps the full API object of every unbound live pod (by UID), as the watch delivers
+it: the extender takes a pod's requests from there, not from the scheduler's request body.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ log = logging.getLogger(__name__)
 
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 SEEN_PODS = 4096
+DEFAULT_MAX_HOLDS = 1000
 UNKNOWN_NODE = "node unknown to qgpu (not in the extender's node cache)"
 
 
@@ -65,6 +75,19 @@ class FilterOutcome:
     failed: dict[str, str]
     unresolvable: dict[str, str]
     held: str | None = None  # the node now held for the pod (its best)
+
+
+class HoldLimit(RuntimeError):
+    """Filter refused: ``max_holds`` pods already hold cards and await their bind."""
+
+
+@dataclass(frozen=True)
+class BindAuthorization:
+    """What filter allowed for one pod: bind to one of ``nodes``, for the pod with this UID."""
+
+    uid: str
+    nodes: frozenset[str]
+    since_ns: int
 
 
 @dataclass(frozen=True)
@@ -125,7 +148,11 @@ class _FilterMemo:
 class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
-    def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9):
+    def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9,
+                 max_holds: int = DEFAULT_MAX_HOLDS):
+        if max_holds < 1:
+            raise ValueError(f"max_holds={max_holds}: must be >= 1")
+        self.max_holds = max_holds
         self.policy = policy
         self.policy_name = policy_name
         self.limits = limits
@@ -140,6 +167,8 @@ class AllocationCache:
         self._empty: ClusterState | None = None
         self._version = 0
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._unbound: dict[str, dict[str, Any]] = {}  # UID -> the pod as the apiserver has it
+        self._authorized: dict[str, BindAuthorization] = {}  # pod key -> what filter allowed
         self._never: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._memo: _FilterMemo | None = None
         self.problems: list[str] = []
@@ -233,6 +262,11 @@ class AllocationCache:
         with self.lock:
             state = self.state()
             old = self._pods.get(entry.key)
+            if event == "DELETED" or entry.terminal or entry.node_name:
+                self._unbound.pop(entry.uid, None)
+                self._authorized.pop(entry.key, None)
+            elif entry.uid:
+                self._unbound[entry.uid] = dict(pod)
             if event == "DELETED" or entry.terminal:
                 self._seen.pop(entry.uid, None)
                 self._pods.pop(entry.key, None)
@@ -241,6 +275,8 @@ class AllocationCache:
                 self._release(state, entry.key)
                 return
             if old is not None and old.uid != entry.uid:
+                self._unbound.pop(old.uid, None)
+                self._authorized.pop(entry.key, None)
                 self._release(state, entry.key)  # same name, new pod
                 self._pinned.pop(entry.key, None)
                 self._stale.pop(entry.key, None)
@@ -311,9 +347,54 @@ class AllocationCache:
         with self.lock:
             return self._seen.get(uid)
 
-    def filter(self, pod: Mapping[str, Any], request: PodRequest, names: list[str], now_ns: int = 0) -> FilterOutcome:
+    def unbound_pod(self, uid: str) -> dict[str, Any] | None:
+        """The unbound live pod with this UID as the watch last delivered it, or None."""
+        with self.lock:
+            return self._unbound.get(uid)
+
+    def _check_hold_room(self, key: str) -> None:
+        if key not in self._authorized and len(self._authorized) >= self.max_holds:
+            raise HoldLimit(f"{len(self._authorized)} pods already hold cards and await their bind (at most "
+                            f"{self.max_holds}, --max-holds); pod {key} is refused until some are bound or expire")
+
+    def authorize(self, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
+        """Let ``pod`` be bound to one of ``names`` (a filter that holds no cards: a pod asking
+        for nothing qgpu manages). Raises :class:`HoldLimit` at the cap."""
         key = pod_key(pod)
         with self.lock:
+            self._check_hold_room(key)
+            self._set_authorization(key, pod, names, now_ns)
+
+    def _set_authorization(self, key: str, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
+        if names:
+            uid = str((pod.get("metadata") or {}).get("uid") or "")
+            self._authorized[key] = BindAuthorization(uid, frozenset(names), now_ns)
+        else:
+            self._authorized.pop(key, None)
+
+    def bind_refusal(self, key: str, uid: str, node: str) -> str | None:
+        """Why a bind of pod ``key`` (``uid``) to ``node`` is not one filter allowed; None if it is."""
+        with self.lock:
+            allowed = self._authorized.get(key)
+        if allowed is None:
+            return (f"pod {key}: no filter of this extender passed it (or its hold expired or was released): "
+                    "a bind must follow a filter")
+        if uid != allowed.uid:
+            return f"pod {key}: uid {uid!r} is not the uid {allowed.uid!r} that filter passed"
+        if node not in allowed.nodes:
+            return f"pod {key}: node {node} is not one that filter passed for it"
+        return None
+
+    def holds(self) -> int:
+        """Pods authorized to bind (holding cards if they asked for any)."""
+        with self.lock:
+            return len(self._authorized)
+
+    def filter(self, pod: Mapping[str, Any], request: PodRequest, names: list[str], now_ns: int = 0) -> FilterOutcome:
+        """Raises :class:`HoldLimit` when ``max_holds`` other pods await their bind."""
+        key = pod_key(pod)
+        with self.lock:
+            self._check_hold_room(key)
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if uid:
                 self._seen[uid] = dict(pod)
@@ -336,6 +417,7 @@ class AllocationCache:
                                         map(engine.REASONS.__getitem__, scored.code[pick].tolist())))
             held = self._hold(state, key, request, scored, names, now_ns) if ok.any() else None
             passed = list(compress(names, ok.tolist()))
+            self._set_authorization(key, pod, passed, now_ns)
             self._memo = _FilterMemo(key, self._version, scored.node_score, state, passed, scored.rows[ok])
         return FilterOutcome(passed, failed, unresolvable, held)
 
@@ -443,6 +525,9 @@ class AllocationCache:
             for key, since in list(self._tentative.items()):
                 if now_ns - since >= self.assume_ttl_ns and key not in self._pinned:
                     self._release(state, key)
+            for key, allowed in list(self._authorized.items()):
+                if now_ns - allowed.since_ns >= self.assume_ttl_ns and key not in self._pinned:
+                    del self._authorized[key]
             for entry in self._pods.values():
                 if entry.node_name or entry.record_raw is None or entry.key in self._pinned:
                     continue

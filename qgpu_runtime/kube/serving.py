@@ -57,6 +57,9 @@ class Routes:
     get: dict[str, GetHandler]
     on_connection: Callable[[], None] | None = None  # called once per accepted connection
     body_limits: Mapping[str, int] = field(default_factory=dict)
+    # With client-certificate authentication: GET paths answered without a client certificate
+    # (kubelet's probes present none). Every other path needs one.
+    open_paths: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
     connections: _Connections
     in_flight: threading.BoundedSemaphore
     bodies: _Budget
+    client_auth: bool
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
@@ -227,8 +231,23 @@ class _Handler(BaseHTTPRequestHandler):
         body = value if isinstance(value, RawJSON) else json.dumps(value, separators=(",", ":")).encode()
         self._send(status, "application/json", body)
 
+    def _authenticated(self, path: str, *, open_path: bool = False) -> bool:
+        """With a client CA, a path outside ``open_paths`` needs a client certificate that the CA
+        signed. The TLS layer already refused a certificate it did not sign (CERT_OPTIONAL still
+        verifies what is sent); here a connection that sent none is refused, and closed."""
+        if not self.client_auth or open_path:
+            return True
+        if isinstance(self.request, ssl.SSLSocket) and self.request.getpeercert():
+            return True
+        self.close_connection = True
+        self._json(401, {"Error": f"{path}: a client certificate signed by the extender's client CA is required"})
+        return False
+
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
         self.connections.phase(self.request, "working", None)
+        path = self.path.split("?", 1)[0]
+        if not self._authenticated(path, open_path=path in self.routes.open_paths):
+            return
         handler = self.routes.get.get(self.path.split("?", 1)[0])
         if handler is None:
             self._json(404, {"Error": f"no GET route {self.path}"})
@@ -238,6 +257,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
+        if not self._authenticated(path):
+            return  # before a byte of the body is read
         try:
             length = int(self.headers.get("Content-Length", ""))
         except ValueError:
@@ -306,25 +327,39 @@ class _Server(ThreadingHTTPServer):
 
 
 class JsonServer:
-    """Serves ``routes`` on host:port (TLS when cert and key are given) in a daemon thread."""
+    """Serves ``routes`` on host:port (TLS when cert and key are given) in a daemon thread.
+
+    ``client_ca_file`` turns on client-certificate authentication: a client that presents a
+    certificate must present one this CA signed (the handshake fails otherwise), and only paths in
+    :attr:`Routes.open_paths` answer a client that presents none. The context asks for the
+    certificate with CERT_OPTIONAL rather than CERT_REQUIRED only so kubelet's probes (which
+    present none) can reach ``/healthz`` and ``/readyz``; every other path refuses them with a 401.
+    """
 
     def __init__(self, host: str, port: int, routes: Routes, cert_file: str | None = None, key_file: str | None = None,
-                 limits: ServerLimits = ServerLimits()):
+                 limits: ServerLimits = ServerLimits(), client_ca_file: str | None = None):
         if bool(cert_file) != bool(key_file):
             raise ValueError("TLS needs both a certificate file and a private key file, or neither")
+        if client_ca_file and not cert_file:
+            raise ValueError("client-certificate authentication needs TLS: a client CA without a serving certificate")
         self.limits = limits
         self.connections = _Connections(limits)
         handler = type("Handler", (_Handler,), {"routes": routes, "limits": limits, "connections": self.connections,
                                                 "in_flight": threading.BoundedSemaphore(limits.max_in_flight),
-                                                "bodies": _Budget(limits.body_budget)})
+                                                "bodies": _Budget(limits.body_budget),
+                                                "client_auth": bool(client_ca_file)})
         self.httpd = _Server((host, port), handler)
         self.httpd.connections = self.connections
         self.httpd.handle_error = lambda request, address: log.debug("connection from %s failed", address, exc_info=True)  # type: ignore[method-assign]
         self.tls = bool(cert_file)
+        self.client_auth = bool(client_ca_file)
         if cert_file and key_file:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.load_cert_chain(cert_file, key_file)
+            if client_ca_file:
+                context.load_verify_locations(cafile=client_ca_file)
+                context.verify_mode = ssl.CERT_OPTIONAL if routes.open_paths else ssl.CERT_REQUIRED
             self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
         self.port = int(self.httpd.server_address[1])
         self._thread: threading.Thread | None = None

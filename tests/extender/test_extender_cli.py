@@ -12,9 +12,20 @@ from tests.extender.test_kube_cache import node, pod
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["extender", "serve", "--port", "0"], "--port 0: must be within 1..65535"),
-    (["extender", "serve", "--tls-cert-file", "x.crt"], "--tls-cert-file and --tls-private-key-file go together"),
-    (["extender", "serve", "--assume-timeout", "0"], "--assume-timeout 0.0: must be > 0 seconds"),
+    (["extender", "serve", "--port", "0", "--insecure-plain-http", "--address", "::1"], "--port 0: must be within 1..65535"),
+    (["extender", "serve", "--tls-cert-file", "x.crt"], "--tls-private-key-file, --client-ca-file missing"),
+    (["extender", "serve"], "--tls-cert-file, --tls-private-key-file, --client-ca-file missing"),
+    (["extender", "serve", "--tls-cert-file", "a", "--tls-key-file", "b"], "--client-ca-file missing"),
+    # plain HTTP only when asked for, and only on loopback
+    (["extender", "serve", "--insecure-plain-http"], "--address 0.0.0.0 with --insecure-plain-http: plain HTTP is "
+                                                     "served only on a loopback address"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "10.0.0.5"], "--address 10.0.0.5"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--client-ca-file", "ca.crt"],
+     "--insecure-plain-http and --client-ca-file: choose HTTPS or plain HTTP"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--max-holds", "0"],
+     "--max-holds 0: must be >= 1"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--assume-timeout", "0"],
+     "--assume-timeout 0.0: must be > 0 seconds"),
     (["webhook", "serve", "--port", "70000", "--tls-cert-file", "a", "--tls-private-key-file", "b"], "--port 70000"),
 ])
 def test_bad_flags_are_refused_with_the_rule(argv, message):
@@ -47,9 +58,10 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
 
     c = AllocationCache(make_policy("binpack"), "binpack")
     c.replace_nodes([node("a"), node("b"), node("tiny", n_cards=1, memory_mib=2048)])
-    c.replace_pods([])
+    p = pod("p", core=30, memory=4)
+    c.replace_pods([p])  # the watch delivered it: the extender trusts its cache, not the body
     app = ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="best")
-    body = json.dumps({"Pod": pod("p", core=30, memory=4), "NodeNames": ["a", "b", "tiny"]}).encode()
+    body = json.dumps({"Pod": p, "NodeNames": ["a", "b", "tiny"]}).encode()
     status, doc = app.handle("filter", body)
     assert status == 200 and doc["NodeNames"] == [c.booking("ns/p").node]
     assert set(doc["FailedAndUnresolvableNodes"]) == {"tiny"}
@@ -70,7 +82,8 @@ def served_extender(tmp_path):
         "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
     parser = argparse.ArgumentParser()
     extender_cli.add_arguments(parser)
-    args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig)])
+    args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
+                              "--insecure-plain-http"])
     args.port = 0  # any free port
     server, _, _ = extender_cli.build(args)
     server.start()

@@ -54,12 +54,13 @@ def plain() -> Iterator[tuple[JsonServer, ExtenderApp]]:
 
 
 @pytest.fixture(scope="module")
-def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JsonServer, Path]]:
+def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[JsonServer, Path, ExtenderApp]]:
     ca = CertificateAuthority(Path(tmp_path_factory.mktemp("pki")))
     pair = ca.issue("srv", "qgpu", server=True, hosts=("127.0.0.1",))
-    server = JsonServer("127.0.0.1", 0, _routes(_app()), str(pair.cert), str(pair.key))
+    app = _app()
+    server = JsonServer("127.0.0.1", 0, _routes(app), str(pair.cert), str(pair.key))
     server.start()
-    yield server, ca.cert_path
+    yield server, ca.cert_path, app
     server.stop()
 
 
@@ -72,14 +73,19 @@ def call(conn: http.client.HTTPConnection, method: str, path: str, body: bytes |
     return response.status, data
 
 
-def gpu_pod(limits: dict) -> dict:
-    return {"metadata": {"name": "p", "namespace": "ns"}, "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]}}
+def gpu_pod(limits: dict, app: ExtenderApp | None = None) -> dict:
+    """A pending pod; with ``app``, one its watch cache has seen (the extender trusts only those)."""
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": "uid-p"},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": limits}}]}}
+    if app is not None:
+        app.cache.apply_pod("MODIFIED", pod)
+    return pod
 
 
 def test_filter_prioritize_and_health_over_http(plain):
-    server, _ = plain
+    server, app = plain
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    args = json.dumps({"Pod": gpu_pod({"tke.cloud.tencent.com/qgpu-core": "100"}), "NodeNames": ["a", "b", "zz"]}).encode()
+    args = json.dumps({"Pod": gpu_pod({"tke.cloud.tencent.com/qgpu-core": "100"}, app), "NodeNames": ["a", "b", "zz"]}).encode()
     status, doc = call(conn, "POST", "/filter", args)
     assert status == 200 and doc["NodeNames"] == ["a", "b"] and "zz" in doc["FailedAndUnresolvableNodes"]
     status, doc = call(conn, "POST", "/prioritize", args)
@@ -90,18 +96,18 @@ def test_filter_prioritize_and_health_over_http(plain):
 
 
 def test_invalid_gpu_request_fails_every_node_with_the_reason(plain):
-    server, _ = plain
+    server, app = plain
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    args = json.dumps({"Pod": gpu_pod({"tke.cloud.tencent.com/qgpu-core": "150"}), "NodeNames": ["a"]}).encode()
+    args = json.dumps({"Pod": gpu_pod({"tke.cloud.tencent.com/qgpu-core": "150"}, app), "NodeNames": ["a"]}).encode()
     status, doc = call(conn, "POST", "/filter", args)
     assert status == 200 and doc["NodeNames"] == []
     assert "multiple of 100" in doc["FailedAndUnresolvableNodes"]["a"]
 
 
 def test_pod_asking_for_nothing_of_ours_passes_every_node(plain):
-    server, _ = plain
+    server, app = plain
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-    args = json.dumps({"Pod": gpu_pod({"cpu": "1"}), "NodeNames": ["a", "elsewhere"]}).encode()
+    args = json.dumps({"Pod": gpu_pod({"cpu": "1"}, app), "NodeNames": ["a", "elsewhere"]}).encode()
     assert call(conn, "POST", "/filter", args)[1]["NodeNames"] == ["a", "elsewhere"]
 
 
@@ -121,10 +127,10 @@ def test_client_mistakes_are_4xx_with_a_reason(plain):
 
 
 def test_https_serves_with_the_given_certificate(tls):
-    server, ca = tls
+    server, ca, app = tls
     ctx = ssl.create_default_context(cafile=str(ca))
     conn = http.client.HTTPSConnection("127.0.0.1", server.port, timeout=10, context=ctx)
-    args = json.dumps({"Pod": gpu_pod({"nvidia.com/gpu": "1"}), "NodeNames": ["b"]}).encode()
+    args = json.dumps({"Pod": gpu_pod({"nvidia.com/gpu": "1"}, app), "NodeNames": ["b"]}).encode()
     status, doc = call(conn, "POST", "/filter", args)
     assert status == 200 and doc["NodeNames"] == ["b"]
     with pytest.raises(ssl.SSLCertVerificationError):

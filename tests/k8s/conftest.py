@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 from kubernetes import client, config
 
-from tests.k8s.controlplane import ControlPlane, QgpuServer, extender_config, extender_server, testbin_dir
+from tests.k8s.controlplane import ControlPlane, QgpuServer, extender_server, testbin_dir
 from tests.k8s.kubeobjects import MANAGED_RESOURCES
 
 
@@ -29,8 +29,8 @@ class Cluster:
         self.api = client.CoreV1Api(self.api_client)
 
     def scheduler_extenders(self, node_cache_capable: bool = True) -> list[dict]:
-        return [extender_config(self.extender.url, ca_file=self.extender.ca_file, node_cache_capable=node_cache_capable,
-                                managed_resources=MANAGED_RESOURCES, timeout="30s")]
+        return [self.extender.scheduler_config(node_cache_capable=node_cache_capable, managed_resources=MANAGED_RESOURCES,
+                                               timeout="30s")]
 
     def restart_extender(self, **kwargs: object) -> None:
         self.extender.stop()

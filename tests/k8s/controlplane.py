@@ -99,8 +99,10 @@ def extender_config(
     weight: int = 1,
     timeout: str = "10s",
     prioritize: bool = True,
+    client_cert: KeyPair | None = None,
 ) -> dict[str, Any]:
-    """One ``extenders`` entry of KubeSchedulerConfiguration v1 pointing at qgpu's extender."""
+    """One ``extenders`` entry of KubeSchedulerConfiguration v1 pointing at qgpu's extender;
+    ``client_cert``: the certificate kube-scheduler presents (the extender refuses calls without)."""
     entry: dict[str, Any] = {
         "urlPrefix": url,
         "filterVerb": "filter",
@@ -115,6 +117,8 @@ def extender_config(
     }
     if ca_file is not None:
         entry["tlsConfig"] = {"caFile": str(ca_file)}
+        if client_cert is not None:
+            entry["tlsConfig"].update(certFile=str(client_cert.cert), keyFile=str(client_cert.key))
     return entry
 
 
@@ -298,10 +302,24 @@ class QgpuServer:
     scheme: str = "https"
     ca_file: Path | None = None
     process: Process | None = None
+    client_cert: KeyPair | None = None  # what kube-scheduler presents to an extender with a client CA
 
     @property
     def url(self) -> str:
         return f"{self.scheme}://127.0.0.1:{self.port}"
+
+    def ssl_context(self, *, client_cert: bool = True) -> ssl.SSLContext | None:
+        """A client context trusting the server (and presenting the scheduler's certificate)."""
+        if self.ca_file is None:
+            return None
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        if client_cert and self.client_cert is not None:
+            ctx.load_cert_chain(str(self.client_cert.cert), str(self.client_cert.key))
+        return ctx
+
+    def scheduler_config(self, **kwargs: Any) -> dict[str, Any]:
+        """:func:`extender_config` for this server, with its CA and client certificate."""
+        return extender_config(self.url, ca_file=self.ca_file, client_cert=self.client_cert, **kwargs)
 
     def start(self, timeout: float = 60.0, ready_path: str = "/readyz") -> None:
         import sys
@@ -314,7 +332,7 @@ class QgpuServer:
                                  start_new_session=True, preexec_fn=_die_with_parent)
         handle.close()
         self.process = Process(self.name, popen, log)
-        ctx = ssl.create_default_context(cafile=str(self.ca_file)) if self.ca_file else None
+        ctx = self.ssl_context()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if popen.poll() is not None:
@@ -340,13 +358,30 @@ class QgpuServer:
 
 
 def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
-                    assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None) -> QgpuServer:
-    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given)."""
+                    assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None,
+                    extra_args: tuple[str, ...] = ()) -> QgpuServer:
+    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given).
+
+    ``tls``: HTTPS with client certificates, as in production: a CA of the extender's own (not the
+    cluster's, whose admin certificate would otherwise pass) signs its serving certificate and the
+    one kube-scheduler presents. Without: plain HTTP on loopback (``--insecure-plain-http``), for
+    tests that are not about the transport."""
     port = port or free_port()
     argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
-            "--filter-result", filter_result]
-    if tls:
-        pair = cp.ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
-        argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key)]
-    return QgpuServer("qgpu-extender", argv, cp.workdir, port, "https" if tls else "http", cp.ca.cert_path if tls else None)
+            "--filter-result", filter_result, *extra_args]
+    if not tls:
+        return QgpuServer("qgpu-extender", [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
+    ca = extender_ca(cp)
+    pair = ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
+    scheduler = ca.issue("kube-scheduler", "system:kube-scheduler", client=True)
+    argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key), "--client-ca-file", str(ca.cert_path)]
+    return QgpuServer("qgpu-extender", argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler)
+
+
+def extender_ca(cp: ControlPlane) -> CertificateAuthority:
+    """The extender's CA for this control plane, created on first use."""
+    directory = cp.workdir / "extender-pki"
+    if (directory / "ca.crt").exists():
+        return CertificateAuthority.load(directory)
+    return CertificateAuthority(directory, "qgpu-extender-ca")

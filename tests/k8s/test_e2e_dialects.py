@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.controlplane import extender_config
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, card_usage, cards, events_for, gpu_node, gpu_pod, list_pods, record, wait_for
 
 MIXED = {"mixed-qgpu-enable": "enable"}
@@ -119,11 +118,10 @@ def test_extender_works_when_the_scheduler_sends_full_node_objects(cluster, ns, 
 
 
 def test_best_only_filter_without_prioritize_binds_where_the_engine_chose(cluster, ns, label):
-    url = cluster.extender.url
     try:
         cluster.restart_extender(filter_result="best")
-        cluster.cp.start_scheduler([extender_config(url, ca_file=cluster.extender.ca_file, managed_resources=MANAGED_RESOURCES,
-                                                    timeout="30s", prioritize=False)])
+        cluster.cp.start_scheduler([cluster.extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s",
+                                                                      prioritize=False)])
         for node in ("a", "b"):
             gpu_node(cluster.api, f"{ns}-{node}", cards(2, node=f"{ns}-{node}"), label)
         for i in range(3):

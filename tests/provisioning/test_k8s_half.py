@@ -455,7 +455,7 @@ def test_a_label_change_in_group_vars_is_reported_and_applied(site: Site) -> Non
 
 
 def extender_requests(cluster: Cluster) -> float:
-    ctx = ssl.create_default_context(cafile=str(cluster.extender.ca_file))
+    ctx = cluster.extender.ssl_context()  # /metrics, like the verbs, needs the scheduler's certificate
     with urllib.request.urlopen(cluster.extender.url + "/metrics", timeout=5, context=ctx) as response:
         text = response.read().decode()
     return sum(sample.value for family in text_string_to_metric_families(text)
@@ -481,7 +481,10 @@ def role_rendered_v1(cluster: Cluster, tmp_path: Path) -> Path:
                            "-e", json.dumps({
                                "sandbox": str(tmp_path), "versions": [version],
                                "kube_scheduler_extender_url_prefix": cluster.extender.url,
-                               "kube_scheduler_extender_tls": {"insecure": False, "caFile": str(cluster.extender.ca_file)},
+                               "kube_scheduler_extender_tls": {
+                                   "insecure": False, "caFile": str(cluster.extender.ca_file),
+                                   "certFile": str(cluster.extender.client_cert.cert),
+                                   "keyFile": str(cluster.extender.client_cert.key)},
                                "kube_scheduler_extender_kubeconfig": str(cluster.cp.scheduler_kubeconfig),
                                # The qgpu extender implements filter, prioritize and bind, not preempt.
                                "kube_scheduler_extender_preempt_verb": "",
@@ -518,6 +521,8 @@ def test_the_role_v1_config_runs_kube_scheduler_through_the_extender(cluster: Cl
     config = yaml.safe_load(role_rendered_v1.read_text())
     (extender,) = config["extenders"]
     assert extender["enableHTTPS"] is True and extender["tlsConfig"]["caFile"] == str(cluster.extender.ca_file)
+    # the extender answers only the client certificate the role's tlsConfig names
+    assert extender["tlsConfig"]["certFile"] == str(cluster.extender.client_cert.cert)
     assert config["leaderElection"] == {"leaderElect": True}
 
     label = {"qgpu-test": uuid.uuid4().hex[:10]}

@@ -91,3 +91,40 @@ def test_the_manifest_loads_exactly_the_rendered_file(rendered: Path, version: s
         assert args == ["--config=/etc/kubernetes/qgpu/kube-scheduler-config.yaml"]
     other = "kube-scheduler-config.yaml" if VERSIONS[version] == "policy" else "scheduler-policy.json"
     assert not (rendered / version / "etc/kubernetes/qgpu" / other).exists()
+
+
+@pytest.mark.parametrize("version", list(VERSIONS))
+def test_tls_config_names_the_ca_and_kube_schedulers_client_certificate(rendered: Path, version: str) -> None:
+    """The extender answers only a client certificate of its CA: every format carries certFile and
+    keyFile next to caFile, under its own spelling of enableHTTPS, and the files are there."""
+    config = load_config(rendered, version)
+    (extender,) = config["extenders"]
+    assert extender["enableHttps" if VERSIONS[version] == "policy" else "enableHTTPS"] is True
+    assert extender["urlPrefix"].startswith("https://")
+    tls = extender["tlsConfig"]
+    assert {"caFile", "certFile", "keyFile"} <= set(tls)
+    for path in (tls["caFile"], tls["certFile"], tls["keyFile"]):
+        written = rendered / version / path.lstrip("/")
+        assert written.exists() and written.stat().st_mode & 0o077 == 0, path
+
+
+def test_the_role_defaults_wire_https_with_the_files_it_writes() -> None:
+    defaults = yaml.safe_load((REPO / "roles/kube_scheduler_extender/defaults/main.yml").read_text())
+    assert defaults["kube_scheduler_extender_enable_https"] is True
+    assert defaults["kube_scheduler_extender_url_prefix"].startswith("https://")
+    assert set(defaults["kube_scheduler_extender_tls"]) == {"caFile", "certFile", "keyFile"}
+
+
+def test_a_rotated_client_certificate_restarts_kube_scheduler(tmp_path: Path) -> None:
+    """kube-scheduler reads its extender certificates at start only: new files must change the
+    static pod (its checksum annotation), the same files must not."""
+    def annotation(pem: str) -> str:
+        run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                               "-e", json.dumps({"sandbox": str(tmp_path), "versions": ["1.25.16"], "client_cert_pem": pem}))
+        assert run.returncode == 0, run.output[-4000:]
+        manifest = yaml.safe_load((tmp_path / "1.25.16/etc/kubernetes/manifests/kube-scheduler.yaml").read_text())
+        return manifest["metadata"]["annotations"]["qgpu.io/scheduler-config-checksum"]
+
+    first = annotation("certificate one")
+    assert annotation("certificate one") == first
+    assert annotation("certificate two") != first
