@@ -340,13 +340,15 @@ class QgpuServer:
 
 
 def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
-                    assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None) -> QgpuServer:
-    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given)."""
+                    assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None,
+                    extra_args: Iterable[str] = (), name: str = "qgpu-extender") -> QgpuServer:
+    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given);
+    ``extra_args`` are appended to its command line, ``name`` names its log."""
     port = port or free_port()
     argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
-            "--filter-result", filter_result]
+            "--filter-result", filter_result, *extra_args]
     if tls:
         pair = cp.ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
         argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key)]
-    return QgpuServer("qgpu-extender", argv, cp.workdir, port, "https" if tls else "http", cp.ca.cert_path if tls else None)
+    return QgpuServer(name, argv, cp.workdir, port, "https" if tls else "http", cp.ca.cert_path if tls else None)
