@@ -41,6 +41,7 @@ class ExtenderMetrics:
     connections: Counter
     nodes: Gauge
     bookings: Gauge
+    commitment_conflicts: Counter
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -58,6 +59,10 @@ class ExtenderMetrics:
             connections=Counter("qgpu_extender_connections", "Connections accepted", registry=registry),
             nodes=Gauge("qgpu_extender_cached_nodes", "Nodes in the extender's cache", registry=registry),
             bookings=Gauge("qgpu_extender_bookings", "Pods whose cards are booked in the cache", registry=registry),
+            # Each one is a bind that lost a node's Lease to another binder and decided again.
+            commitment_conflicts=Counter("qgpu_extender_commitment_conflicts",
+                                         "Node commitment writes refused by the apiserver (409), each followed by a "
+                                         "fresh decision", registry=registry),
         )
 
 

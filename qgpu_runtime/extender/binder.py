@@ -70,7 +70,8 @@ class Binder:
     def __init__(self, api: client.CoreV1Api, cache: AllocationCache, limits: CardLimits,
                  clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, commitments: LeaseCommitments | None = None,
-                 commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9):
+                 commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9,
+                 on_conflict: Callable[[], None] = lambda: None):
         """``commitments`` None: binds are safe only against the binds of this process (one active
         extender); with it, against every binder that writes the same Leases."""
         if commit_attempts < 1:
@@ -79,6 +80,7 @@ class Binder:
         self.commit_attempts = commit_attempts
         self.commitment_grace_ns = commitment_grace_ns
         self.conflicts = 0  # lost Lease writes, each followed by a fresh decision
+        self.on_conflict = on_conflict
         self.api = api
         self.timeout = timeout
         self.cache = cache
@@ -191,6 +193,7 @@ class Binder:
                 except CommitmentConflict:
                     self.cache.unreserve(pod)
                     self.conflicts += 1
+                    self.on_conflict()
                     continue
                 except Exception as exc:
                     self.cache.unreserve(pod)

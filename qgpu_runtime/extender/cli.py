@@ -14,7 +14,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qgpu_runtime.extender.app import ExtenderApp
+from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.kube.cache import AllocationCache
 from qgpu_runtime.kube.client import api_client
@@ -75,9 +75,11 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
                    if args.node_commitments else None)
     # A commitment outlives its bind in flight by the assume timeout: by then the Binding (and its
     # record, which every extender's cache books) exists, or the bind is over.
+    metrics = ExtenderMetrics.create()
     binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
-                    commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9))
-    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, filter_result=args.filter_result)
+                    commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9),
+                    on_conflict=metrics.commitment_conflicts.inc)
+    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result)
 
     def metrics() -> tuple[int, str, bytes]:
         app.refresh_gauges()

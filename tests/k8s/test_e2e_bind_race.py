@@ -14,7 +14,9 @@ the allocation records and from the commitment Leases.
 from __future__ import annotations
 
 import json
+import ssl
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -52,6 +54,15 @@ def _settled(api: client.CoreV1Api, ns: str, quiet_s: float = 4.0):
     return probe
 
 
+def conflicts_of(extender) -> float:
+    ctx = ssl.create_default_context(cafile=str(extender.ca_file))
+    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=ctx) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("qgpu_extender_commitment_conflicts_total "):
+                return float(line.split()[1])
+    raise AssertionError("the extender exports no qgpu_extender_commitment_conflicts_total")
+
+
 @pytest.mark.slow
 def test_two_schedulers_with_two_extenders_never_over_commit_a_card(cluster, ns, label, tmp_path):
     cp = cluster.cp
@@ -82,6 +93,8 @@ def test_two_schedulers_with_two_extenders_never_over_commit_a_card(cluster, ns,
             list(pool.map(lambda p: cluster.api.create_namespaced_pod(ns, p, _preload_content=False), pods))
 
         items = wait_for(f"at least {SLOTS} pods bound, then quiet", _settled(cluster.api, ns), timeout=180, interval=0.5)
+        conflicts = [conflicts_of(extender) for extender in extenders]
+        print(f"node commitment conflicts per extender: {conflicts}")
     finally:
         for name in schedulers:
             cp.stop_scheduler(name)
