@@ -307,8 +307,15 @@ class AllocationCache:
             return  # node not seen yet; booked when it arrives (rebuild replays pods below)
         try:
             self._commit(state, entry.key, placement)
-        except StateError as exc:
-            self._problem(f"pod {entry.key}: record does not fit the cache: {exc}")
+        except StateError:
+            # A record is the truth, a hold only filter's guess: holds on the node (made, e.g., by a
+            # filter that arrived before the caches synced) yield. Otherwise the cache would count
+            # less than the records book, and filter would keep offering a node that is full.
+            self._drop_holds(state, placement.node)
+            try:
+                self._commit(state, entry.key, placement)
+            except StateError as exc:
+                self._problem(f"pod {entry.key}: record does not fit the cache: {exc}")
 
     # -- extender operations -------------------------------------------------------------------
 
@@ -455,8 +462,7 @@ class AllocationCache:
             try:
                 state.commit(other, placement)
             except StateError:
-                for held in [k for k in self._tentative if (b := state.bookings.get(k)) and b.node == node]:
-                    self._release(state, held)
+                self._drop_holds(state, node)
                 try:
                     state.commit(other, placement)
                 except StateError as exc:  # the fit check against the commitments refuses the bind
@@ -464,6 +470,10 @@ class AllocationCache:
                     continue
             added.append(other)
         return added
+
+    def _drop_holds(self, state: ClusterState, node: str) -> None:
+        for held in [k for k in self._tentative if (b := state.bookings.get(k)) and b.node == node]:
+            self._release(state, held)
 
     # -- commitments (other binders' promises, see placement/commitments.py) ---------------------
 
