@@ -110,3 +110,22 @@ def test_gone_and_elsewhere_pods_are_pruned_at_once_pending_ones_after_the_grace
 def test_a_bound_pod_keeps_its_entry_however_old():
     doc = NodeCommitments("n", {"a": use("a", (0, 1, 1), since=0)})
     assert stale(doc, {"a": PodFate.BOUND_HERE}, now_ns=10**18, grace_ns=1) == []
+
+
+def test_the_extender_refuses_to_bind_before_its_caches_are_synced():
+    """kube-scheduler calls before /readyz: a bind then would choose cards without the pods'
+    records and prune the commitments of pods not listed yet (seen as an over-commit after a
+    kill -9 and restart)."""
+    from kubernetes import client
+
+    from qgpu_runtime.extender.app import ExtenderApp
+    from qgpu_runtime.extender.binder import Binder
+    from qgpu_runtime.kube.cache import AllocationCache
+    from qgpu_runtime.model.requests import DEFAULT_LIMITS
+    from qgpu_runtime.placement.policies import make_policy
+
+    cache = AllocationCache(make_policy("binpack"), "binpack")
+    app = ExtenderApp(cache, Binder(client.CoreV1Api(client.ApiClient()), cache, DEFAULT_LIMITS), DEFAULT_LIMITS)
+    body = b'{"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "a"}'
+    status, doc = app.handle("bind", body)
+    assert status == 200 and "not synced yet" in doc["Error"]
