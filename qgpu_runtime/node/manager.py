@@ -22,6 +22,7 @@ from typing import Callable
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.metrics import ManagerMetrics, build_snapshot
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
@@ -34,7 +35,6 @@ from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
 from qgpu_runtime.node.store import Share, Store
 from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 
 log = logging.getLogger(__name__)
 
