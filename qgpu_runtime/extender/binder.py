@@ -37,7 +37,7 @@ from kubernetes.client.exceptions import ApiException
 from qgpu_runtime.kube.cache import AllocationCache, Expired
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.commitments import CommitmentConflict, LeaseCommitments, Snapshot
-from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, record_annotations
+from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_annotations
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale
@@ -150,6 +150,8 @@ class Binder:
             self.cache.unreserve(pod)
             if (done.pod.get("spec") or {}).get("nodeName") != node:
                 self._withdraw(node, str(meta.get("uid", "")))
+            else:  # bound here by another binder: its record, not our choice, is what the node holds
+                self._correct(node, done.pod)
             raise
         except Exception as exc:
             self.cache.unreserve(pod)
@@ -182,8 +184,10 @@ class Binder:
                 held = held.without(stale(held, self.cache.fates(held.pods, node), now, self.commitment_grace_ns))
                 record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
                 mine = Commitment.of(uid or key, key, record.placement(), now)
+                # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
+                # same UID (another binder's guess for it, overwritten by its loser) is not counted.
                 problems = over_commitment(self.cache.card_capacity(node),
-                                           [*held.pods.values(), *self.cache.booked_on(node, key)], mine)
+                                           [*self.cache.booked_on(node, key), *held.pods.values()], mine)
                 if problems:
                     self.cache.unreserve(pod)
                     raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
@@ -210,6 +214,32 @@ class Binder:
             raise BindError(f"pod {key}: node {node}: its commitment Lease is unreadable: {exc}") from exc
         except Exception as exc:
             raise BindError(f"pod {key}: cannot read the commitments of node {node}: {_short(exc)}") from exc
+
+    def _correct(self, node: str, pod: dict[str, Any]) -> None:
+        """Best effort: make the pod's entry in the node's Lease what its record says."""
+        meta = pod.get("metadata") or {}
+        uid, raw = str(meta.get("uid") or ""), (meta.get("annotations") or {}).get(ALLOCATION)
+        if self.commitments is None or not uid or not raw:
+            return
+        try:
+            placement = parse_record(raw).placement()
+        except RecordError:
+            return
+        for _ in range(3):
+            try:
+                snapshot = self.commitments.read(node)
+                entry = snapshot.commitments.pods.get(uid)
+                key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+                truth = Commitment.of(uid, key, placement, entry.since_ns if entry else self.clock_ns())
+                if entry == truth:
+                    return
+                self.commitments.write(snapshot, snapshot.commitments.with_pod(truth))
+                return
+            except CommitmentConflict:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the record still counts in every cache
+                log.info("node %s: could not correct the commitment of pod uid %s: %s", node, uid, _short(exc))
+                return
 
     def _withdraw(self, node: str, uid: str) -> None:
         """Best effort after a failed Binding: take our entry out of the node's Lease. Should this

@@ -83,6 +83,14 @@ def test_the_same_pod_from_the_lease_and_from_its_record_counts_once():
     assert over_commitment(CAPACITY, record_and_lease, use("new", (0, 400, 8192))) == []
 
 
+def test_the_first_view_of_a_pod_counts_so_records_listed_first_win_over_a_stale_entry():
+    record = use("a", (1, 600, 8192))  # where the pod is bound
+    stale_entry = use("a", (0, 600, 8192))  # a losing binder's choice for the same pod
+    assert over_commitment(CAPACITY, [record, stale_entry], use("new", (0, 1000, 16384))) == []
+    assert over_commitment(CAPACITY, [record, stale_entry], use("new", (1, 500, 1024))) == [
+        "card 1: core 1100‰ committed > 1000‰"]
+
+
 def test_the_pods_own_earlier_entry_does_not_count_against_it():
     assert over_commitment(CAPACITY, [use("new", (0, 1000, 16384))], use("new", (0, 1000, 16384))) == []
 
