@@ -7,7 +7,7 @@ resourceVersion precondition) the apiserver lets only one of two racing binds co
 decides again on fresh state or fails, and the scheduler retries it.
 
 Capacity is exact: 3 nodes × 2 cards × 3 pods (30 % core, 5 GiB on a 16 GiB card) = 18 slots for
-36 identical pods, so afterwards exactly 18 are bound and no card holds a fourth pod, checked from
+54 identical pods, so afterwards exactly 18 are bound and no card holds a fourth pod, checked from
 the allocation records, from the commitment Leases, and on node 0 (a real node manager, whose
 Allocate the test kubelet calls for each pod bound there) from the node's own store.
 """
@@ -34,7 +34,7 @@ from tests.k8s.nodemanager import ManagedNode, bare_node, read_node
 
 NODES, CARDS_PER_NODE, PODS_PER_CARD = 3, 2, 3
 SLOTS = NODES * CARDS_PER_NODE * PODS_PER_CARD  # 18
-PODS = 2 * SLOTS
+PODS = 3 * SLOTS
 CARD_MIB = 16384
 LIMITS = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 5}
 COMMITMENT_NAMESPACE = "kube-system"  # the extender's default --commitment-namespace
