@@ -10,7 +10,12 @@
    1,000 and at 5,000 nodes. Reported: p50/p99 of the pair as seen by the client, and the server's
    own histogram.
 
+3. With --compare-commitments (only this is run): throughput through the extender with node
+   commitments off, on, and off again (the extender writes each node's commitment Lease before each
+   Binding, issue 11 §5). Reported: pods/s of each and the ratio on / mean(off).
+
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
+     .venv/bin/python bench/extender_bench.py --compare-commitments --nodes 100 --pods 300
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
 
@@ -288,6 +293,8 @@ def main() -> int:
     parser.add_argument("--pin", action="store_true",
                         help="etcd, kube-apiserver and kube-scheduler on CPU 0, the extender and this script on the "
                              "others (the extender on cores of its own, as in its own pod on a bigger control-plane node)")
+    parser.add_argument("--compare-commitments", action="store_true",
+                        help="only compare throughput with node commitments off, on and off again")
     args = parser.parse_args()
     global PIN
     if args.pin:
@@ -297,6 +304,8 @@ def main() -> int:
         PIN = ({cpus[0]}, set(cpus[1:]))
         os.sched_setaffinity(0, PIN[1])
 
+    if args.compare_commitments:
+        return compare_commitments(args)
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
     cp = ControlPlane(testbin_dir(build=True), workdir)
     extender = None
@@ -357,6 +366,53 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     if args.markdown:
         append_markdown(result)
+    return 0
+
+
+def compare_commitments(args: argparse.Namespace) -> int:
+    """Throughput through the extender with node commitments off, on, off again (one control plane,
+    the same nodes; each run has its own namespace and fills its own share of the cards)."""
+    workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
+    cp = ControlPlane(testbin_dir(build=True), workdir)
+    result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"],
+                                                           capture_output=True, text=True).stdout.strip(),
+                              "priority": args.priority, "nodes": args.nodes}
+    try:
+        cp.start()
+        api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
+        make_nodes(api, 0, args.nodes)
+        for key, flag in (("commitments_off", "--no-node-commitments"), ("commitments_on", "--node-commitments"),
+                          ("commitments_off_again", "--no-node-commitments")):
+            extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=[flag])
+            extender.start()
+            try:
+                wait_cached(extender.url, extender.ca_file, args.nodes)
+                ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES,
+                                       timeout="30s")]
+                result[key] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
+            finally:
+                cp.stop_scheduler()
+                extender.stop()
+        off = (result["commitments_off"]["pods_per_s"] + result["commitments_off_again"]["pods_per_s"]) / 2
+        result["ratio_on_to_off"] = round(result["commitments_on"]["pods_per_s"] / off, 3)
+    finally:
+        cp.stop()
+    result["machine"] = machine()
+    result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    result["command"] = "python bench/extender_bench.py " + " ".join(sys.argv[1:])
+    print(json.dumps(result, indent=2))
+    if args.markdown:
+        lines = ["", f"## Node commitments: extender throughput with the per-node Lease on and off ({result['date']})", "",
+                 f"- Command: `{result['command']}`",
+                 f"- Machine: {result['machine']}; {result['kubernetes']}; {args.nodes} fake nodes with {CARDS} cards, "
+                 f"{args.pods} pods per run (qgpu-core 25, qgpu-memory 4), one kube-scheduler, one extender, HTTPS",
+                 "", "| run | pods bound/s | CPU ms per pod (all processes) |", "|---|---|---|"]
+        for key in ("commitments_off", "commitments_on", "commitments_off_again"):
+            lines.append(f"| {key.replace('_', ' ')} | {result[key]['pods_per_s']} | {result[key]['cpu_ms_per_pod']['all']} |")
+        lines += ["", f"Ratio on / mean(off): **{result['ratio_on_to_off']}**. Each commitment costs a GET and a "
+                      "conditional PUT of the node's Lease before the Binding (three API calls per pod instead of one).", ""]
+        with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+            f.write("\n".join(lines) + "\n")
     return 0
 
 

@@ -49,6 +49,7 @@ class ExtenderMetrics:
     bookings: Gauge
     holds: Gauge
     refused: Counter
+    commitment_conflicts: Counter
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -69,6 +70,10 @@ class ExtenderMetrics:
             holds=Gauge("qgpu_extender_holds", "Pods a filter passed that await their bind", registry=registry),
             refused=Counter("qgpu_extender_refused", "Calls refused by the trust rules",
                             ["verb", "reason"], registry=registry),
+            # Each one is a bind that lost a node's Lease to another binder and decided again.
+            commitment_conflicts=Counter("qgpu_extender_commitment_conflicts",
+                                         "Node commitment writes refused by the apiserver (409), each followed by a "
+                                         "fresh decision", registry=registry),
         )
 
 
@@ -165,6 +170,12 @@ class ExtenderApp:
             return 200, encode_binding_result(refusal)
         if self.binder is None:
             return 200, encode_binding_result("this extender runs without an API connection and cannot bind")
+        if not self.cache.synced.is_set():
+            # kube-scheduler calls before /readyz says ready. A bind now would choose cards without
+            # the records on the pods, and prune node commitments of pods it has not listed yet.
+            self.metrics.binds.labels("failed").inc()
+            return 200, encode_binding_result("the extender's node and pod caches are not synced yet; "
+                                              "binding now could double-book cards, retry shortly")
         try:
             self.binder.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
         except BindError as exc:

@@ -9,9 +9,13 @@ when. It also halves the API writes per pod compared with a patch followed by a 
 
 Steps:
 1. book the cards in the cache (under the cache lock, with a per-node lock around the decision, so
-   no concurrent bind can take the same capacity);
-2. POST the Binding carrying the record, guarded by the pod's UID;
-3. if it fails, release the booking. A 409 means the pod is bound already: when it is bound to the
+   no concurrent bind of this process can take the same capacity);
+2. with node commitments on (the default), make the choice safe against other processes too: read
+   the node's commitment Lease, choose around what others committed there, check the choice and
+   write the Lease back conditionally on its resourceVersion; a 409 means another binder won the
+   race, so the booking is undone and the decision made again on fresh state (bounded attempts);
+3. POST the Binding carrying the record, guarded by the pod's UID;
+4. if it fails, release the booking (and withdraw the commitment). A 409 means the pod is bound already: when it is bound to the
    requested node (an earlier attempt of ours got through) the bind is reported as done.
 The pod's spec is the apiserver's pod that the filter of this pod resolved (saving a GET; the
 request body's copy is never used, see :mod:`.trust`); otherwise it is read from the API.
@@ -32,11 +36,13 @@ from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.kube.cache import AllocationCache, Expired
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
-from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, record_annotations
+from qgpu_runtime.kube.commitments import CommitmentConflict, LeaseCommitments, Snapshot
+from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_annotations
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
-from qgpu_runtime.placement.state import StateError
+from qgpu_runtime.placement.state import Placement, StateError
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +69,18 @@ def _escape(annotation: str) -> str:
 class Binder:
     def __init__(self, api: client.CoreV1Api, cache: AllocationCache, limits: CardLimits,
                  clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
-                 timeout: tuple[float, float] = REQUEST_TIMEOUT):
+                 timeout: tuple[float, float] = REQUEST_TIMEOUT, commitments: LeaseCommitments | None = None,
+                 commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9,
+                 on_conflict: Callable[[], None] = lambda: None):
+        """``commitments`` None: binds are safe only against the binds of this process (one active
+        extender); with it, against every binder that writes the same Leases."""
+        if commit_attempts < 1:
+            raise ValueError(f"commit_attempts={commit_attempts}: must be >= 1")
+        self.commitments = commitments
+        self.commit_attempts = commit_attempts
+        self.commitment_grace_ns = commitment_grace_ns
+        self.conflicts = 0  # lost Lease writes, each followed by a fresh decision
+        self.on_conflict = on_conflict
         self.api = api
         self.timeout = timeout
         self.cache = cache
@@ -132,22 +149,127 @@ class Binder:
     def _bind_gpu(self, pod: dict[str, Any], request: Any, node: str) -> BindOutcome:
         meta = pod["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
-        with self._node_lock(node):
-            now = self.clock_ns()
-            try:
-                record = self.cache.reserve(pod, request, node, now)
-            except (Unschedulable, StateError) as exc:
-                reason = exc.reasons.get(node, str(exc)) if isinstance(exc, Unschedulable) else str(exc)
-                raise BindError(f"pod {namespace}/{name}: node {node} cannot take it: {reason}") from exc
+        if self.commitments is not None:
+            record, now = self._reserve_committed(pod, request, node)
+        else:
+            with self._node_lock(node):
+                now = self.clock_ns()
+                record = self._reserve(pod, request, node, now)
         try:
             self._create_binding(namespace, name, meta.get("uid", ""), node, record_annotations(record, now))
-        except AlreadyBound:
+        except AlreadyBound as done:
             self.cache.unreserve(pod)
+            if (done.pod.get("spec") or {}).get("nodeName") != node:
+                self._withdraw(node, str(meta.get("uid", "")))
+            else:  # bound here by another binder: its record, not our choice, is what the node holds
+                self._correct(node, done.pod)
             raise
         except Exception as exc:
             self.cache.unreserve(pod)
+            self._withdraw(node, str(meta.get("uid", "")))
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {_short(exc)}") from exc
         return BindOutcome(node, record.to_json())
+
+    def _reserve(self, pod: dict[str, Any], request: Any, node: str, now: int,
+                 others: dict[str, Placement] | None = None) -> AllocationRecord:
+        try:
+            return self.cache.reserve(pod, request, node, now, others)
+        except (Unschedulable, StateError) as exc:
+            meta = pod["metadata"]
+            reason = exc.reasons.get(node, str(exc)) if isinstance(exc, Unschedulable) else str(exc)
+            raise BindError(f"pod {meta.get('namespace') or 'default'}/{meta['name']}: node {node} cannot take it: "
+                            f"{reason}") from exc
+
+    def _reserve_committed(self, pod: dict[str, Any], request: Any, node: str) -> tuple[AllocationRecord, int]:
+        """Decide and commit through the node's Lease: read it, choose cards around what every
+        binder committed, check the choice, write the Lease back on the resourceVersion it was read
+        at. A 409 means another binder committed meanwhile: decide again on what it wrote."""
+        assert self.commitments is not None
+        meta = pod["metadata"]
+        key, uid = f"{meta.get('namespace') or 'default'}/{meta['name']}", str(meta.get("uid", ""))
+        for _ in range(self.commit_attempts):
+            with self._node_lock(node):  # binds of this process to one node queue here, not at the apiserver
+                snapshot = self._read_commitments(key, node)
+                now = self.clock_ns()
+                held = snapshot.commitments
+                held = held.without(stale(held, self.cache.fates(held.pods, node), now, self.commitment_grace_ns))
+                record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
+                mine = Commitment.of(uid or key, key, record.placement(), now)
+                # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
+                # same UID (another binder's guess for it, overwritten by its loser) is not counted.
+                problems = over_commitment(self.cache.card_capacity(node),
+                                           [*self.cache.booked_on(node, key), *held.pods.values()], mine)
+                if problems:
+                    self.cache.unreserve(pod)
+                    raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
+                                    f"{'; '.join(problems)}")
+                try:
+                    self.commitments.write(snapshot, held.with_pod(mine))
+                except CommitmentConflict:
+                    self.cache.unreserve(pod)
+                    self.conflicts += 1
+                    self.on_conflict()
+                    continue
+                except Exception as exc:
+                    self.cache.unreserve(pod)
+                    raise BindError(f"pod {key}: cannot write the commitment of node {node}: {_short(exc)}") from exc
+                return record, now
+        raise BindError(f"pod {key}: node {node}'s commitments changed under {self.commit_attempts} attempts in a row "
+                        f"(other binders are busy on it); not bound, the scheduler will retry")
+
+    def _read_commitments(self, key: str, node: str) -> Snapshot:
+        assert self.commitments is not None
+        try:
+            return self.commitments.read(node)
+        except CommitmentError as exc:
+            raise BindError(f"pod {key}: node {node}: its commitment Lease is unreadable: {exc}") from exc
+        except Exception as exc:
+            raise BindError(f"pod {key}: cannot read the commitments of node {node}: {_short(exc)}") from exc
+
+    def _correct(self, node: str, pod: dict[str, Any]) -> None:
+        """Best effort: make the pod's entry in the node's Lease what its record says."""
+        meta = pod.get("metadata") or {}
+        uid, raw = str(meta.get("uid") or ""), (meta.get("annotations") or {}).get(ALLOCATION)
+        if self.commitments is None or not uid or not raw:
+            return
+        try:
+            placement = parse_record(raw).placement()
+        except RecordError:
+            return
+        for _ in range(3):
+            try:
+                snapshot = self.commitments.read(node)
+                entry = snapshot.commitments.pods.get(uid)
+                key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+                truth = Commitment.of(uid, key, placement, entry.since_ns if entry else self.clock_ns())
+                if entry == truth:
+                    return
+                self.commitments.write(snapshot, snapshot.commitments.with_pod(truth))
+                return
+            except CommitmentConflict:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the record still counts in every cache
+                log.info("node %s: could not correct the commitment of pod uid %s: %s", node, uid, _short(exc))
+                return
+
+    def _withdraw(self, node: str, uid: str) -> None:
+        """Best effort after a failed Binding: take our entry out of the node's Lease. Should this
+        fail, the entry is pruned by the next bind on the node once its pod is seen elsewhere or gone,
+        or after the grace."""
+        if self.commitments is None or not uid:
+            return
+        for _ in range(3):
+            try:
+                snapshot = self.commitments.read(node)
+                if uid not in snapshot.commitments.pods:
+                    return
+                self.commitments.write(snapshot, snapshot.commitments.without([uid]))
+                return
+            except CommitmentConflict:
+                continue
+            except Exception as exc:  # noqa: BLE001 - pruning covers it
+                log.info("node %s: could not withdraw the commitment of pod uid %s: %s", node, uid, _short(exc))
+                return
 
     def _create_binding(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
         metadata: dict[str, Any] = {"name": name, "namespace": namespace}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import re
 import logging
 import signal
 import threading
@@ -19,17 +20,19 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qgpu_runtime.extender.app import ExtenderApp
+from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.kube.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.kube.commitments import LeaseCommitments
 from qgpu_runtime.kube.serving import JsonServer, Routes
 from qgpu_runtime.kube.watch import CacheFeeder, expire_loop
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 
 PRIORITIES = ("binpack", "spread", "frag")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--filter-result", choices=("all", "best"), default="all",
                        help="filter answers every feasible node (all, default) or only the chosen one (best: one round "
                             "trip per pod when the scheduler is configured without prioritizeVerb)")
+    # node commitments (issue 11 §5): binds safe across extender processes
+    serve.add_argument("--node-commitments", action=argparse.BooleanOptionalAction, default=True,
+                       help="commit each bind through a per-node Lease that the apiserver arbitrates, so two "
+                            "extenders or schedulers never over-commit a card (default on; off only with one "
+                            "active extender, e.g. under leader election)")
+    serve.add_argument("--commitment-namespace", default="kube-system",
+                       help="namespace of the per-node commitment Leases qgpu-node.<node> (default kube-system)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -92,17 +102,28 @@ def _check(args: argparse.Namespace) -> None:
         raise SystemExit(f"qgpu extender serve: --max-holds {args.max_holds}: must be >= 1")
     if args.assume_timeout <= 0:
         raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
+    if args.node_commitments and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
+        raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
+                         "namespace name (lowercase letters, digits and '-', at most 63 characters)")
 
 
 def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     from kubernetes import client
 
-    api = client.CoreV1Api(api_client(args.kubeconfig))
+    connection = api_client(args.kubeconfig)
+    api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
                             max_holds=args.max_holds)
-    binder = Binder(api, cache, DEFAULT_LIMITS)
+    commitments = (LeaseCommitments(client.CoordinationV1Api(connection), args.commitment_namespace)
+                   if args.node_commitments else None)
+    # A commitment outlives its bind in flight by the assume timeout: by then the Binding (and its
+    # record, which every extender's cache books) exists, or the bind is over.
+    metrics = ExtenderMetrics.create()
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
+                    commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9),
+                    on_conflict=metrics.commitment_conflicts.inc)
     pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
-    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, filter_result=args.filter_result, pods=pods)
+    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods)
 
     def metrics() -> tuple[int, str, bytes]:
         app.refresh_gauges()
@@ -142,9 +163,10 @@ def run(args: argparse.Namespace) -> int:
     period = max(0.5, min(10.0, args.assume_timeout / 4))
     threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop), name="expire", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
-    logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s)",
+    logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s, node commitments %s)",
                                      "HTTPS with client certificates" if server.client_auth else "plain HTTP (loopback)",
-                                     args.address, server.port, args.priority)
+                                     args.address, server.port, args.priority,
+                                     f"in namespace {args.commitment_namespace}" if args.node_commitments else "off")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -45,6 +45,7 @@ from qgpu_runtime.kube.nodes import NodeInventoryError, node_spec
 from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_of
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
+from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement, StateError
 
 log = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
 SEEN_PODS = 4096
 DEFAULT_MAX_HOLDS = 1000
+GONE_PODS = 4096
+PHANTOM = "commitment:"  # booking keys of other binders' commitments, present only inside reserve()
 UNKNOWN_NODE = "node unknown to qgpu (not in the extender's node cache)"
 
 
@@ -169,6 +172,8 @@ class AllocationCache:
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._unbound: dict[str, dict[str, Any]] = {}  # UID -> the pod as the apiserver has it
         self._authorized: dict[str, BindAuthorization] = {}  # pod key -> what filter allowed
+        self._uid_key: dict[str, str] = {}
+        self._gone: OrderedDict[str, None] = OrderedDict()
         self._never: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._memo: _FilterMemo | None = None
         self.problems: list[str] = []
@@ -269,6 +274,7 @@ class AllocationCache:
                 self._unbound[entry.uid] = dict(pod)
             if event == "DELETED" or entry.terminal:
                 self._seen.pop(entry.uid, None)
+                self._forget_uid(entry.uid)
                 self._pods.pop(entry.key, None)
                 self._pinned.pop(entry.key, None)
                 self._stale.pop(entry.key, None)
@@ -276,11 +282,14 @@ class AllocationCache:
                 return
             if old is not None and old.uid != entry.uid:
                 self._unbound.pop(old.uid, None)
+                self._forget_uid(old.uid)
                 self._authorized.pop(entry.key, None)
                 self._release(state, entry.key)  # same name, new pod
                 self._pinned.pop(entry.key, None)
                 self._stale.pop(entry.key, None)
             self._pods[entry.key] = entry
+            if entry.uid:
+                self._uid_key[entry.uid] = entry.key
             if entry.key in self._tentative and not entry.node_name and entry.record_raw is None:
                 return  # status updates of a pod being scheduled: keep the hold
             pinned = self._pinned.get(entry.key)
@@ -289,6 +298,15 @@ class AllocationCache:
                     return  # an event from before our own write: our booking stands
                 del self._pinned[entry.key]
             self._sync_booking(state, entry)
+
+    def _forget_uid(self, uid: str) -> None:
+        if not uid:
+            return
+        self._uid_key.pop(uid, None)
+        self._gone[uid] = None
+        self._gone.move_to_end(uid)
+        while len(self._gone) > GONE_PODS:
+            self._gone.popitem(last=False)
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
         with self.lock:
@@ -325,8 +343,15 @@ class AllocationCache:
             return  # node not seen yet; booked when it arrives (rebuild replays pods below)
         try:
             self._commit(state, entry.key, placement)
-        except StateError as exc:
-            self._problem(f"pod {entry.key}: record does not fit the cache: {exc}")
+        except StateError:
+            # A record is the truth, a hold only filter's guess: holds on the node (made, e.g., by a
+            # filter that arrived before the caches synced) yield. Otherwise the cache would count
+            # less than the records book, and filter would keep offering a node that is full.
+            self._drop_holds(state, placement.node)
+            try:
+                self._commit(state, entry.key, placement)
+            except StateError as exc:
+                self._problem(f"pod {entry.key}: record does not fit the cache: {exc}")
 
     # -- extender operations -------------------------------------------------------------------
 
@@ -482,10 +507,13 @@ class AllocationCache:
         """:meth:`prioritize_scores` as a dict by node name."""
         return dict(zip(names, self.prioritize_scores(pod, request, names).tolist()))
 
-    def reserve(self, pod: Mapping[str, Any], request: PodRequest, node: str, now_ns: int) -> AllocationRecord:
+    def reserve(self, pod: Mapping[str, Any], request: PodRequest, node: str, now_ns: int,
+                others: Mapping[str, Placement] | None = None) -> AllocationRecord:
         """Pick cards on ``node`` and book them, pinned until our record shows up in the watch.
 
-        Raises engine.Unschedulable when the node cannot take the pod (any more).
+        ``others``: what other binders committed on the node that this cache does not book (from
+        :meth:`foreign_commitments`); the choice steers around them. Raises engine.Unschedulable
+        when the node cannot take the pod (any more).
         """
         key = pod_key(pod)
         with self.lock:
@@ -496,12 +524,92 @@ class AllocationCache:
                 raise engine.Unschedulable(key, {node: UNKNOWN_NODE})
             mask = np.zeros(state.node_count, dtype=bool)
             mask[state.index[node]] = True
-            placement = engine.place(state, request, self.policy, mask)
+            added = self._book_others(state, node, others or {})
+            try:
+                placement = engine.place(state, request, self.policy, mask)
+            finally:
+                for other in added:
+                    state.release(other)  # booked only for this decision: the arrays are as before
             self._commit(state, key, placement)
             record = record_of(placement, self.policy_name, now_ns)
             self._pinned[key] = record.to_json()
             self._stale.pop(key, None)
             return record
+
+    def _book_others(self, state: ClusterState, node: str, others: Mapping[str, Placement]) -> list[str]:
+        """Book other binders' commitments for one decision. A tentative hold of ours (a guess
+        made at filter time) yields to them: it is dropped when they collide."""
+        added = []
+        for other, placement in others.items():
+            try:
+                state.commit(other, placement)
+            except StateError:
+                self._drop_holds(state, node)
+                try:
+                    state.commit(other, placement)
+                except StateError as exc:  # the fit check against the commitments refuses the bind
+                    self._problem(f"node {node}: another binder's commitment does not fit this cache: {exc}")
+                    continue
+            added.append(other)
+        return added
+
+    def _drop_holds(self, state: ClusterState, node: str) -> None:
+        for held in [k for k in self._tentative if (b := state.bookings.get(k)) and b.node == node]:
+            self._release(state, held)
+
+    # -- commitments (other binders' promises, see placement/commitments.py) ---------------------
+
+    def card_capacity(self, node: str) -> dict[int, int]:
+        """Card index → memory MiB of ``node`` (empty for a node the cache does not know)."""
+        with self.lock:
+            spec = self._specs.get(node)
+            return {c.index: c.memory_mib for c in spec.cards} if spec else {}
+
+    def booked_on(self, node: str, except_key: str = "") -> list[Commitment]:
+        """What this cache books on ``node`` from allocation records (bound pods, binds in flight),
+        as commitments; filter's tentative holds are guesses, not promises, and are left out."""
+        with self.lock:
+            out = []
+            for key, placement in self.state().bookings.items():
+                if placement.node != node or key == except_key or key in self._tentative or key.startswith(PHANTOM):
+                    continue
+                entry = self._pods.get(key)
+                out.append(Commitment.of(entry.uid if entry and entry.uid else key, key, placement, 0))
+            return out
+
+    def foreign_commitments(self, commitments: NodeCommitments, except_uid: str) -> dict[str, Placement]:
+        """The entries of ``commitments`` this cache does not already book from a record, as
+        placements for :meth:`reserve`."""
+        with self.lock:
+            spec = self._specs.get(commitments.node)
+            uuids = {c.index: c.uuid for c in spec.cards} if spec else {}
+            state = self.state()
+            out = {}
+            for uid, c in commitments.pods.items():
+                if uid == except_uid:
+                    continue
+                key = self._uid_key.get(uid)
+                if key is not None and key not in self._tentative and key in state.bookings:
+                    continue
+                out[PHANTOM + uid] = c.placement(commitments.node, uuids)
+            return out
+
+    def fates(self, uids: Iterable[str], node: str) -> dict[str, PodFate]:
+        """What this cache knows of each pod, for pruning a node's commitments."""
+        with self.lock:
+            out = {}
+            for uid in uids:
+                if uid in self._gone:
+                    out[uid] = PodFate.GONE
+                    continue
+                entry = self._pods.get(self._uid_key.get(uid, ""))
+                if entry is None:
+                    out[uid] = PodFate.UNKNOWN
+                elif not entry.node_name:
+                    out[uid] = PodFate.PENDING
+                else:
+                    out[uid] = PodFate.BOUND_HERE if entry.node_name == node else PodFate.BOUND_ELSEWHERE
+            return out
 
     def unreserve(self, pod: Mapping[str, Any]) -> None:
         """Undo :meth:`reserve` after a failed bind (the caller removed the record)."""

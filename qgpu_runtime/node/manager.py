@@ -22,6 +22,7 @@ from typing import Callable
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.metrics import ManagerMetrics, build_snapshot
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
@@ -32,7 +33,8 @@ from qgpu_runtime.node.pods import PodSource, PodSourceError
 from qgpu_runtime.node.record import ASSIGNED, assigned
 from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
-from qgpu_runtime.node.store import Store
+from qgpu_runtime.node.store import Share, Store
+from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +319,11 @@ class NodeManager:
             if sick:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
                                       f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
+            problems = over_commit(m, self.cards, self.store.shares(), pods)
+            if problems:
+                raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: its record would over-commit "
+                                      f"this node: {'; '.join(problems)} (live pods of the node already hold it; "
+                                      "two binders disagreed — the pod must be scheduled again)")
             _write_atomic(Path(grant.config_host_dir) / "quota.json", quota_json(grant))
             row, shares = store_rows(m, kind.name, device_ids, self.clock_ns())
             self.store.record(row, shares)  # durable before kubelet hears back
@@ -467,6 +474,23 @@ class NodeManager:
                 self.sample_once()
             except Exception:  # a bad sample must not end sampling for the life of the process
                 log.exception("metrics sample failed")
+
+
+def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict]) -> list[str]:
+    """Why granting ``m``'s cards would put a card over its capacity, given the shares of the node's
+    live pods in the store (deleted and finished pods no longer hold theirs); empty when it fits.
+
+    The node is the last line of defence: the extender's commitments keep binders from promising
+    a card twice, and this refuses a record that does so anyway (an older extender, a binder
+    running without commitments, a record written by hand)."""
+    live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
+            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+    held = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
+                       (CardUse(s.card_index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD),))
+            for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
+    mine = Commitment(f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}", 0, tuple(
+        CardUse(s.index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD) for s in m.share.cards))
+    return over_commitment({i: c.memory_mib for i, c in cards.items()}, held, mine)
 
 
 def _json_list(values: list[str]) -> str:

@@ -220,3 +220,19 @@ def test_unhealthy_cards_take_no_new_pods():
     c.replace_nodes([n])
     whole = pod("whole", core=200, memory=0)
     assert c.filter(whole, parse_pod(whole), ["h"]).unresolvable.keys() == {"h"}
+
+
+def test_a_record_that_collides_with_a_filter_hold_is_booked_and_the_hold_yields():
+    """A filter answered before the caches synced held card capacity that records (arriving in the
+    pod list) already book. The records must win, or the cache counts less than is bound and filter
+    keeps offering a full node (whose binds the node commitments then refuse for ever)."""
+    c = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=60 * SEC)
+    c.replace_nodes([node("a", n_cards=1)])
+    early = pod("early", core=80, memory=4)
+    c.filter(early, parse_pod(early), ["a"], 1)  # a hold on card 0 of a, before any pod was listed
+    other = cache()  # where the bound pod's record was written
+    other.replace_nodes([node("a", n_cards=1)])
+    bound_pod = bind_locally(other, pod("bound", core=50, memory=4), "a", 1)
+    c.replace_pods([bound_pod])
+    assert c.booking("ns/bound") is not None and c.booking("ns/early") is None
+    assert not c.problems

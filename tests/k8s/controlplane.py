@@ -359,8 +359,9 @@ class QgpuServer:
 
 def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
                     assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None,
-                    extra_args: tuple[str, ...] = ()) -> QgpuServer:
-    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given).
+                    extra_args: Iterable[str] = (), name: str = "qgpu-extender") -> QgpuServer:
+    """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given);
+    ``extra_args`` are appended to its command line, ``name`` names its log.
 
     ``tls``: HTTPS with client certificates, as in production: a CA of the extender's own (not the
     cluster's, whose admin certificate would otherwise pass) signs its serving certificate and the
@@ -371,12 +372,12 @@ def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = 
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
             "--filter-result", filter_result, *extra_args]
     if not tls:
-        return QgpuServer("qgpu-extender", [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
+        return QgpuServer(name, [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
     ca = extender_ca(cp)
     pair = ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
     scheduler = ca.issue("kube-scheduler", "system:kube-scheduler", client=True)
     argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key), "--client-ca-file", str(ca.cert_path)]
-    return QgpuServer("qgpu-extender", argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler)
+    return QgpuServer(name, argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler)
 
 
 def extender_ca(cp: ControlPlane) -> CertificateAuthority:

@@ -13,17 +13,22 @@ from pathlib import Path
 import yaml
 
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, record
-from tests.k8s.rbac import kubeconfig_bound_to, template_cluster_role, unbind
+from tests.k8s.rbac import bind_roles, kubeconfig_bound_to, template_cluster_role, template_roles, unbind, unbind_roles
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_extender_binds_with_exactly_the_clusterrole_of_its_template(tmp_path, cluster, ns, label):
     defaults = yaml.safe_load((ROOT / "roles" / "qgpu_scheduler" / "defaults" / "main.yml").read_text())
-    role = template_cluster_role("qgpu-scheduler.yaml.j2", **{**defaults, "qgpu_scheduler_namespace": "kube-system",
-                                                              "qgpu_scheduler_image": "qgpu:test"})
+    variables = {**defaults, "qgpu_scheduler_namespace": "kube-system", "qgpu_scheduler_image": "qgpu:test"}
+    role = template_cluster_role("qgpu-scheduler.yaml.j2", **variables)
+    # node commitments (on by default): the Lease Role of the same template, in the extender's namespace
+    lease_roles = template_roles("qgpu-scheduler.yaml.j2", **variables)
+    assert lease_roles, "the template grants no Role for the node commitment Leases"
     name = f"qgpu-scheduler-{ns}"
-    cluster.restart_extender(kubeconfig=kubeconfig_bound_to(cluster, role, name, tmp_path / "extender.kubeconfig"))
+    kubeconfig = kubeconfig_bound_to(cluster, role, name, tmp_path / "extender.kubeconfig")
+    bind_roles(cluster, lease_roles, name)
+    cluster.restart_extender(kubeconfig=kubeconfig)
     try:
         gpu_node(cluster.api, f"{ns}-a", cards(2, node=f"{ns}-a"), label)
         limits = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 5}
@@ -36,3 +41,4 @@ def test_extender_binds_with_exactly_the_clusterrole_of_its_template(tmp_path, c
     finally:
         cluster.restart_extender()
         unbind(cluster, name)
+        unbind_roles(cluster, lease_roles, name)

@@ -297,3 +297,42 @@ def test_a_pod_deleted_while_the_manager_runs_is_released_without_a_restart(node
          what="the deleted and the finished pod released by the running manager")
     assert {g.pod for g in node.store.grants()} == {"keep"}
     assert {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]}
+
+
+# -- the node as the last line of defence against over-commitment (issue 11 §5) -----------------
+
+def test_allocate_refuses_a_record_that_would_put_a_card_over_100_percent_core(node):
+    first = pod("first", "gpu-node-1", [("main", qgpu(60, 4), [(0, node.uuid(0), 600, 4096)])], bind_time=1)
+    second = pod("second", "gpu-node-1", [("main", qgpu(60, 4), [(0, node.uuid(0), 600, 4096)])], bind_time=2)
+    node.set_pods([first, second])
+    node.kubelet.admit(first)
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.admit(second)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "default/second container main: its record would over-commit this node: card 0: core 1200‰ committed > 1000‰" \
+        in err.value.details()
+    assert {s.workload for s in node.store.shares()} == {"first"}
+
+
+def test_allocate_refuses_a_record_that_would_put_a_card_over_its_memory(node):
+    first = pod("first", "gpu-node-1", [("main", qgpu(10, 10), [(1, node.uuid(1), 100, 10240)])], bind_time=1)
+    second = pod("second", "gpu-node-1", [("main", qgpu(10, 10), [(1, node.uuid(1), 100, 10240)])], bind_time=2)
+    node.set_pods([first, second])
+    node.kubelet.admit(first)
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.admit(second)
+    assert "card 1: memory 20480 MiB committed > 16384 MiB" in err.value.details()
+    assert {g.pod for g in node.store.grants()} == {"first"}
+
+
+def test_shares_of_deleted_and_finished_pods_do_not_count_against_a_new_allocate(node):
+    gone = pod("gone", "gpu-node-1", [("main", qgpu(60, 8), [(0, node.uuid(0), 600, 8192)])], bind_time=1)
+    done = pod("done", "gpu-node-1", [("main", qgpu(40, 8), [(0, node.uuid(0), 400, 8192)])], bind_time=2)
+    node.set_pods([gone, done])
+    node.kubelet.admit(gone)
+    node.kubelet.admit(done)
+    done["status"]["phase"] = "Succeeded"
+    new = pod("new", "gpu-node-1", [("main", qgpu(100, 16), [(0, node.uuid(0), 1000, 16384)])], bind_time=3)
+    node.set_pods([done, new])  # 'gone' deleted, 'done' finished; their rows are still in the store
+    assert {s.workload for s in node.store.shares()} >= {"gone", "done"}
+    assert node.kubelet.admit(new)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)

@@ -252,6 +252,7 @@ def test_every_rendered_object_is_in_the_apiserver(site: Site) -> None:
     docs = rendered_objects(site)
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
+                     "Role", "RoleBinding",  # the extender's node commitment Leases
                      "Secret", "Service", "ServiceAccount", "ValidatingWebhookConfiguration"]
     for doc in docs:
         meta = doc["metadata"]
