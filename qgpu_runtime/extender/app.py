@@ -163,6 +163,12 @@ class ExtenderApp:
 
     def bind(self, body: bytes) -> Response:
         args = BindingArgs.decode(body)
+        if self.binder is not None and not self.cache.synced.is_set():
+            # kube-scheduler calls before /readyz says ready. A bind now would choose cards without
+            # the records on the pods, and prune node commitments of pods it has not listed yet.
+            self.metrics.binds.labels("failed").inc()
+            return 200, encode_binding_result("the extender's node and pod caches are not synced yet; "
+                                              "binding now could double-book cards, retry shortly")
         refusal = self.cache.bind_refusal(f"{args.pod_namespace}/{args.pod_name}", args.pod_uid, args.node)
         if refusal is not None:
             self.metrics.binds.labels("refused").inc()
@@ -170,12 +176,6 @@ class ExtenderApp:
             return 200, encode_binding_result(refusal)
         if self.binder is None:
             return 200, encode_binding_result("this extender runs without an API connection and cannot bind")
-        if not self.cache.synced.is_set():
-            # kube-scheduler calls before /readyz says ready. A bind now would choose cards without
-            # the records on the pods, and prune node commitments of pods it has not listed yet.
-            self.metrics.binds.labels("failed").inc()
-            return 200, encode_binding_result("the extender's node and pod caches are not synced yet; "
-                                              "binding now could double-book cards, retry shortly")
         try:
             self.binder.bind(args.pod_namespace, args.pod_name, args.pod_uid, args.node)
         except BindError as exc:
