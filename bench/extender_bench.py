@@ -386,9 +386,8 @@ def compare_commitments(args: argparse.Namespace) -> int:
             extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=[flag])
             extender.start()
             try:
-                wait_cached(extender.url, extender.ca_file, args.nodes)
-                ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES,
-                                       timeout="30s")]
+                wait_cached(extender.url, extender.ssl_context(), args.nodes)
+                ext = [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
                 result[key] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
             finally:
                 cp.stop_scheduler()

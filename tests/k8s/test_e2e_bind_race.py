@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-import ssl
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -28,7 +27,7 @@ from kubernetes import client
 from qgpu_runtime.kube.commitments import lease_name
 from qgpu_runtime.kube.nodes import CARDS
 from qgpu_runtime.placement.commitments import COMMITMENTS, parse_commitments
-from tests.k8s.controlplane import extender_config, extender_server
+from tests.k8s.controlplane import extender_server
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, card_usage, cards, gpu_node, gpu_pod, list_pods, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, read_node
 
@@ -70,8 +69,7 @@ def store_usage(node: ManagedNode) -> dict[int, tuple[int, int, int]]:
 
 def conflicts_of(extender) -> float | None:
     """Lease writes this extender lost (reported, not asserted: how often the race hits varies)."""
-    ctx = ssl.create_default_context(cafile=str(extender.ca_file))
-    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=ctx) as response:
+    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=extender.ssl_context()) as response:
         for line in response.read().decode().splitlines():
             if line.startswith("qgpu_extender_commitment_conflicts_total "):
                 return float(line.split()[1])
@@ -95,8 +93,7 @@ def test_two_schedulers_with_two_extenders_never_over_commit_a_card(cluster, ns,
                 "clientConnection": {"kubeconfig": str(cp.scheduler_kubeconfig), "qps": 1000, "burst": 2000},
                 "leaderElection": {"leaderElect": False},
                 "profiles": [{"schedulerName": scheduler_name}],
-                "extenders": [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES,
-                                              timeout="30s")],
+                "extenders": [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")],
             }
             path = tmp_path / f"{name}.yaml"
             path.write_text(yaml.safe_dump(config))
