@@ -58,3 +58,30 @@ def test_the_guard_fails_a_policy_that_packs_worse(openb, variant, factory):
     """The guard can fail: the same cut under a worse policy lands above the limit."""
     unallocated = _unallocated_at_100(openb, "bestfit" if factory is None else "frag", factory)
     assert unallocated > FRAG_UNALLOCATED_PCT_LIMIT, f"{variant}: {unallocated:.2f} %"
+
+
+# The GPU-model variant (docs/simulator.md, --gpu-spec-fraction): the claim of docs/benchmarks.md
+# is that frag packs it at least as well as the published FGD on the study's own 33 % variant,
+# 12.1 % unallocated at arrived 100 % (frag's 10-seed median here: 8.85). The guard holds seed 42's
+# cut to that published figure (it lands at 9.14); without the pressure weighting frag lands at 15.98.
+FGD_PUBLISHED_GPU_SPEC_PCT = 12.1
+
+
+@pytest.fixture(scope="module")
+def openb_gpu_spec(openb):
+    from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, with_gpu_spec
+
+    nodes, pods = openb
+    return nodes, with_gpu_spec(pods, nodes, PRODUCTION_FRACTION, seed=0)
+
+
+def test_frag_packs_the_gpu_model_variant_at_least_as_well_as_published_fgd(openb_gpu_spec):
+    unallocated = _unallocated_at_100(openb_gpu_spec, "frag")
+    assert unallocated <= FGD_PUBLISHED_GPU_SPEC_PCT, (
+        f"frag leaves {unallocated:.2f} % unallocated at arrived 100 % on the GPU-model variant (seed {CUT_SEED}); "
+        f"the published FGD leaves {FGD_PUBLISHED_GPU_SPEC_PCT} %")
+
+
+def test_the_gpu_model_guard_fails_frag_without_the_pressure_weighting(openb_gpu_spec):
+    unallocated = _unallocated_at_100(openb_gpu_spec, "frag", lambda: FragPolicy(model_pressure=False))
+    assert unallocated > FGD_PUBLISHED_GPU_SPEC_PCT, f"{unallocated:.2f} %"
