@@ -92,6 +92,15 @@ def hami_pod(name: str) -> dict[str, Any]:
     return translate_pod(qgpu, parse_pod(qgpu))
 
 
+def hami_pod_spread(name: str) -> dict[str, Any]:
+    """The same, asking HAMi to spread it over nodes (HAMi's per-pod node policy annotation). HAMi
+    binds one pod per node at a time (its node lock), so where binpack sends consecutive pods to
+    the same node their binds collide and are retried; spread measures HAMi without that."""
+    doc = hami_pod(name)
+    doc["metadata"]["annotations"] = {"hami.io/node-scheduler-policy": "spread"}
+    return doc
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (/proc/<pid>/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -432,6 +441,8 @@ def main() -> int:
     parser.add_argument("--peers", default="", help="comma-separated peer schedulers to run beside qgpu's extender: hami "
                         "(built by bench/peers/hami-build). With a peer, the plain-HTTP and `best` variants are left out")
     parser.add_argument("--peer-pods", type=int, help="pods per throughput run with peers (default: --pods), for every arm")
+    parser.add_argument("--peer-samples", type=int, default=100,
+                        help="filter calls per latency figure for a peer (HAMi's filter takes up to a second at 5,000 nodes)")
     parser.add_argument("--pack-nodes", type=int, default=0,
                         help="packing comparison on this many nodes per scheduler (0: none)")
     parser.add_argument("--pack-demand", type=float, default=1.25, help="packing pods' compute / the group's compute")
@@ -506,8 +517,10 @@ def main() -> int:
             result["hami_registration_s"] = round(hami.wait_registered(all_nodes), 1)
             result["with_hami"] = throughput(cp, api, [hami_peer.scheduler_extender(hami)], pods, hami.pid, None,
                                              extender_name="hami-scheduler", make_pod=hami_pod)
+            result["with_hami_spread"] = throughput(cp, api, [hami_peer.scheduler_extender(hami)], pods, hami.pid, None,
+                                                    extender_name="hami-scheduler", make_pod=hami_pod_spread)
             cp.stop_scheduler()
-            variants.append("with_hami")
+            variants += ["with_hami", "with_hami_spread"]
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], pods)
         base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
@@ -535,7 +548,7 @@ def main() -> int:
                 hami.wait_registered({f"node-{i:05d}" for i in range(total)})
                 for sent in sorted({total, scheduler_sample(total)}):
                     names = [f"node-{i:05d}" for i in range(sent)]
-                    result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.samples)})
+                    result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.peer_samples)})
     finally:
         if hami is not None:
             hami.stop()
@@ -597,7 +610,8 @@ def append_peer_markdown(r: dict[str, Any]) -> None:
     """One table: baseline, qgpu's extender and each peer from the same run."""
     arms = [("without_extender", "no extender (before / after)"), ("with_extender", "qgpu extender (filter+prioritize+bind, HTTPS)")]
     if "with_hami" in r:
-        arms.append(("with_hami", "HAMi v2.10.0 scheduler (filter+bind, HTTPS)"))
+        arms.append(("with_hami", "HAMi v2.10.0 scheduler (filter+bind, HTTPS), node policy binpack (its default)"))
+        arms.append(("with_hami_spread", "same, pods annotated `hami.io/node-scheduler-policy: spread`"))
     lines = ["", f"### Run of {r['date']} ({'shared cores' if r['cpus'] == 'shared' else '--pin'})", "",
              f"- Command: `{r['command']}`",
              f"- Machine: {r['machine']}; load average at the end {r['load_average_at_end']}", "",
