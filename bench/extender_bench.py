@@ -441,7 +441,7 @@ def main() -> int:
     parser.add_argument("--peers", default="", help="comma-separated peer schedulers to run beside qgpu's extender: hami "
                         "(built by bench/peers/hami-build). With a peer, the plain-HTTP and `best` variants are left out")
     parser.add_argument("--peer-pods", type=int, help="pods per throughput run with peers (default: --pods), for every arm")
-    parser.add_argument("--peer-samples", type=int, default=100,
+    parser.add_argument("--peer-samples", type=int, default=60,
                         help="filter calls per latency figure for a peer (HAMi's filter takes up to a second at 5,000 nodes)")
     parser.add_argument("--pack-nodes", type=int, default=0,
                         help="packing comparison on this many nodes per scheduler (0: none)")
@@ -474,6 +474,11 @@ def main() -> int:
     hami: hami_peer.HamiScheduler | None = None
     result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True,
                                                            text=True).stdout.strip(), "priority": args.priority, "peers": peers}
+
+    def checkpoint() -> None:
+        """A long run keeps what it measured so far if it is stopped (--json only)."""
+        if args.json:
+            args.json.write_text(json.dumps({**result, "partial": True}, indent=2) + "\n")
     try:
         with control_plane_cpus():
             cp.start()
@@ -490,6 +495,7 @@ def main() -> int:
         extender.start()
         ext = [extender_config(extender.url, ca_file=extender.ca_file, managed_resources=MANAGED_RESOURCES, timeout="30s")]
         result["with_extender"] = throughput(cp, api, ext, pods, extender.process.popen.pid, extender)
+        checkpoint()
         cp.stop_scheduler()
         variants = ["with_extender"]
         if not peers:
@@ -521,11 +527,13 @@ def main() -> int:
                                                     extender_name="hami-scheduler", make_pod=hami_pod_spread)
             cp.stop_scheduler()
             variants += ["with_hami", "with_hami_spread"]
+            checkpoint()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], pods)
         base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
         for variant in variants:
             result[f"ratio_{variant}"] = round(result[variant]["pods_per_s"] / base, 3)
+            checkpoint()
         cp.stop_scheduler()
         if not extender.process or extender.process.popen.poll() is not None:
             extender.start()
@@ -535,6 +543,7 @@ def main() -> int:
             if hami is not None:
                 result["packing"]["hami"] = packing(cp, api, [hami_peer.scheduler_extender(hami)], "hami", args.pack_nodes, mix,
                                                     hami=True)
+            checkpoint()
         result["latency"] = []
         result["hami_latency"] = []
         for total in [args.nodes] + ([args.big_nodes] if args.big_nodes > args.nodes else []):
@@ -544,11 +553,14 @@ def main() -> int:
             for sent in sorted({total, scheduler_sample(total)}):
                 names = [f"node-{i:05d}" for i in range(sent)]
                 result["latency"].append({"cluster_nodes": total, **latency(extender.url, extender.ca_file, names, args.samples)})
+            checkpoint()
             if hami is not None:
-                hami.wait_registered({f"node-{i:05d}" for i in range(total)})
-                for sent in sorted({total, scheduler_sample(total)}):
-                    names = [f"node-{i:05d}" for i in range(sent)]
-                    result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.peer_samples)})
+                # All names only: HAMi's filter costs up to seconds a call here, and it builds the
+                # usage of every node it knows whatever names it is sent.
+                hami.wait_registered({f"node-{i:05d}" for i in range(total)}, timeout=600)
+                names = [f"node-{i:05d}" for i in range(total)]
+                result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.peer_samples)})
+                checkpoint()
     finally:
         if hami is not None:
             hami.stop()

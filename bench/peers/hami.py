@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.peers.hami_nodes import GPU, GPU_CORES, GPU_MEMORY, GPU_MEMORY_PERCENTAGE, HAMI_RESOURCES
+from tests.k8s.controlplane import _die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT = ROOT / "bench" / "peers" / "hami-build"
@@ -113,7 +114,7 @@ class HamiScheduler:
         handle = open(self.log, "ab")
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         self.popen = subprocess.Popen(self.argv(), stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=env, start_new_session=True)
+                                      env=env, start_new_session=True, preexec_fn=_die_with_parent)
         handle.close()
         ctx = ssl.create_default_context(cafile=str(self.ca_file))
         deadline = time.monotonic() + timeout
