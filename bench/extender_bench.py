@@ -514,6 +514,10 @@ def main() -> int:
                                           prioritize=False)], pods, best.process.popen.pid, best)
             best.stop()
             variants += ["with_extender_plain_http", "with_extender_best_filter"]
+        # One scheduler extender at a time: an idle one still follows every node and pod change
+        # (HAMi's node locks and annotations included) on the same two cores.
+        extender.stop()
+        mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand) if args.pack_nodes else []
         if hami_binary is not None:
             pair = cp.ca.issue("hami", "hami-scheduler", server=True, hosts=("127.0.0.1", "localhost"))
             hami = hami_peer.HamiScheduler(hami_binary, workdir, cp.admin_kubeconfig, pair.cert, pair.key, cp.ca.cert_path,
@@ -528,21 +532,21 @@ def main() -> int:
             cp.stop_scheduler()
             variants += ["with_hami", "with_hami_spread"]
             checkpoint()
+            if mix:
+                result["packing"] = {"hami": packing(cp, api, [hami_peer.scheduler_extender(hami)], "hami", args.pack_nodes, mix,
+                                                     hami=True)}
+                checkpoint()
+            hami.stop()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
         result["without_extender_again"] = throughput(cp, api, [], pods)
         base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
         for variant in variants:
             result[f"ratio_{variant}"] = round(result[variant]["pods_per_s"] / base, 3)
-            checkpoint()
+        checkpoint()
         cp.stop_scheduler()
-        if not extender.process or extender.process.popen.poll() is not None:
-            extender.start()
-        if args.pack_nodes:
-            mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand)
-            result["packing"] = {"qgpu": packing(cp, api, ext, "qgpu", args.pack_nodes, mix, hami=False)}
-            if hami is not None:
-                result["packing"]["hami"] = packing(cp, api, [hami_peer.scheduler_extender(hami)], "hami", args.pack_nodes, mix,
-                                                    hami=True)
+        extender.start()
+        if mix:
+            result.setdefault("packing", {})["qgpu"] = packing(cp, api, ext, "qgpu", args.pack_nodes, mix, hami=False)
             checkpoint()
         result["latency"] = []
         result["hami_latency"] = []
@@ -555,12 +559,17 @@ def main() -> int:
                 result["latency"].append({"cluster_nodes": total, **latency(extender.url, extender.ca_file, names, args.samples)})
             checkpoint()
             if hami is not None:
-                # All names only: HAMi's filter costs up to seconds a call here, and it builds the
-                # usage of every node it knows whatever names it is sent.
-                hami.wait_registered({f"node-{i:05d}" for i in range(total)}, timeout=600)
+                # HAMi alone (qgpu's extender stopped); all names only: its filter costs up to seconds a
+                # call here, and it builds the usage of every node it knows whatever names it is sent.
+                extender.stop()
+                hami.start()
+                result.setdefault("hami_registration_s_by_nodes", {})[str(total)] = round(
+                    hami.wait_registered({f"node-{i:05d}" for i in range(total)}, timeout=600), 1)
                 names = [f"node-{i:05d}" for i in range(total)]
                 result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.peer_samples)})
                 checkpoint()
+                hami.stop()
+                extender.start()
     finally:
         if hami is not None:
             hami.stop()

@@ -111,6 +111,9 @@ class HamiScheduler:
                 f"--device-config-file={config}"]
 
     def start(self, timeout: float = 60.0) -> None:
+        """Start (or start again: a new process registers the nodes anew)."""
+        self._registered = set()
+        self._log_offset = self.log.stat().st_size if self.log.exists() else 0
         handle = open(self.log, "ab")
         env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
         self.popen = subprocess.Popen(self.argv(), stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
