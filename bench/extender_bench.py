@@ -10,7 +10,15 @@
    1,000 and at 5,000 nodes. Reported: p50/p99 of the pair as seen by the client, and the server's
    own histogram.
 
+3. With ``--peers hami``: HAMi's scheduler extender (v2.10.0, bench/peers/) on the same control
+   plane, nodes and pods (in HAMi's resource names): throughput as in 1 (HAMi's default node
+   policy binpack, and pods asking it to spread), and its filter latency with all names sent.
+   One extender runs at a time. The plain-HTTP and ``best`` variants of qgpu are left out.
+4. With ``--pack-nodes N``: packing on N empty nodes per scheduler, the same seeded mix of shares
+   and whole cards arriving one by one until the cluster is full: pods placed, compute booked.
+
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
+     [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
 
