@@ -10,11 +10,19 @@
    1,000 and at 5,000 nodes. Reported: p50/p99 of the pair as seen by the client, and the server's
    own histogram.
 
-3. With --compare-commitments (only this is run): throughput through the extender with node
+3. With ``--peers hami``: HAMi's scheduler extender (v2.10.0, bench/peers/) on the same control
+   plane, nodes and pods (in HAMi's resource names): throughput as in 1 (HAMi's default node
+   policy binpack, and pods asking it to spread), and its filter latency with all names sent.
+   One extender runs at a time. The plain-HTTP and ``best`` variants of qgpu are left out.
+4. With ``--pack-nodes N``: packing on N empty nodes per scheduler, the same seeded mix of shares
+   and whole cards arriving one by one until the cluster is full: pods placed, compute booked.
+
+5. With --compare-commitments (only this is run): throughput through the extender with node
    commitments off, on, and off again (the extender writes each node's commitment Lease before each
    Binding, issue 11 §5). Reported: pods/s of each and the ratio on / mean(off).
 
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
+     [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
      .venv/bin/python bench/extender_bench.py --compare-commitments --nodes 100 --pods 300
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
@@ -22,6 +30,7 @@ Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import random
 import contextlib
 import datetime
 import http.client
@@ -37,26 +46,44 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubernetes import client, config, watch  # noqa: E402
 
+from bench.peers import hami as hami_peer  # noqa: E402
+from bench.peers.hami_nodes import node_allocatable as hami_allocatable  # noqa: E402
+from bench.peers.hami_nodes import node_annotations as hami_annotations  # noqa: E402
+from bench.peers.hami_nodes import translate_pod  # noqa: E402
 from qgpu_runtime.kube.nodes import cards_annotation  # noqa: E402
-from tests.k8s.controlplane import ControlPlane, extender_config, extender_server, testbin_dir  # noqa: E402
+from qgpu_runtime.model.requests import parse_pod  # noqa: E402
+from tests.k8s.controlplane import ControlPlane, extender_config, extender_server, free_port, testbin_dir  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, PAUSE, cards  # noqa: E402
 
 CARDS = 8
 CORE, MEMORY = "tke.cloud.tencent.com/qgpu-core", "tke.cloud.tencent.com/qgpu-memory"
 
 
-def make_node(api: client.CoreV1Api, name: str) -> None:
-    api.create_node({"apiVersion": "v1", "kind": "Node",
-                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name},
-                                  "annotations": {"qgpu.io/gpus": cards_annotation(cards(CARDS, node=name))}}})
+# --peers hami: fake nodes also carry what HAMi's device plugin would register for the same cards.
+HAMI_NODES = False
+PACK_LABEL = "qgpu.io/bench-pack"
+
+
+def make_node(api: client.CoreV1Api, name: str, group: str | None = None) -> None:
+    """A fake node with CARDS V100 cards; ``group`` makes it a packing node: labelled and tainted so
+    only that group's packing pods land on it."""
+    inventory = cards(CARDS, node=name)
+    annotations = {"qgpu.io/gpus": cards_annotation(inventory)}
     resources = {"cpu": "96", "memory": "768Gi", "pods": "250", CORE: str(100 * CARDS), MEMORY: str(32 * CARDS)}
+    if HAMI_NODES:
+        annotations.update(hami_annotations(inventory, datetime.datetime.now()))
+        resources.update(hami_allocatable(inventory))
+    labels = {"kubernetes.io/hostname": name, **({PACK_LABEL: group} if group else {})}
+    spec = {"taints": [{"key": PACK_LABEL, "value": group, "effect": "NoSchedule"}]} if group else {}
+    api.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels, "annotations": annotations},
+                     "spec": spec})
     api.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources,
                                             "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
 
@@ -70,6 +97,21 @@ def pod(name: str) -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"terminationGracePeriodSeconds": 0,
                      "containers": [{"name": "c", "image": PAUSE, "resources": {"limits": {CORE: "25", MEMORY: "4"}}}]}}
+
+
+def hami_pod(name: str) -> dict[str, Any]:
+    """The same pod asking HAMi for the same share (nvidia.com/gpu 1, gpumem 4096, gpucores 25)."""
+    qgpu = pod(name)
+    return translate_pod(qgpu, parse_pod(qgpu))
+
+
+def hami_pod_spread(name: str) -> dict[str, Any]:
+    """The same, asking HAMi to spread it over nodes (HAMi's per-pod node policy annotation). HAMi
+    binds one pod per node at a time (its node lock), so where binpack sends consecutive pods to
+    the same node their binds collide and are retried; spread measures HAMi without that."""
+    doc = hami_pod(name)
+    doc["metadata"]["annotations"] = {"hami.io/node-scheduler-policy": "spread"}
+    return doc
 
 
 def cpu_seconds(pid: int) -> float:
@@ -144,14 +186,15 @@ def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
 
 
 def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int,
-               extender_pid: int | None = None, extender: Any | None = None) -> dict[str, Any]:
+               extender_pid: int | None = None, extender: Any | None = None, *, extender_name: str = "qgpu-extender",
+               make_pod: Callable[[str], dict[str, Any]] = pod) -> dict[str, Any]:
     """Pods bound per second by a freshly started scheduler facing `pods` pending pods, and the CPU
     each process spent per bound pod meanwhile (on a small machine CPU is what bounds the rate)."""
     cp.stop_scheduler()
     ns = f"bench-{int(time.time() * 1000) % 10**8}"
     api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda i: api.create_namespaced_pod(ns, pod(f"p{i:05d}"), _preload_content=False), range(pods)))
+        list(pool.map(lambda i: api.create_namespaced_pod(ns, make_pod(f"p{i:05d}"), _preload_content=False), range(pods)))
     bound_at: dict[str, float] = {}
     done = threading.Event()
     version = json.loads(api.list_namespaced_pod(ns, _preload_content=False).data)["metadata"]["resourceVersion"]
@@ -176,7 +219,7 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     time.sleep(0.5)
     pids = {name: cp.processes[name].popen.pid for name in ("etcd", "kube-apiserver")}
     if extender_pid is not None:
-        pids["qgpu-extender"] = extender_pid
+        pids[extender_name] = extender_pid
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
     with control_plane_cpus():
@@ -248,6 +291,129 @@ def latency(extender: Any, api: client.CoreV1Api, node_names: list[str], samples
             "prioritize_ms": {"p50": pct(prioritizes, 50), "p99": pct(prioritizes, 99)}}
 
 
+def hami_latency(api: client.CoreV1Api, hami: hami_peer.HamiScheduler, node_names: list[str], samples: int) -> dict[str, Any]:
+    """HAMi's filter for one pod each, over one keep-alive HTTPS connection, as kube-scheduler sends
+    it. HAMi's filter writes its choice onto the pod (annotations through the apiserver) and books
+    it, so every sample is a real pending pod of its own (no scheduler runs meanwhile)."""
+    ns = f"bench-hami-lat-{int(time.time() * 1000) % 10**8}"
+    api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    names = [f"lat-{i:05d}" for i in range(samples + 20)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: api.create_namespaced_pod(ns, hami_pod(n), _preload_content=False), names))
+    items = {item["metadata"]["name"]: item for item in json.loads(api.list_namespaced_pod(ns, _preload_content=False).data)["items"]}
+    host, port = hami.url.removeprefix("https://").split(":")
+    conn = http.client.HTTPSConnection(host, int(port), context=ssl.create_default_context(cafile=str(hami.ca_file)), timeout=60)
+    filters, chosen = [], 0
+    for i, name in enumerate(names):
+        item = {**items[name], "apiVersion": "v1", "kind": "Pod"}
+        body = json.dumps({"Pod": item, "Nodes": None, "NodeNames": node_names}).encode()
+        t = time.perf_counter()
+        conn.request("POST", "/filter", body=body, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        data = response.read()
+        elapsed = time.perf_counter() - t
+        result = json.loads(data) if response.status == 200 else {}
+        if response.status != 200 or result.get("Error"):
+            raise RuntimeError(f"HAMi filter: {response.status} {data[:300]!r}")
+        chosen += len(result.get("NodeNames") or [])
+        if i >= 20:  # warm-up excluded
+            filters.append(elapsed)
+    conn.close()
+    if chosen != len(names):
+        raise RuntimeError(f"HAMi filter chose a node for {chosen} of {len(names)} pods")
+
+    def pct(values: list[float], q: int) -> float:
+        return round(1000 * statistics.quantiles(values, n=100, method="inclusive")[q - 1], 2)
+
+    return {"samples": samples, "nodes": len(node_names), "filter_ms": {"p50": pct(filters, 50), "p99": pct(filters, 99)}}
+
+
+# Packing: a mix of shares and whole cards, in qgpu's names; the HAMi arm asks for the same shares
+# in HAMi's names. Weights are relative frequencies.
+PACK_SHAPES: tuple[tuple[dict[str, str], int], ...] = (
+    ({CORE: "10", MEMORY: "2"}, 3),
+    ({CORE: "25", MEMORY: "4"}, 4),
+    ({CORE: "50", MEMORY: "8"}, 3),
+    ({CORE: "30", MEMORY: "16"}, 1),
+    ({CORE: "100"}, 2),
+    ({CORE: "200"}, 1),
+)
+
+
+def pack_cores(limits: dict[str, str]) -> int:
+    """Percent of one card's compute a packing shape books (whole cards: 100 each)."""
+    return int(limits[CORE])
+
+
+def pack_mix(nodes: int, seed: int, demand: float) -> list[dict[str, str]]:
+    """Shapes drawn (seeded) until their compute reaches ``demand`` times the group's cards."""
+    rng = random.Random(seed)
+    shapes, weights = zip(*PACK_SHAPES)
+    out: list[dict[str, str]] = []
+    total, capacity = 0, demand * nodes * CARDS * 100
+    while total < capacity:
+        shape = rng.choices(shapes, weights)[0]
+        out.append(shape)
+        total += pack_cores(shape)
+    return out
+
+
+def pack_pod(name: str, group: str, limits: dict[str, str], hami: bool) -> dict[str, Any]:
+    doc = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+           "spec": {"terminationGracePeriodSeconds": 0, "nodeSelector": {PACK_LABEL: group},
+                    "tolerations": [{"key": PACK_LABEL, "operator": "Equal", "value": group, "effect": "NoSchedule"}],
+                    "containers": [{"name": "c", "image": PAUSE, "resources": {"limits": dict(limits)}}]}}
+    return translate_pod(doc, parse_pod(doc)) if hami else doc
+
+
+def packing(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], group: str, nodes: int,
+            mix: list[dict[str, str]], hami: bool) -> dict[str, Any]:
+    """Pods arrive one by one (each is bound or found unschedulable before the next is created), so
+    both schedulers see the same pods in the same order on identical, initially empty nodes; then
+    pods that failed get a last chance while the queue drains. Reported: pods placed, and the share
+    of the group's compute they booked."""
+    cp.stop_scheduler()
+    ns = f"pack-{group}-{int(time.time() * 1000) % 10**8}"
+    api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    with control_plane_cpus():
+        cp.start_scheduler(extenders, qps=5000)
+    started = time.perf_counter()
+    for i, limits in enumerate(mix):
+        name = f"p{i:04d}"
+        api.create_namespaced_pod(ns, pack_pod(name, group, limits, hami), _preload_content=False)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            doc = json.loads(api.read_namespaced_pod(name, ns, _preload_content=False).data)
+            if doc["spec"].get("nodeName"):
+                break
+            if any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in doc.get("status", {}).get("conditions") or []):
+                break
+            time.sleep(0.02)
+    arrival_s = time.perf_counter() - started
+
+    def bound() -> dict[str, str]:
+        items = json.loads(api.list_namespaced_pod(ns, _preload_content=False).data)["items"]
+        return {item["metadata"]["name"]: item["spec"]["nodeName"] for item in items if item["spec"].get("nodeName")}
+
+    placed, still = bound(), 0
+    while still < 5:  # settle: five seconds without a new binding
+        time.sleep(1.0)
+        now = bound()
+        still = still + 1 if len(now) == len(placed) else 0
+        placed = now
+    cp.stop_scheduler()
+    booked = sum(pack_cores(mix[int(name[1:])]) for name in placed)
+    by_shape: dict[str, list[int]] = {}
+    for i, limits in enumerate(mix):
+        key = "+".join(f"{k.rsplit('-', 1)[-1]}={v}" for k, v in sorted(limits.items()))
+        entry = by_shape.setdefault(key, [0, 0])
+        entry[0] += 1
+        entry[1] += f"p{i:04d}" in placed
+    return {"nodes": nodes, "cards": nodes * CARDS, "pods": len(mix), "placed": len(placed),
+            "compute_booked_pct": round(100 * booked / (nodes * CARDS * 100), 1),
+            "arrival_s": round(arrival_s, 1), "by_shape_asked_placed": by_shape}
+
+
 def scheduler_sample(nodes: int) -> int:
     """How many feasible nodes kube-scheduler passes on with its default (adaptive)
     percentageOfNodesToScore: 50% minus 1% per 125 nodes, at least 5%, at least 100 nodes."""
@@ -290,64 +456,128 @@ def main() -> int:
     parser.add_argument("--samples", type=int, default=300)
     parser.add_argument("--priority", default="binpack", choices=("binpack", "spread", "frag"))
     parser.add_argument("--markdown", action="store_true", help="append the results to docs/benchmarks.md")
+    parser.add_argument("--json", type=Path, help="also write the result document to this file")
     parser.add_argument("--pin", action="store_true",
                         help="etcd, kube-apiserver and kube-scheduler on CPU 0, the extender and this script on the "
                              "others (the extender on cores of its own, as in its own pod on a bigger control-plane node)")
     parser.add_argument("--compare-commitments", action="store_true",
                         help="only compare throughput with node commitments off, on and off again")
+    parser.add_argument("--peers", default="", help="comma-separated peer schedulers to run beside qgpu's extender: hami "
+                        "(built by bench/peers/hami-build). With a peer, the plain-HTTP and `best` variants are left out")
+    parser.add_argument("--peer-pods", type=int, help="pods per throughput run with peers (default: --pods), for every arm")
+    parser.add_argument("--peer-samples", type=int, default=60,
+                        help="filter calls per latency figure for a peer (HAMi's filter takes up to a second at 5,000 nodes)")
+    parser.add_argument("--pack-nodes", type=int, default=0,
+                        help="packing comparison on this many nodes per scheduler (0: none)")
+    parser.add_argument("--pack-demand", type=float, default=1.25, help="packing pods' compute / the group's compute")
+    parser.add_argument("--pack-seed", type=int, default=42)
     args = parser.parse_args()
-    global PIN
+    peers = [p for p in args.peers.split(",") if p]
+    for peer in peers:
+        if peer != "hami":
+            parser.error(f"--peers: {peer!r} is not a known peer; known: hami")
+    for name in ("nodes", "pods", "samples"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name}: {getattr(args, name)} is not allowed: must be >= 1")
+    if args.pack_nodes < 0 or (args.peer_pods is not None and args.peer_pods < 1):
+        parser.error("--pack-nodes must be >= 0 and --peer-pods >= 1")
+    global PIN, HAMI_NODES
+    HAMI_NODES = "hami" in peers
     if args.pin:
         cpus = sorted(os.sched_getaffinity(0))
         if len(cpus) < 2:
             parser.error("--pin needs at least 2 CPUs")
         PIN = ({cpus[0]}, set(cpus[1:]))
         os.sched_setaffinity(0, PIN[1])
+    pods = args.peer_pods or args.pods if peers else args.pods
+    hami_binary = hami_peer.build() if HAMI_NODES else None  # before the clock starts: cached after the first time
 
     if args.compare_commitments:
         return compare_commitments(args)
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
     cp = ControlPlane(testbin_dir(build=True), workdir)
     extender = None
+    hami: hami_peer.HamiScheduler | None = None
     result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True,
-                                                           text=True).stdout.strip(), "priority": args.priority}
+                                                           text=True).stdout.strip(), "priority": args.priority, "peers": peers}
+
+    def checkpoint() -> None:
+        """A long run keeps what it measured so far if it is stopped (--json only)."""
+        if args.json:
+            args.json.write_text(json.dumps({**result, "partial": True}, indent=2) + "\n")
     try:
         with control_plane_cpus():
             cp.start()
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
         t = time.perf_counter()
         make_nodes(api, 0, args.nodes)
+        groups = ["qgpu"] + (["hami"] if HAMI_NODES else []) if args.pack_nodes else []
+        for group in groups:
+            for i in range(args.pack_nodes):
+                make_node(api, f"pack-{group}-{i:03d}", group)
         result["node_creation_s"] = round(time.perf_counter() - t, 1)
-        result["without_extender"] = throughput(cp, api, [], args.pods)
+        result["without_extender"] = throughput(cp, api, [], pods)
         # the latency samples hold cards for up to samples + 20 pods at once
         holds = ("--max-holds", str(max(1000, 2 * args.samples + 100)))
         extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=holds)
         extender.start()
         ext = [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
-        result["with_extender"] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
+        result["with_extender"] = throughput(cp, api, ext, pods, extender.process.popen.pid, extender)
+        checkpoint()
         cp.stop_scheduler()
-        plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False, extra_args=holds)
+        variants = ["with_extender"]
+        if not peers:
+            plain = extender_server(cp, priority=args.priority, assume_timeout=120, tls=False, extra_args=holds)
+            extender.stop()
+            plain.start()
+            result["with_extender_plain_http"] = throughput(
+                cp, api, [extender_config(plain.url, ca_file=None, managed_resources=MANAGED_RESOURCES, timeout="30s")], pods,
+                plain.process.popen.pid, plain)
+            cp.stop_scheduler()
+            plain.stop()
+            best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best", extra_args=holds)
+            best.start()
+            result["with_extender_best_filter"] = throughput(
+                cp, api, [best.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s", prioritize=False)],
+                pods, best.process.popen.pid, best)
+            best.stop()
+            variants += ["with_extender_plain_http", "with_extender_best_filter"]
+        # One scheduler extender at a time: an idle one still follows every node and pod change
+        # (HAMi's node locks and annotations included) on the same two cores.
         extender.stop()
-        plain.start()
-        result["with_extender_plain_http"] = throughput(
-            cp, api, [extender_config(plain.url, ca_file=None, managed_resources=MANAGED_RESOURCES, timeout="30s")], args.pods,
-            plain.process.popen.pid, plain)
-        cp.stop_scheduler()
-        plain.stop()
-        best = extender_server(cp, priority=args.priority, assume_timeout=120, filter_result="best", extra_args=holds)
-        best.start()
-        result["with_extender_best_filter"] = throughput(
-            cp, api, [best.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s", prioritize=False)],
-            args.pods, best.process.popen.pid, best)
-        best.stop()
+        mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand) if args.pack_nodes else []
+        if hami_binary is not None:
+            pair = cp.ca.issue("hami", "hami-scheduler", server=True, hosts=("127.0.0.1", "localhost"))
+            hami = hami_peer.HamiScheduler(hami_binary, workdir, cp.admin_kubeconfig, pair.cert, pair.key, cp.ca.cert_path,
+                                           free_port(), free_port())
+            hami.start()
+            all_nodes = {f"node-{i:05d}" for i in range(args.nodes)} | {f"pack-hami-{i:03d}" for i in range(args.pack_nodes)}
+            result["hami_registration_s"] = round(hami.wait_registered(all_nodes), 1)
+            result["with_hami"] = throughput(cp, api, [hami_peer.scheduler_extender(hami)], pods, hami.pid, None,
+                                             extender_name="hami-scheduler", make_pod=hami_pod)
+            result["with_hami_spread"] = throughput(cp, api, [hami_peer.scheduler_extender(hami)], pods, hami.pid, None,
+                                                    extender_name="hami-scheduler", make_pod=hami_pod_spread)
+            cp.stop_scheduler()
+            variants += ["with_hami", "with_hami_spread"]
+            checkpoint()
+            if mix:
+                result["packing"] = {"hami": packing(cp, api, [hami_peer.scheduler_extender(hami)], "hami", args.pack_nodes, mix,
+                                                     hami=True)}
+                checkpoint()
+            hami.stop()
         # The machine may be shared: measure the baseline again and compare with the mean of both.
-        result["without_extender_again"] = throughput(cp, api, [], args.pods)
+        result["without_extender_again"] = throughput(cp, api, [], pods)
         base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
-        for variant in ("with_extender", "with_extender_plain_http", "with_extender_best_filter"):
+        for variant in variants:
             result[f"ratio_{variant}"] = round(result[variant]["pods_per_s"] / base, 3)
+        checkpoint()
         cp.stop_scheduler()
         extender.start()
+        if mix:
+            result.setdefault("packing", {})["qgpu"] = packing(cp, api, ext, "qgpu", args.pack_nodes, mix, hami=False)
+            checkpoint()
         result["latency"] = []
+        result["hami_latency"] = []
         for total in [args.nodes] + ([args.big_nodes] if args.big_nodes > args.nodes else []):
             if total > args.nodes:
                 make_nodes(api, args.nodes, total)
@@ -355,17 +585,35 @@ def main() -> int:
             for sent in sorted({total, scheduler_sample(total)}):
                 names = [f"node-{i:05d}" for i in range(sent)]
                 result["latency"].append({"cluster_nodes": total, **latency(extender, api, names, args.samples)})
+            checkpoint()
+            if hami is not None:
+                # HAMi alone (qgpu's extender stopped); all names only: its filter costs up to seconds a
+                # call here, and it builds the usage of every node it knows whatever names it is sent.
+                extender.stop()
+                hami.start()
+                result.setdefault("hami_registration_s_by_nodes", {})[str(total)] = round(
+                    hami.wait_registered({f"node-{i:05d}" for i in range(total)}, timeout=600), 1)
+                names = [f"node-{i:05d}" for i in range(total)]
+                result["hami_latency"].append({"cluster_nodes": total, **hami_latency(api, hami, names, args.peer_samples)})
+                checkpoint()
+                hami.stop()
+                extender.start()
     finally:
+        if hami is not None:
+            hami.stop()
         if extender is not None:
             extender.stop()
         cp.stop()
     result["machine"] = machine()
+    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     result["command"] = "python bench/extender_bench.py " + " ".join(sys.argv[1:])
     result["cpus"] = "shared" if PIN is None else {"control_plane": sorted(PIN[0]), "extender_and_bench": sorted(PIN[1])}
     print(json.dumps(result, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.markdown:
-        append_markdown(result)
+        (append_peer_markdown if peers else append_markdown)(result)
     return 0
 
 
@@ -449,6 +697,41 @@ def append_markdown(r: dict[str, Any]) -> None:
     path = ROOT / "docs" / "benchmarks.md"
     if not path.exists():
         path.write_text("# Benchmarks\n")
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def append_peer_markdown(r: dict[str, Any]) -> None:
+    """One table: baseline, qgpu's extender and each peer from the same run."""
+    arms = [("without_extender", "no extender (before / after)"), ("with_extender", "qgpu extender (filter+prioritize+bind, HTTPS)")]
+    if "with_hami" in r:
+        arms.append(("with_hami", "HAMi v2.10.0 scheduler (filter+bind, HTTPS), node policy binpack (its default)"))
+        arms.append(("with_hami_spread", "same, pods annotated `hami.io/node-scheduler-policy: spread`"))
+    lines = ["", f"### Run of {r['date']} ({'shared cores' if r['cpus'] == 'shared' else '--pin'})", "",
+             f"- Command: `{r['command']}`",
+             f"- Machine: {r['machine']}; load average at the end {r['load_average_at_end']}", "",
+             "| arm | pods bound/s (ratio to baseline) | CPU ms per bound pod: all (by process) |", "|---|---|---|"]
+    for key, label in arms:
+        t = r[key]
+        rate = f"{t['pods_per_s']} / {r['without_extender_again']['pods_per_s']}" if key == "without_extender" else \
+            f"{t['pods_per_s']} ({r['ratio_' + key]})"
+        cpu = t["cpu_ms_per_pod"]
+        lines.append(f"| {label} | {rate} | {cpu['all']} ({', '.join(f'{k} {v}' for k, v in cpu.items() if k != 'all')}) |")
+    lines += ["", "| filter latency, names sent / nodes in the cluster | qgpu filter p50 / p99 ms | qgpu filter+prioritize p50 / p99 ms "
+              "| HAMi filter p50 / p99 ms |", "|---|---|---|---|"]
+    hami = {(h["cluster_nodes"], h["nodes"]): h for h in r.get("hami_latency", [])}
+    for lat in r["latency"]:
+        h = hami.get((lat["cluster_nodes"], lat["nodes"]))
+        lines.append(f"| {lat['nodes']} / {lat['cluster_nodes']} | {lat['filter_ms']['p50']} / {lat['filter_ms']['p99']} | "
+                     f"{lat['filter_plus_prioritize_ms']['p50']} / {lat['filter_plus_prioritize_ms']['p99']} | "
+                     f"{(str(h['filter_ms']['p50']) + ' / ' + str(h['filter_ms']['p99'])) if h else '-'} |")
+    if "packing" in r:
+        lines += ["", "| packing: same pods, one at a time, on identical empty nodes | pods placed of asked | compute booked |",
+                  "|---|---|---|"]
+        for name, pk in r["packing"].items():
+            lines.append(f"| {name} ({pk['nodes']} nodes, {pk['cards']} cards) | {pk['placed']} / {pk['pods']} | {pk['compute_booked_pct']} % |")
+    lines.append("")
+    path = ROOT / "docs" / "benchmarks.md"
     with path.open("a") as f:
         f.write("\n".join(lines) + "\n")
 
