@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable, Iterator
 
 import pytest
+import yaml
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
@@ -24,6 +25,8 @@ from kubernetes.dynamic import DynamicClient
 from qgpu_runtime.kube.records import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY, LABEL_COUNT, LABEL_MEMORY, LABEL_MODEL
 from tests.k8s.conftest import Cluster
+from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
+from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
 from tests.k8s.rbac import render_template
 
 PAUSE = "registry.k8s.io/pause:3.10"
@@ -314,3 +317,61 @@ def test_policies_type_check_without_warnings(world):
             time.sleep(0.5)
         assert status.get("typeChecking") is not None, f"{policy_name}: not type-checked: {status}"
         assert not status["typeChecking"].get("expressionWarnings"), (policy_name, status)
+
+
+# ---- the real components, doing their real work with their bound tokens ---------------------------
+
+def token_kubeconfig(world: Identities, token: str, path) -> str:
+    cp = world.cluster.cp
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": cp.server, "certificate-authority": str(cp.ca.cert_path)}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "sa"}}], "current-context": "c"}))
+    return str(path)
+
+
+def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_token(world, tmp_path, label):
+    """`qgpu manager serve` with the token of a pod on its node: labels and inventory on its Node,
+    the qgpu.io/assigned annotation on the pod it serves; nothing refused."""
+    node = ManagedNode(f"lp-{uuid.uuid4().hex[:8]}", "1xT4-16G", world.cluster.cp.admin_kubeconfig)
+    try:
+        bare_node(world.api, node.name, label)
+        manager_pod = world.pod(world.ns, f"qgpu-manager-{node.name}", node.name, service_account="qgpu-manager")
+        kubeconfig = token_kubeconfig(world, world.bound_token("qgpu-manager", manager_pod), tmp_path / "kubeconfig")
+        limits = {"tke.cloud.tencent.com/qgpu-core": 20, "tke.cloud.tencent.com/qgpu-memory": 2}
+        world.api.create_namespaced_pod(world.ns, gpu_pod("served", limits, scheduler_name="qgpu-test-nobody"))
+        world.created_pods.append((world.ns, "served"))
+        bind_with_record(world.api, world.ns, "served", node.name, [(0, node.cards[0].uuid, 200, 2048)], time.time_ns())
+        node.start(kubeconfig=kubeconfig)
+        wait_for("the manager's labels on its node",
+                 lambda: read_node(world.api, node.name)["metadata"].get("labels", {}).get(LABEL_COUNT) == "1")
+        assert node.kubelet.admit(read_pod(world.api, world.ns, "served"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
+        notes = read_pod(world.api, world.ns, "served")["metadata"]["annotations"]
+        assert json.loads(notes[ASSIGNED]) == ["c0"]
+        assert "403" not in node.log() and "Forbidden" not in node.log(), node.log()
+    finally:
+        node.close()
+        _quietly(lambda: world.api.delete_node(node.name))
+
+
+def test_extender_binds_through_kube_scheduler_with_its_bound_token(world, tmp_path, label):
+    """The real kube-scheduler binds a GPU pod through `qgpu extender serve` running with the token
+    of its pod: the Binding carrying the allocation record passes the policy."""
+    kubeconfig = token_kubeconfig(world, world.bound_token("qgpu-scheduler", world.extender_pod), tmp_path / "kubeconfig")
+    cluster = world.cluster
+    cluster.restart_extender(kubeconfig=kubeconfig)
+    node = f"{world.ns}-gpu"
+    try:
+        gpu_node(world.api, node, cards(2, node=node), label)
+        limits = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 5}
+        world.api.create_namespaced_pod(world.ns, gpu_pod("placed", limits, selector=label))
+        world.created_pods.append((world.ns, "placed"))
+        pod = bound(world.api, world.ns, "placed")
+        rec = record(pod)
+        assert rec is not None and rec.node == pod["spec"]["nodeName"] == node
+        log = cluster.extender.process.tail(200) if cluster.extender.process else ""
+        assert "403" not in log and "Forbidden" not in log, log
+    finally:
+        cluster.restart_extender()
+        _quietly(lambda: world.api.delete_node(node))
