@@ -54,13 +54,25 @@ def test_rendering_with_diff_and_verbose_output_shows_no_key_material(tmp_path: 
         assert leaks == [], f"serving key material in ansible-playbook output: {leaks[:3]}"
 
 
+def flatten(tasks: list[dict]) -> list[dict]:
+    """Tasks, with those inside blocks (block, rescue, always) in their place."""
+    out: list[dict] = []
+    for task in tasks:
+        if "block" in task:
+            for part in ("block", "rescue", "always"):
+                out += flatten(task.get(part) or [])
+        else:
+            out.append(task)
+    return out
+
+
 def test_every_task_touching_the_key_or_the_manifest_hides_its_diff_and_result() -> None:
     """The apply (k8s returns the applied Secret; with --diff it shows it) cannot run here without an
     apiserver (tests/provisioning/test_k8s_half.py applies it): the tasks are read instead."""
     secret_files = ("tls.key", "ca.key", "qgpu-webhook.yaml")
     touching = []
     for path in sorted(TASKS.glob("*.yml")):
-        for task in yaml.safe_load(path.read_text()) or []:
+        for task in flatten(yaml.safe_load(path.read_text()) or []):
             module = next((k for k in task if "." in k), "")
             args = task.get(module) or {}
             files = [str(args.get(k, "")) for k in ("path", "src", "dest")] if isinstance(args, dict) else []
