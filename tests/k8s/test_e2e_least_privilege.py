@@ -301,24 +301,6 @@ def test_extender_binding_may_carry_only_qgpu_annotations(world):
     assert bound.spec.node_name == world.node_b and bound.metadata.annotations[ALLOCATION] == "{}"
 
 
-# ---- the policies themselves ----------------------------------------------------------------------
-
-def test_policies_type_check_without_warnings(world):
-    """The apiserver type-checks every expression against Pod and Node; a warning means an
-    expression that can fail at run time, which failurePolicy Fail would turn into refusals."""
-    dynamic = DynamicClient(world.cluster.api_client)
-    policies = dynamic.resources.get(api_version="admissionregistration.k8s.io/v1", kind="ValidatingAdmissionPolicy")
-    for policy_name in ("qgpu-manager-own-node", "qgpu-scheduler-allocation-only"):
-        deadline = time.monotonic() + 30
-        while True:
-            status = policies.get(name=policy_name).to_dict().get("status") or {}
-            if status.get("typeChecking") is not None or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert status.get("typeChecking") is not None, f"{policy_name}: not type-checked: {status}"
-        assert not status["typeChecking"].get("expressionWarnings"), (policy_name, status)
-
-
 # ---- the real components, doing their real work with their bound tokens ---------------------------
 
 def token_kubeconfig(world: Identities, token: str, path) -> str:

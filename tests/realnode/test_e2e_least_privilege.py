@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
 
+from tests.polling import poll
 from tests.realnode import kube
 from tests.realnode.localcluster import NODE, LocalCluster
 from tests.realnode.test_e2e_isolation import host_pid
@@ -87,3 +89,15 @@ def test_managers_own_token_writes_its_nodes_qgpu_annotations(local_cluster: Loc
     current = kube.core(local_cluster).read_node(NODE).metadata.annotations["qgpu.io/isolation-policy"]
     manager.patch_node(NODE, {"metadata": {"annotations": {"qgpu.io/isolation-policy": current}}},
                        _content_type=MERGE, dry_run="All")
+
+
+def test_admission_policies_type_check_without_warnings(local_cluster: LocalCluster) -> None:
+    """kube-controller-manager type-checks every expression against the kinds the policy matches; a
+    warning means an expression that can fail at run time, which failurePolicy Fail turns into
+    refusals of the components' own writes. (The tests/k8s control plane runs no controller-manager.)"""
+    policies = DynamicClient(kube.core(local_cluster).api_client).resources.get(
+        api_version="admissionregistration.k8s.io/v1", kind="ValidatingAdmissionPolicy")
+    for name in ("qgpu-manager-own-node", "qgpu-scheduler-allocation-only"):
+        status = poll(lambda: (policies.get(name=name).to_dict().get("status") or {}).get("typeChecking") is not None
+                      and policies.get(name=name).to_dict()["status"], timeout=60, what=f"{name} type-checked")
+        assert not status["typeChecking"].get("expressionWarnings"), (name, status)
