@@ -331,7 +331,7 @@ def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_toke
         assert node.kubelet.admit(read_pod(world.api, world.ns, "served"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
         notes = read_pod(world.api, world.ns, "served")["metadata"]["annotations"]
         assert json.loads(notes[ASSIGNED]) == ["c0"]
-        assert "403" not in node.log() and "Forbidden" not in node.log(), node.log()
+        assert "forbidden" not in node.log().lower(), node.log()  # RBAC's and the policy's refusals say so
     finally:
         node.close()
         _quietly(lambda: world.api.delete_node(node.name))
@@ -353,7 +353,7 @@ def test_extender_binds_through_kube_scheduler_with_its_bound_token(world, tmp_p
         rec = record(pod)
         assert rec is not None and rec.node == pod["spec"]["nodeName"] == node
         log = cluster.extender.process.tail(200) if cluster.extender.process else ""
-        assert "403" not in log and "Forbidden" not in log, log
+        assert "forbidden" not in log.lower(), log  # not "403": log timestamps have milliseconds
     finally:
         cluster.restart_extender()
         _quietly(lambda: world.api.delete_node(node))
