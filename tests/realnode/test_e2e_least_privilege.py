@@ -29,8 +29,11 @@ def manager_pod(cluster: LocalCluster) -> dict:
 @pytest.fixture(scope="module")
 def manager(local_cluster: LocalCluster) -> client.CoreV1Api:
     """A client with the token inside the running manager container (read through its /proc root)."""
-    pid = host_pid(local_cluster, manager_pod(local_cluster))
-    token = Path(f"/proc/{pid}/root/var/run/secrets/kubernetes.io/serviceaccount/token").read_text().strip()
+    root = Path(f"/proc/{host_pid(local_cluster, manager_pod(local_cluster))}/root")
+    # /var/run is a symlink to /run in the image; read through /proc it would resolve on the host.
+    (token_file,) = [p for p in (root / "run/secrets/kubernetes.io/serviceaccount/token",
+                                 root / "var/run/secrets/kubernetes.io/serviceaccount/token") if p.is_file()][:1]
+    token = token_file.read_text().strip()
     conf = client.Configuration()
     conf.host = local_cluster.server
     conf.ssl_ca_cert = str(local_cluster.pki / "ca.crt")
