@@ -19,25 +19,46 @@ from tests.k8s.conftest import Cluster
 from tests.k8s.controlplane import ROOT, kubeconfig
 
 
-def _template_docs(template: str, **variables: Any) -> list[dict[str, Any]]:
+def role_defaults(role: str) -> dict[str, Any]:
+    """``roles/<role>/defaults/main.yml`` with the inventory-wide fallbacks resolved as a bare
+    inventory resolves them (``{{ qgpu_image | default('...') }}`` -> the default); values that need
+    Ansible itself (``role_path``) are left out."""
+    path = ROOT / "roles" / role / "defaults" / "main.yml"
+    raw = yaml.safe_load(path.read_text()) if path.exists() else {}
+    lenient = jinja2.Environment()
+    out: dict[str, Any] = {}
+    for key, value in (raw or {}).items():
+        if isinstance(value, str) and "{{" in value:
+            try:
+                value = yaml.safe_load(lenient.from_string(value).render()) or ""
+            except jinja2.TemplateError:
+                continue
+        out[key] = value
+    return out
+
+
+def render_template(template: str, **variables: Any) -> list[dict[str, Any]]:
+    """Every object of ``templates/kubernetes/<template>``, rendered as the roles render it: the
+    role's defaults (``qgpu-manager.yaml.j2`` -> ``roles/qgpu_manager``), overridden by ``variables``."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(ROOT / "templates" / "kubernetes")),
                              undefined=jinja2.StrictUndefined)
     env.filters["to_json"] = json.dumps
     env.filters["combine"] = lambda a, b: {**a, **b}
     env.filters["bool"] = lambda v: v is True or str(v).strip().lower() in ("yes", "on", "1", "true", "y", "t")
-    text = env.get_template(template).render(ansible_managed="test", **variables)
+    values = {**role_defaults(template.split(".")[0].replace("-", "_")), **variables}
+    text = env.get_template(template).render(ansible_managed="test", **values)
     return [d for d in yaml.safe_load_all(text) if d]
 
 
 def template_cluster_role(template: str, **variables: Any) -> dict[str, Any]:
     """The ClusterRole of ``templates/kubernetes/<template>``, rendered as the roles render it."""
-    (role,) = [d for d in _template_docs(template, **variables) if d["kind"] == "ClusterRole"]
+    (role,) = [d for d in render_template(template, **variables) if d["kind"] == "ClusterRole"]
     return role
 
 
 def template_roles(template: str, **variables: Any) -> list[dict[str, Any]]:
     """The namespaced Roles of ``templates/kubernetes/<template>`` (e.g. the extender's Lease Role)."""
-    return [d for d in _template_docs(template, **variables) if d["kind"] == "Role"]
+    return [d for d in render_template(template, **variables) if d["kind"] == "Role"]
 
 
 def bind_roles(cluster: Cluster, roles: list[dict[str, Any]], name: str) -> None:

@@ -253,7 +253,8 @@ def test_every_rendered_object_is_in_the_apiserver(site: Site) -> None:
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
                      "Role", "RoleBinding",  # the extender's node commitment Leases
-                     "Secret", "Service", "ServiceAccount", "ValidatingWebhookConfiguration"]
+                     "Secret", "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
+                     "ValidatingWebhookConfiguration"]
     for doc in docs:
         meta = doc["metadata"]
         live = live_object(site.cluster, doc)

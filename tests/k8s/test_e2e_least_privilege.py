@@ -1,0 +1,359 @@
+"""What the node manager's and the extender's ServiceAccounts can write, with real bound tokens.
+
+The RBAC rules, ServiceAccounts and ValidatingAdmissionPolicies come from the deployment templates
+(templates/kubernetes/), rendered with the roles' defaults. Tokens are real: TokenRequests bound to
+a pod on a node, as the kubelet mounts them, so they carry the node name
+(``authentication.kubernetes.io/node-name``) the manager's policy keys on. Issue 11 §4 found the
+manager able to change a kube-system pod's image and lift a control-plane taint, and the extender
+able to patch every pod: each of those is refused here, while the writes their code really makes
+pass.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Callable, Iterator
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic import DynamicClient
+
+from qgpu_runtime.kube.records import ALLOCATION, ASSIGNED, BIND_TIME
+from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY, LABEL_COUNT, LABEL_MEMORY, LABEL_MODEL
+from tests.k8s.conftest import Cluster
+from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
+from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
+from tests.k8s.rbac import render_template
+
+PAUSE = "registry.k8s.io/pause:3.10"
+CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
+MERGE = "application/merge-patch+json"
+
+
+class Identities:
+    """The rendered objects applied to the cluster, the nodes and pods of the scenario, and a client
+    per identity, authenticated with a token bound to that identity's pod."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.api = cluster.api
+        self.ns = cluster.namespace()  # the ServiceAccounts' namespace (kube-system in production)
+        tag = self.ns
+        self.node_a, self.node_b, self.control_plane = f"{tag}-a", f"{tag}-b", f"{tag}-cp"
+        self.applied: list[dict[str, Any]] = []
+        self.created_pods: list[tuple[str, str]] = []
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def apply_templates(self) -> None:
+        dynamic = DynamicClient(self.cluster.api_client)
+        docs = (render_template("qgpu-manager.yaml.j2", qgpu_manager_namespace=self.ns, qgpu_manager_profiles=[])
+                + render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_namespace=self.ns))
+        for doc in docs:
+            if doc["kind"] in ("DaemonSet", "Deployment"):
+                continue  # the workloads themselves: these tests act with their identities directly
+            resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+            resource.create(body=doc, namespace=doc["metadata"].get("namespace"))
+            self.applied.append(doc)
+
+    def node(self, name: str, taints: list[dict[str, str]] | None = None) -> None:
+        self.api.create_node({"apiVersion": "v1", "kind": "Node",
+                              "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
+                              "spec": {"taints": taints or []}})
+
+    def pod(self, namespace: str, name: str, node: str | None, service_account: str = "default") -> dict[str, Any]:
+        # Nobody schedules these (the session's kube-scheduler would bind the unbound ones elsewhere).
+        spec: dict[str, Any] = {"serviceAccountName": service_account, "automountServiceAccountToken": False,
+                                "schedulerName": "qgpu-test-nobody",
+                                "tolerations": [{"operator": "Exists"}],
+                                "containers": [{"name": "c", "image": PAUSE}]}
+        if node:
+            spec["nodeName"] = node
+        doc = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+        created = json.loads(self.api.create_namespaced_pod(namespace, doc, _preload_content=False).data)
+        self.created_pods.append((namespace, name))
+        return created
+
+    def bound_token(self, service_account: str, pod: dict[str, Any] | None) -> str:
+        """A TokenRequest for ``service_account``, bound to ``pod`` as the kubelet asks for it (None: unbound)."""
+        spec: dict[str, Any] = {"expirationSeconds": 600}
+        if pod is not None:
+            spec["boundObjectRef"] = {"kind": "Pod", "apiVersion": "v1", "name": pod["metadata"]["name"],
+                                      "uid": pod["metadata"]["uid"]}
+        out = self.api.create_namespaced_service_account_token(service_account, self.ns, {"spec": spec})
+        return str(out.status.token)
+
+    def client_for(self, token: str) -> client.CoreV1Api:
+        cp = self.cluster.cp
+        conf = client.Configuration()
+        conf.host = cp.server
+        conf.ssl_ca_cert = str(cp.ca.cert_path)
+        conf.api_key = {"authorization": f"Bearer {token}"}
+        return client.CoreV1Api(client.ApiClient(conf))
+
+    # -- tear-down ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        for namespace, name in self.created_pods:
+            _quietly(lambda: self.api.delete_namespaced_pod(name, namespace, grace_period_seconds=0))
+        for node in (self.node_a, self.node_b, self.control_plane):
+            _quietly(lambda: self.api.delete_node(node))
+        dynamic = DynamicClient(self.cluster.api_client)
+        for doc in reversed(self.applied):
+            resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
+            _quietly(lambda: resource.delete(name=doc["metadata"]["name"], namespace=doc["metadata"].get("namespace")))
+
+
+def _quietly(call: Callable[[], Any]) -> None:
+    try:
+        call()
+    except ApiException:
+        pass
+
+
+def refusal(call: Callable[[], Any]) -> str:
+    """The apiserver's message for a refused write; fails the test when the write goes through."""
+    try:
+        call()
+    except ApiException as exc:
+        assert exc.status in (403, 422), f"{exc.status}: {exc.body}"
+        return str(json.loads(exc.body or "{}").get("message", exc.body))
+    raise AssertionError("the write was allowed")
+
+
+def metadata_patch(labels: dict[str, Any] | None = None, annotations: dict[str, Any] | None = None) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    if labels is not None:
+        meta["labels"] = labels
+    if annotations is not None:
+        meta["annotations"] = annotations
+    return {"metadata": meta}
+
+
+@pytest.fixture(scope="module")
+def world(cluster: Cluster) -> Iterator[Identities]:
+    w = Identities(cluster)
+    try:
+        w.apply_templates()
+        w.node(w.node_a, taints=[{"key": "qgpu.io/test", "value": "x", "effect": "NoSchedule"}])
+        w.node(w.node_b)
+        w.node(w.control_plane, taints=[CONTROL_PLANE_TAINT])
+        suffix = uuid.uuid4().hex[:6]
+        w.manager_pod = w.pod(w.ns, f"qgpu-manager-{suffix}", w.node_a, service_account="qgpu-manager")
+        w.extender_pod = w.pod(w.ns, f"qgpu-scheduler-{suffix}", w.control_plane, service_account="qgpu-scheduler")
+        w.manager = w.client_for(w.bound_token("qgpu-manager", w.manager_pod))
+        w.extender = w.client_for(w.bound_token("qgpu-scheduler", w.extender_pod))
+        # Victims: kube-system pods on the manager's node, on another node, and not yet bound.
+        w.system_pod_here = w.pod("kube-system", f"sys-a-{suffix}", w.node_a)
+        w.system_pod_there = w.pod("kube-system", f"sys-b-{suffix}", w.node_b)
+        w.gpu_pod_here = w.pod(w.ns, f"gpu-a-{suffix}", w.node_a)
+        w.unbound_pod = w.pod(w.ns, f"pending-{suffix}", None)
+        wait_until_enforced(w)
+        yield w
+    finally:
+        w.close()
+
+
+def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
+    """Admission policies reach the apiserver's admission chain through an informer: poll a dry-run
+    escalation (nothing is changed) until it is refused."""
+    deadline = time.monotonic() + timeout
+    probes = [
+        lambda: w.manager.patch_node(w.node_b, metadata_patch(annotations={ANNOTATION_POLICY: "x"}),
+                                     dry_run="All", _content_type=MERGE),
+        lambda: w.extender.patch_namespaced_pod(w.gpu_pod_here["metadata"]["name"], w.ns,
+                                                metadata_patch(labels={"probe": "x"}), dry_run="All", _content_type=MERGE),
+    ]
+    for probe in probes:
+        while True:
+            try:
+                probe()
+            except ApiException as exc:
+                if exc.status == 403 and "qgpu" in (exc.body or ""):
+                    break
+                raise
+            if time.monotonic() > deadline:
+                raise AssertionError("the admission policies were not enforced within 30 s")
+            time.sleep(0.3)
+
+
+def name(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["name"])
+
+
+# ---- the node manager -----------------------------------------------------------------------------
+
+def test_manager_cannot_change_the_image_of_a_kube_system_pod_on_another_node(world):
+    patch = {"spec": {"containers": [{"name": "c", "image": "evil.example/miner:1"}]}}
+    message = refusal(lambda: world.manager.patch_namespaced_pod(name(world.system_pod_there), "kube-system", patch))
+    assert f"bound to node \"{world.node_b}\"" in message and "only pods bound to its node" in message, message
+
+
+def test_manager_cannot_change_the_image_of_a_pod_on_its_own_node(world):
+    patch = {"spec": {"containers": [{"name": "c", "image": "evil.example/miner:1"}]}}
+    message = refusal(lambda: world.manager.patch_namespaced_pod(name(world.system_pod_here), "kube-system", patch))
+    assert "spec changed" in message, message
+
+
+def test_manager_cannot_remove_a_control_plane_nodes_noschedule_taint(world):
+    message = refusal(lambda: world.manager.patch_node(world.control_plane, {"spec": {"taints": []}}))
+    assert f"Node {world.control_plane} is not its own" in message, message
+    node = world.api.read_node(world.control_plane)
+    assert [(t.key, t.effect) for t in node.spec.taints] == [(CONTROL_PLANE_TAINT["key"], "NoSchedule")]
+
+
+def test_manager_cannot_remove_a_taint_of_its_own_node(world):
+    message = refusal(lambda: world.manager.patch_node(world.node_a, {"spec": {"taints": []}}))
+    assert "spec changed" in message, message
+
+
+def test_manager_cannot_write_another_nodes_annotations(world):
+    message = refusal(lambda: world.manager.patch_node(
+        world.node_b, metadata_patch(annotations={ANNOTATION_CARDS: "[]"}), _content_type=MERGE))
+    assert f"Node {world.node_b} is not its own" in message, message
+
+
+def test_manager_cannot_write_foreign_labels_or_annotations_on_its_own_node(world):
+    message = refusal(lambda: world.manager.patch_node(
+        world.node_a, metadata_patch(labels={"node-role.kubernetes.io/control-plane": ""}), _content_type=MERGE))
+    assert "labels node-role.kubernetes.io/control-plane changed" in message, message
+    message = refusal(lambda: world.manager.patch_node(
+        world.node_a, metadata_patch(annotations={"node.alpha.kubernetes.io/ttl": "0"}), _content_type=MERGE))
+    assert "annotations node.alpha.kubernetes.io/ttl changed" in message, message
+
+
+def test_manager_writes_its_own_nodes_qgpu_labels_and_annotations(world):
+    labels = {LABEL_COUNT: "2", LABEL_MODEL: "T4", LABEL_MEMORY: "15360"}
+    annotations = {ANNOTATION_CARDS: "[]", ANNOTATION_POLICY: "fixed-share"}
+    world.manager.patch_node(world.node_a, metadata_patch(labels=labels, annotations=annotations), _content_type=MERGE)
+    meta = world.api.read_node(world.node_a).metadata
+    assert {k: meta.labels[k] for k in labels} == labels
+    assert {k: meta.annotations[k] for k in annotations} == annotations
+
+
+def test_manager_writes_the_assigned_annotation_of_a_pod_bound_to_its_node(world):
+    world.manager.patch_namespaced_pod(name(world.gpu_pod_here), world.ns,
+                                       metadata_patch(annotations={ASSIGNED: '["c"]'}), _content_type=MERGE)
+    pod = world.api.read_namespaced_pod(name(world.gpu_pod_here), world.ns)
+    assert pod.metadata.annotations[ASSIGNED] == '["c"]'
+
+
+def test_manager_cannot_annotate_a_pod_on_another_node(world):
+    message = refusal(lambda: world.manager.patch_namespaced_pod(
+        name(world.system_pod_there), "kube-system", metadata_patch(annotations={ASSIGNED: "[]"}), _content_type=MERGE))
+    assert "only pods bound to its node" in message, message
+
+
+def test_manager_token_without_a_node_writes_nothing(world):
+    """A token of the manager's ServiceAccount that is not bound to a pod on a node (e.g. a legacy
+    Secret token copied off a node) cannot even write its "own" node."""
+    unbound = world.client_for(world.bound_token("qgpu-manager", None))
+    message = refusal(lambda: unbound.patch_node(
+        world.node_a, metadata_patch(annotations={ANNOTATION_POLICY: "x"}), _content_type=MERGE))
+    assert "names no node" in message, message
+
+
+# ---- the extender ---------------------------------------------------------------------------------
+
+def test_extender_cannot_change_a_pods_image(world):
+    patch = {"spec": {"containers": [{"name": "c", "image": "evil.example/miner:1"}]}}
+    message = refusal(lambda: world.extender.patch_namespaced_pod(name(world.system_pod_there), "kube-system", patch))
+    assert "spec, finalizers or ownerReferences changed" in message, message
+
+
+def test_extender_cannot_change_a_pods_spec_labels_or_foreign_annotations(world):
+    pod = name(world.unbound_pod)
+    message = refusal(lambda: world.extender.patch_namespaced_pod(
+        pod, world.ns, {"spec": {"activeDeadlineSeconds": 1}}))
+    assert "spec, finalizers or ownerReferences changed" in message, message
+    message = refusal(lambda: world.extender.patch_namespaced_pod(
+        pod, world.ns, metadata_patch(labels={"app": "x"}), _content_type=MERGE))
+    assert "labels set" in message, message
+    message = refusal(lambda: world.extender.patch_namespaced_pod(
+        pod, world.ns, metadata_patch(annotations={"example.com/x": "y"}), _content_type=MERGE))
+    assert "annotations example.com/x changed" in message, message
+
+
+def test_extender_writes_and_removes_the_allocation_annotation(world):
+    pod = name(world.unbound_pod)
+    world.extender.patch_namespaced_pod(pod, world.ns, metadata_patch(annotations={ALLOCATION: "{}", BIND_TIME: "1"}),
+                                        _content_type=MERGE)
+    assert world.api.read_namespaced_pod(pod, world.ns).metadata.annotations[ALLOCATION] == "{}"
+    world.extender.patch_namespaced_pod(pod, world.ns, metadata_patch(annotations={ALLOCATION: None, BIND_TIME: None}),
+                                        _content_type=MERGE)
+    assert ALLOCATION not in (world.api.read_namespaced_pod(pod, world.ns).metadata.annotations or {})
+
+
+def test_extender_binding_may_carry_only_qgpu_annotations(world):
+    pod = world.pod(world.ns, f"bind-{uuid.uuid4().hex[:6]}", None)
+
+    def bind(annotations: dict[str, str]) -> None:
+        body = client.V1Binding(metadata=client.V1ObjectMeta(name=name(pod), namespace=world.ns, annotations=annotations),
+                                target=client.V1ObjectReference(api_version="v1", kind="Node", name=world.node_b))
+        world.extender.create_namespaced_pod_binding(name(pod), world.ns, body, _preload_content=False)
+
+    message = refusal(lambda: bind({ALLOCATION: "{}", "example.com/x": "y"}))
+    assert "annotations example.com/x in a Binding" in message, message
+    bind({ALLOCATION: "{}", BIND_TIME: "1"})
+    bound = world.api.read_namespaced_pod(name(pod), world.ns)
+    assert bound.spec.node_name == world.node_b and bound.metadata.annotations[ALLOCATION] == "{}"
+
+
+# ---- the real components, doing their real work with their bound tokens ---------------------------
+
+def token_kubeconfig(world: Identities, token: str, path) -> str:
+    cp = world.cluster.cp
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "c", "cluster": {"server": cp.server, "certificate-authority": str(cp.ca.cert_path)}}],
+        "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "c", "context": {"cluster": "c", "user": "sa"}}], "current-context": "c"}))
+    return str(path)
+
+
+def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_token(world, tmp_path, label):
+    """`qgpu manager serve` with the token of a pod on its node: labels and inventory on its Node,
+    the qgpu.io/assigned annotation on the pod it serves; nothing refused."""
+    node = ManagedNode(f"lp-{uuid.uuid4().hex[:8]}", "1xT4-16G", world.cluster.cp.admin_kubeconfig)
+    try:
+        bare_node(world.api, node.name, label)
+        manager_pod = world.pod(world.ns, f"qgpu-manager-{node.name}", node.name, service_account="qgpu-manager")
+        kubeconfig = token_kubeconfig(world, world.bound_token("qgpu-manager", manager_pod), tmp_path / "kubeconfig")
+        limits = {"tke.cloud.tencent.com/qgpu-core": 20, "tke.cloud.tencent.com/qgpu-memory": 2}
+        world.api.create_namespaced_pod(world.ns, gpu_pod("served", limits, scheduler_name="qgpu-test-nobody"))
+        world.created_pods.append((world.ns, "served"))
+        bind_with_record(world.api, world.ns, "served", node.name, [(0, node.cards[0].uuid, 200, 2048)], time.time_ns())
+        node.start(kubeconfig=kubeconfig)
+        wait_for("the manager's labels on its node",
+                 lambda: read_node(world.api, node.name)["metadata"].get("labels", {}).get(LABEL_COUNT) == "1")
+        assert node.kubelet.admit(read_pod(world.api, world.ns, "served"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
+        notes = read_pod(world.api, world.ns, "served")["metadata"]["annotations"]
+        assert json.loads(notes[ASSIGNED]) == ["c0"]
+        assert "forbidden" not in node.log().lower(), node.log()  # RBAC's and the policy's refusals say so
+    finally:
+        node.close()
+        _quietly(lambda: world.api.delete_node(node.name))
+
+
+def test_extender_binds_through_kube_scheduler_with_its_bound_token(world, tmp_path, label):
+    """The real kube-scheduler binds a GPU pod through `qgpu extender serve` running with the token
+    of its pod: the Binding carrying the allocation record passes the policy."""
+    kubeconfig = token_kubeconfig(world, world.bound_token("qgpu-scheduler", world.extender_pod), tmp_path / "kubeconfig")
+    cluster = world.cluster
+    cluster.restart_extender(kubeconfig=kubeconfig)
+    node = f"{world.ns}-gpu"
+    try:
+        gpu_node(world.api, node, cards(2, node=node), label)
+        limits = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 5}
+        world.api.create_namespaced_pod(world.ns, gpu_pod("placed", limits, selector=label))
+        world.created_pods.append((world.ns, "placed"))
+        pod = bound(world.api, world.ns, "placed")
+        rec = record(pod)
+        assert rec is not None and rec.node == pod["spec"]["nodeName"] == node
+        log = cluster.extender.process.tail(200) if cluster.extender.process else ""
+        assert "forbidden" not in log.lower(), log  # not "403": log timestamps have milliseconds
+    finally:
+        cluster.restart_extender()
+        _quietly(lambda: world.api.delete_node(node))
