@@ -342,7 +342,8 @@ def test_extender_binds_through_kube_scheduler_with_its_bound_token(world, tmp_p
     of its pod: the Binding carrying the allocation record passes the policy."""
     kubeconfig = token_kubeconfig(world, world.bound_token("qgpu-scheduler", world.extender_pod), tmp_path / "kubeconfig")
     cluster = world.cluster
-    cluster.restart_extender(kubeconfig=kubeconfig)
+    # its node commitment Leases live in its own namespace, where the template's Role lets it write them
+    cluster.restart_extender(kubeconfig=kubeconfig, extra_args=("--commitment-namespace", world.ns))
     node = f"{world.ns}-gpu"
     try:
         gpu_node(world.api, node, cards(2, node=node), label)
