@@ -1,5 +1,6 @@
 """Where the bundled openb trace lives: ``$QGPU_TRACE_DIR``, else ``../shared/data/gpu-trace-v2023``
-beside the checkout, or beside the main checkout when this one is a git worktree."""
+beside the checkout, or beside the main checkout when this one is a git worktree, or the
+workspace's ``/work/shared/data/gpu-trace-v2023``."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ def openb_trace_dir() -> Path | None:
     main = _main_checkout()
     if main is not None:
         candidates.append(main.parent / TRACE)
+    # A clone made elsewhere (CI clones the repository away from its workspace): the workspace's
+    # shared data, where this project's machines keep it.
+    candidates.append(Path("/work") / TRACE)
     for folder in candidates:
         if (folder / "openb_node_list_gpu_node.csv").is_file() and (folder / "openb_pod_list_default.csv").is_file():
             return folder

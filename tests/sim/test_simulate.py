@@ -11,6 +11,7 @@ import pytest
 
 from qgpu_runtime.sim.replay import ReplayOptions, arrival_order, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import load_nodes, load_pods
+from tests.tracedata import openb_trace_dir
 
 NODES = "sn,cpu_milli,memory_mib,gpu,model\n" + "".join(
     f"node-{i},32000,131072,{g},{m}\n" for i, (g, m) in enumerate([(4, "T4"), (4, "T4"), (2, "V100M32"), (8, "G2"), (0, "")])
@@ -146,10 +147,10 @@ def test_missing_file_is_a_clear_error(tmp_path, trace):
     assert out.returncode == 2 and "nope.csv: cannot open: No such file or directory" in out.stderr
 
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data" / "gpu-trace-v2023"
+SHARED = openb_trace_dir()
 
 
-@pytest.mark.skipif(not SHARED.exists(), reason="bundled trace not beside the checkout")
+@pytest.mark.skipif(SHARED is None, reason="the openb trace is not beside the checkout (set QGPU_TRACE_DIR)")
 def test_short_replay_of_the_real_trace_runs():
     out = run_cli("simulate", "--nodes", str(SHARED / "openb_node_list_gpu_node.csv"), "--pods", str(SHARED / "openb_pod_list_default.csv"),
                   "--policy", "bestfit", "--seeds", "42", "--json", "--workers", "1")
