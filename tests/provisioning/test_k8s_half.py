@@ -373,11 +373,25 @@ def test_extender_may_create_bindings(site: Site) -> None:
     assert not can(site.cluster, "qgpu-manager", "create", "pods", namespace="default", subresource="binding")
 
 
-def service_account_kubeconfig(cluster: Cluster, account: str, path: Path) -> Path:
-    """A kubeconfig holding a short-lived token of the ServiceAccount (TokenRequest API)."""
+def service_account_kubeconfig(cluster: Cluster, account: str, path: Path, node: str | None = None) -> Path:
+    """A kubeconfig holding a short-lived token of the ServiceAccount (TokenRequest API). With
+    ``node``: bound to a pod of that account on that node, as the kubelet mounts it into the
+    manager's pod (the token then carries the node's name, which the admission policy checks)."""
+    bound = None
+    if node is not None:
+        name = f"{account}-token-holder"
+        try:
+            cluster.api.delete_namespaced_pod(name, NAMESPACE, grace_period_seconds=0)
+        except ApiException:
+            pass
+        holder = cluster.api.create_namespaced_pod(NAMESPACE, {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+            "spec": {"nodeName": node, "serviceAccountName": account, "automountServiceAccountToken": False,
+                     "tolerations": [{"operator": "Exists"}], "containers": [{"name": "c", "image": "x"}]}})
+        bound = client.V1BoundObjectReference(kind="Pod", api_version="v1", name=name, uid=holder.metadata.uid)
     token = cluster.api.create_namespaced_service_account_token(
         account, NAMESPACE, client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(
-            audiences=[], expiration_seconds=600))).status.token
+            audiences=[], expiration_seconds=600, bound_object_ref=bound))).status.token
     path.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "sa",
         "clusters": [{"name": "c", "cluster": {"server": cluster.cp.server,
@@ -397,9 +411,10 @@ def test_the_manager_code_works_with_its_service_account_and_no_more(site: Site,
     namespace = exempt_namespace(cluster)
     cluster.api.create_namespaced_pod(namespace, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
                                                   "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x"}]}})
-    kubeconfig = service_account_kubeconfig(cluster, "qgpu-manager", tmp_path / "manager.kubeconfig")
+    kubeconfig = service_account_kubeconfig(cluster, "qgpu-manager", tmp_path / "manager.kubeconfig", node=node)
     source = KubePodSource(str(kubeconfig))
-    assert [p["metadata"]["name"] for p in source.pods_on_node(node)] == ["p"]
+    # the pods on its node: "p" and the pod its token is bound to
+    assert sorted(p["metadata"]["name"] for p in source.pods_on_node(node)) == ["p", "qgpu-manager-token-holder"]
     assert source.node_labels(node)["kubernetes.io/hostname"] == node
     source.patch_pod_annotations(namespace, "p", {"qgpu.io/test": "manager"})
     source.patch_node(node, {}, {"qgpu.io/test": "manager"})
@@ -417,6 +432,7 @@ def test_the_manager_code_works_with_its_service_account_and_no_more(site: Site,
             forbidden()
         assert refused.value.status == 403
     assert site.node(node)["metadata"]["name"] == node
+    cluster.api.delete_namespaced_pod("qgpu-manager-token-holder", NAMESPACE, grace_period_seconds=0)
 
 
 # -- re-runs -------------------------------------------------------------------------------------
