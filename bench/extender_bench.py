@@ -57,7 +57,7 @@ from bench.peers import hami as hami_peer  # noqa: E402
 from bench.peers.hami_nodes import node_allocatable as hami_allocatable  # noqa: E402
 from bench.peers.hami_nodes import node_annotations as hami_annotations  # noqa: E402
 from bench.peers.hami_nodes import translate_pod  # noqa: E402
-from qgpu_runtime.kube.nodes import cards_annotation  # noqa: E402
+from qgpu_runtime.contract.inventory import cards_annotation  # noqa: E402
 from qgpu_runtime.model.requests import parse_pod  # noqa: E402
 from tests.k8s.controlplane import ControlPlane, extender_config, extender_server, free_port, testbin_dir  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, PAUSE, cards  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Legitimate calls while slow and greedy clients hold the server (issue 11 §2).
 
-The server is qgpu's own JSON server (``qgpu_runtime.kube.serving.JsonServer``) exactly as the
+The server is qgpu's own JSON server (``qgpu_runtime.serving.JsonServer``) exactly as the
 extender runs it: HTTPS with client-certificate authentication and the production
 ``ServerLimits`` (256 connections, 16 in flight, 10 s header and body deadlines). Its one route
 parses an extender-sized JSON body, so the figures are the transport's, not the placement's.
@@ -36,7 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from qgpu_runtime.kube.serving import JsonServer, Routes, ServerLimits  # noqa: E402
+from qgpu_runtime.serving import JsonServer, Routes, ServerLimits  # noqa: E402
 from tests.k8s.pki import CertificateAuthority  # noqa: E402
 
 SLOW_HEADERS = b"POST /filter HTTP/1.1\r\nHost: x\r\n"

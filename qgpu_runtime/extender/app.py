@@ -29,8 +29,8 @@ from qgpu_runtime.extender.wire import (
     encode_priorities_json,
 )
 from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
-from qgpu_runtime.kube.cache import AllocationCache, HoldLimit
-from qgpu_runtime.kube.serving import RawJSON
+from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
+from qgpu_runtime.serving import RawJSON
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
 log = logging.getLogger(__name__)

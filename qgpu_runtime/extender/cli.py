@@ -23,11 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.trust import TrustedPods
-from qgpu_runtime.kube.cache import DEFAULT_MAX_HOLDS, AllocationCache
+from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.kube.client import api_client
-from qgpu_runtime.kube.commitments import LeaseCommitments
-from qgpu_runtime.kube.serving import JsonServer, Routes
-from qgpu_runtime.kube.watch import CacheFeeder, expire_loop
+from qgpu_runtime.extender.commitments import LeaseCommitments
+from qgpu_runtime.serving import JsonServer, Routes
+from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import CardLimits, PodRequest, RequestError, parse_pod
 
 ReadPod = Callable[[str, str], "dict[str, Any] | None"]  # (namespace, name) -> pod, None when absent

@@ -21,7 +21,7 @@ from typing import Callable
 
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
-from qgpu_runtime.metrics import ManagerMetrics, build_snapshot
+from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver

@@ -5,7 +5,7 @@ two kube-schedulers with leader election off, each with its own extender) each s
 both bind onto it. The cure is one object per node that the apiserver arbitrates: a bind reads it,
 re-checks its chosen cards against it, and writes it back with a resourceVersion precondition, so of
 two binds deciding on the same state only one write succeeds and the other re-decides on fresh state.
-The object's I/O lives in :mod:`qgpu_runtime.kube.commitments`; this module is the pure part: the
+The object's I/O lives in :mod:`qgpu_runtime.extender.commitments`; this module is the pure part: the
 document format, the fit check and pruning. No I/O, no clock (times come in as arguments).
 
 Document (annotation ``qgpu.io/commitments`` of the node's Lease), compact JSON::

@@ -11,7 +11,7 @@ import signal
 import threading
 from typing import Any, Callable
 
-from qgpu_runtime.kube.serving import JsonServer, Routes
+from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, mutate, validate
 
 

@@ -128,7 +128,7 @@ def test_the_extender_refuses_to_bind_before_its_caches_are_synced():
 
     from qgpu_runtime.extender.app import ExtenderApp
     from qgpu_runtime.extender.binder import Binder
-    from qgpu_runtime.kube.cache import AllocationCache
+    from qgpu_runtime.extender.cache import AllocationCache
     from qgpu_runtime.model.requests import DEFAULT_LIMITS
     from qgpu_runtime.placement.policies import make_policy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from qgpu_runtime.cli import main
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node, pod

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qgpu_runtime.extender.app import ExtenderApp
-from qgpu_runtime.kube.cache import AllocationCache
-from qgpu_runtime.kube.serving import JsonServer, Routes
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, GPU_RESOURCES
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.webhook import cli as webhook_cli

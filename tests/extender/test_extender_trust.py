@@ -12,8 +12,8 @@ from typing import Any, Iterator
 import pytest
 
 from qgpu_runtime.extender.app import ExtenderApp
-from qgpu_runtime.kube.cache import AllocationCache
-from qgpu_runtime.kube.serving import JsonServer, Routes
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import SEC, node, pod

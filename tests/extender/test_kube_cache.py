@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from qgpu_runtime.kube.cache import AllocationCache
-from qgpu_runtime.kube.nodes import cards_annotation
-from qgpu_runtime.kube.records import record_annotations
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.contract.inventory import cards_annotation
+from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.policies import make_policy
@@ -209,7 +209,7 @@ def test_bad_inventory_and_bad_records_are_reported_not_fatal():
 
 
 def test_unhealthy_cards_take_no_new_pods():
-    from qgpu_runtime.kube.nodes import node_spec
+    from qgpu_runtime.contract.inventory import node_spec
 
     cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(2)]
     n = {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=frozenset({0}))}},

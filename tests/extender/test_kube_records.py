@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qgpu_runtime.kube.records import AllocationRecord, RecordError, parse_record, record_annotations, record_of
+from qgpu_runtime.contract.record import AllocationRecord, RecordError, parse_record, record_annotations, record_of
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 
 from qgpu_runtime.extender.app import ExtenderApp
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node

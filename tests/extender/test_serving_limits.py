@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from qgpu_runtime.kube.serving import JsonServer, Routes, ServerLimits
+from qgpu_runtime.serving import JsonServer, Routes, ServerLimits
 from tests.polling import poll
 
 FAST = ServerLimits(max_connections=8, max_in_flight=2, idle_timeout_s=30.0, header_timeout_s=0.3, body_timeout_s=0.3,

@@ -11,8 +11,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 import yaml
 from kubernetes import client
 
-from qgpu_runtime.kube.nodes import CARDS, cards_annotation
-from qgpu_runtime.kube.records import ALLOCATION, AllocationRecord, parse_record
+from qgpu_runtime.contract.inventory import CARDS, cards_annotation
+from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, parse_record
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.placement.state import CardSpec
 from tests.polling import poll

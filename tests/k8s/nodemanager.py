@@ -22,7 +22,7 @@ from kubernetes import client
 
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.gpu.types import CardInfo
-from qgpu_runtime.kube.records import record_annotations, record_of
+from qgpu_runtime.contract.record import record_annotations, record_of
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.k8s.controlplane import ROOT

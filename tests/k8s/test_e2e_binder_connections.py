@@ -11,7 +11,7 @@ from __future__ import annotations
 from kubernetes import client
 
 from qgpu_runtime.extender.binder import Binder
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy

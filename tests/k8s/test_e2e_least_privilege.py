@@ -22,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from qgpu_runtime.kube.records import ALLOCATION, ASSIGNED, BIND_TIME
+from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY, LABEL_COUNT, LABEL_MEMORY, LABEL_MODEL
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for

@@ -36,7 +36,7 @@ from kubernetes.dynamic import DynamicClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
-from qgpu_runtime.kube.records import ALLOCATION
+from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES

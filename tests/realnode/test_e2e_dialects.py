@@ -9,7 +9,7 @@ import json
 from typing import Any
 
 
-from qgpu_runtime.kube.records import ALLOCATION, parse_record
+from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.realnode import kube
 from tests.realnode.localcluster import LocalCluster
 

@@ -11,7 +11,7 @@ from typing import Iterator
 
 import pytest
 
-from qgpu_runtime.kube.records import ALLOCATION, parse_record
+from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.polling import poll
 from tests.realnode import kube
 from tests.realnode.localcluster import LocalCluster

@@ -10,7 +10,7 @@ import signal
 
 from kubernetes import client
 
-from qgpu_runtime.kube.records import ALLOCATION, parse_record
+from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from qgpu_runtime.node.store import Store
 from tests.polling import poll
 from tests.realnode import kube

@@ -1,6 +1,6 @@
 """What the extender believes about the cluster: nodes, pods, and the cards their records book.
 
-Fed by watch events (see :mod:`qgpu_runtime.kube.watch`) and by the extender's own binds. All I/O
+Fed by watch events (see :mod:`qgpu_runtime.extender.watch`) and by the extender's own binds. All I/O
 stays outside: events come in as API dicts, the clock comes in as an argument, and the records to
 delete after expiry go out as return values. One lock guards everything, so a filter never sees a
 half-applied bind and two binds can never book the same free capacity twice.
@@ -41,8 +41,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.kube.nodes import NodeInventoryError, node_spec
-from qgpu_runtime.kube.records import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_of
+from qgpu_runtime.contract.inventory import NodeInventoryError, node_spec
+from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_of
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from kubernetes import client, watch
 
-from qgpu_runtime.kube.cache import AllocationCache
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
 
 log = logging.getLogger(__name__)
