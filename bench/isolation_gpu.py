@@ -28,10 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from qgpu_runtime.gpu.nvml_lib import cuda_driver_version, load_nvml  # noqa: E402
+from qgpu_runtime.gpu.nvml_processes import ProcessSampler  # noqa: E402
 from qgpu_runtime.isolation.control import ControlParams  # noqa: E402
 from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, Workload  # noqa: E402
 from qgpu_runtime.isolation.mps import MpsDaemon, client_env, pinned_limits_supported  # noqa: E402
-from qgpu_runtime.isolation.nvml_sampler import NvmlSampler, cuda_driver_version, load_nvml  # noqa: E402
+from qgpu_runtime.isolation.nvml_sampler import NvmlSampler  # noqa: E402
 from qgpu_runtime.isolation.policy import Policy  # noqa: E402
 from qgpu_runtime.isolation.signals import SignalActuator  # noqa: E402
 from qgpu_runtime.isolation.watchdog import IsolationEvent, MemoryWatchdog  # noqa: E402
@@ -129,7 +131,8 @@ def control(nvml, policy: Policy, workers: list[Worker], until, enforce_compute=
     actuator = SignalActuator(groups, grace_s=2.0)
     sink = Sink()
     watchdog = MemoryWatchdog(CollectorRegistry(), sink, actuator.stop)
-    engine = IsolationEngine(policy, NvmlSampler(nvml, [0], owner), actuator, ControlParams(), watchdog, 0, enforce_compute)
+    sampler = NvmlSampler(ProcessSampler(nvml, [0]).reader(), owner)
+    engine = IsolationEngine(policy, sampler, actuator, ControlParams(), watchdog, 0, enforce_compute)
     pending = list(later)
     held_log: list[tuple[float, list[str]]] = []
     last = time.monotonic()

@@ -1,8 +1,13 @@
-"""NVML backend (nvidia-ml-py): discovery, per-process usage and XID health events.
+"""NVML backend of the node manager: discovery, metrics samples and XID health events.
 
 NVML failing at start is an error that stops the manager: a GPU node that cannot see its GPUs
 must not advertise simulated ones. Runtime sampling errors on one card are reported for that
 card and do not stop the others.
+
+The per-process part of a sample (which processes use a card, their memory and SM percent) comes
+from :attr:`NvmlBackend.processes`, the node's one :class:`ProcessSampler`; the isolation loop
+reads the same sampler (node/enforcer.py), so metrics and isolation see the same numbers
+(gpu/nvml_processes.py says why). Loading NVML and card discovery are gpu/nvml_lib.py's.
 """
 
 from __future__ import annotations
@@ -10,7 +15,10 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
+from qgpu_runtime.gpu.nvml_lib import MIB, NvmlUnavailable, list_cards, load_nvml, text
+from qgpu_runtime.gpu.nvml_processes import ProcessSampler
 from qgpu_runtime.gpu.types import BackendError, CardInfo, CardUsage, HealthEvent, ProcessUsage
 
 log = logging.getLogger(__name__)
@@ -19,11 +27,6 @@ log = logging.getLogger(__name__)
 # 13 graphics engine exception, 31 GPU memory page fault, 43 GPU stopped processing,
 # 45 preemptive cleanup, 68 video processor exception, 109 context switch timeout.
 APPLICATION_XIDS = frozenset({13, 31, 43, 45, 68, 109})
-MIB = 1024 * 1024
-
-
-def _text(value: object) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def read_cgroup(pid: int, proc: Path = Path("/proc")) -> str:
@@ -38,43 +41,29 @@ class NvmlBackend:
 
     name = "nvml"
 
-    def __init__(self, skip_xids: frozenset[int] = APPLICATION_XIDS) -> None:
-        import pynvml
-
-        self._nv = pynvml
-        try:
-            pynvml.nvmlInit()
-        except pynvml.NVMLError as exc:
-            raise BackendError(f"NVML init failed: {exc}; is the NVIDIA driver loaded and /dev/nvidia* visible? "
-                               "(use --gpu-backend simulated only on purpose, for hosts without GPUs)") from exc
+    def __init__(self, skip_xids: frozenset[int] = APPLICATION_XIDS, nv: Any = None,
+                 proc_root: Path = Path("/proc")) -> None:
+        """``nv``: an initialised pynvml module or a fake of it (tests); loaded here when None.
+        ``proc_root``: where processes' cgroup files are read."""
+        self._nv = nv if nv is not None else load_nvml()
         self._skip_xids = skip_xids
-        self._handles = []
-        self._cards: list[CardInfo] = []
-        self._last_sample_us: dict[int, int] = {}
+        self._proc_root = proc_root
         try:
-            count = pynvml.nvmlDeviceGetCount()
-            if count == 0:
+            self._cards = list_cards(self._nv)
+            if not self._cards:
                 raise BackendError("NVML reports no GPUs on this host; nothing to serve")
-            for index in range(count):
-                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-                memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-                self._handles.append(handle)
-                self._cards.append(CardInfo(
-                    index=index,
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                    model=_text(pynvml.nvmlDeviceGetName(handle)),
-                    memory_mib=int(memory.total) // MIB,
-                    minor=int(pynvml.nvmlDeviceGetMinorNumber(handle)),
-                ))
+            self._handles = [self._nv.nvmlDeviceGetHandleByIndex(c.index) for c in self._cards]
+            self.processes = ProcessSampler(self._nv, [c.index for c in self._cards])
         except BackendError:
-            pynvml.nvmlShutdown()
+            self._nv.nvmlShutdown()
             raise
-        except pynvml.NVMLError as exc:
-            pynvml.nvmlShutdown()
-            raise BackendError(f"NVML discovery failed at card {len(self._handles)}: {exc}") from exc
+        except self._nv.NVMLError as exc:
+            self._nv.nvmlShutdown()
+            raise NvmlUnavailable(f"NVML discovery failed: {exc}") from exc
+        self._metrics = self.processes.reader()
         self._events = self._register_events()
 
-    def _register_events(self):
+    def _register_events(self) -> Any:
         nv = self._nv
         event_set = nv.nvmlEventSetCreate()
         wanted = nv.nvmlEventTypeXidCriticalError | nv.nvmlEventTypeDoubleBitEccError | nv.nvmlEventTypeSingleBitEccError
@@ -88,46 +77,29 @@ class NvmlBackend:
         return event_set
 
     def cards(self) -> tuple[CardInfo, ...]:
-        return tuple(self._cards)
+        return self._cards
 
     def sample(self) -> tuple[CardUsage, ...]:
+        """Whole-card utilisation and memory, and the processes as the shared sampler sees them."""
         nv = self._nv
         out = []
         for card, handle in zip(self._cards, self._handles):
             try:
                 util = nv.nvmlDeviceGetUtilizationRates(handle)
                 memory = nv.nvmlDeviceGetMemoryInfo(handle)
-                procs = nv.nvmlDeviceGetComputeRunningProcesses(handle)
-            except nv.NVMLError as exc:
+                procs = self._metrics.card(card.index)
+            except (nv.NVMLError, BackendError) as exc:
                 log.warning("card %d: sampling failed: %s", card.index, exc)
                 continue
-            sm = self._process_sm_util(card.index, handle)
             out.append(CardUsage(
                 index=card.index,
                 util_pct=int(util.gpu),
                 memory_used_mib=int(memory.used) // MIB,
-                processes=tuple(
-                    ProcessUsage(pid=int(p.pid), card_index=card.index,
-                                 memory_mib=int(p.usedGpuMemory or 0) // MIB,
-                                 sm_util_pct=sm.get(int(p.pid), 0), cgroup=read_cgroup(int(p.pid)))
-                    for p in procs
-                ),
+                processes=tuple(ProcessUsage(pid=p.pid, card_index=card.index, memory_mib=p.memory_mib,
+                                             sm_util_pct=p.sm_util_pct, cgroup=read_cgroup(p.pid, self._proc_root))
+                                for p in procs),
             ))
         return tuple(out)
-
-    def _process_sm_util(self, index: int, handle) -> dict[int, int]:
-        """SM utilisation per pid since the previous sample (NVML keeps a short ring buffer)."""
-        nv = self._nv
-        since = self._last_sample_us.get(index, 0)
-        self._last_sample_us[index] = int(time.time() * 1e6)
-        try:
-            samples = nv.nvmlDeviceGetProcessUtilization(handle, since)
-        except nv.NVMLError:
-            return {}  # NVML_ERROR_NOT_FOUND: no process ran since `since`
-        result: dict[int, int] = {}
-        for s in samples:
-            result[int(s.pid)] = max(result.get(int(s.pid), 0), int(s.smUtil))
-        return result
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
         nv = self._nv
@@ -142,7 +114,7 @@ class NvmlBackend:
         xid = int(data.eventData)
         if data.eventType == nv.nvmlEventTypeXidCriticalError and xid in self._skip_xids:
             return []
-        uuid = _text(nv.nvmlDeviceGetUUID(data.device))
+        uuid = text(nv.nvmlDeviceGetUUID(data.device))
         for card in self._cards:
             if card.uuid == uuid:
                 kind = "XID" if data.eventType == nv.nvmlEventTypeXidCriticalError else f"event type {data.eventType}"

@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _start(manager: NodeManager, stop: threading.Event, log: logging.Logger) -> int | None:
     """Start the manager; None when it serves, else the exit code (nothing is served then)."""
-    from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
+    from qgpu_runtime.gpu import BackendError
     from qgpu_runtime.node.manager import NodeUnreadable
     from qgpu_runtime.node.pods import PodSourceError
 
@@ -63,7 +63,7 @@ def _start(manager: NodeManager, stop: threading.Event, log: logging.Logger) -> 
     except PodSourceError as exc:  # retrying cannot help: wrong RBAC, node or credentials
         log.error("cannot start: %s", exc)
         return 1
-    except (ValueError, NodeUnreadable, NvmlUnavailable) as exc:  # bad or unreadable policy label; no NVML
+    except (ValueError, NodeUnreadable, BackendError) as exc:  # bad or unreadable policy label; a failing GPU backend
         log.error("%s", exc)
         return 2
     log.info("stopped before the pods of node %s could be read", manager.config.node)
@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_isolation:
         from qgpu_runtime.node.enforcer import default_backend
 
-        isolation = default_backend(backend, [c.index for c in backend.cards()])
+        isolation = default_backend(backend)
     manager = NodeManager(config, backend, store, pods, isolation=isolation)
     stop = threading.Event()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr

@@ -18,9 +18,11 @@ import threading
 import time
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from qgpu_runtime.gpu.nvml import NvmlBackend
 from qgpu_runtime.gpu.types import GpuBackend
 from qgpu_runtime.isolation.control import Usage
 from qgpu_runtime.isolation.engine import Actuator, Sampler, TickReport, Workload
+from qgpu_runtime.isolation.nvml_sampler import NvmlSampler
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy, policy_of_node
 from qgpu_runtime.isolation.runner import build_engine, run_every
 from qgpu_runtime.isolation.signals import SignalActuator
@@ -77,7 +79,8 @@ class BackendSampler:
     """Per-process samples of a :class:`GpuBackend` (the simulated one on hosts without NVML).
 
     Each process's SM percent is taken as its use over the tick; NVML itself goes through
-    :class:`NvmlSampler`, whose estimator handles the driver's sparse samples.
+    :class:`NvmlSampler`, whose estimator handles the driver's sparse samples. Either way the
+    engine reads the samples the metrics read (the backend's ``sample`` or its NVML sampler).
     """
 
     def __init__(self, backend: GpuBackend, owner: Callable[[int], str | None]) -> None:
@@ -97,16 +100,15 @@ class BackendSampler:
         return out
 
 
-def default_backend(backend: GpuBackend, indices: Sequence[int]) -> IsolationBackend:
-    """NVML sampling (with the estimator) on real cards, the backend's own samples otherwise;
-    duty cycling through the containers' process groups either way."""
+def default_backend(backend: GpuBackend) -> IsolationBackend:
+    """On real cards, a reader of the NVML backend's own process sampler (the one its metrics
+    samples read) through the estimator; the backend's samples otherwise; duty cycling through the
+    containers' process groups either way."""
 
     def build(resolver: ContainerResolver) -> tuple[Sampler, Actuator]:
         sampler: Sampler
-        if backend.name == "nvml":
-            from qgpu_runtime.isolation.nvml_sampler import NvmlSampler, load_nvml
-
-            sampler = NvmlSampler(load_nvml(), indices, resolver.owner)
+        if isinstance(backend, NvmlBackend):
+            sampler = NvmlSampler(backend.processes.reader(), resolver.owner)
         else:
             sampler = BackendSampler(backend, resolver.owner)
         return sampler, SignalActuator(resolver.groups)

@@ -11,7 +11,9 @@ The four TKEStack gpu-manager series keep their names and labels so existing das
 qgpu's own series are prefixed ``qgpu_`` and use base units (ratios, bytes).
 
 The sampler builds an immutable :class:`Snapshot` once per interval (pure: :func:`build_snapshot`);
-a scrape only renders the latest snapshot, so scrapes never touch NVML or SQLite.
+a scrape only renders the latest snapshot, so scrapes never touch NVML or SQLite. The per-process
+"used" figures are the GPU backend's sample; on NVML that is the per-process sampler the isolation
+loop reads too (gpu/nvml_processes.py), so metrics and isolation never disagree about them.
 """
 
 from __future__ import annotations

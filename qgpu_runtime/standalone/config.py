@@ -104,7 +104,7 @@ def simulated_cards(option: str, seed: str) -> list[StoredCard]:
 
 def nvml_cards() -> list[StoredCard]:
     """The host's real cards; raises NvmlUnavailable with the failing call when NVML cannot answer."""
-    from qgpu_runtime.isolation.nvml_sampler import list_cards, load_nvml
+    from qgpu_runtime.gpu.nvml_lib import list_cards, load_nvml
 
     return [StoredCard(c.index, c.uuid, c.model, c.memory_mib) for c in list_cards(load_nvml())]
 

@@ -91,10 +91,12 @@ class StandaloneManager:
             self._sim = SimulatedHost(cards, self.signals, self._usage_file)
             sampler = actuator = self._sim
         else:
-            from qgpu_runtime.isolation.nvml_sampler import NvmlSampler, cuda_driver_version, load_nvml
+            from qgpu_runtime.gpu.nvml_lib import cuda_driver_version, load_nvml
+            from qgpu_runtime.gpu.nvml_processes import ProcessSampler
+            from qgpu_runtime.isolation.nvml_sampler import NvmlSampler
 
             nvml = load_nvml()
-            sampler = NvmlSampler(nvml, [c.index for c in cards], self._owner)
+            sampler = NvmlSampler(ProcessSampler(nvml, [c.index for c in cards]).reader(), self._owner)
             actuator = self.signals
             self._start_mps(cuda_driver_version(nvml))
         # With MPS under fixed-share the thread percentage caps compute; duty cycling would cap twice.

@@ -16,9 +16,9 @@ import threading
 
 from prometheus_client import CollectorRegistry, start_http_server
 
+from qgpu_runtime.gpu.nvml_lib import NvmlUnavailable
 from qgpu_runtime.isolation.mps import MpsError
 from qgpu_runtime.node import cli as node_cli
-from qgpu_runtime.isolation.nvml_sampler import NvmlUnavailable
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB

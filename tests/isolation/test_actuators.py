@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from qgpu_runtime.gpu.nvml_processes import ProcessSampler
 from qgpu_runtime.isolation.engine import CardQuota, Workload
 from qgpu_runtime.isolation.mps import client_env, pinned_limits_supported
 from qgpu_runtime.isolation.nvml_sampler import NvmlSampler
@@ -126,7 +127,7 @@ class _FakeNvml:
 def test_nvml_samples_are_summed_per_workload_and_foreign_processes_ignored():
     nvml = _FakeNvml()
     owners = {101: "a", 102: "a", 201: "b"}
-    sampler = NvmlSampler(nvml, [0], owners.get)
+    sampler = NvmlSampler(ProcessSampler(nvml, [0]).reader(), owners.get)
     nvml.procs = [_Proc(101, 1 << 30), _Proc(102, 512 << 20), _Proc(201, None), _Proc(999, 4 << 30)]
     nvml.util = [_Util(101, 200_000, 30), _Util(102, 200_000, 20), _Util(201, 200_000, 10), _Util(999, 200_000, 40)]
     work = [Workload("a", AppClass.NORMAL, (CardQuota(0, 500, 2048),)), Workload("b", AppClass.NORMAL, (CardQuota(0, 500, 2048),))]
