@@ -10,15 +10,15 @@ Two sources, one view (:mod:`qgpu_runtime.status`):
 from __future__ import annotations
 
 import argparse
-import json
 import sqlite3
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from qgpu_runtime.node.nodeinfo import ANNOTATION_CARDS, ANNOTATION_POLICY
+from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
+from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.node.pods import PodSourceError
-from qgpu_runtime.node.record import ALLOCATION, RecordError, parse_record
+from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
 
 
@@ -97,20 +97,20 @@ def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
     for node in nodes:
         meta = node.get("metadata") or {}
         notes = meta.get("annotations") or {}
-        if ANNOTATION_CARDS not in notes:
+        if INVENTORY not in notes:
             continue
+        name = meta.get("name", "")
         try:
-            cards = {int(c["index"]): (str(c["uuid"]), str(c["model"]), int(c["memory_mib"]))
-                     for c in json.loads(notes[ANNOTATION_CARDS])}
-        except (ValueError, KeyError, TypeError):
-            cards = {}
-        known[meta.get("name", "")] = (notes.get(ANNOTATION_POLICY, "-"), cards)
+            cards = {c.index: (c.uuid, c.model, c.memory_mib) for c in parse_inventory(name, notes[INVENTORY])}
+        except NodeInventoryError:
+            cards = {}  # still listed, with the cards its pods' records name
+        known[name] = (notes.get(NODE_ISOLATION_POLICY, "-"), cards)
     work: dict[tuple[str, int], list[WorkloadShare]] = {}
     seen_cards: dict[str, dict[int, str]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         raw = (meta.get("annotations") or {}).get(ALLOCATION)
-        if raw is None or (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+        if raw is None or finished(pod):
             continue
         try:
             record = parse_record(raw)
@@ -119,8 +119,8 @@ def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
         several = len(record.containers) > 1
         for c in record.containers:
             name = f"{meta.get('namespace', 'default')}/{meta.get('name', '')}" + (f"/{c.name}" if several else "")
-            for s in c.cards:
-                work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass))
+            for s in c.shares:
+                work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass.value))
                 seen_cards.setdefault(record.node, {})[s.index] = s.uuid
     out = []
     for node in sorted(set(known) | set(seen_cards)):

@@ -1,7 +1,17 @@
 """The allocation record (annotation ``qgpu.io/allocation``): encode a placement, decode it back.
 
 docs/annotations.md is normative; this module is its only implementation, so the extender (writer),
-the cache rebuild, the device plugin and `qgpu status` (readers) cannot drift apart.
+the cache rebuild, the device plugin and `qgpu status` (readers) cannot drift apart. Before it was,
+the node read records with a laxer parser than the extender's and served records the extender
+refused (a core share of 1.5 cards, a string where a number belongs).
+
+Rolling upgrades (docs/annotations.md, "Versions"): during an upgrade an old extender may bind for
+a new node manager and the reverse. So a writer writes ``WRITE_VERSION``, the oldest version that
+every release in the supported skew reads; a reader accepts every version in ``READ_VERSIONS`` and
+ignores fields it does not know (later releases may add optional fields without a new version); a
+change that an old reader would misread gets a new version, which writers start writing only one
+release after readers learnt it. ``tests/contract/test_rolling_upgrade.py`` holds both directions.
+
 Pure: the caller supplies the time; nothing here talks to the API.
 """
 
@@ -12,18 +22,38 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from qgpu_runtime.contract.names import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass
-from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 
-ALLOCATION = "qgpu.io/allocation"
-BIND_TIME = "qgpu.io/bind-time"
-ASSIGNED = "qgpu.io/assigned"
-RECORD_VERSION = 1
+WRITE_VERSION = 1
+READ_VERSIONS = (1,)
+
+__all__ = ["ALLOCATION", "ASSIGNED", "BIND_TIME", "AllocationRecord", "CardShare", "ContainerPlacement",
+           "RecordError", "parse_record", "record_annotations", "assigned", "bind_time", "annotations"]
 
 
 class RecordError(ValueError):
     """An allocation record that cannot be read; the message names the field, value and rule."""
+
+
+@dataclass(frozen=True)
+class CardShare:
+    """The part of one card granted to one container."""
+
+    index: int
+    uuid: str
+    core_milli: int
+    memory_mib: int
+
+
+@dataclass(frozen=True)
+class ContainerPlacement:
+    """One container's cards; ``exclusive`` when it holds every card it names whole."""
+
+    name: str
+    shares: tuple[CardShare, ...]
+    exclusive: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,7 +68,7 @@ class AllocationRecord:
 
     def to_json(self) -> str:
         doc = {
-            "version": RECORD_VERSION,
+            "version": WRITE_VERSION,
             "node": self.node,
             "policy": self.policy,
             "class": self.klass.value,
@@ -52,17 +82,12 @@ class AllocationRecord:
         }
         return json.dumps(doc, separators=(",", ":"))
 
-    def placement(self, cpu_milli: int = 0, memory_mib: int = 0) -> Placement:
-        """The engine's view of this record, to book it into a ClusterState."""
-        return Placement(self.node, self.containers, self.klass, cpu_milli, memory_mib)
+    def container(self, name: str) -> ContainerPlacement | None:
+        return next((c for c in self.containers if c.name == name), None)
 
 
 def rfc3339(epoch_ns: int) -> str:
     return datetime.datetime.fromtimestamp(epoch_ns / 1e9, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def record_of(placement: Placement, policy: str, epoch_ns: int) -> AllocationRecord:
-    return AllocationRecord(placement.node, policy, placement.klass, rfc3339(epoch_ns), placement.containers)
 
 
 def record_annotations(record: AllocationRecord, epoch_ns: int) -> dict[str, str]:
@@ -83,8 +108,9 @@ def parse_record(raw: str) -> AllocationRecord:
     """Decode the annotation value; refuses unknown versions and malformed fields by name."""
     doc = load_json(raw, dict, ALLOCATION, RecordError)
     version = doc.get("version")
-    if version != RECORD_VERSION:
-        raise RecordError(f"{ALLOCATION}: version={version!r}: only version {RECORD_VERSION} is known")
+    if isinstance(version, bool) or version not in READ_VERSIONS:
+        raise RecordError(f"{ALLOCATION}: version={version!r}: this qgpu reads versions "
+                          f"{', '.join(map(str, READ_VERSIONS))}")
     klass_raw = _field(doc, "class", str, "")
     try:
         klass = AppClass(klass_raw)
@@ -115,3 +141,33 @@ def parse_record(raw: str) -> AllocationRecord:
         time=_field(doc, "time", str, ""),
         containers=tuple(containers),
     )
+
+
+def annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def assigned(pod: Mapping[str, Any]) -> list[str]:
+    """Container names the device plugin already served (annotation ``qgpu.io/assigned``).
+
+    Tolerant on purpose: the annotation is a hint the node manager writes after the fact for
+    people and reconciliation, never the source of a grant (the store is), so an unreadable value
+    reads as "none served yet" rather than blocking the pod.
+    """
+    raw = annotations(pod).get(ASSIGNED)
+    if not raw:
+        return []
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        return []
+    return [str(v) for v in value] if isinstance(value, list) else []
+
+
+def bind_time(pod: Mapping[str, Any]) -> int | None:
+    """Epoch ns of the bind; None when missing or unreadable (such pods are served last)."""
+    raw = annotations(pod).get(BIND_TIME)
+    try:
+        return int(raw) if raw is not None else None
+    except ValueError:
+        return None

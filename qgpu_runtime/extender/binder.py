@@ -194,7 +194,7 @@ class Binder:
                 held = snapshot.commitments
                 held = held.without(stale(held, self.cache.fates(held.pods, node), now, self.commitment_grace_ns))
                 record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
-                mine = Commitment.of(uid or key, key, record.placement(), now)
+                mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
                 # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
                 # same UID (another binder's guess for it, overwritten by its loser) is not counted.
                 problems = over_commitment(self.cache.card_capacity(node),
@@ -233,7 +233,7 @@ class Binder:
         if self.commitments is None or not uid or not raw:
             return
         try:
-            placement = parse_record(raw).placement()
+            placement = Placement.of_record(parse_record(raw))
         except RecordError:
             return
         for _ in range(3):

@@ -41,8 +41,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.contract.inventory import NodeInventoryError, node_spec
-from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_of
+from qgpu_runtime.extender.nodes import NodeInventoryError, node_spec
+from qgpu_runtime.contract.names import FINISHED_PHASES
+from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
@@ -50,7 +51,7 @@ from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement, Stat
 
 log = logging.getLogger(__name__)
 
-TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
+TERMINAL_PHASES = FINISHED_PHASES
 SEEN_PODS = 4096
 DEFAULT_MAX_HOLDS = 1000
 GONE_PODS = 4096
@@ -334,7 +335,7 @@ class AllocationCache:
             self._problem(f"pod {entry.key}: bound to {entry.node_name} but its record names {record.node}; record ignored")
             self._release(state, entry.key)
             return
-        placement = record.placement(entry.cpu_milli, entry.memory_mib)
+        placement = Placement.of_record(record, entry.cpu_milli, entry.memory_mib)
         current = state.bookings.get(entry.key)
         if current == placement:
             return
@@ -531,7 +532,7 @@ class AllocationCache:
                 for other in added:
                     state.release(other)  # booked only for this decision: the arrays are as before
             self._commit(state, key, placement)
-            record = record_of(placement, self.policy_name, now_ns)
+            record = placement.record(self.policy_name, now_ns)
             self._pinned[key] = record.to_json()
             self._stale.pop(key, None)
             return record

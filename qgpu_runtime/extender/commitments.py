@@ -18,11 +18,12 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from qgpu_runtime.contract.names import COMMITMENTS_LEASE_PREFIX
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.placement.commitments import COMMITMENTS, NodeCommitments, parse_commitments
 
-LEASE_PREFIX = "qgpu-node."
+LEASE_PREFIX = COMMITMENTS_LEASE_PREFIX
 MAX_NAME = 253
 LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "node-commitments"}
 

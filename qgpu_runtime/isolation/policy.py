@@ -10,7 +10,9 @@ from __future__ import annotations
 import enum
 from typing import Mapping
 
-POLICY_LABEL = "tke.cloud.tencent.com/qgpu-schedule-policy"
+from qgpu_runtime.contract.names import ISOLATION_POLICY_LABEL
+
+POLICY_LABEL = ISOLATION_POLICY_LABEL
 
 
 class Policy(str, enum.Enum):

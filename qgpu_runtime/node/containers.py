@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from qgpu_runtime.contract.names import finished
 from qgpu_runtime.isolation.engine import CardQuota, Workload
 from qgpu_runtime.isolation.procfs import ProcFS
 from qgpu_runtime.model import AppClass
@@ -32,7 +33,6 @@ from qgpu_runtime.node.store import Share
 
 log = logging.getLogger("qgpu.node.isolation")
 
-FINISHED = ("Succeeded", "Failed")
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class ContainerResolver:
         for pod in pods:
             meta = pod.get("metadata") or {}
             # a terminating pod is let go (resumed) so its containers can handle SIGTERM
-            if (pod.get("status") or {}).get("phase") in FINISHED or meta.get("deletionTimestamp"):
+            if finished(pod) or meta.get("deletionTimestamp"):
                 continue
             live[str(meta.get("uid", ""))] = pod
         found = workloads_of(shares, live)

@@ -30,7 +30,8 @@ from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
 from qgpu_runtime.node.pods import PodSource, PodSourceError
-from qgpu_runtime.node.record import ASSIGNED, assigned
+from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
 from qgpu_runtime.node.store import Share, Store
@@ -315,7 +316,7 @@ class NodeManager:
                                     self.config.pass_device_specs)
             except (matching.NoMatch, GrantError) as exc:
                 raise AllocateRefused(str(exc)) from exc
-            sick = [s.index for s in m.share.cards if s.index in bad]
+            sick = [s.index for s in m.share.shares if s.index in bad]
             if sick:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
                                       f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
@@ -334,7 +335,7 @@ class NodeManager:
                 except Exception as exc:  # the store is authoritative; reconciliation re-patches
                     log.warning("pod %s/%s: could not write %s: %s", m.namespace, m.pod, ASSIGNED, exc)
         log.info("Allocate %s x%d -> %s/%s container %s cards %s", kind.name, len(device_ids), m.namespace, m.pod,
-                 m.container, [s.index for s in m.share.cards])
+                 m.container, [s.index for s in m.share.shares])
         return grant
 
     def preferred(self, kind: ResourceKind, available: list[str], must: list[str], size: int) -> list[str]:
@@ -345,7 +346,7 @@ class NodeManager:
                 pods = self.pods.pods_on_node(self.config.node)
                 served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
             m = matching.match(self.config.node, kind.name, size, pods, served)
-            cards = [s.index for s in m.share.cards]
+            cards = [s.index for s in m.share.shares]
         except matching.NoMatch:
             pass  # Allocate will refuse with the reason; any devices do for the preference
         return matching.preferred_devices(available, must, size, cards, card_of_device)
@@ -420,7 +421,7 @@ class NodeManager:
         if not root.is_dir():
             return
         live = {str((q.get("metadata") or {}).get("uid", "")) for q in pods
-                if (q.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+                if not finished(q)}
         for entry in root.iterdir():
             if entry.is_dir() and entry.name not in live:
                 shutil.rmtree(entry, ignore_errors=True)
@@ -484,12 +485,12 @@ def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Shar
     a card twice, and this refuses a record that does so anyway (an older extender, a binder
     running without commitments, a record written by hand)."""
     live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
-            if (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed")}
+            if not finished(p)}
     held = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
                        (CardUse(s.card_index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD),))
             for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
     mine = Commitment(f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}", 0, tuple(
-        CardUse(s.index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD) for s in m.share.cards))
+        CardUse(s.index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD) for s in m.share.shares))
     return over_commitment({i: c.memory_mib for i, c in cards.items()}, held, mine)
 
 

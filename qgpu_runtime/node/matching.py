@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.model.requests import parse_quantity
-from qgpu_runtime.node.record import (
-    ALLOCATION,
+from qgpu_runtime.contract.names import ALLOCATION, PENDING, phase
+from qgpu_runtime.contract.record import (
     AllocationRecord,
-    ContainerRecord,
+    ContainerPlacement,
     RecordError,
     annotations,
     bind_time,
@@ -48,7 +48,7 @@ class Match:
     pod_uid: str
     container: str
     record: AllocationRecord
-    share: ContainerRecord
+    share: ContainerPlacement
     in_flight: bool
     pod_obj: Mapping[str, Any]
 
@@ -114,8 +114,7 @@ def match(
         if raw is None:
             continue
         label = _label(pod)
-        phase = (pod.get("status") or {}).get("phase", "Pending")
-        if phase != "Pending":
+        if phase(pod) != PENDING:
             continue
         try:
             record = parse_record(raw)
@@ -150,7 +149,7 @@ def match(
 
 def _next_container(
     spec: Mapping[str, Any], record: AllocationRecord, resource: str, uid: str, served: set[tuple[str, str, str]]
-) -> tuple[str, int | None, ContainerRecord | None] | None:
+) -> tuple[str, int | None, ContainerPlacement | None] | None:
     for container in spec.get("containers") or []:
         quantity = container_quantity(container, resource)
         name = str(container.get("name", ""))

@@ -1,22 +1,24 @@
 """Node labels and annotations describing the GPUs, for the scheduler and for people.
 
-Labels carry what selectors need (count, model, memory per card); an annotation carries the full
-card list as JSON (label values cannot hold it). Capacity itself comes from the device plugin.
+Labels carry what selectors need (count, model, memory per card); the inventory annotation
+carries the full card list (contract/inventory.py; label values cannot hold it). Capacity itself
+comes from the device plugin.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Sequence
 
+from qgpu_runtime.contract.inventory import encode_inventory
+from qgpu_runtime.contract.names import (
+    INVENTORY,
+    LABEL_GPU_COUNT,
+    LABEL_GPU_MEMORY,
+    LABEL_GPU_MODEL,
+    NODE_ISOLATION_POLICY,
+)
 from qgpu_runtime.gpu.types import CardInfo
-
-LABEL_COUNT = "qgpu.io/gpu-count"
-LABEL_MODEL = "qgpu.io/gpu-model"
-LABEL_MEMORY = "qgpu.io/gpu-memory-mib"
-ANNOTATION_CARDS = "qgpu.io/gpus"
-ANNOTATION_POLICY = "qgpu.io/isolation-policy"
 
 
 def label_value(text: str) -> str:
@@ -27,12 +29,8 @@ def label_value(text: str) -> str:
 
 def node_metadata(cards: Sequence[CardInfo], unhealthy: dict[int, str], policy: str) -> tuple[dict[str, str], dict[str, str]]:
     """(labels, annotations). Mixed models are labelled with the first card's and listed in full."""
-    labels = {LABEL_COUNT: str(len(cards))}
+    labels = {LABEL_GPU_COUNT: str(len(cards))}
     if cards:
-        labels[LABEL_MODEL] = label_value(cards[0].model)
-        labels[LABEL_MEMORY] = str(min(c.memory_mib for c in cards))
-    cards_json = json.dumps([
-        {"index": c.index, "uuid": c.uuid, "model": c.model, "memory_mib": c.memory_mib,
-         "healthy": c.index not in unhealthy, **({"reason": unhealthy[c.index]} if c.index in unhealthy else {})}
-        for c in cards], separators=(",", ":"))
-    return labels, {ANNOTATION_CARDS: cards_json, ANNOTATION_POLICY: policy}
+        labels[LABEL_GPU_MODEL] = label_value(cards[0].model)
+        labels[LABEL_GPU_MEMORY] = str(min(c.memory_mib for c in cards))
+    return labels, {INVENTORY: encode_inventory(cards, unhealthy), NODE_ISOLATION_POLICY: policy}

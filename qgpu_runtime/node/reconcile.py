@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from qgpu_runtime.node.podresources import HeldDevices
-from qgpu_runtime.node.record import ASSIGNED, assigned
+from qgpu_runtime.contract.names import ASSIGNED, FINISHED_PHASES, phase
+from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.node.store import Grant, Share
 
 
@@ -47,9 +48,8 @@ def plan(
         if pod is None:
             result.release_pods[uid] = "pod no longer exists on this node"
             continue
-        phase = (pod.get("status") or {}).get("phase", "Pending")
-        if phase in ("Succeeded", "Failed"):
-            result.release_pods[uid] = f"pod phase is {phase}"
+        if phase(pod) in FINISHED_PHASES:
+            result.release_pods[uid] = f"pod phase is {phase(pod)}"
     if held is not None:
         listed = {(h.namespace, h.pod) for h in held}
         by_devices = {(h.resource, d): h for h in held for d in h.device_ids}

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import requests as rq
 from qgpu_runtime.node.matching import Match, container_quantity
-from qgpu_runtime.node.record import CardShareRecord
+from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.node.store import Grant, Share
 
 CONTAINER_CONFIG_DIR = "/etc/qgpu"
@@ -59,7 +59,7 @@ class GrantError(ValueError):
 
 
 def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Path, pass_device_specs: bool) -> ContainerGrant:
-    shares = m.share.cards
+    shares = m.share.shares
     for s in shares:
         card = cards.get(s.index)
         if card is None or card.uuid != s.uuid:
@@ -70,7 +70,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
         "NVIDIA_VISIBLE_DEVICES": ",".join(s.uuid for s in shares),
         "QGPU_CORE_MILLI": ",".join(str(s.core_milli) for s in shares),
         "QGPU_MEMORY_MIB": ",".join(str(s.memory_mib) for s in shares),
-        "QGPU_CLASS": m.record.klass,
+        "QGPU_CLASS": m.record.klass.value,
         "QGPU_POLICY": policy,
     }
     spec_container = next(c for c in (m.pod_obj.get("spec") or {}).get("containers", []) if c.get("name") == m.container)
@@ -83,7 +83,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
             DeviceNode(f"/dev/nvidia{cards[s.index].minor}", f"/dev/nvidia{cards[s.index].minor}", "rw") for s in shares)
     quota = {
         "pod": f"{m.namespace}/{m.pod}", "pod_uid": m.pod_uid, "container": m.container,
-        "class": m.record.klass, "policy": policy,
+        "class": m.record.klass.value, "policy": policy,
         "cards": [{"index": s.index, "uuid": s.uuid, "core_milli": s.core_milli, "memory_mib": s.memory_mib} for s in shares],
     }
     notes = {"qgpu.io/pod": f"{m.namespace}/{m.pod}", "qgpu.io/pod-uid": m.pod_uid, "qgpu.io/container": m.container}
@@ -93,7 +93,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
 T9K_MODES = ((rq.T9K_GPU, "xgn"), (rq.T9K_GPU_PERCENT, "sgn"), (rq.T9K_GPU_NODE, "node"))
 
 
-def t9k_envs(spec_container: Mapping[str, Any], shares: Sequence[CardShareRecord]) -> dict[str, str]:
+def t9k_envs(spec_container: Mapping[str, Any], shares: Sequence[CardShare]) -> dict[str, str]:
     """The T9k variables for a container that asks in the T9k dialect, none otherwise. Every mode
     gets the same names, so a T9k image reads its mode and cards without guessing the request.
 
@@ -114,7 +114,7 @@ def t9k_envs(spec_container: Mapping[str, Any], shares: Sequence[CardShareRecord
 def store_rows(m: Match, resource: str, device_ids: tuple[str, ...], now_ns: int) -> tuple[Grant, list[Share]]:
     grant = Grant(m.pod_uid, m.namespace, m.pod, m.container, resource, device_ids, now_ns)
     shares = [Share(m.pod_uid, m.namespace, m.pod, m.container, s.index, s.uuid, s.core_milli, s.memory_mib,
-                    m.record.klass, now_ns) for s in m.share.cards]
+                    m.record.klass.value, now_ns) for s in m.share.shares]
     return grant, shares
 
 

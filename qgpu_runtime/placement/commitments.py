@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
+from qgpu_runtime.contract.names import COMMITMENTS
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 
-COMMITMENTS = "qgpu.io/commitments"
 DOCUMENT_VERSION = 1
 
 

@@ -15,12 +15,12 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from qgpu_runtime.contract.names import ACCELERATOR_LABEL, ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL, MIXED_LABEL
+from qgpu_runtime.contract.record import AllocationRecord, CardShare, ContainerPlacement, rfc3339
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, AppClass, CardLimits
 
-MIXED_LABEL = "mixed-qgpu-enable"
-ALLOC_MODE_LABEL = "sched.tensorstack.dev/node-alloc-mode"
-ACCELERATOR_LABEL = "sched.tensorstack.dev/accelerator"
-ISOLATION_POLICY_LABEL = "tke.cloud.tencent.com/qgpu-schedule-policy"
+__all__ = ["ACCELERATOR_LABEL", "ALLOC_MODE_LABEL", "ISOLATION_POLICY_LABEL", "MIXED_LABEL", "CardShare",
+           "ContainerPlacement", "CardSpec", "NodeSpec", "Placement", "StateError", "ClusterState"]
 
 ALLOC_MODES = {"": 0, "xgn": 1, "sgn": 2}
 
@@ -47,23 +47,6 @@ class NodeSpec:
 
 
 @dataclass(frozen=True)
-class CardShare:
-    """The part of one card granted to one container."""
-
-    index: int
-    uuid: str
-    core_milli: int
-    memory_mib: int
-
-
-@dataclass(frozen=True)
-class ContainerPlacement:
-    name: str
-    shares: tuple[CardShare, ...]
-    exclusive: bool = False
-
-
-@dataclass(frozen=True)
 class Placement:
     """Where a pod goes: the node, and for each GPU container the cards and shares."""
 
@@ -76,6 +59,15 @@ class Placement:
     @property
     def gpu_milli(self) -> int:
         return sum(s.core_milli for c in self.containers for s in c.shares)
+
+    @classmethod
+    def of_record(cls, record: AllocationRecord, cpu_milli: int = 0, memory_mib: int = 0) -> Placement:
+        """The engine's view of an allocation record, to book it into a ClusterState."""
+        return cls(record.node, record.containers, record.klass, cpu_milli, memory_mib)
+
+    def record(self, policy: str, epoch_ns: int) -> AllocationRecord:
+        """The allocation record a bind of this placement writes."""
+        return AllocationRecord(self.node, policy, self.klass, rfc3339(epoch_ns), self.containers)
 
 
 class StateError(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from qgpu_runtime.isolation.policy import POLICY_LABEL
+from qgpu_runtime.contract.names import ISOLATION_POLICY_LABEL, MIXED_LABEL
 from qgpu_runtime.model import AppClass, PodRequest, RequestError, parse_pod
 from qgpu_runtime.model.requests import QGPU_APP_CLASS, QGPU_CORE, QGPU_CORE_GREEDY, QGPU_MEMORY
 from qgpu_runtime.placement import (CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, Unschedulable,
@@ -22,7 +22,6 @@ from qgpu_runtime.standalone.store import JobRecord, JobShare, StoredCard, Store
 
 NAMESPACE = "standalone"
 CONTAINER = "job"
-MIXED_LABEL = "mixed-qgpu-enable"
 # a standalone host books GPUs only: CPU and memory are left to the operating system
 _UNBOUNDED = 1 << 40
 
@@ -78,7 +77,7 @@ def host_state(config: HostConfig, cards: list[StoredCard], jobs: list[JobRecord
     node = NodeSpec(
         name=config.node_name, cpu_milli=_UNBOUNDED, memory_mib=_UNBOUNDED,
         cards=tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib) for c in cards),
-        labels={POLICY_LABEL: config.policy.value, MIXED_LABEL: "enable"},
+        labels={ISOLATION_POLICY_LABEL: config.policy.value, MIXED_LABEL: "enable"},
     )
     state = ClusterState([node])
     for job in jobs:

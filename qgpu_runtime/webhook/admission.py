@@ -17,13 +17,14 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from qgpu_runtime.contract.names import XGN_TAINT_KEY
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.podshape import check_pod
 from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, CardLimits, RequestError, parse_pod
 
 REVIEW_VERSION = "admission.k8s.io/v1"
-XGN_TOLERATION = {"key": "sched.tensorstack.dev/xgn-mode", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+XGN_TOLERATION = {"key": XGN_TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 DEFAULT_SCHEDULER = "default-scheduler"
 
 

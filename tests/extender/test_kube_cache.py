@@ -209,7 +209,7 @@ def test_bad_inventory_and_bad_records_are_reported_not_fatal():
 
 
 def test_unhealthy_cards_take_no_new_pods():
-    from qgpu_runtime.contract.inventory import node_spec
+    from qgpu_runtime.extender.nodes import node_spec
 
     cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(2)]
     n = {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=frozenset({0}))}},

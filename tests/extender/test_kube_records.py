@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from qgpu_runtime.contract.record import AllocationRecord, RecordError, parse_record, record_annotations, record_of
+from qgpu_runtime.contract.record import AllocationRecord, RecordError, parse_record, record_annotations
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 
@@ -18,15 +18,15 @@ def _placement() -> Placement:
 
 
 def test_record_round_trips_and_infers_whole_cards():
-    rec = record_of(_placement(), "binpack", 1_700_000_000_123_456_789)
+    rec = _placement().record("binpack", 1_700_000_000_123_456_789)
     back = parse_record(rec.to_json())
     assert back == rec
     assert back.time == "2023-11-14T22:13:20Z"
-    assert back.placement(500, 1024) == _placement()
+    assert Placement.of_record(back, 500, 1024) == _placement()
 
 
 def test_record_json_follows_docs_annotations():
-    rec = record_of(_placement(), "spread", 0)
+    rec = _placement().record("spread", 0)
     doc = json.loads(rec.to_json())
     assert set(doc) == {"version", "node", "policy", "class", "time", "containers"}
     assert doc["version"] == 1 and doc["class"] == "offline" and doc["policy"] == "spread"
@@ -38,7 +38,7 @@ def test_record_json_follows_docs_annotations():
 @pytest.mark.parametrize("raw, message", [
     ("nope", "not JSON"),
     ("[]", "must be a JSON object"),
-    (json.dumps({"version": 2}), "version=2: only version 1"),
+    (json.dumps({"version": 2}), "version=2: this qgpu reads versions 1"),
     (json.dumps({"version": 1, "class": "gold", "containers": []}), "class='gold'"),
     (json.dumps({"version": 1, "class": "normal", "node": "n", "policy": "p", "time": "t",
                  "containers": [{"name": "a", "cards": [{"index": 0, "uuid": "u", "core_milli": 1500, "memory_mib": 1}]}]}),

@@ -22,7 +22,7 @@ from kubernetes import client
 
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.gpu.types import CardInfo
-from qgpu_runtime.contract.record import record_annotations, record_of
+from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.k8s.controlplane import ROOT
@@ -57,7 +57,7 @@ def bind_with_record(api: client.CoreV1Api, namespace: str, pod: str, node: str,
                      cards: list[tuple[int, str, int, int]], bind_time_ns: int, container: str = "c0") -> None:
     """Bind as qgpu's extender does: one pods/binding POST whose annotations carry the record."""
     placement = Placement(node, (ContainerPlacement(container, tuple(CardShare(*c) for c in cards)),), AppClass.NORMAL)
-    notes = record_annotations(record_of(placement, "binpack", bind_time_ns), bind_time_ns)
+    notes = record_annotations(placement.record("binpack", bind_time_ns), bind_time_ns)
     body = client.V1Binding(metadata=client.V1ObjectMeta(name=pod, namespace=namespace, annotations=notes),
                             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node))
     api.create_namespaced_binding(namespace, body, _preload_content=False)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import yaml
 
-from qgpu_runtime.contract.inventory import node_spec
+from qgpu_runtime.extender.nodes import node_spec
 from qgpu_runtime.placement.state import CardSpec
 from tests.k8s.controlplane import ROOT, free_port, kubeconfig
 from tests.k8s.kubeobjects import bound, gpu_pod, read_pod, record, wait_for

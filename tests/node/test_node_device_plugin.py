@@ -8,7 +8,7 @@ import grpc
 import pytest
 from podfactory import pod, qgpu
 
-from qgpu_runtime.node.record import ASSIGNED
+from qgpu_runtime.contract.names import ASSIGNED
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"

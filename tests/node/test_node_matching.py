@@ -7,6 +7,7 @@ import json
 import pytest
 from podfactory import pod, qgpu
 
+from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.node.matching import NoMatch, match, preferred_devices
 from qgpu_runtime.node.resources import card_of_device
 
@@ -68,7 +69,7 @@ def test_unknown_record_version_is_named():
     rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
     rec["version"] = 7
     p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
-    with pytest.raises(NoMatch, match="version 7 is unknown"):
+    with pytest.raises(NoMatch, match="version=7: this qgpu reads versions 1"):
         match(N, CORE, 30, [p], set())
 
 
@@ -127,3 +128,24 @@ def test_a_plain_count_is_read_directly():
 
     container = {"name": "c", "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": "50"}}}
     assert container_quantity(container, "tke.cloud.tencent.com/qgpu-core") == 50
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda r: r["containers"][0]["cards"][0].update(index="0"), r"index='0': wrong type"),
+    (lambda r: r["containers"][0]["cards"][0].update(index=True), r"index=True: wrong type"),
+    (lambda r: r["containers"][0]["cards"][0].update(core_milli=1500), r"core_milli=1500"),
+    (lambda r: r["containers"][0]["cards"][0].update(memory_mib=-1024), r"memory_mib=-1024"),
+    (lambda r: r.pop("class"), r"class is missing"),
+    (lambda r: r.pop("policy"), r"policy is missing"),
+])
+def test_the_device_plugin_refuses_every_record_the_extender_refuses(change, field):
+    """One strict codec (contract/record.py): the node used to read records with a laxer parser
+    and served records the extender's cache refused, e.g. 1.5 cards of compute on one card."""
+    p = one("v", bind_time=1)
+    rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
+    change(rec)
+    p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
+    with pytest.raises(RecordError):
+        parse_record(p["metadata"]["annotations"]["qgpu.io/allocation"])  # the extender's verdict
+    with pytest.raises(NoMatch, match=field):
+        match(N, CORE, 30, [p], set())

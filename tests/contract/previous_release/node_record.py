@@ -1,4 +1,10 @@
-"""Reading the allocation record (docs/annotations.md, normative) on the node side."""
+"""FROZEN COPY, for version-skew tests only: the readers of qgpu 0.1.0 (commit 959444c).
+
+The node manager of that release read allocation records with node/record.py (below, verbatim
+apart from this docstring) and the extender read node inventories with kube/nodes.py
+parse_cards. A rolling upgrade runs them beside the current writers, so the tests feed them what
+the current code writes. Never import this from qgpu_runtime; never "fix" it.
+"""
 
 from __future__ import annotations
 

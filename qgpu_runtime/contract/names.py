@@ -1,0 +1,77 @@
+"""Every name two qgpu processes (or qgpu and the roles) must spell the same way.
+
+Annotations and labels on pods, nodes and Leases, the taint of whole-card pools and the pod
+phases the node and the extender compare against. The resource names of the request dialects
+(``tke.cloud.tencent.com/qgpu-core`` …) are the pod's own vocabulary and live with their parser
+in ``model/requests.py``. ``tests/contract/test_names_in_roles.py`` checks that the roles'
+defaults and templates name nothing under these prefixes that this module does not know.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# --- pods: written by the extender at bind, read by the node manager and `qgpu status` -----------
+ALLOCATION: Final = "qgpu.io/allocation"
+"""The allocation record (contract/record.py, docs/annotations.md)."""
+BIND_TIME: Final = "qgpu.io/bind-time"
+"""Epoch nanoseconds of the bind; the device plugin serves pods in this order."""
+ASSIGNED: Final = "qgpu.io/assigned"
+"""JSON list of container names the device plugin already served (written by the node manager)."""
+
+# --- nodes: written by the node manager, read by the extender and `qgpu status` -----------------
+INVENTORY: Final = "qgpu.io/gpus"
+"""The card inventory (contract/inventory.py)."""
+NODE_ISOLATION_POLICY: Final = "qgpu.io/isolation-policy"
+"""The policy the node's manager enforces, as it read it at start."""
+LABEL_GPU_COUNT: Final = "qgpu.io/gpu-count"
+LABEL_GPU_MODEL: Final = "qgpu.io/gpu-model"
+LABEL_GPU_MEMORY: Final = "qgpu.io/gpu-memory-mib"
+
+# --- nodes: applied by the qgpu_node_pool role, read by the extender and the node manager ------
+ISOLATION_POLICY_LABEL: Final = "tke.cloud.tencent.com/qgpu-schedule-policy"
+"""qGPU's pool label naming the isolation policy (best-effort, fixed-share, burst-share)."""
+MIXED_LABEL: Final = "mixed-qgpu-enable"
+"""qGPU's online/offline co-location label (value ``enable``)."""
+ALLOC_MODE_LABEL: Final = "sched.tensorstack.dev/node-alloc-mode"
+"""T9k's allocation mode of a node: ``xgn`` (whole cards) or ``sgn`` (shared)."""
+ACCELERATOR_LABEL: Final = "sched.tensorstack.dev/accelerator"
+XGN_TAINT_KEY: Final = "sched.tensorstack.dev/xgn-mode"
+"""Taint of whole-card (xgn) nodes; the webhook adds its toleration to whole-card pods."""
+
+# --- Leases: written and read by every extender -------------------------------------------------
+COMMITMENTS: Final = "qgpu.io/commitments"
+"""Annotation of the node's Lease holding the binds in flight (placement/commitments.py)."""
+COMMITMENTS_LEASE_PREFIX: Final = "qgpu-node."
+
+# --- namespaces and workload objects the roles render ------------------------------------------
+WEBHOOK_OPT_OUT_LABEL: Final = "qgpu.io/webhook"
+"""Namespaces labelled ``qgpu.io/webhook=disabled`` are not sent to the webhook."""
+POD_TEMPLATE_ANNOTATIONS: Final = frozenset({
+    "qgpu.io/scheduler-config-checksum", "qgpu.io/tls-checksum", "qgpu.io/tls-sha256",
+    "qgpu.io/device-resources"})
+"""Annotations only the roles write on their own objects, to roll pods when config changes."""
+
+# --- pod phases ---------------------------------------------------------------------------------
+PENDING: Final = "Pending"
+RUNNING: Final = "Running"
+SUCCEEDED: Final = "Succeeded"
+FAILED: Final = "Failed"
+FINISHED_PHASES: Final = frozenset({SUCCEEDED, FAILED})
+"""A pod in one of these phases holds no card any more."""
+
+
+def phase(pod: dict) -> str:
+    """A pod's phase as the API reports it; a pod without status is Pending (just created)."""
+    return str((pod.get("status") or {}).get("phase") or PENDING)
+
+
+def finished(pod: dict) -> bool:
+    return phase(pod) in FINISHED_PHASES
+
+
+SHARED: Final = frozenset({
+    ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
+    LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, XGN_TAINT_KEY,
+    COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, *POD_TEMPLATE_ANNOTATIONS})
+"""Every name above, for the check against the roles."""

@@ -1,0 +1,53 @@
+"""The roles name the labels, annotations and taints the runtime reads, spelled as contract/names.py
+spells them: a role that labels a pool with a name the runtime does not know is caught here."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+from qgpu_runtime.contract import names
+from qgpu_runtime.model.requests import GPU_RESOURCES
+
+ROOT = Path(__file__).resolve().parents[2]
+PROVISIONING = [p for d in ("roles", "templates", "playbooks", "inventories") for p in (ROOT / d).rglob("*")
+                if p.is_file() and p.suffix in {".yml", ".yaml", ".j2", ".json"}]
+NAME = re.compile(r"\b(?:qgpu\.io|sched\.tensorstack\.dev|tke\.cloud\.tencent\.com)/[a-z0-9][a-z0-9.-]*[a-z0-9]|\bmixed-qgpu-enable\b")
+
+
+def _named() -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in PROVISIONING:
+        for name in NAME.findall(path.read_text(errors="replace")):
+            found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_name_the_roles_write_is_one_the_contract_knows():
+    # the dialects' resource names belong to model/requests.py; the roles also name their prefix
+    known = names.SHARED | set(GPU_RESOURCES) | {"tke.cloud.tencent.com/qgpu"}
+    unknown = {n: sorted(where) for n, where in _named().items() if n not in known}
+    assert not unknown, f"names in the roles that qgpu_runtime/contract/names.py does not define: {unknown}"
+
+
+def test_the_roles_apply_the_pool_labels_the_runtime_reads():
+    found = _named()
+    for name in (names.ISOLATION_POLICY_LABEL, names.MIXED_LABEL, names.ALLOC_MODE_LABEL, names.ACCELERATOR_LABEL,
+                 names.XGN_TAINT_KEY):
+        assert any(w.startswith("roles/qgpu_node_pool/") for w in found.get(name, ())), f"qgpu_node_pool never names {name}"
+
+
+def test_the_xgn_taint_the_role_applies_is_the_one_the_webhook_tolerates():
+    from qgpu_runtime.webhook.admission import XGN_TOLERATION
+
+    defaults = yaml.safe_load((ROOT / "roles/qgpu_node_pool/defaults/main.yml").read_text())
+    taint = defaults["qgpu_node_pool_xgn_taint"]
+    assert (taint["key"], taint["value"], taint["effect"]) == (XGN_TOLERATION["key"], XGN_TOLERATION["value"], XGN_TOLERATION["effect"])
+    assert taint["key"] == names.XGN_TAINT_KEY
+
+
+def test_the_check_would_catch_a_misspelt_label(tmp_path):
+    assert NAME.findall("labels: {qgpu.io/gpu-modle: x}") == ["qgpu.io/gpu-modle"]
+    assert "qgpu.io/gpu-modle" not in names.SHARED

@@ -1,0 +1,104 @@
+"""Version skew during a rolling upgrade, both directions.
+
+Old writer, new reader: documents written by qgpu 0.1.0 (tests/contract/previous_release/
+written.json, produced by that release's extender and node manager) are read by today's codecs
+with the same meaning. New writer, old reader: everything today's encoders write is accepted by
+the previous release's readers (frozen copies in previous_release/) with the same meaning.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qgpu_runtime.contract import names
+from qgpu_runtime.contract.inventory import InventoryCard, encode_inventory, parse_inventory
+from qgpu_runtime.contract.record import RecordError, bind_time, parse_record, record_annotations
+from qgpu_runtime.extender.nodes import node_spec
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model.requests import AppClass
+from qgpu_runtime.node.nodeinfo import node_metadata
+from qgpu_runtime.placement.state import CardShare, CardSpec, ContainerPlacement, Placement
+from tests.contract.previous_release import extender_inventory as old_extender
+from tests.contract.previous_release import node_record as old_node
+
+WRITTEN = json.loads((Path(__file__).parent / "previous_release" / "written.json").read_text())
+BIND_NS = 1_732_000_000_000_000_000
+
+
+def _placement() -> Placement:
+    return Placement("gpu-node-1", (
+        ContainerPlacement("trainer", (CardShare(0, "GPU-aaaa", 300, 4096), CardShare(1, "GPU-bbbb", 1000, 16384))),
+        ContainerPlacement("sidecar", (CardShare(1, "GPU-bbbb", 0, 1024),))), AppClass.OFFLINE)
+
+
+def _cards() -> list[CardInfo]:
+    return [CardInfo(0, "GPU-aaaa", "Tesla V100-SXM2-32GB", 32510, 0), CardInfo(1, "GPU-bbbb", "Tesla V100-SXM2-32GB", 32510, 1),
+            CardInfo(2, "GPU-cccc", "Tesla T4", 15109, 2)]
+
+
+# --- old writer, new reader ----------------------------------------------------------------------
+
+def test_a_record_written_by_the_previous_extender_is_read_by_this_node_manager():
+    notes = WRITTEN["pod_annotations"]
+    record = parse_record(notes[names.ALLOCATION])
+    assert Placement.of_record(record) == _placement()
+    assert record.policy == "frag"
+    assert record.container("sidecar").shares == (CardShare(1, "GPU-bbbb", 0, 1024),)
+    assert bind_time({"metadata": {"annotations": notes}}) == BIND_NS
+
+
+def test_an_inventory_written_by_the_previous_node_manager_is_read_by_this_extender():
+    node = {"metadata": {"name": "gpu-node-1", "annotations": WRITTEN["node_annotations"], "labels": WRITTEN["node_labels"]}}
+    assert node_spec(node).cards == (CardSpec(0, "GPU-aaaa", "Tesla V100-SXM2-32GB", 32510),
+                                     CardSpec(1, "GPU-bbbb", "Tesla V100-SXM2-32GB", 32510))
+    assert parse_inventory("gpu-node-1", WRITTEN["node_annotations"][names.INVENTORY])[2] == \
+        InventoryCard(2, "GPU-cccc", "Tesla T4", 15109, healthy=False, reason="XID 79: fell off the bus")
+
+
+def test_this_node_manager_writes_what_the_previous_one_wrote():
+    labels, annotations = node_metadata(_cards(), {2: "XID 79: fell off the bus"}, "fixed-share")
+    assert (labels, annotations) == (WRITTEN["node_labels"], WRITTEN["node_annotations"])
+
+
+def test_this_extender_writes_what_the_previous_one_wrote():
+    assert record_annotations(_placement().record("frag", BIND_NS), BIND_NS) == WRITTEN["pod_annotations"]
+
+
+# --- new writer, old reader ----------------------------------------------------------------------
+
+def test_the_previous_node_manager_reads_every_record_this_extender_writes():
+    for klass in AppClass:
+        placement = Placement(_placement().node, _placement().containers, klass)
+        old = old_node.parse_record(placement.record("binpack", BIND_NS).to_json())
+        assert (old.node, old.policy, old.klass) == ("gpu-node-1", "binpack", klass.value)
+        assert [(c.name, [(s.index, s.uuid, s.core_milli, s.memory_mib) for s in c.cards]) for c in old.containers] == \
+            [(c.name, [(s.index, s.uuid, s.core_milli, s.memory_mib) for s in c.shares]) for c in placement.containers]
+
+
+def test_the_previous_extender_reads_every_inventory_this_node_manager_writes():
+    for unhealthy in ({}, {0: "XID 48"}, {0: "", 1: "gone"}):
+        _, annotations = node_metadata(_cards(), unhealthy, "burst-share")
+        old = old_extender.parse_cards("n", annotations[names.INVENTORY])
+        assert [c.index for c in old] == [c.index for c in _cards() if c.index not in unhealthy]
+
+
+# --- a later release adds optional fields ---------------------------------------------------------
+
+def test_unknown_fields_of_a_known_version_are_ignored():
+    doc = json.loads(WRITTEN["pod_annotations"][names.ALLOCATION])
+    doc["priority"] = "high"
+    doc["containers"][0]["cards"][0]["mig"] = "1g.10gb"
+    assert Placement.of_record(parse_record(json.dumps(doc))) == _placement()
+    cards = json.loads(encode_inventory(_cards()))
+    cards[0]["numa"] = 1
+    assert [c.index for c in parse_inventory("n", json.dumps(cards))] == [0, 1, 2]
+
+
+def test_a_record_of_an_unknown_version_is_refused_naming_the_versions_read():
+    doc = json.loads(WRITTEN["pod_annotations"][names.ALLOCATION])
+    doc["version"] = 2
+    with pytest.raises(RecordError, match=r"version=2: this qgpu reads versions 1"):
+        parse_record(json.dumps(doc))
