@@ -18,7 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "validate": ("qgpu_runtime.validate_cmd", "lint GPU requests in manifests offline"),
     "simulate": ("qgpu_runtime.sim.cli", "replay a GPU cluster trace through the placement engine"),
     "run": ("qgpu_runtime.standalone.run_cmd", "run a command on a share of a local GPU (standalone host)"),
-    "manager": ("qgpu_runtime.standalone.manager_cmd", "run the node manager (device plugin, store, metrics), or with --standalone a host's qgpu run jobs"),
+    "manager": ("qgpu_runtime.manager_cmd", "run the node manager (device plugin, store, metrics), or with --standalone a host's qgpu run jobs"),
     "status": ("qgpu_runtime.status_cmd", "show GPU allocations per node and card"),
     "extender": ("qgpu_runtime.extender.cli", "kube-scheduler extender: filter, prioritize and bind GPU pods"),
     "webhook": ("qgpu_runtime.webhook.cli", "admission webhook: validate and complete GPU requests"),

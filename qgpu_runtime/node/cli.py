@@ -17,9 +17,9 @@ if TYPE_CHECKING:
     from qgpu_runtime.node.manager import NodeManager
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
-    serve = sub.add_parser("serve", help="run the node manager")
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
+    """The node manager's options of ``qgpu manager serve`` (qgpu_runtime/manager_cmd.py adds the
+    standalone manager's beside them)."""
     serve.add_argument("--nodename", default=os.environ.get("NODE_NAME"),
                        help="this node's name (default: $NODE_NAME)")
     serve.add_argument("--dbfile", type=Path, default=Path("/var/lib/qgpu/meta.db"), help="allocation store (SQLite)")
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             pod_resources_socket=args.pod_resources_socket, state_dir=args.state_dir,
             isolation_policy=args.isolation_policy, pass_device_specs=not args.no_device_specs,
             sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
-            # --tick and --memory-tolerance are shared with `serve --standalone` (standalone/manager_cmd.py)
+            # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
             isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
             memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0)
         backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)

@@ -27,6 +27,7 @@ from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.nodeinfo import node_metadata
+from qgpu_runtime.node.devices import AllocateRefused
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
 from qgpu_runtime.node.pods import PodSource, PodSourceError
@@ -79,10 +80,6 @@ class ManagerConfig:
 
 class NodeUnreadable(RuntimeError):
     """The node object (its policy label) could not be read at start."""
-
-
-class AllocateRefused(RuntimeError):
-    """Allocate cannot be answered truthfully; the message is what the user sees on the pod."""
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One device-plugin gRPC server per served resource, on its own unix socket.
 
-The servicer is thin: every decision lives in :class:`~qgpu_runtime.node.manager.NodeManager`
-(matching, store, health). This module owns the gRPC edge — socket lifecycle, registration with
+The servicer is thin: every decision lives behind :class:`~qgpu_runtime.node.devices.DeviceService`
+(the node manager: matching, store, health). This module owns the gRPC edge — socket lifecycle, registration with
 kubelet, turning a manager answer into protobuf, and a refused Allocate into a gRPC error whose
 text kubelet shows on the pod (UnexpectedAdmissionError).
 """
@@ -13,15 +13,11 @@ import os
 import threading
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import grpc
 
 from qgpu_runtime import protos
+from qgpu_runtime.node.devices import AllocateRefused, DeviceService
 from qgpu_runtime.node.resources import ResourceKind
-
-if TYPE_CHECKING:
-    from qgpu_runtime.node.manager import NodeManager
 
 log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
@@ -33,9 +29,9 @@ def _servicer_class():
     pb2 = api.pb2
 
     class Servicer(api.grpc.DevicePluginServicer):
-        def __init__(self, kind: ResourceKind, manager: "NodeManager", stopping: threading.Event) -> None:
+        def __init__(self, kind: ResourceKind, devices: DeviceService, stopping: threading.Event) -> None:
             self.kind = kind
-            self.manager = manager
+            self.devices = devices
             self.stopping = stopping
 
         def GetDevicePluginOptions(self, request, context):
@@ -44,7 +40,7 @@ def _servicer_class():
         def ListAndWatch(self, request, context):
             seen = -1
             while context.is_active() and not self.stopping.is_set():
-                version, devices = self.manager.wait_devices(self.kind, seen, timeout_s=0.5)
+                version, devices = self.devices.wait_devices(self.kind, seen, timeout_s=0.5)
                 if version == seen:
                     continue
                 seen = version
@@ -54,18 +50,16 @@ def _servicer_class():
         def GetPreferredAllocation(self, request, context):
             out = []
             for req in request.container_requests:
-                ids = self.manager.preferred(self.kind, list(req.available_deviceIDs),
+                ids = self.devices.preferred(self.kind, list(req.available_deviceIDs),
                                              list(req.must_include_deviceIDs), int(req.allocation_size))
                 out.append(pb2.ContainerPreferredAllocationResponse(deviceIDs=ids))
             return pb2.PreferredAllocationResponse(container_responses=out)
 
         def Allocate(self, request, context):
-            from qgpu_runtime.node.manager import AllocateRefused
-
             responses = []
             for req in request.container_requests:
                 try:
-                    grant = self.manager.allocate(self.kind, tuple(req.devices_ids))
+                    grant = self.devices.allocate(self.kind, tuple(req.devices_ids))
                 except AllocateRefused as exc:
                     log.warning("Allocate %s refused: %s", self.kind.name, exc)
                     context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -80,7 +74,7 @@ def _servicer_class():
             return pb2.AllocateResponse(container_responses=responses)
 
         def PreStartContainer(self, request, context):
-            self.manager.prestart(self.kind, tuple(request.devices_ids))
+            self.devices.prestart(self.kind, tuple(request.devices_ids))
             return pb2.PreStartContainerResponse()
 
     return Servicer
@@ -89,9 +83,9 @@ def _servicer_class():
 class PluginServer:
     """Serves one resource on ``<plugin_dir>/<kind.socket_name>`` and registers it with kubelet."""
 
-    def __init__(self, kind: ResourceKind, manager: "NodeManager", plugin_dir: Path) -> None:
+    def __init__(self, kind: ResourceKind, devices: DeviceService, plugin_dir: Path) -> None:
         self.kind = kind
-        self.manager = manager
+        self.devices = devices
         self.socket = plugin_dir / kind.socket_name
         self._server: grpc.Server | None = None
         self._stopping = threading.Event()
@@ -103,7 +97,7 @@ class PluginServer:
             self.socket.unlink()  # a stale socket from a previous run
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{self.kind.short}"))
         protos.deviceplugin().grpc.add_DevicePluginServicer_to_server(
-            _servicer_class()(self.kind, self.manager, self._stopping), server)
+            _servicer_class()(self.kind, self.devices, self._stopping), server)
         server.add_insecure_port(f"unix://{self.socket}")
         server.start()
         self._server = server

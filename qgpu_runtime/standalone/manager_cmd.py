@@ -1,10 +1,8 @@
-"""``qgpu manager serve [--standalone] …``: one command, two managers.
+"""``qgpu manager serve --standalone``: the standalone host manager.
 
-Without ``--standalone`` it is the cluster node manager (:mod:`qgpu_runtime.node.cli`, unchanged:
-its options and behaviour are that module's). With ``--standalone`` it is the standalone host
-manager, which enforces the host's isolation policy on the jobs ``qgpu run`` started, without
-Kubernetes or systemd. The node manager's ``--dbfile``, ``--gpu-backend``, ``--simulated-gpus``
-and ``--log-level`` keep their meaning; the standalone options are added beside them.
+It enforces the host's isolation policy on the jobs ``qgpu run`` started, without Kubernetes or
+systemd. qgpu_runtime/manager_cmd.py puts its options beside the node manager's in one parser and
+chooses between the two.
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from qgpu_runtime.gpu.nvml_lib import NvmlUnavailable
 from qgpu_runtime.isolation.mps import MpsError
-from qgpu_runtime.node import cli as node_cli
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
@@ -42,13 +39,6 @@ def add_standalone_arguments(serve: argparse.ArgumentParser, with_backend: bool 
         serve.add_argument("--gpu-backend", choices=("nvml", "simulated"), help="nvml (default) or simulated, only on purpose")
         serve.add_argument("--simulated-gpus", metavar="SPEC", help="with --gpu-backend simulated, e.g. 2xT4-16G")
         serve.add_argument("--log-level", default="INFO")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    node_cli.add_arguments(parser)
-    # the node part builds the `serve` sub-parser; argparse offers no public way to fetch it back
-    actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    add_standalone_arguments(actions[0].choices["serve"], with_backend=False)
 
 
 def serve_standalone(args: argparse.Namespace) -> int:
@@ -75,8 +65,3 @@ def serve_standalone(args: argparse.Namespace) -> int:
         store.close()
     return 0
 
-
-def run(args: argparse.Namespace) -> int:
-    if getattr(args, "standalone", False):
-        return serve_standalone(args)
-    return node_cli.run(args)

@@ -1,0 +1,1 @@
+"""Single-host mode without Kubernetes: `qgpu run` and `qgpu manager serve --standalone`."""
