@@ -30,13 +30,13 @@ Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import random
 import contextlib
 import datetime
 import http.client
 import json
 import os
 import platform
+import random
 import ssl
 import statistics
 import subprocess

@@ -256,8 +256,8 @@ def main() -> int:
 
         wait_started([a_])
         launched = time.monotonic()
-        out = control(nvml, Policy.BURST_SHARE, ws, until=lambda: False,
-                      later=[(lambda: time.monotonic() - launched > 4.0, start_b)])
+        control(nvml, Policy.BURST_SHARE, ws, until=lambda: False,
+                later=[(lambda: time.monotonic() - launched > 4.0, start_b)])
         finish(ws)
         b = holder[0]
         b_start = started_at(b)
@@ -299,7 +299,7 @@ def main() -> int:
         # counts as busy from its CUDA context on)
         times = [t for t, _ in sb]
         stop_at = next((max(t, o_start) for t, nxt in zip(times, times[1:]) if nxt - t >= 0.5 and nxt > o_start), None)
-        resumed = next((t for t in steps_after if t > o_end), None)
+        resumed = next((t for t in times if t > o_end), None)  # the batch job's first step after the online job ended
         return {"throttled_after_s": None if stop_at is None else round(stop_at - o_start, 3),
                 "online_share_pct_while_busy": round(100 * rate(o.series(), o_start + 1.0, o_end - 0.2) / T0, 1),
                 "offline_share_pct_while_online_busy": round(100 * rate(sb, o_start + 1.0, o_end - 0.2) / T0, 1),

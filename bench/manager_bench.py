@@ -100,7 +100,7 @@ def main() -> int:
     cards = build_cards(parse_spec(SPEC), NODE)
     with tempfile.TemporaryDirectory(prefix="qgpu-bench-", dir="/tmp") as d:
         root = Path(d)
-        (root / "gpus.yaml").write_text(f"cards:\n  - {{model: V100, memory_mib: 32768, count: 8}}\ncontrol: control.json\n")
+        (root / "gpus.yaml").write_text("cards:\n  - {model: V100, memory_mib: 32768, count: 8}\ncontrol: control.json\n")
         backend = ["--gpu-backend", "simulated", "--simulated-gpus", str(root / "gpus.yaml")]
         write_pods(root / "pods.json", [])
         kubelet = TestKubelet(root / "dp", root / "pr" / "kubelet.sock")

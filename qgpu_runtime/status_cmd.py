@@ -17,8 +17,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
-from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.contract.record import RecordError, parse_record
+from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
 
 

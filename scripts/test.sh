@@ -12,4 +12,10 @@ else
   scripts/k8s-testbin >/dev/null
   scripts/containerd-bin >/dev/null
 fi
+# The layers (import-linter contracts in pyproject.toml, docs/architecture.md "Layers") and the
+# lint rules (ruff) first: a violation fails the run before any test starts.
+echo "test.sh: ruff check" >&2
+.venv/bin/ruff check qgpu_runtime tests bench
+echo "test.sh: lint-imports (layers of docs/architecture.md)" >&2
+.venv/bin/lint-imports --no-cache
 exec .venv/bin/python -m pytest "$@"

@@ -19,7 +19,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from qgpu_runtime.extender.binder import BindError, Binder
+from qgpu_runtime.extender.binder import Binder, BindError
+from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
+from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
 from qgpu_runtime.extender.wire import (
     BindingArgs,
     ExtenderArgs,
@@ -28,10 +30,8 @@ from qgpu_runtime.extender.wire import (
     encode_binding_result,
     encode_priorities_json,
 )
-from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
-from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
-from qgpu_runtime.serving import RawJSON
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+from qgpu_runtime.serving import RawJSON
 
 log = logging.getLogger(__name__)
 

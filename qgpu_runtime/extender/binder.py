@@ -34,10 +34,10 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.extender.cache import AllocationCache, Expired
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
-from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_annotations
+from qgpu_runtime.extender.cache import AllocationCache, Expired
+from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale

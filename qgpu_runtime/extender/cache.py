@@ -41,9 +41,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.extender.nodes import NodeInventoryError, node_spec
 from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
+from qgpu_runtime.extender.nodes import NodeInventoryError, node_spec
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import re
 import logging
+import re
 import signal
 import threading
 from typing import Any
@@ -22,14 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
-from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
-from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.extender.commitments import LeaseCommitments
-from qgpu_runtime.serving import JsonServer, Routes
+from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
+from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.serving import JsonServer, Routes
 
 PRIORITIES = ("binpack", "spread", "frag")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")

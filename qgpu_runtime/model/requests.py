@@ -1,7 +1,11 @@
 """Canonical GPU requests, and the parser that turns a pod of any supported dialect into them.
 
-Every caller (webhook, extender, device plugin, `qgpu validate`, the simulator) goes through
+Every caller that holds a pod (webhook, extender, `qgpu validate`, `qgpu run`) goes through
 :func:`parse_pod`, so a rule is written once and an error reads the same wherever it is raised.
+Two callers hold no pod and build no second parser: the simulator makes :class:`PodRequest` values
+straight from trace rows, which are canonical already (sim/trace.py); the device plugin takes each
+container's shares from the allocation record, which the extender derived from ``parse_pod``, and
+only checks kubelet's device count against one resource quantity (node/matching.py).
 The module is pure: it reads dicts shaped like the Kubernetes API's JSON and raises
 :class:`RequestError`; it never talks to a cluster.
 """
@@ -471,7 +475,8 @@ def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> Po
     t9k_modes = {("sgn" if r.memory_pct is not None else "xgn") for r in parsed if r.dialect is Dialect.T9K and not r.whole_node}
     if len(t9k_modes) > 1:
         bad = next(r for r in parsed if r.memory_pct is not None)
-        c.add(bad.name, T9K_GPU_PERCENT, str(bad.memory_pct), "a pod cannot mix tensorstack.dev/nvidia-gpu (xgn nodes) with nvidia-gpu-percent (sgn nodes)")
+        c.add(bad.name, T9K_GPU_PERCENT, str(bad.memory_pct),
+              "a pod cannot mix tensorstack.dev/nvidia-gpu (xgn nodes) with nvidia-gpu-percent (sgn nodes)")
     if c.problems:
         raise RequestError(c.problems)
     alloc_mode = None

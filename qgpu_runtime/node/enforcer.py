@@ -27,8 +27,8 @@ from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy, po
 from qgpu_runtime.isolation.runner import build_engine, run_every
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.watchdog import IsolationEvent
-from qgpu_runtime.node.metrics import EnforcedContainer, IsolationSnapshot, ManagerMetrics
 from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.metrics import EnforcedContainer, IsolationSnapshot, ManagerMetrics
 from qgpu_runtime.node.store import Store
 
 log = logging.getLogger("qgpu.node.isolation")

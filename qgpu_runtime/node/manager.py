@@ -19,20 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
-from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import matching, reconcile
 from qgpu_runtime.node.containers import ContainerResolver
-from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
-from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.devices import AllocateRefused
+from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
+from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
+from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.plugin import PluginServer
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET, list_held
 from qgpu_runtime.node.pods import PodSource, PodSourceError
-from qgpu_runtime.contract.names import ASSIGNED, finished
-from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.node.resources import ResourceKind, card_of_device
 from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
 from qgpu_runtime.node.store import Share, Store

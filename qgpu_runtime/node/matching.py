@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
-from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.contract.names import ALLOCATION, PENDING, phase
 from qgpu_runtime.contract.record import (
     AllocationRecord,
@@ -37,6 +36,7 @@ from qgpu_runtime.contract.record import (
     bind_time,
     parse_record,
 )
+from qgpu_runtime.model.requests import parse_quantity
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import os
 import threading
 from concurrent import futures
 from pathlib import Path
+
 import grpc
 
 from qgpu_runtime import protos

@@ -19,9 +19,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from qgpu_runtime.node.podresources import HeldDevices
 from qgpu_runtime.contract.names import ASSIGNED, FINISHED_PHASES, phase
 from qgpu_runtime.contract.record import assigned
+from qgpu_runtime.node.podresources import HeldDevices
 from qgpu_runtime.node.store import Grant, Share
 
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import requests as rq
 from qgpu_runtime.node.matching import Match, container_quantity
-from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.node.store import Grant, Share
 
 CONTAINER_CONFIG_DIR = "/etc/qgpu"

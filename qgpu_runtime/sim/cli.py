@@ -209,7 +209,8 @@ def run(args: argparse.Namespace) -> int:
                        "failed_gpu_milli": result.failed_gpu_milli, "mean_allocation_pct": result.mean_alloc_pct,
                        "peak_allocation_pct": result.peak_alloc_pct}
                 print(json.dumps(row) if args.json else
-                      f"{policy:<10} mean allocation {result.mean_alloc_pct:6.2f}%  peak {result.peak_alloc_pct:6.2f}%  failed pods {result.failed_pods}")
+                      f"{policy:<10} mean allocation {result.mean_alloc_pct:6.2f}%  peak {result.peak_alloc_pct:6.2f}%  "
+                      f"failed pods {result.failed_pods}")
         except ValueError as exc:
             print(f"qgpu simulate: {exc}", file=sys.stderr)
             return 2

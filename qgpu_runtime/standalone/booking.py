@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from qgpu_runtime.contract.names import ISOLATION_POLICY_LABEL, MIXED_LABEL
 from qgpu_runtime.model import AppClass, PodRequest, RequestError, parse_pod
 from qgpu_runtime.model.requests import QGPU_APP_CLASS, QGPU_CORE, QGPU_CORE_GREEDY, QGPU_MEMORY
-from qgpu_runtime.placement import (CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, Unschedulable,
-                                    make_policy, place)
+from qgpu_runtime.placement import CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, Unschedulable, make_policy, place
 from qgpu_runtime.standalone.config import HostConfig
-from qgpu_runtime.standalone.store import JobRecord, JobShare, StoredCard, Store
+from qgpu_runtime.standalone.store import JobRecord, JobShare, Store, StoredCard
 
 NAMESPACE = "standalone"
 CONTAINER = "job"

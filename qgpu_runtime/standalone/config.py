@@ -95,7 +95,8 @@ def simulated_cards(option: str, seed: str) -> list[StoredCard]:
     file), with the same stable UUIDs it gives them: one option describes a host both ways."""
     from pathlib import Path
 
-    from qgpu_runtime.gpu.simulated import build_cards, load_config as load_sim_config, parse_spec
+    from qgpu_runtime.gpu.simulated import build_cards, parse_spec
+    from qgpu_runtime.gpu.simulated import load_config as load_sim_config
 
     path = Path(option)
     specs = load_sim_config(path)[0] if path.suffix in (".yaml", ".yml", ".json") or path.is_file() else parse_spec(option)

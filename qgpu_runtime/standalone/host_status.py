@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare
 from qgpu_runtime.standalone.store import Store
+from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare
 
 
 def host_status(store: Store) -> NodeStatus:

@@ -209,7 +209,8 @@ class Store:
     # -- jobs ---------------------------------------------------------------------------------------
     def _rows(self) -> Iterator[JobRecord]:
         for r in self._db.execute(
-            "SELECT id, name, klass, core_milli, memory_mib, shares, command, created, supervisor_pid, supervisor_start, pgid, pgid_start, exclusive FROM jobs ORDER BY created, id"
+            "SELECT id, name, klass, core_milli, memory_mib, shares, command, created, supervisor_pid, supervisor_start, "
+            "pgid, pgid_start, exclusive FROM jobs ORDER BY created, id"
         ):
             shares = tuple(JobShare(**s) for s in json.loads(r[5]))
             yield JobRecord(r[0], r[1], r[2], r[3], r[4], shares, r[6], r[7], r[8], r[9], r[10], r[11], bool(r[12]))

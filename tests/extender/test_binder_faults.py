@@ -9,13 +9,12 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Iterator
 
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.extender.binder import BindError, Binder
+from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
 from tests.extender.test_kube_cache import cache, pod

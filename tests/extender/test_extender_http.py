@@ -19,9 +19,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from qgpu_runtime.extender.app import ExtenderApp
 from qgpu_runtime.extender.cache import AllocationCache
-from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, GPU_RESOURCES
 from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.webhook import cli as webhook_cli
 from qgpu_runtime.webhook.admission import WebhookConfig
 from tests.extender.test_kube_cache import node

@@ -13,9 +13,9 @@ import pytest
 
 from qgpu_runtime.extender.app import ExtenderApp
 from qgpu_runtime.extender.cache import AllocationCache
-from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.serving import JsonServer, Routes
 from tests.extender.test_kube_cache import SEC, node, pod
 from tests.k8s.pki import CertificateAuthority
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.contract.inventory import cards_annotation
 from qgpu_runtime.contract.record import record_annotations
+from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.policies import make_policy

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from qgpu_runtime.isolation.control import ControlParams
 from qgpu_runtime.isolation.engine import CardQuota, Workload

@@ -7,7 +7,6 @@ the test selects), so they can share one cluster without seeing each other's cap
 
 from __future__ import annotations
 
-import json
 import uuid
 from pathlib import Path
 from typing import Iterator

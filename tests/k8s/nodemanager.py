@@ -20,9 +20,9 @@ from typing import Any, Mapping
 import yaml
 from kubernetes import client
 
+from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.gpu.types import CardInfo
-from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.k8s.controlplane import ROOT

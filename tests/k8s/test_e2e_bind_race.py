@@ -24,8 +24,8 @@ import pytest
 import yaml
 from kubernetes import client
 
-from qgpu_runtime.extender.commitments import lease_name
 from qgpu_runtime.contract.inventory import CARDS
+from qgpu_runtime.extender.commitments import lease_name
 from qgpu_runtime.placement.commitments import COMMITMENTS, parse_commitments
 from tests.k8s.controlplane import extender_server
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, card_usage, cards, gpu_node, gpu_pod, list_pods, record, wait_for

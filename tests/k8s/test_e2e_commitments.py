@@ -12,10 +12,10 @@ import time
 import pytest
 from kubernetes import client
 
-from qgpu_runtime.extender.binder import BindError, Binder
+from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache
-from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot
+from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.commitments import CardUse, Commitment
 from qgpu_runtime.placement.policies import make_policy

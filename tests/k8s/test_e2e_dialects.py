@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, card_usage, cards, events_for, gpu_node, gpu_pod, list_pods, record, wait_for
+from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, events_for, gpu_node, gpu_pod, list_pods, record, wait_for
 
 MIXED = {"mixed-qgpu-enable": "enable"}
 XGN = {"sched.tensorstack.dev/node-alloc-mode": "xgn"}

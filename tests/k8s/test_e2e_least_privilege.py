@@ -22,12 +22,12 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.contract.names import INVENTORY as ANNOTATION_CARDS
 from qgpu_runtime.contract.names import LABEL_GPU_COUNT as LABEL_COUNT
 from qgpu_runtime.contract.names import LABEL_GPU_MEMORY as LABEL_MEMORY
 from qgpu_runtime.contract.names import LABEL_GPU_MODEL as LABEL_MODEL
 from qgpu_runtime.contract.names import NODE_ISOLATION_POLICY as ANNOTATION_POLICY
+from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node

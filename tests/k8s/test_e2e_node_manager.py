@@ -220,7 +220,7 @@ def test_qgpu_status_names_an_unreachable_apiserver(tmp_path, cluster):
     cfg = broken_kubeconfig(tmp_path, cluster, free_port())
     out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", "--kubeconfig", str(cfg)])
     assert out.returncode == 1
-    assert out.stderr.startswith(f"qgpu status: listing nodes at https://127.0.0.1:") and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("qgpu status: listing nodes at https://127.0.0.1:") and "Traceback" not in out.stderr, out.stderr
 
 
 # ---- API failures: retry with a clear log, or exit with a clear error ----------------------------

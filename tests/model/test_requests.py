@@ -6,6 +6,7 @@ import pytest
 
 from qgpu_runtime.model import AppClass, CardLimits, Dialect, RequestError, parse_pod
 from qgpu_runtime.model.quantity import GRAMMAR
+from qgpu_runtime.model.requests import DEFAULT_LIMITS
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
@@ -25,7 +26,7 @@ def pod(limits=None, requests=None, annotations=None, name="main", extra_contain
     }
 
 
-def errors(p, limits=CardLimits()):
+def errors(p, limits=DEFAULT_LIMITS):
     with pytest.raises(RequestError) as info:
         parse_pod(p, limits)
     return [str(x) for x in info.value.problems]

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from qgpu_runtime.model import AppClass, ContainerRequest, Dialect, PodRequest
 from qgpu_runtime.placement import CardSpec, ClusterState, NodeSpec, Unschedulable, make_policy, place
 from qgpu_runtime.placement.engine import check_nodes, shared_fit
-from qgpu_runtime.placement.policies import FragPolicy, SharedCandidates, _CARD_WEIGHT, _card_free
+from qgpu_runtime.placement.policies import _CARD_WEIGHT, FragPolicy, SharedCandidates, _card_free
 
 MODELS = ["T4", "V100", "A10"]
 

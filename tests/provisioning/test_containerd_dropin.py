@@ -20,7 +20,6 @@ from typing import Any
 
 import pytest
 from ansible.errors import AnsibleFilterError
-
 from ansible_tools import BIN, REPO, run_tool
 
 _spec = importlib.util.spec_from_file_location(

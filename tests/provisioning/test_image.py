@@ -28,7 +28,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from ansible_tools import REPO, Run, ansible_playbook
 
 PLAYBOOK = "playbooks/image.yml"

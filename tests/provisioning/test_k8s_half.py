@@ -21,7 +21,6 @@ import base64
 import json
 import re
 import shutil
-import ssl
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -30,18 +29,18 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
-from tests.k8s.conftest import Cluster
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
+from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import (
     bound,
     cards,
@@ -299,9 +298,9 @@ def test_webhook_configurations_trust_the_generated_ca_and_point_at_the_service(
     assert service.spec.selector == {"app.kubernetes.io/name": "qgpu-webhook"}
     deployment = client.AppsV1Api(site.cluster.api_client).read_namespaced_deployment("qgpu-webhook", NAMESPACE)
     assert deployment.spec.template.spec.automount_service_account_token is False
-    for config, path in ((admission.read_mutating_webhook_configuration("qgpu-webhook"), "/mutate"),
-                         (admission.read_validating_webhook_configuration("qgpu-webhook"), "/validate")):
-        (hook,) = config.webhooks
+    for hooks, path in ((admission.read_mutating_webhook_configuration("qgpu-webhook"), "/mutate"),
+                        (admission.read_validating_webhook_configuration("qgpu-webhook"), "/validate")):
+        (hook,) = hooks.webhooks
         assert hook.failure_policy == "Fail"
         assert hook.client_config.service.to_dict() == {"name": "qgpu-webhook", "namespace": NAMESPACE,
                                                         "path": path, "port": 443}

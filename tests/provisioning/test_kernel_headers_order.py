@@ -12,7 +12,6 @@ import os
 from pathlib import Path
 
 import yaml
-
 from ansible_tools import BIN, REPO, Run, run_tool
 
 EXAMPLE_ALL = yaml.safe_load((REPO / "inventories/example/group_vars/all.yml").read_text())

@@ -9,8 +9,8 @@ import re
 from pathlib import Path
 
 import pytest
-
 from ansible_tools import BIN, Run, run_tool
+
 
 def site(root: Path, playbook: str = "site.yml") -> Run:
     # From the repository root with no -i: ansible.cfg's inventory (inventories/local) applies.

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from ansible_tools import BIN, REPO, ROLES, run_tool
 
 

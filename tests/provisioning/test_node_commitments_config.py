@@ -13,7 +13,6 @@ from pathlib import Path
 
 import jinja2
 import yaml
-
 from ansible_tools import REPO, ansible_playbook
 
 VERSION = "1.25.16"

@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from ansible_tools import BIN, REPO, run_tool
+from ansible_tools import BIN, run_tool
 
 PLAYBOOKS = ["site.yml", "playbooks/site.yml", "playbooks/gpu-nodes.yml", "playbooks/node-pools.yml", "playbooks/standalone.yml",
              "playbooks/cluster.yml", "playbooks/control-plane.yml", "playbooks/node-pool-rollout.yml",

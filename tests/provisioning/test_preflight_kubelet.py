@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from ansible_tools import BIN, REPO, Run, run_tool
 
 PLAYBOOK = REPO / "tests/provisioning/playbooks/preflight.yml"

@@ -30,10 +30,10 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from kubernetes import client, watch
 from kubernetes.client.rest import ApiException
 
-from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import PAUSE, cards, gpu_node
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from ansible_tools import REPO, ansible_playbook
 
 # The first (and for Policy, a middle) release of each format; test_scheduler_wiring.py covers

@@ -12,12 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ansible_tools import REPO, Run, ansible_playbook
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-from ansible_tools import REPO, Run, ansible_playbook
 
 PLAYBOOK = str(REPO / "tests/provisioning/playbooks/scheduler-tls.yml")
 PKI = "etc/qgpu/pki/scheduler"

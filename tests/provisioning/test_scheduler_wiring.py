@@ -9,7 +9,6 @@ import sys
 
 import pytest
 from ansible.errors import AnsibleFilterError
-
 from ansible_tools import REPO
 
 _spec = importlib.util.spec_from_file_location(

@@ -11,10 +11,9 @@ import base64
 from pathlib import Path
 
 import yaml
+from ansible_tools import REPO, ansible_playbook
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-
-from ansible_tools import REPO, ansible_playbook
 
 TASKS = REPO / "roles" / "qgpu_webhook" / "tasks"
 

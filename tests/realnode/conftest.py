@@ -85,7 +85,7 @@ def host_state(workdir: Path) -> dict[str, object]:
                 pass
     return {
         "sysctls": {k: Path("/proc/sys", *k.split(".")).read_text().strip() for k in KUBELET_SYSCTLS},
-        "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob(f"*/qgpu-*")),
+        "cgroups": sorted(str(p) for p in Path("/sys/fs/cgroup").glob("*/qgpu-*")),
         "mounts": [line for line in Path("/proc/self/mountinfo").read_text().splitlines() if str(workdir) in line],
         "processes": procs,
         "var_lib_kubelet": Path("/var/lib/kubelet").exists(),

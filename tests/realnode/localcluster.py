@@ -53,7 +53,8 @@ if str(ROOT) not in sys.path:  # run as a script: the tests package lives in the
 
 from tests.k8s.controlplane import kubeconfig  # noqa: E402
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys  # noqa: E402
-from tests.realnode.images import PAUSE_REF as PAUSE_IMAGE, kube_scheduler_ref  # noqa: E402
+from tests.realnode.images import PAUSE_REF as PAUSE_IMAGE  # noqa: E402
+from tests.realnode.images import kube_scheduler_ref  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 NODE = "localhost"

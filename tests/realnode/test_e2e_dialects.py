@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-
 from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.realnode import kube
 from tests.realnode.localcluster import LocalCluster
@@ -25,7 +24,7 @@ def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, st
     """(container env, quota.json, pod) of a pod asking for ``limits``, as its container printed them."""
     api = kube.core(cluster)
     api.create_namespaced_pod(ns, kube.shell_pod(name, cluster_image(cluster), PRINT, limits=limits))
-    pod = kube.wait_phase(api, ns, name, ("Running",))
+    kube.wait_phase(api, ns, name, ("Running",))
     text = kube.wait_log(api, ns, name, "--- end")
     env_part, quota_part = text.split("--- quota", 1)
     env = dict(line.split("=", 1) for line in env_part.strip().splitlines())

@@ -108,7 +108,9 @@ def test_the_ledger_catches_a_card_booked_beyond_capacity(cut):
     node = next(n for n in nodes if n.cards)
     state = ClusterState(nodes)
     ledger = CapacityLedger(nodes)
-    share = lambda milli: Placement(node.name, (ContainerPlacement("c", (CardShare(0, node.cards[0].uuid, milli, 0),)),))
+    def share(milli):
+        return Placement(node.name, (ContainerPlacement("c", (CardShare(0, node.cards[0].uuid, milli, 0),)),))
+
     state.commit("a", share(600))
     ledger(ReplayEvent(0, "arrive", "a", share(600), state))
     with pytest.raises(AssertionError, match="core 1100 of 1000"):
