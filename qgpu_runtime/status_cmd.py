@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.contract.record import RecordError, parse_record
+from qgpu_runtime.contract.store import SchemaError, read_status
 from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
 
@@ -68,16 +69,12 @@ def read_store_status(path: Path) -> NodeStatus:
     if not path.exists():
         raise StatusSourceError(f"{path}: no such store file")
     try:
-        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            meta = dict(db.execute("SELECT key, value FROM meta").fetchall())
-            cards = db.execute("SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index").fetchall()
-            shares = db.execute("SELECT namespace, workload, container, card_index, core_milli, memory_mib, class "
-                                "FROM shares ORDER BY card_index, created_ns, workload, container").fetchall()
-        finally:
-            db.close()
+        rows = read_status(path)
+    except SchemaError as exc:
+        raise StatusSourceError(str(exc)) from None
     except sqlite3.Error as exc:
         raise StatusSourceError(f"{path}: not a qgpu store ({exc}); expected tables meta, cards, shares") from exc
+    meta, cards, shares = rows.meta, rows.cards, rows.shares
     per_card: dict[int, list[WorkloadShare]] = {}
     for ns, workload, container, index, core, mem, klass in shares:
         name = "/".join(p for p in (ns, workload, container) if p)

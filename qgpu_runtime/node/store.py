@@ -9,7 +9,8 @@ Two kinds of rows:
   compares these with kubelet's pod-resources API.
 - ``shares``: what each workload holds on each card (core, memory). ``qgpu status`` and the
   metrics read these. The standalone host manager writes the same ``cards``/``shares``/``meta``
-  tables, so one reader serves both (schema in docs/node-manager.md, "Store schema").
+  tables, so one reader serves both. The schema, its migrations and the transaction helper are
+  the contract's (contract/store.py; docs/node-manager.md, "Store schema").
 """
 
 from __future__ import annotations
@@ -21,44 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from qgpu_runtime.contract.store import SchemaError, open_store, transaction
 from qgpu_runtime.gpu.types import CardInfo
-
-SCHEMA_VERSION = "1"
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS cards (
-  card_index INTEGER PRIMARY KEY,
-  uuid TEXT NOT NULL UNIQUE,
-  model TEXT NOT NULL,
-  memory_mib INTEGER NOT NULL,
-  healthy INTEGER NOT NULL DEFAULT 1,
-  reason TEXT NOT NULL DEFAULT ''
-);
-CREATE TABLE IF NOT EXISTS grants (
-  pod_uid TEXT NOT NULL,
-  namespace TEXT NOT NULL,
-  pod TEXT NOT NULL,
-  container TEXT NOT NULL,
-  resource TEXT NOT NULL,
-  device_ids TEXT NOT NULL,
-  created_ns INTEGER NOT NULL,
-  PRIMARY KEY (pod_uid, container, resource)
-);
-CREATE TABLE IF NOT EXISTS shares (
-  workload_id TEXT NOT NULL,
-  namespace TEXT NOT NULL,
-  workload TEXT NOT NULL,
-  container TEXT NOT NULL,
-  card_index INTEGER NOT NULL,
-  card_uuid TEXT NOT NULL,
-  core_milli INTEGER NOT NULL,
-  memory_mib INTEGER NOT NULL,
-  class TEXT NOT NULL,
-  created_ns INTEGER NOT NULL,
-  PRIMARY KEY (workload_id, container, card_index)
-);
-"""
 
 
 @dataclass(frozen=True)
@@ -101,15 +66,9 @@ class Store:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), check_same_thread=False, isolation_level=None, timeout=30)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous}")
-            self._db.executescript(_SCHEMA)
-            version = self._get_meta("schema_version")
-            if version is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-            elif version != SCHEMA_VERSION:
-                raise StoreError(f"{self.path}: schema_version {version!r} is unknown to this qgpu (knows {SCHEMA_VERSION})")
+            self._db = open_store(self.path, synchronous=synchronous, timeout_s=30, threads=True)
+        except SchemaError as exc:
+            raise StoreError(str(exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open allocation store: {exc}") from exc
         self._lock = threading.Lock()
@@ -132,7 +91,7 @@ class Store:
                                  sorted(values.items()))
 
     def _tx(self):
-        return _Transaction(self._db)
+        return transaction(self._db)
 
     def sync_cards(self, cards: Sequence[CardInfo]) -> None:
         """Make the cards table equal to what the backend discovered (health starts as discovered)."""
@@ -227,16 +186,3 @@ class Store:
     def integrity(self) -> str:
         with self._lock:
             return self._db.execute("PRAGMA integrity_check").fetchone()[0]
-
-
-class _Transaction:
-    """BEGIN IMMEDIATE … COMMIT, rolled back on any exception."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self._db = db
-
-    def __enter__(self) -> None:
-        self._db.execute("BEGIN IMMEDIATE")
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")

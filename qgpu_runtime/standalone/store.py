@@ -15,34 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import sqlite3
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Sequence
 
+from qgpu_runtime.contract.store import SchemaError, open_store, transaction
 from qgpu_runtime.isolation.watchdog import IsolationEvent
-
-SCHEMA_VERSION = "1"
-
-# meta, cards and shares follow the node store's layout (docs/node-manager.md): they are the read
-# interface of `qgpu status --standalone-db`. jobs and events are the standalone host's own.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS cards (
-    card_index INTEGER PRIMARY KEY, uuid TEXT NOT NULL UNIQUE, model TEXT NOT NULL, memory_mib INTEGER NOT NULL,
-    healthy INTEGER NOT NULL DEFAULT 1, reason TEXT NOT NULL DEFAULT '');
-CREATE TABLE IF NOT EXISTS shares (
-    workload_id TEXT NOT NULL, namespace TEXT NOT NULL, workload TEXT NOT NULL, container TEXT NOT NULL,
-    card_index INTEGER NOT NULL, card_uuid TEXT NOT NULL, core_milli INTEGER NOT NULL, memory_mib INTEGER NOT NULL,
-    class TEXT NOT NULL, created_ns INTEGER NOT NULL, PRIMARY KEY (workload_id, container, card_index));
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY, name TEXT NOT NULL, klass TEXT NOT NULL, core_milli INTEGER NOT NULL,
-    memory_mib INTEGER NOT NULL, shares TEXT NOT NULL, command TEXT NOT NULL, created REAL NOT NULL,
-    supervisor_pid INTEGER NOT NULL, supervisor_start INTEGER NOT NULL,
-    pgid INTEGER, pgid_start INTEGER, exclusive INTEGER NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS events (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
-    reason TEXT NOT NULL, message TEXT NOT NULL);
-"""
 
 
 class StoreError(RuntimeError):
@@ -159,23 +136,17 @@ class Store:
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise StoreError(f"--dbfile {path!r}: directory {parent!r} does not exist")
-        self._db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        with self.transaction():
-            for stmt in filter(str.strip, _SCHEMA.split(";")):
-                self._db.execute(stmt)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (SCHEMA_VERSION,))
-            elif row[0] != SCHEMA_VERSION:
-                raise StoreError(f"--dbfile {path!r}: schema version {row[0]} is not supported by this qgpu (it reads version {SCHEMA_VERSION})")
+        try:
+            self._db = open_store(path, synchronous="NORMAL", timeout_s=timeout_s)
+        except SchemaError as exc:
+            raise StoreError(f"--dbfile {exc}") from None
 
     def close(self) -> None:
         self._db.close()
 
-    def transaction(self) -> "_Tx":
-        return _Tx(self._db)
+    def transaction(self):
+        """One ``BEGIN IMMEDIATE`` transaction (re-entrant), the contract's helper."""
+        return transaction(self._db)
 
     # -- settings and inventory ----------------------------------------------------------------
     def get_meta(self, key: str) -> str | None:
@@ -287,27 +258,3 @@ class _LazySessions:
         if self._members is None:
             self._members = session_members()
         return self._members
-
-
-class _Tx:
-    """``BEGIN IMMEDIATE`` ... ``COMMIT``: takes the write lock up front so a read-then-write
-    (place a job) cannot interleave with another writer. Re-entrant: an inner use is a no-op."""
-
-    def __init__(self, db: sqlite3.Connection):
-        self._db = db
-        self._outer = False
-
-    def __enter__(self) -> "_Tx":
-        if not self._db.in_transaction:
-            self._db.execute("BEGIN IMMEDIATE")
-            self._outer = True
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self._outer:
-            return
-        if exc_type is None:
-            self._db.execute("COMMIT")
-        else:
-            self._db.execute("ROLLBACK")
-

@@ -1,0 +1,170 @@
+"""The store's schema: one definition for the node manager's and the standalone host's SQLite file.
+
+Two writers share the layout because one reader serves both: `qgpu status` reads ``meta``,
+``cards`` and ``shares`` of either file (``read_status``). The node manager adds ``grants`` (what
+kubelet handed out), the standalone host ``jobs`` and ``events``; every file has every table, so a
+table is never missing for the kind that does not use it, and no reader needs to know which kind
+of file it opened.
+
+Versions: ``meta.schema_version`` names the file's version. ``open_store`` applies the migrations
+from the file's version up to ``SCHEMA_VERSION`` in one ``BEGIN IMMEDIATE`` transaction (all or
+nothing, and two processes opening one file at once migrate it once), and refuses a file written
+by a newer qgpu: it cannot know what that version changed. A migration that only adds tables or
+columns keeps the version readable by the previous release; one that changes a column's meaning
+bumps ``SCHEMA_VERSION`` (docs/node-manager.md, "Store schema").
+
+Also here: the transaction helper both stores use (``transaction``) and the pragmas (WAL,
+synchronous) every connection gets.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+SCHEMA_VERSION = 1
+"""The version this qgpu writes and the newest it reads."""
+
+
+class SchemaError(RuntimeError):
+    """The file cannot be used with this qgpu's schema; the message names the file, version and rule."""
+
+
+# Version 1: the tables of qgpu 0.1.0, the node manager's and the standalone host's together
+# (0.1.0 created the common three in both and the kind's own in each; CREATE IF NOT EXISTS adds
+# the other kind's, which that release never reads).
+_TABLES_V1 = (
+    "CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    """CREATE TABLE IF NOT EXISTS cards (
+        card_index INTEGER PRIMARY KEY, uuid TEXT NOT NULL UNIQUE, model TEXT NOT NULL, memory_mib INTEGER NOT NULL,
+        healthy INTEGER NOT NULL DEFAULT 1, reason TEXT NOT NULL DEFAULT '')""",
+    """CREATE TABLE IF NOT EXISTS shares (
+        workload_id TEXT NOT NULL, namespace TEXT NOT NULL, workload TEXT NOT NULL, container TEXT NOT NULL,
+        card_index INTEGER NOT NULL, card_uuid TEXT NOT NULL, core_milli INTEGER NOT NULL, memory_mib INTEGER NOT NULL,
+        class TEXT NOT NULL, created_ns INTEGER NOT NULL, PRIMARY KEY (workload_id, container, card_index))""",
+    """CREATE TABLE IF NOT EXISTS grants (
+        pod_uid TEXT NOT NULL, namespace TEXT NOT NULL, pod TEXT NOT NULL, container TEXT NOT NULL,
+        resource TEXT NOT NULL, device_ids TEXT NOT NULL, created_ns INTEGER NOT NULL,
+        PRIMARY KEY (pod_uid, container, resource))""",
+    """CREATE TABLE IF NOT EXISTS jobs (
+        id TEXT PRIMARY KEY, name TEXT NOT NULL, klass TEXT NOT NULL, core_milli INTEGER NOT NULL,
+        memory_mib INTEGER NOT NULL, shares TEXT NOT NULL, command TEXT NOT NULL, created REAL NOT NULL,
+        supervisor_pid INTEGER NOT NULL, supervisor_start INTEGER NOT NULL,
+        pgid INTEGER, pgid_start INTEGER, exclusive INTEGER NOT NULL DEFAULT 0)""",
+    """CREATE TABLE IF NOT EXISTS events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
+        reason TEXT NOT NULL, message TEXT NOT NULL)""",
+)
+
+
+def _to_v1(db: sqlite3.Connection) -> None:
+    for statement in _TABLES_V1:
+        db.execute(statement)
+
+
+@dataclass(frozen=True)
+class Migration:
+    version: int
+    why: str
+    apply: Callable[[sqlite3.Connection], None]
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "the tables of both kinds of store (a new file, or a 0.1.0 file of either kind)", _to_v1),
+)
+"""Ordered; migration N brings a file from version N-1 (0: no version yet) to N. Re-applying
+the last one to a file already at its version is harmless (CREATE IF NOT EXISTS), which is how a
+0.1.0 file gets the other kind's tables."""
+
+assert [m.version for m in MIGRATIONS] == list(range(1, SCHEMA_VERSION + 1))
+
+
+@contextmanager
+def transaction(db: sqlite3.Connection) -> Iterator[None]:
+    """``BEGIN IMMEDIATE`` … ``COMMIT``, rolled back on any exception.
+
+    IMMEDIATE takes the write lock up front, so a read-then-write (place a job, record an
+    Allocate) cannot interleave with another writer. Re-entrant: inside an open transaction it
+    adds nothing, and the outer one commits or rolls back.
+    """
+    if db.in_transaction:
+        yield
+        return
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+
+
+def file_version(db: sqlite3.Connection) -> int | None:
+    """The file's schema version; None for a file without one (new, or not a qgpu store yet)."""
+    try:
+        row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    except sqlite3.OperationalError:  # no meta table
+        return None
+    if row is None:
+        return None
+    try:
+        return int(row[0])
+    except ValueError:
+        raise SchemaError(f"schema_version={row[0]!r}: not a version number") from None
+
+
+def open_store(path: str | Path, *, synchronous: str = "FULL", timeout_s: float = 30.0, threads: bool = False) -> sqlite3.Connection:
+    """A connection in autocommit mode (transactions through ``transaction``), WAL journal, the
+    file migrated to ``SCHEMA_VERSION``. Raises SchemaError for a file of a newer qgpu (naming the
+    file, its version and the versions this one reads) and sqlite3.Error for an unusable file."""
+    if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+        raise ValueError(f"synchronous={synchronous!r}: must be OFF, NORMAL, FULL or EXTRA")
+    db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=not threads)
+    try:
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute(f"PRAGMA synchronous={synchronous}")
+        with transaction(db):
+            try:
+                found = file_version(db)
+            except SchemaError as exc:
+                raise SchemaError(f"{path}: {exc}") from None
+            if found is not None and found > SCHEMA_VERSION:
+                raise SchemaError(f"{path}: schema version {found} is newer than this qgpu reads (versions 1..{SCHEMA_VERSION}); "
+                                  "upgrade qgpu, or point it at another file")
+            for migration in MIGRATIONS:
+                if found is None or migration.version >= found:
+                    migration.apply(db)
+            db.execute("INSERT INTO meta VALUES ('schema_version', ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
+                       (str(SCHEMA_VERSION),))
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+@dataclass(frozen=True)
+class StatusRows:
+    """What `qgpu status` shows of one store file: settings, cards and every share."""
+
+    meta: dict[str, str]
+    cards: list[tuple[int, str, str, int]]  # index, uuid, model, memory MiB
+    shares: list[tuple[str, str, str, int, int, int, str]]  # namespace, workload, container, card, core ‰, MiB, class
+
+
+def read_status(path: str | Path) -> StatusRows:
+    """Read-only (works while a manager writes the file; never migrates or creates anything)."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        found = file_version(db)
+        if found is not None and found > SCHEMA_VERSION:
+            raise SchemaError(f"{path}: schema version {found} is newer than this qgpu reads (versions 1..{SCHEMA_VERSION})")
+        return StatusRows(
+            meta=dict(db.execute("SELECT key, value FROM meta").fetchall()),
+            cards=db.execute("SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index").fetchall(),
+            shares=db.execute("SELECT namespace, workload, container, card_index, core_milli, memory_mib, class "
+                              "FROM shares ORDER BY card_index, created_ns, workload, container").fetchall())
+    finally:
+        db.close()

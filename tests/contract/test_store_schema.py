@@ -1,0 +1,143 @@
+"""One store schema for the node manager and the standalone host (contract/store.py): files of the
+previous release open with every row kept, a newer file is refused, the previous release's status
+reader still reads what this release writes, and one transaction helper serves both stores."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from qgpu_runtime.contract import store as schema
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.node.store import Grant, Share
+from qgpu_runtime.node.store import Store as NodeStore
+from qgpu_runtime.node.store import StoreError as NodeStoreError
+from qgpu_runtime.standalone.store import Store as HostStore
+from qgpu_runtime.standalone.store import StoreError as HostStoreError
+from qgpu_runtime.status_cmd import StatusSourceError, read_store_status
+
+PREVIOUS = Path(__file__).parent / "previous_release"
+
+# FROZEN COPY, for version-skew tests only: the queries `qgpu status` of qgpu 0.1.0 (commit 959444c,
+# status_cmd.read_store_status) ran against a store file.
+PREVIOUS_STATUS_QUERIES = (
+    "SELECT key, value FROM meta",
+    "SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index",
+    "SELECT namespace, workload, container, card_index, core_milli, memory_mib, class "
+    "FROM shares ORDER BY card_index, created_ns, workload, container",
+)
+
+
+def _restore(dump: str, path: Path) -> Path:
+    db = sqlite3.connect(path)
+    db.executescript((PREVIOUS / dump).read_text())
+    db.close()
+    return path
+
+
+def _tables(path: Path) -> dict[str, str]:
+    db = sqlite3.connect(path)
+    try:
+        return {name: sql for name, sql in db.execute("SELECT name, sql FROM sqlite_master WHERE type='table'")
+                if not name.startswith("sqlite_")}
+    finally:
+        db.close()
+
+
+def test_a_node_store_of_the_previous_release_opens_with_every_row(tmp_path):
+    store = NodeStore(_restore("node_store_v1.sql", tmp_path / "meta.db"))
+    try:
+        (grant,) = store.grants()
+        assert grant == Grant("uid-1", "team-a", "train-0", "main", "tke.cloud.tencent.com/qgpu-core",
+                              ("qgpu-core-0-0", "qgpu-core-0-1"), 1732000000000000000)
+        assert store.shares() == [Share("uid-1", "team-a", "train-0", "main", 0, "GPU-aaaa", 300, 4096, "offline", 1732000000000000000)]
+        assert [(c.index, c.healthy, why) for c, why in store.cards()] == [(0, True, ""), (1, False, "XID 79")]
+        assert store.meta("node") == "gpu-node-1" and store.meta("schema_version") == str(schema.SCHEMA_VERSION)
+    finally:
+        store.close()
+    assert {"jobs", "events"} <= set(_tables(tmp_path / "meta.db"))
+
+
+def test_a_host_store_of_the_previous_release_opens_with_every_row(tmp_path):
+    path = _restore("standalone_store_v1.sql", tmp_path / "host.db")
+    store = HostStore(str(path))
+    try:
+        assert [c.uuid for c in store.cards()] == ["GPU-sim-0"]
+        assert store.get_meta("policy") == "burst-share"
+    finally:
+        store.close()
+    db = sqlite3.connect(path)  # the job's supervisor is long gone, so a Store read would reap it
+    assert db.execute("SELECT id, name, core_milli, memory_mib, command FROM jobs").fetchall() == \
+        [("job-1", "train", 400, 2048, "python train.py")]
+    db.close()
+    assert "grants" in _tables(path)
+
+
+def test_both_kinds_of_store_have_one_schema(tmp_path):
+    NodeStore(tmp_path / "node.db").close()
+    HostStore(str(tmp_path / "host.db")).close()
+    assert _tables(tmp_path / "node.db") == _tables(tmp_path / "host.db")
+
+
+@pytest.mark.parametrize("opener, error", [
+    (lambda p: NodeStore(p), NodeStoreError),
+    (lambda p: HostStore(str(p)), HostStoreError),
+    (lambda p: read_store_status(p), StatusSourceError),
+])
+def test_a_store_of_a_newer_qgpu_is_refused_naming_file_and_versions(tmp_path, opener, error):
+    path = tmp_path / "future.db"
+    NodeStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(schema.SCHEMA_VERSION + 1),))
+    db.commit()
+    db.close()
+    with pytest.raises(error, match=rf"future.db: schema version {schema.SCHEMA_VERSION + 1} is newer than this qgpu reads "
+                                    rf"\(versions 1..{schema.SCHEMA_VERSION}\)"):
+        opener(path)
+
+
+def test_the_previous_status_reader_reads_what_this_release_writes(tmp_path):
+    for path in (tmp_path / "node.db", tmp_path / "host.db"):
+        store = NodeStore(path)
+        store.sync_cards([CardInfo(0, "GPU-x", "Tesla T4", 15109, 0)])
+        store.set_meta({"node": "n1", "policy": "fixed-share"})
+        store.record(Grant("u", "ns", "p", "c", "r", ("d",), 1), [Share("u", "ns", "p", "c", 0, "GPU-x", 250, 1024, "normal", 1)])
+        store.close()
+        db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        meta, cards, shares = (db.execute(q).fetchall() for q in PREVIOUS_STATUS_QUERIES)
+        db.close()
+        assert dict(meta)["node"] == "n1" and cards == [(0, "GPU-x", "Tesla T4", 15109)]
+        assert shares == [("ns", "p", "c", 0, 250, 1024, "normal")]
+        status = read_store_status(path)
+        assert (status.name, status.cards[0].core_allocated_milli) == ("n1", 250)
+
+
+def test_one_transaction_helper_rolls_back_on_error_and_nests(tmp_path):
+    db = schema.open_store(tmp_path / "t.db")
+    with pytest.raises(RuntimeError):
+        with schema.transaction(db):
+            db.execute("INSERT INTO meta VALUES ('a', '1')")
+            with schema.transaction(db):  # inner use joins the outer transaction
+                db.execute("INSERT INTO meta VALUES ('b', '2')")
+            raise RuntimeError("boom")
+    assert db.execute("SELECT key FROM meta WHERE key IN ('a', 'b')").fetchall() == []
+    with schema.transaction(db):
+        db.execute("INSERT INTO meta VALUES ('a', '1')")
+    assert db.execute("SELECT value FROM meta WHERE key='a'").fetchone() == ("1",)
+    db.close()
+
+
+def test_migrations_are_numbered_up_to_the_version_written():
+    assert [m.version for m in schema.MIGRATIONS] == list(range(1, schema.SCHEMA_VERSION + 1))
+    assert all(m.why for m in schema.MIGRATIONS)
+
+
+def test_a_version_that_is_not_a_number_is_refused(tmp_path):
+    path = tmp_path / "odd.db"
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL); INSERT INTO meta VALUES ('schema_version', 'two');")
+    db.close()
+    with pytest.raises(schema.SchemaError, match=r"odd.db: schema_version='two': not a version number"):
+        schema.open_store(path)
