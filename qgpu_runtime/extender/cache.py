@@ -28,6 +28,11 @@ pod holds at most one node's.
 
 The cache also keeps the full API object of every unbound live pod (by UID), as the watch delivers
 it: the extender takes a pod's requests from there, not from the scheduler's request body.
+
+Its parts: this module is the event mirror (nodes, pods by UID) and the lock that makes filter,
+prioritize, bind and events atomic; each pod's booking lifecycle (last event, hold, authorization,
+pinned and stale records) is one ``PodState`` in extender/podstate.py; what the hot path remembers
+between calls (the last filter's scores, the never-fits rows per request shape) is extender/memo.py.
 """
 
 from __future__ import annotations
@@ -43,7 +48,9 @@ import numpy as np
 
 from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
+from qgpu_runtime.extender.memo import FilterMemo, NeverFits
 from qgpu_runtime.extender.nodes import NodeInventoryError, node_spec
+from qgpu_runtime.extender.podstate import BindAuthorization, PodEntry, PodStates
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
@@ -60,20 +67,6 @@ UNKNOWN_NODE = "node unknown to qgpu (not in the extender's node cache)"
 
 
 @dataclass(frozen=True)
-class PodEntry:
-    """The parts of a pod the cache needs, taken from its last event."""
-
-    key: str
-    uid: str
-    node_name: str
-    record_raw: str | None
-    bind_time_ns: int | None
-    terminal: bool
-    cpu_milli: int
-    memory_mib: int
-
-
-@dataclass(frozen=True)
 class FilterOutcome:
     passed: list[str]
     failed: dict[str, str]
@@ -83,15 +76,6 @@ class FilterOutcome:
 
 class HoldLimit(RuntimeError):
     """Filter refused: ``max_holds`` pods already hold cards and await their bind."""
-
-
-@dataclass(frozen=True)
-class BindAuthorization:
-    """What filter allowed for one pod: bind to one of ``nodes``, for the pod with this UID."""
-
-    uid: str
-    nodes: frozenset[str]
-    since_ns: int
 
 
 @dataclass(frozen=True)
@@ -136,19 +120,6 @@ def _entry(pod: Mapping[str, Any]) -> PodEntry:
     )
 
 
-@dataclass(frozen=True)
-class _FilterMemo:
-    """The last filter's answer: prioritize of the same pod gets back the list filter passed, and
-    nothing needs scoring or mapping to rows again while the state is unchanged."""
-
-    key: str
-    version: int
-    node_score: np.ndarray
-    state: ClusterState
-    passed: list[str]
-    passed_rows: np.ndarray
-
-
 class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
@@ -163,20 +134,16 @@ class AllocationCache:
         self.assume_ttl_ns = assume_ttl_ns
         self.lock = threading.RLock()
         self._specs: dict[str, NodeSpec] = {}
-        self._pods: dict[str, PodEntry] = {}
-        self._pinned: dict[str, str] = {}
-        self._stale: dict[str, str] = {}
-        self._tentative: dict[str, int] = {}
+        self._pods = PodStates()  # the booking lifecycle: one PodState per pod key
         self._state: ClusterState | None = None
         self._empty: ClusterState | None = None
         self._version = 0
         self._seen: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._unbound: dict[str, dict[str, Any]] = {}  # UID -> the pod as the apiserver has it
-        self._authorized: dict[str, BindAuthorization] = {}  # pod key -> what filter allowed
         self._uid_key: dict[str, str] = {}
         self._gone: OrderedDict[str, None] = OrderedDict()
-        self._never: OrderedDict[tuple, np.ndarray] = OrderedDict()
-        self._memo: _FilterMemo | None = None
+        self._never = NeverFits()
+        self._memo: FilterMemo | None = None
         self.problems: list[str] = []
         self.synced = threading.Event()
 
@@ -200,8 +167,8 @@ class AllocationCache:
                 self._version += 1
                 self._never.clear()
                 self._empty = ClusterState(specs, self.limits)
-                for entry in self._pods.values():
-                    if entry.key not in fresh.bookings and entry.key not in self._pinned:
+                for entry in self._pods.entries():
+                    if entry.key not in fresh.bookings and self._pods.pinned(entry.key) is None:
                         self._sync_booking(fresh, entry)
             return self._state
 
@@ -210,7 +177,7 @@ class AllocationCache:
         self._version += 1
 
     def _release(self, state: ClusterState, key: str) -> Placement | None:
-        self._tentative.pop(key, None)
+        self._pods.unhold(key)
         self._version += 1
         return state.release(key)
 
@@ -267,37 +234,37 @@ class AllocationCache:
         entry = _entry(pod)
         with self.lock:
             state = self.state()
-            old = self._pods.get(entry.key)
+            old = self._pods.entry(entry.key)
             if event == "DELETED" or entry.terminal or entry.node_name:
                 self._unbound.pop(entry.uid, None)
-                self._authorized.pop(entry.key, None)
+                self._pods.deauthorize(entry.key)
             elif entry.uid:
                 self._unbound[entry.uid] = dict(pod)
             if event == "DELETED" or entry.terminal:
                 self._seen.pop(entry.uid, None)
                 self._forget_uid(entry.uid)
-                self._pods.pop(entry.key, None)
-                self._pinned.pop(entry.key, None)
-                self._stale.pop(entry.key, None)
+                self._pods.drop_entry(entry.key)
+                self._pods.unpin(entry.key)
+                self._pods.clear_stale(entry.key)
                 self._release(state, entry.key)
                 return
             if old is not None and old.uid != entry.uid:
                 self._unbound.pop(old.uid, None)
                 self._forget_uid(old.uid)
-                self._authorized.pop(entry.key, None)
+                self._pods.deauthorize(entry.key)
                 self._release(state, entry.key)  # same name, new pod
-                self._pinned.pop(entry.key, None)
-                self._stale.pop(entry.key, None)
-            self._pods[entry.key] = entry
+                self._pods.unpin(entry.key)
+                self._pods.clear_stale(entry.key)
+            self._pods.set_entry(entry)
             if entry.uid:
                 self._uid_key[entry.uid] = entry.key
-            if entry.key in self._tentative and not entry.node_name and entry.record_raw is None:
+            if self._pods.held(entry.key) and not entry.node_name and entry.record_raw is None:
                 return  # status updates of a pod being scheduled: keep the hold
-            pinned = self._pinned.get(entry.key)
+            pinned = self._pods.pinned(entry.key)
             if pinned is not None:
                 if entry.record_raw != pinned:
                     return  # an event from before our own write: our booking stands
-                del self._pinned[entry.key]
+                self._pods.unpin(entry.key)
             self._sync_booking(state, entry)
 
     def _forget_uid(self, uid: str) -> None:
@@ -315,14 +282,14 @@ class AllocationCache:
             for pod in pods:
                 seen.add(pod_key(pod))
                 self.apply_pod("MODIFIED", pod)
-            for key in list(self._pods):
-                if key not in seen:
-                    ns, name = key.split("/", 1)
-                    self.apply_pod("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": self._pods[key].uid}})
+            for entry in list(self._pods.entries()):
+                if entry.key not in seen:
+                    ns, name = entry.key.split("/", 1)
+                    self.apply_pod("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": entry.uid}})
 
     def _sync_booking(self, state: ClusterState, entry: PodEntry) -> None:
         """Make the state's booking for this pod match its record."""
-        if entry.record_raw is None or (not entry.node_name and self._stale.get(entry.key) == entry.record_raw):
+        if entry.record_raw is None or (not entry.node_name and self._pods.stale(entry.key) == entry.record_raw):
             self._release(state, entry.key)
             return
         try:
@@ -359,14 +326,14 @@ class AllocationCache:
     def _forget_stale_assumption(self, state: ClusterState, pod: Mapping[str, Any]) -> None:
         """The scheduler is placing this pod again, so any hold or unbound record of it is dead."""
         key = pod_key(pod)
-        if (pod.get("spec") or {}).get("nodeName") or key not in state.bookings or key in self._pinned:
+        if (pod.get("spec") or {}).get("nodeName") or key not in state.bookings or self._pods.pinned(key) is not None:
             return
-        entry = self._pods.get(key)
+        entry = self._pods.entry(key)
         if entry is not None and entry.node_name:
             return
         self._release(state, key)
         if entry is not None and entry.record_raw is not None:
-            self._stale[key] = entry.record_raw
+            self._pods.mark_stale(key, entry.record_raw)
 
     def seen_pod(self, uid: str) -> dict[str, Any] | None:
         """The pod as the scheduler last sent it to filter (bind gets only its name and UID)."""
@@ -379,8 +346,8 @@ class AllocationCache:
             return self._unbound.get(uid)
 
     def _check_hold_room(self, key: str) -> None:
-        if key not in self._authorized and len(self._authorized) >= self.max_holds:
-            raise HoldLimit(f"{len(self._authorized)} pods already hold cards and await their bind (at most "
+        if self._pods.authorization(key) is None and self._pods.authorized_count() >= self.max_holds:
+            raise HoldLimit(f"{self._pods.authorized_count()} pods already hold cards and await their bind (at most "
                             f"{self.max_holds}, --max-holds); pod {key} is refused until some are bound or expire")
 
     def authorize(self, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
@@ -394,14 +361,14 @@ class AllocationCache:
     def _set_authorization(self, key: str, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
         if names:
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            self._authorized[key] = BindAuthorization(uid, frozenset(names), now_ns)
+            self._pods.authorize(key, BindAuthorization(uid, frozenset(names), now_ns))
         else:
-            self._authorized.pop(key, None)
+            self._pods.deauthorize(key)
 
     def bind_refusal(self, key: str, uid: str, node: str) -> str | None:
         """Why a bind of pod ``key`` (``uid``) to ``node`` is not one filter allowed; None if it is."""
         with self.lock:
-            allowed = self._authorized.get(key)
+            allowed = self._pods.authorization(key)
         if allowed is None:
             return (f"pod {key}: no filter of this extender passed it (or its hold expired or was released): "
                     "a bind must follow a filter")
@@ -414,7 +381,7 @@ class AllocationCache:
     def holds(self) -> int:
         """Pods authorized to bind (holding cards if they asked for any)."""
         with self.lock:
-            return len(self._authorized)
+            return self._pods.authorized_count()
 
     def filter(self, pod: Mapping[str, Any], request: PodRequest, names: list[str], now_ns: int = 0) -> FilterOutcome:
         """Raises :class:`HoldLimit` when ``max_holds`` other pods await their bind."""
@@ -444,28 +411,13 @@ class AllocationCache:
             held = self._hold(state, key, request, scored, names, now_ns) if ok.any() else None
             passed = list(compress(names, ok.tolist()))
             self._set_authorization(key, pod, passed, now_ns)
-            self._memo = _FilterMemo(key, self._version, scored.node_score, state, passed, scored.rows[ok])
+            self._memo = FilterMemo(key, self._version, scored.node_score, state, passed, scored.rows[ok])
         return FilterOutcome(passed, failed, unresolvable, held)
 
     def _never_fits(self, request: PodRequest) -> np.ndarray:
-        """By state row: nodes that could not take this shape of request even empty (preemption
-        cannot help).
-
-        Depends only on the request's shape and the node specs, so it is computed once per shape
-        over all nodes and kept until the node set changes: a burst of identical pods pays once.
-        """
-        shape = (request.klass, request.models, request.alloc_mode, request.cpu_milli, request.memory_mib,
-                 tuple((c.dialect, c.cards, c.core_milli, c.memory_mib, c.memory_pct, c.exclusive, c.whole_node)
-                       for c in request.containers))
-        never = self._never.get(shape)
-        if never is None:
-            assert self._empty is not None
-            empty = self._empty
-            never = engine.score_rows(empty, request, self.policy, np.arange(empty.node_count)).score < 0
-            self._never[shape] = never
-            while len(self._never) > 256:
-                self._never.popitem(last=False)
-        return never
+        """By state row: nodes that could not take this shape of request even empty (memo.py)."""
+        assert self._empty is not None
+        return self._never.rows(self._empty, request, self.policy)
 
     def _hold(self, state: ClusterState, key: str, request: PodRequest, scored: engine.Scored, names: list[str], now_ns: int) -> str | None:
         at = int(np.argmax(scored.score))  # the first of the best, in the scheduler's order
@@ -477,7 +429,7 @@ class AllocationCache:
         except (engine.Unschedulable, StateError) as exc:
             log.warning("pod %s: could not hold %s after filter: %s", key, best, exc)
             return None
-        self._tentative[key] = now_ns
+        self._pods.hold(key, now_ns)
         return best
 
     def prioritize_scores(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> np.ndarray:
@@ -494,7 +446,7 @@ class AllocationCache:
             if memo is not None and memo.key == key and memo.version == self._version:
                 node_score = memo.node_score  # nothing changed since this pod's filter
             else:
-                held = state.bookings.get(key) if key in self._tentative else None
+                held = state.bookings.get(key) if self._pods.held(key) else None
                 if held is not None:
                     state.release(key)
                 try:
@@ -519,7 +471,7 @@ class AllocationCache:
         key = pod_key(pod)
         with self.lock:
             state = self.state()
-            self._pinned.pop(key, None)
+            self._pods.unpin(key)
             self._release(state, key)
             if node not in state.index:
                 raise engine.Unschedulable(key, {node: UNKNOWN_NODE})
@@ -533,8 +485,8 @@ class AllocationCache:
                     state.release(other)  # booked only for this decision: the arrays are as before
             self._commit(state, key, placement)
             record = placement.record(self.policy_name, now_ns)
-            self._pinned[key] = record.to_json()
-            self._stale.pop(key, None)
+            self._pods.pin(key, record.to_json())
+            self._pods.clear_stale(key)
             return record
 
     def _book_others(self, state: ClusterState, node: str, others: Mapping[str, Placement]) -> list[str]:
@@ -555,7 +507,7 @@ class AllocationCache:
         return added
 
     def _drop_holds(self, state: ClusterState, node: str) -> None:
-        for held in [k for k in self._tentative if (b := state.bookings.get(k)) and b.node == node]:
+        for held in [k for k, _ in self._pods.holds() if (b := state.bookings.get(k)) and b.node == node]:
             self._release(state, held)
 
     # -- commitments (other binders' promises, see placement/commitments.py) ---------------------
@@ -572,9 +524,9 @@ class AllocationCache:
         with self.lock:
             out = []
             for key, placement in self.state().bookings.items():
-                if placement.node != node or key == except_key or key in self._tentative or key.startswith(PHANTOM):
+                if placement.node != node or key == except_key or self._pods.held(key) or key.startswith(PHANTOM):
                     continue
-                entry = self._pods.get(key)
+                entry = self._pods.entry(key)
                 out.append(Commitment.of(entry.uid if entry and entry.uid else key, key, placement, 0))
             return out
 
@@ -590,7 +542,7 @@ class AllocationCache:
                 if uid == except_uid:
                     continue
                 key = self._uid_key.get(uid)
-                if key is not None and key not in self._tentative and key in state.bookings:
+                if key is not None and not self._pods.held(key) and key in state.bookings:
                     continue
                 out[PHANTOM + uid] = c.placement(commitments.node, uuids)
             return out
@@ -603,7 +555,7 @@ class AllocationCache:
                 if uid in self._gone:
                     out[uid] = PodFate.GONE
                     continue
-                entry = self._pods.get(self._uid_key.get(uid, ""))
+                entry = self._pods.entry(self._uid_key.get(uid, ""))
                 if entry is None:
                     out[uid] = PodFate.UNKNOWN
                 elif not entry.node_name:
@@ -616,11 +568,11 @@ class AllocationCache:
         """Undo :meth:`reserve` after a failed bind (the caller removed the record)."""
         key = pod_key(pod)
         with self.lock:
-            self._pinned.pop(key, None)
+            self._pods.unpin(key)
             self.state().release(key)
-            entry = self._pods.get(key)
+            entry = self._pods.entry(key)
             if entry is not None and entry.record_raw is not None and not entry.node_name:
-                self._stale[key] = entry.record_raw
+                self._pods.mark_stale(key, entry.record_raw)
 
     def expire(self, now_ns: int) -> list[Expired]:
         """Release assumed records older than the TTL; return them so the caller deletes them.
@@ -631,19 +583,19 @@ class AllocationCache:
         out: list[Expired] = []
         with self.lock:
             state = self.state()
-            for key, since in list(self._tentative.items()):
-                if now_ns - since >= self.assume_ttl_ns and key not in self._pinned:
+            for key, since in self._pods.holds():
+                if now_ns - since >= self.assume_ttl_ns and self._pods.pinned(key) is None:
                     self._release(state, key)
-            for key, allowed in list(self._authorized.items()):
-                if now_ns - allowed.since_ns >= self.assume_ttl_ns and key not in self._pinned:
-                    del self._authorized[key]
-            for entry in self._pods.values():
-                if entry.node_name or entry.record_raw is None or entry.key in self._pinned:
+            for key, allowed in self._pods.authorizations():
+                if now_ns - allowed.since_ns >= self.assume_ttl_ns and self._pods.pinned(key) is None:
+                    self._pods.deauthorize(key)
+            for entry in self._pods.entries():
+                if entry.node_name or entry.record_raw is None or self._pods.pinned(entry.key) is not None:
                     continue
                 if entry.bind_time_ns is not None and now_ns - entry.bind_time_ns < self.assume_ttl_ns:
                     continue
                 self._release(state, entry.key)
-                self._stale[entry.key] = entry.record_raw
+                self._pods.mark_stale(entry.key, entry.record_raw)
                 ns, name = entry.key.split("/", 1)
                 out.append(Expired(ns, name, entry.uid, entry.record_raw))
         return out
