@@ -36,6 +36,8 @@ MIXED_LABEL: Final = "mixed-qgpu-enable"
 ALLOC_MODE_LABEL: Final = "sched.tensorstack.dev/node-alloc-mode"
 """T9k's allocation mode of a node: ``xgn`` (whole cards) or ``sgn`` (shared)."""
 ACCELERATOR_LABEL: Final = "sched.tensorstack.dev/accelerator"
+DEVICE_ENABLE_LABEL: Final = "qgpu-device-enable"
+"""GPU nodes of a pool (value ``enable``); the node manager's DaemonSets select on it."""
 XGN_TAINT_KEY: Final = "sched.tensorstack.dev/xgn-mode"
 """Taint of whole-card (xgn) nodes; the webhook adds its toleration to whole-card pods."""
 
@@ -72,6 +74,6 @@ def finished(pod: dict) -> bool:
 
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
-    LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, XGN_TAINT_KEY,
+    LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
     COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

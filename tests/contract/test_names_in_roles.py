@@ -14,7 +14,7 @@ from qgpu_runtime.model.requests import GPU_RESOURCES
 ROOT = Path(__file__).resolve().parents[2]
 PROVISIONING = [p for d in ("roles", "templates", "playbooks", "inventories") for p in (ROOT / d).rglob("*")
                 if p.is_file() and p.suffix in {".yml", ".yaml", ".j2", ".json"}]
-NAME = re.compile(r"\b(?:qgpu\.io|sched\.tensorstack\.dev|tke\.cloud\.tencent\.com)/[a-z0-9][a-z0-9.-]*[a-z0-9]|\bmixed-qgpu-enable\b")
+NAME = re.compile(r"\b(?:qgpu\.io|sched\.tensorstack\.dev|tke\.cloud\.tencent\.com)/[a-z0-9][a-z0-9.-]*[a-z0-9]|\b(?:mixed-qgpu-enable|qgpu-device-enable)\b")
 
 
 def _named() -> dict[str, set[str]]:
@@ -35,7 +35,7 @@ def test_every_name_the_roles_write_is_one_the_contract_knows():
 def test_the_roles_apply_the_pool_labels_the_runtime_reads():
     found = _named()
     for name in (names.ISOLATION_POLICY_LABEL, names.MIXED_LABEL, names.ALLOC_MODE_LABEL, names.ACCELERATOR_LABEL,
-                 names.XGN_TAINT_KEY):
+                 names.DEVICE_ENABLE_LABEL, names.XGN_TAINT_KEY):
         assert any(w.startswith("roles/qgpu_node_pool/") for w in found.get(name, ())), f"qgpu_node_pool never names {name}"
 
 
