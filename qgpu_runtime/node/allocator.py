@@ -1,0 +1,167 @@
+"""Allocate, GetPreferredAllocation and PreStartContainer: the device plugin's decisions.
+
+Allocate is serialised by ``lock``: kubelet admits one pod at a time anyway, and the matching rule
+(node/matching.py) needs a consistent view of what was already served. The reconciler takes the
+same lock while it releases the shares of deleted pods, so a pod created meanwhile is never
+released. The grant is durable in the store before kubelet hears back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.contract.record import assigned
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
+from qgpu_runtime.node import matching
+from qgpu_runtime.node.devices import AllocateRefused
+from qgpu_runtime.node.health import CardHealth
+from qgpu_runtime.node.metrics import ManagerMetrics
+from qgpu_runtime.node.podresources import list_held
+from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.resources import ResourceKind, card_of_device
+from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
+from qgpu_runtime.node.store import Share, Store
+from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
+
+log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
+
+
+class Allocator:
+    def __init__(self, config, cards: dict[int, CardInfo], health: CardHealth, store: Store, pods: PodSource,
+                 metrics: ManagerMetrics, policy: Callable[[], Policy], clock_ns: Callable[[], int] = time.time_ns,
+                 lock: threading.Lock | None = None) -> None:
+        self.config = config
+        self.cards = cards
+        self.health = health
+        self.store = store
+        self.pods = pods
+        self.metrics = metrics
+        self.policy = policy
+        self.clock_ns = clock_ns
+        self.lock = lock or threading.Lock()
+
+    def allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
+        started = time.perf_counter()
+        result = "refused"
+        try:
+            grant = self._allocate(kind, device_ids)
+            result = "ok"
+            return grant
+        finally:
+            self.metrics.allocations.labels(kind.name, result).inc()
+            self.metrics.allocate_seconds.labels(kind.name).observe(time.perf_counter() - started)
+
+    def _allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
+        if not device_ids:
+            raise AllocateRefused(f"kubelet sent no device IDs for {kind.name}")
+        try:
+            kind.check_request(self.cards, device_ids)
+        except ValueError as exc:
+            raise AllocateRefused(str(exc)) from exc
+        bad = self.health.unhealthy()
+        advertised = kind.advertised(self.cards.values())
+        for d in device_ids:
+            sick = [c for c in advertised[d] if c in bad]
+            if sick:
+                raise AllocateRefused(f"device {d!r} is on card {sick[0]}, which is unhealthy ({bad[sick[0]]})")
+        with self.lock:
+            try:
+                pods = self.pods.pods_on_node(self.config.node)
+            except Exception as exc:
+                raise AllocateRefused(f"cannot read the pods of node {self.config.node}: {exc}") from exc
+            served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
+            try:
+                m = matching.match(self.config.node, kind.name, len(device_ids), pods, served)
+                grant = build_grant(m, self.cards, self.policy().value, self.config.state_dir,
+                                    self.config.pass_device_specs)
+            except (matching.NoMatch, GrantError) as exc:
+                raise AllocateRefused(str(exc)) from exc
+            sick = [s.index for s in m.share.shares if s.index in bad]
+            if sick:
+                raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
+                                      f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
+            problems = over_commit(m, self.cards, self.store.shares(), pods)
+            if problems:
+                raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: its record would over-commit "
+                                      f"this node: {'; '.join(problems)} (live pods of the node already hold it; "
+                                      "two binders disagreed — the pod must be scheduled again)")
+            _write_atomic(Path(grant.config_host_dir) / "quota.json", quota_json(grant))
+            row, shares = store_rows(m, kind.name, device_ids, self.clock_ns())
+            self.store.record(row, shares)  # durable before kubelet hears back
+            done = assigned(m.pod_obj)
+            if m.container not in done:
+                try:
+                    self.pods.patch_pod_annotations(m.namespace, m.pod, {ASSIGNED: _json_list(done + [m.container])})
+                except Exception as exc:  # the store is authoritative; reconciliation re-patches
+                    log.warning("pod %s/%s: could not write %s: %s", m.namespace, m.pod, ASSIGNED, exc)
+        log.info("Allocate %s x%d -> %s/%s container %s cards %s", kind.name, len(device_ids), m.namespace, m.pod,
+                 m.container, [s.index for s in m.share.shares])
+        return grant
+
+    def preferred(self, kind: ResourceKind, available: list[str], must: list[str], size: int) -> list[str]:
+        """Steer kubelet to device IDs on the cards the predicted container's record names."""
+        cards: list[int] = []
+        try:
+            with self.lock:
+                pods = self.pods.pods_on_node(self.config.node)
+                served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
+            m = matching.match(self.config.node, kind.name, size, pods, served)
+            cards = [s.index for s in m.share.shares]
+        except matching.NoMatch:
+            pass  # Allocate will refuse with the reason; any devices do for the preference
+        return matching.preferred_devices(available, must, size, cards, card_of_device)
+
+    def prestart(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> None:
+        """Check the Allocate guess against kubelet's own record of who holds these devices."""
+        try:
+            held = list_held(self.config.pod_resources_socket)
+        except Exception as exc:
+            log.warning("pod-resources unavailable: %s", exc)
+            return
+        if held is None:
+            return
+        ids = set(device_ids)
+        holder = next((h for h in held if h.resource == kind.name and ids <= h.device_ids), None)
+        mine = next((g for g in self.store.grants() if g.resource == kind.name and set(g.device_ids) == ids), None)
+        if holder and mine and (holder.namespace, holder.pod, holder.container) != (mine.namespace, mine.pod, mine.container):
+            self.metrics.mismatches.labels(kind.name).inc()
+            log.error("devices %s of %s: Allocate assumed %s/%s/%s, kubelet gave them to %s/%s/%s; "
+                      "the store is corrected at the next start (reconciliation)", sorted(ids), kind.name,
+                      mine.namespace, mine.pod, mine.container, holder.namespace, holder.pod, holder.container)
+
+
+def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict]) -> list[str]:
+    """Why granting ``m``'s cards would put a card over its capacity, given the shares of the node's
+    live pods in the store (deleted and finished pods no longer hold theirs); empty when it fits.
+
+    The node is the last line of defence: the extender's commitments keep binders from promising
+    a card twice, and this refuses a record that does so anyway (an older extender, a binder
+    running without commitments, a record written by hand)."""
+    live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
+            if not finished(p)}
+    held = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
+                       (CardUse(s.card_index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD),))
+            for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
+    mine = Commitment(f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}", 0, tuple(
+        CardUse(s.index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD) for s in m.share.shares))
+    return over_commitment({i: c.memory_mib for i, c in cards.items()}, held, mine)
+
+
+def _json_list(values: list[str]) -> str:
+    return json.dumps(sorted(set(values)))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

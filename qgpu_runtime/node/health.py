@@ -1,0 +1,51 @@
+"""Card health on the node: which cards are unhealthy and why, and the device-list version.
+
+kubelet's ListAndWatch (one stream per served resource) blocks in ``wait_devices`` until the
+version moves, so a card marked unhealthy reaches every stream at once. Unhealthy is sticky until
+the manager restarts: a card that raised a fatal XID needs a reset before it is used again.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Mapping
+
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.node.resources import ResourceKind
+
+
+class CardHealth:
+    def __init__(self, cards: Mapping[int, CardInfo]) -> None:
+        self._cards = cards
+        self._unhealthy: dict[int, str] = {}
+        self._version = 0
+        self._changed = threading.Condition()
+        self._closed = False
+
+    def mark(self, index: int, reason: str) -> bool:
+        """Mark a card unhealthy; False when it already was, or is no card of this node."""
+        with self._changed:
+            if index in self._unhealthy or index not in self._cards:
+                return False
+            self._unhealthy[index] = reason
+            self._version += 1
+            self._changed.notify_all()
+        return True
+
+    def unhealthy(self) -> dict[int, str]:
+        with self._changed:
+            return dict(self._unhealthy)
+
+    def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:
+        """(health version, [(device ID, healthy)]); blocks up to ``timeout_s`` while unchanged."""
+        with self._changed:
+            if seen == self._version and not self._closed:
+                self._changed.wait(timeout_s)
+            version, bad = self._version, set(self._unhealthy)
+        return version, [(d, not bad.intersection(cards)) for d, cards in kind.advertised(self._cards.values()).items()]
+
+    def close(self) -> None:
+        """Wake every waiting stream; later waits return at once (the manager is stopping)."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()

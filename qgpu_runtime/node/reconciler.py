@@ -1,0 +1,86 @@
+"""Keeping the store equal to what the node really runs.
+
+At start (``reconcile``, before kubelet is served) the store is compared with the pods of the node
+and kubelet's pod-resources; while running (``release_gone``, every ``--release-interval``) the
+shares of pods deleted or finished are released. The rules themselves are node/reconcile.py's
+pure ``plan``; this module applies it and removes the quota folders of gone pods.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import threading
+
+from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.node.podresources import list_held
+from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.reconcile import Plan, plan
+from qgpu_runtime.node.store import Store
+
+log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
+
+
+class Reconciler:
+    def __init__(self, config, store: Store, pods: PodSource, lock: threading.Lock) -> None:
+        """``lock``: the allocator's; held while releasing so a pod admitted meanwhile stays."""
+        self.config = config
+        self.store = store
+        self.pods = pods
+        self.lock = lock
+
+    def reconcile(self) -> Plan:
+        pods = self.pods.pods_on_node(self.config.node)
+        try:
+            held = list_held(self.config.pod_resources_socket)
+        except Exception as exc:
+            log.warning("pod-resources unavailable, reconciling with the API only: %s", exc)
+            held = None
+        p = plan(self.store.grants(), self.store.shares(), pods, held)
+        for uid, why in p.release_pods.items():
+            log.info("release pod %s: %s", uid, why)
+        self.store.release_pods(p.release_pods)
+        for (uid, container, resource), why in p.release_grants.items():
+            log.info("release grant %s/%s/%s: %s", uid, container, resource, why)
+            self.store.release_grant(uid, container, resource)
+        if p.reassign:
+            uid_of = {((q.get("metadata") or {}).get("namespace", "default"), (q.get("metadata") or {}).get("name")):
+                      str((q.get("metadata") or {}).get("uid", "")) for q in pods}
+            moves = {k: (uid_of.get((ns, pod), ""), ns, pod, c) for k, (ns, pod, c) in p.reassign.items()}
+            self.store.reassign({k: v for k, v in moves.items() if v[0]})
+        self._remove_stale_container_dirs(pods)
+        for (ns, name), value in p.annotate.items():
+            try:
+                self.pods.patch_pod_annotations(ns, name, {ASSIGNED: value})
+            except Exception as exc:
+                log.warning("pod %s/%s: could not write %s: %s", ns, name, ASSIGNED, exc)
+        return p
+
+    def release_gone(self) -> dict[str, str]:
+        """Release the shares of pods deleted or finished while the manager runs (not only at the
+        next start), so metrics, `qgpu status` and the isolation loop stop counting them.
+
+        Only the API's view decides (rules 1-2 of node/reconcile.py): pod-resources lags an
+        Allocate kubelet has not finished, so its rules stay at start-up. Holding the Allocate lock
+        across the listing and the release keeps a pod created meanwhile from being released."""
+        with self.lock:
+            pods = self.pods.pods_on_node(self.config.node)
+            gone = plan(self.store.grants(), self.store.shares(), pods, None).release_pods
+            if gone:
+                self.store.release_pods(gone)
+        for uid, why in gone.items():
+            log.info("release pod %s: %s", uid, why)
+        if gone:
+            self._remove_stale_container_dirs(pods)
+        return gone
+
+    def _remove_stale_container_dirs(self, pods: list[dict]) -> None:
+        """Quota folders of pods that are gone or finished (also ones written just before a crash)."""
+        root = self.config.state_dir / "containers"
+        if not root.is_dir():
+            return
+        live = {str((q.get("metadata") or {}).get("uid", "")) for q in pods
+                if not finished(q)}
+        for entry in root.iterdir():
+            if entry.is_dir() and entry.name not in live:
+                shutil.rmtree(entry, ignore_errors=True)

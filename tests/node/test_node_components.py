@@ -1,0 +1,132 @@
+"""The node manager's parts on their own seams (node/allocator.py, node/health.py,
+node/reconciler.py, node/publisher.py): each built from a real store and a pod list, without a
+NodeManager, gRPC or a kubelet."""
+
+from __future__ import annotations
+
+import pytest
+from podfactory import pod, qgpu
+
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.node.allocator import Allocator
+from qgpu_runtime.node.devices import AllocateRefused, DeviceService
+from qgpu_runtime.node.health import CardHealth
+from qgpu_runtime.node.manager import ManagerConfig, NodeManager
+from qgpu_runtime.node.metrics import ManagerMetrics
+from qgpu_runtime.node.publisher import NodePublisher
+from qgpu_runtime.node.reconciler import Reconciler
+from qgpu_runtime.node.resources import CATALOG
+from qgpu_runtime.node.store import Store
+
+NODE = "gpu-node-1"
+CORE = CATALOG["tke.cloud.tencent.com/qgpu-core"]
+CARDS = {i: CardInfo(i, f"GPU-{i}", "Tesla T4", 16384, i) for i in range(2)}
+
+
+class Pods:
+    """A PodSource over a list; records what was written."""
+
+    def __init__(self, pods: list[dict]) -> None:
+        self.pods, self.patches, self.nodes = pods, [], []
+
+    def pods_on_node(self, node):
+        return list(self.pods)
+
+    def patch_pod_annotations(self, namespace, name, values):
+        self.patches.append((namespace, name, dict(values)))
+
+    def patch_node(self, node, labels, annotations):
+        self.nodes.append((node, dict(labels), dict(annotations)))
+
+    def node_labels(self, node):
+        return {}
+
+    def record_event(self, *args):
+        pass
+
+
+@pytest.fixture()
+def parts(tmp_path):
+    config = ManagerConfig(NODE, (CORE,), plugin_dir=tmp_path / "plugins", state_dir=tmp_path / "state")
+    store = Store(tmp_path / "meta.db")
+    store.sync_cards(list(CARDS.values()))
+    health = CardHealth(CARDS)
+    yield config, store, health
+    store.close()
+
+
+def _units(card: int, first: int, count: int) -> tuple[str, ...]:
+    return tuple(f"qgpu-core-{card}-{i}" for i in range(first, first + count))
+
+
+def _allocator(parts, pods: Pods) -> Allocator:
+    config, store, health = parts
+    return Allocator(config, CARDS, health, store, pods, ManagerMetrics.create(NODE), lambda: Policy.FIXED_SHARE,
+                     clock_ns=lambda: 7)
+
+
+def test_the_allocator_grants_a_record_and_writes_it_to_the_store_first(parts):
+    first = pod("first", NODE, [("main", qgpu(30, 4), [(0, "GPU-0", 300, 4096)])])
+    pods = Pods([first])
+    grant = _allocator(parts, pods).allocate(CORE, _units(0, 0, 30))
+    assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0"
+    assert [(s.workload, s.card_index, s.core_milli) for s in parts[1].shares()] == [("first", 0, 300)]
+    assert pods.patches == [("default", "first", {"qgpu.io/assigned": '["main"]'})]
+
+
+def test_the_allocator_refuses_an_over_commit_naming_the_card_without_a_manager(parts):
+    first = pod("first", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=1)
+    second = pod("second", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=2)
+    allocator = _allocator(parts, Pods([first, second]))
+    allocator.allocate(CORE, _units(0, 0, 60))
+    with pytest.raises(AllocateRefused, match=r"default/second container main: its record would over-commit this node: "
+                                              r"card 0: core 1200‰ committed > 1000‰"):
+        allocator.allocate(CORE, _units(1, 0, 60))  # kubelet's choice of units does not matter
+
+
+def test_the_allocator_refuses_devices_on_an_unhealthy_card(parts):
+    _, _, health = parts
+    health.mark(1, "XID 79")
+    with pytest.raises(AllocateRefused, match=r"card 1, which is unhealthy \(XID 79\)"):
+        _allocator(parts, Pods([])).allocate(CORE, ("qgpu-core-1-0",))
+
+
+def test_health_marks_once_and_moves_the_device_list_version(parts):
+    _, _, health = parts
+    version, devices = health.wait_devices(CORE, -1, 0)
+    assert health.mark(0, "XID 48") and not health.mark(0, "again") and not health.mark(9, "no such card")
+    moved, after = health.wait_devices(CORE, version, 0)
+    assert moved == version + 1
+    assert all(not ok for d, ok in after if d.startswith("qgpu-core-0-")) and all(ok for _, ok in devices)
+
+
+def test_the_reconciler_releases_pods_that_are_gone(parts):
+    config, store, _ = parts
+    gone = pod("gone", NODE, [("main", qgpu(30, 4), [(0, "GPU-0", 300, 4096)])])
+    pods = Pods([gone])
+    allocator = _allocator(parts, pods)
+    allocator.allocate(CORE, _units(0, 0, 30))
+    pods.pods = []
+    assert list(Reconciler(config, store, pods, allocator.lock).release_gone()) == [gone["metadata"]["uid"]]
+    assert store.shares() == [] and store.grants() == []
+
+
+def test_the_publisher_retries_until_the_node_patch_lands(parts):
+    config, _, health = parts
+
+    class Failing(Pods):
+        def patch_node(self, node, labels, annotations):
+            raise RuntimeError("apiserver away")
+
+    publisher = NodePublisher(config, CARDS, health, Failing([]), lambda: Policy.BEST_EFFORT)
+    publisher.publish()
+    assert publisher.due is not None
+    working = Pods([])
+    publisher.pods, publisher.due = working, 0.0
+    publisher.retry_if_due()
+    assert publisher.due is None and working.nodes[0][1]["qgpu.io/gpu-count"] == "2"
+
+
+def test_the_manager_is_what_the_device_plugin_talks_to():
+    assert isinstance(NodeManager, type) and all(hasattr(NodeManager, m) for m in DeviceService.__dict__ if not m.startswith("_"))
