@@ -177,17 +177,6 @@ class NodeManager:
             raise NodeUnreadable(f"node {self.config.node}: cannot read its label {POLICY_LABEL} for the isolation "
                                  f"policy: {exc} (give --isolation-policy to start without it)") from exc
 
-    def _node_labels(self) -> dict[str, str]:
-        """The node's labels for its policy; unreadable is fatal only when no override is given."""
-        try:
-            return self.pods.node_labels(self.config.node)
-        except Exception as exc:
-            if self.config.isolation_policy is not None:
-                log.warning("node %s: cannot read its labels (%s); --isolation-policy decides", self.config.node, exc)
-                return {}
-            raise NodeUnreadable(f"node {self.config.node}: cannot read its label {POLICY_LABEL} for the isolation "
-                                 f"policy: {exc} (give --isolation-policy to start without it)") from exc
-
     def stop(self) -> None:
         self._stop.set()
         self.health.close()
