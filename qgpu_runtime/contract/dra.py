@@ -1,0 +1,171 @@
+"""The DRA vocabulary: qgpu's driver, device and capacity names, the slice devices it publishes and
+the decoder of what kube-scheduler allocated (resource.k8s.io/v1, consumable capacity).
+
+Producers and consumers, all of them qgpu:
+- the node manager publishes one ResourceSlice pool per node with one device per card
+  (``slice_device``);
+- the roles render the DeviceClasses whose CEL selectors name ``DRIVER`` and the attributes below;
+- the webhook writes claims whose ``capacity.requests`` use ``CORE``/``MEMORY``;
+- the kubelet plugin reads the claim's allocation (``claim_shares``) and books it in the node store.
+
+Units are qgpu's own, so that a claim reads like the allocation record: ``core`` in thousandths of
+a card, ``memory`` in MiB (plain integers, not byte quantities), ``pods`` one per allocation so a
+card holds at most ``CardLimits.shared_pods_per_card`` claims. The ``requestPolicy`` of each
+capacity encodes the rules of model/requests.py: core in steps of 10 (one percent), memory in whole
+GiB with a 1 GiB minimum; a claim that names no capacity consumes the defaults, which are the whole
+card. Pure functions over dicts (the API's JSON), like the other codecs of this room.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, MIB_PER_GIB, CardLimits
+
+API_VERSION: Final = "resource.k8s.io/v1"
+DRIVER: Final = "gpu.qgpu.io"
+"""The driver name: ResourceSlices, DeviceClass selectors, claim results and CDI vendor."""
+SHARED_CLASS: Final = "shared.gpu.qgpu.io"
+"""DeviceClass of a share of one card (claims ask ``capacity.requests``)."""
+WHOLE_CLASS: Final = "whole.gpu.qgpu.io"
+"""DeviceClass of whole cards (claims ask no capacity: the defaults are the whole card)."""
+
+CORE: Final = "core"
+MEMORY: Final = "memory"
+PODS: Final = "pods"
+CORE_STEP: Final = 10
+"""One percent of a card, the finest step every dialect can express."""
+
+# Device attributes (qualified by the driver name in CEL: device.attributes["gpu.qgpu.io"].model)
+ATTR_INDEX: Final = "index"
+ATTR_UUID: Final = "uuid"
+ATTR_MODEL: Final = "model"
+ATTR_MEMORY_MIB: Final = "memoryMiB"
+ATTR_POLICY: Final = "isolationPolicy"
+
+_DEVICE = re.compile(r"^gpu-(0|[1-9][0-9]{0,3})$")
+
+
+class DraClaimError(ValueError):
+    """A claim's allocation cannot be served; the message names the claim, field, value and rule."""
+
+
+class _Card(Protocol):
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+
+
+def device_name(index: int) -> str:
+    """The slice device of card ``index`` (a DNS label, as the API requires)."""
+    return f"gpu-{int(index)}"
+
+
+def card_index(device: str) -> int:
+    """The card index a device name stands for; ValueError for a name qgpu never publishes."""
+    m = _DEVICE.match(device or "")
+    if not m:
+        raise ValueError(f"device {device!r} is not a qgpu device: names are gpu-<card index>")
+    return int(m.group(1))
+
+
+def pool_name(node: str) -> str:
+    """One pool per node, named after it (pools are compared by name, first-fit, in that order)."""
+    return node
+
+
+def slice_name(node: str) -> str:
+    return f"{node}-{DRIVER}"
+
+
+def slice_device(card: _Card, policy: str, limits: CardLimits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """The ResourceSlice device of one card: shareable, with qgpu's rules as request policies."""
+    memory = int(card.memory_mib)
+    whole_gib = memory - memory % MIB_PER_GIB
+    mem_max = max(whole_gib, limits.min_shared_memory_mib)
+    pods = limits.shared_pods_per_card(memory)
+    return {
+        "name": device_name(card.index),
+        "allowMultipleAllocations": True,
+        "attributes": {
+            ATTR_INDEX: {"int": int(card.index)},
+            ATTR_UUID: {"string": str(card.uuid)},
+            ATTR_MODEL: {"string": str(card.model)},
+            ATTR_MEMORY_MIB: {"int": memory},
+            ATTR_POLICY: {"string": str(policy)},
+        },
+        "capacity": {
+            CORE: {"value": str(CORE_MILLI_PER_CARD), "requestPolicy": {
+                "default": str(CORE_MILLI_PER_CARD),
+                "validRange": {"min": str(CORE_STEP), "max": str(CORE_MILLI_PER_CARD), "step": str(CORE_STEP)}}},
+            MEMORY: {"value": str(mem_max), "requestPolicy": {
+                "default": str(mem_max),
+                "validRange": {"min": str(limits.min_shared_memory_mib), "max": str(mem_max), "step": str(MIB_PER_GIB)}}},
+            PODS: {"value": str(pods), "requestPolicy": {"default": "1", "validValues": ["1"]}},
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ClaimShare:
+    """One device result of a claim allocated to qgpu: which card and how much of it."""
+
+    request: str
+    pool: str
+    device: str
+    card_index: int
+    core_milli: int
+    memory_mib: int
+    share_id: str
+
+
+def _int_quantity(where: str, field: str, value: Any) -> int:
+    text = str(value)
+    if not re.fullmatch(r"[0-9]{1,9}", text):
+        raise DraClaimError(f"{where}: {field} {value!r} is not allowed: qgpu capacities are plain integers "
+                            "(core in thousandths of a card, memory in MiB)")
+    return int(text)
+
+
+def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
+    """The qgpu results of ``claim``'s allocation on ``node``, validated; other drivers' are skipped.
+
+    Raises DraClaimError for an unallocated claim, a result in another node's pool, a device name
+    qgpu never published, or a consumed capacity that is missing, not an integer or out of range.
+    """
+    meta = claim.get("metadata") or {}
+    where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
+    alloc = (claim.get("status") or {}).get("allocation")
+    if not alloc:
+        raise DraClaimError(f"{where}: status.allocation is missing: the claim is not allocated yet")
+    results = ((alloc.get("devices") or {}).get("results")) or []
+    shares: list[ClaimShare] = []
+    for i, r in enumerate(results):
+        if r.get("driver") != DRIVER:
+            continue
+        at = f"{where}: status.allocation.devices.results[{i}]"
+        pool, device = str(r.get("pool") or ""), str(r.get("device") or "")
+        if pool != pool_name(node):
+            raise DraClaimError(f"{at}.pool {pool!r} is not allowed: this node's pool is {pool_name(node)!r}")
+        try:
+            index = card_index(device)
+        except ValueError as e:
+            raise DraClaimError(f"{at}.device: {e}") from None
+        consumed = r.get("consumedCapacity")
+        if not isinstance(consumed, dict):
+            raise DraClaimError(f"{at}.consumedCapacity is missing: qgpu shares need consumable capacity "
+                                "(feature gate DRAConsumableCapacity on kube-apiserver, kube-scheduler and kubelet)")
+        if CORE not in consumed or MEMORY not in consumed:
+            raise DraClaimError(f"{at}.consumedCapacity {consumed!r} is not allowed: it must name {CORE!r} and {MEMORY!r}")
+        core = _int_quantity(at, f"consumedCapacity.{CORE}", consumed[CORE])
+        memory = _int_quantity(at, f"consumedCapacity.{MEMORY}", consumed[MEMORY])
+        if not CORE_STEP <= core <= CORE_MILLI_PER_CARD:
+            raise DraClaimError(f"{at}.consumedCapacity.{CORE} {core} is not allowed: must be {CORE_STEP}..{CORE_MILLI_PER_CARD}")
+        if memory < 1:
+            raise DraClaimError(f"{at}.consumedCapacity.{MEMORY} {memory} is not allowed: must be >= 1 MiB")
+        shares.append(ClaimShare(request=str(r.get("request") or ""), pool=pool, device=device, card_index=index,
+                                 core_milli=core, memory_mib=memory, share_id=str(r.get("shareID") or "")))
+    return shares

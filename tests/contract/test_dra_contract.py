@@ -1,0 +1,72 @@
+"""The DRA codec: slice devices carry qgpu's rules; the allocation decoder refuses what qgpu never publishes."""
+
+from __future__ import annotations
+
+import pytest
+
+from qgpu_runtime.contract import dra
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model.requests import CardLimits
+
+
+def _claim(results, allocated=True):
+    status = {"allocation": {"devices": {"results": results}}} if allocated else {}
+    return {"metadata": {"namespace": "ns", "name": "c"}, "status": status}
+
+
+def _result(**over):
+    r = {"request": "gpu", "driver": dra.DRIVER, "pool": "node-a", "device": "gpu-1",
+         "consumedCapacity": {"core": "300", "memory": "4096", "pods": "1"}, "shareID": "abc"}
+    r.update(over)
+    return r
+
+
+def test_slice_device_encodes_the_rules_of_a_shared_card():
+    card = CardInfo(index=3, uuid="GPU-x", model="Tesla T4", memory_mib=15360, minor=3)
+    d = dra.slice_device(card, "fixed-share", CardLimits())
+    assert d["name"] == "gpu-3" and d["allowMultipleAllocations"] is True
+    assert d["attributes"]["model"] == {"string": "Tesla T4"}
+    cap = d["capacity"]
+    assert cap["core"]["value"] == "1000" and cap["core"]["requestPolicy"]["validRange"] == {"min": "10", "max": "1000", "step": "10"}
+    # 15 GiB card: memory in whole GiB, 1 GiB minimum; a claim naming nothing takes the whole card
+    assert cap["memory"]["value"] == "15360" and cap["memory"]["requestPolicy"]["validRange"]["step"] == "1024"
+    assert cap["memory"]["requestPolicy"]["default"] == "15360"
+    assert cap["pods"]["value"] == "3"  # floor(15 GiB / 4 GiB per shared pod)
+
+
+def test_odd_memory_rounds_down_to_whole_gib():
+    card = CardInfo(index=0, uuid="u", model="m", memory_mib=16160, minor=0)
+    assert dra.slice_device(card, "best-effort")["capacity"]["memory"]["value"] == str(15 * 1024)
+
+
+def test_claim_shares_decodes_this_drivers_results_only():
+    other = {"request": "nic", "driver": "net.example.com", "pool": "p", "device": "d"}
+    shares = dra.claim_shares(_claim([other, _result()]), "node-a")
+    assert shares == [dra.ClaimShare("gpu", "node-a", "gpu-1", 1, 300, 4096, "abc")]
+
+
+@pytest.mark.parametrize("result, words", [
+    (_result(pool="node-b"), "pool 'node-b'"),
+    (_result(device="card7"), "not a qgpu device"),
+    (_result(device="gpu-01"), "not a qgpu device"),
+    (_result(consumedCapacity=None), "DRAConsumableCapacity"),
+    (_result(consumedCapacity={"core": "300"}), "must name"),
+    (_result(consumedCapacity={"core": "3k", "memory": "1"}), "plain integers"),
+    (_result(consumedCapacity={"core": "0", "memory": "1"}), "must be 10..1000"),
+    (_result(consumedCapacity={"core": "1001", "memory": "1"}), "must be 10..1000"),
+    (_result(consumedCapacity={"core": "10", "memory": "0"}), ">= 1 MiB"),
+])
+def test_claim_shares_refuses_with_the_field_and_rule(result, words):
+    with pytest.raises(dra.DraClaimError, match="ResourceClaim ns/c") as e:
+        dra.claim_shares(_claim([result]), "node-a")
+    assert words in str(e.value)
+
+
+def test_unallocated_claim_is_refused():
+    with pytest.raises(dra.DraClaimError, match="not allocated"):
+        dra.claim_shares(_claim([], allocated=False), "node-a")
+
+
+def test_device_names_round_trip():
+    for i in (0, 1, 7, 15, 1023):
+        assert dra.card_index(dra.device_name(i)) == i
