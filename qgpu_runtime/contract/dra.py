@@ -169,3 +169,25 @@ def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
         shares.append(ClaimShare(request=str(r.get("request") or ""), pool=pool, device=device, card_index=index,
                                  core_milli=core, memory_mib=memory, share_id=str(r.get("shareID") or "")))
     return shares
+
+
+def device_class_selector(shared: bool) -> str:
+    """The CEL selector of qgpu's DeviceClasses: this driver's cards, shareable ones for shares."""
+    base = f'device.driver == "{DRIVER}"'
+    return f"{base} && device.allowMultipleAllocations == true" if shared else base
+
+
+def device_classes(whole_extended_resource: str | None = "nvidia.com/gpu") -> list[dict[str, Any]]:
+    """The two DeviceClasses (API objects) the roles render and the tests apply.
+
+    The whole-card class maps ``whole_extended_resource`` (KEP-5004), so an unchanged pod asking
+    ``nvidia.com/gpu: N`` gets N whole cards through DRA on nodes without a device plugin for it.
+    """
+    whole_spec: dict[str, Any] = {"selectors": [{"cel": {"expression": device_class_selector(False)}}]}
+    if whole_extended_resource:
+        whole_spec["extendedResourceName"] = whole_extended_resource
+    return [
+        {"apiVersion": API_VERSION, "kind": "DeviceClass", "metadata": {"name": SHARED_CLASS},
+         "spec": {"selectors": [{"cel": {"expression": device_class_selector(True)}}]}},
+        {"apiVersion": API_VERSION, "kind": "DeviceClass", "metadata": {"name": WHOLE_CLASS}, "spec": whole_spec},
+    ]

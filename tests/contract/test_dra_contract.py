@@ -70,3 +70,10 @@ def test_unallocated_claim_is_refused():
 def test_device_names_round_trip():
     for i in (0, 1, 7, 15, 1023):
         assert dra.card_index(dra.device_name(i)) == i
+
+
+def test_device_classes_select_this_driver():
+    shared, whole = dra.device_classes()
+    assert shared["metadata"]["name"] == dra.SHARED_CLASS and "allowMultipleAllocations" in shared["spec"]["selectors"][0]["cel"]["expression"]
+    assert whole["spec"]["extendedResourceName"] == "nvidia.com/gpu"
+    assert "extendedResourceName" not in dra.device_classes(None)[1]["spec"]
