@@ -48,6 +48,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--pods-file", type=Path,
                        help="read pods from this JSON file instead of the API (demos, hosts without an apiserver)")
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
+    serve.add_argument("--dra", action="store_true",
+                       help="serve the DRA kubelet plugin (driver gpu.qgpu.io) instead of device plugins (docs/dra.md)")
+    serve.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),
+                       help="with --dra: where CDI specs of prepared claims are written (a cdi_spec_dirs entry of the runtime)")
+    serve.add_argument("--kubelet-plugins-dir", type=Path, default=Path("/var/lib/kubelet/plugins"),
+                       help="with --dra: the DRA socket is <dir>/gpu.qgpu.io/dra.sock")
+    serve.add_argument("--plugins-registry-dir", type=Path, default=Path("/var/lib/kubelet/plugins_registry"),
+                       help="with --dra: kubelet's plugin watcher folder (registration socket gpu.qgpu.io-reg.sock)")
     serve.add_argument("--log-level", default="INFO")
 
 
@@ -90,11 +98,17 @@ def run(args: argparse.Namespace) -> int:
             sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
             # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
             isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
-            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0)
+            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
+            dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
+            plugins_registry_dir=args.plugins_registry_dir)
         backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
         store = Store(args.dbfile)
     except (ValueError, BackendError, StoreError) as exc:
         log.error("%s", exc)
+        return 2
+    if args.pods_file and args.dra:
+        log.error("--dra reads ResourceClaims from the Kubernetes API; --pods-file cannot serve them")
+        store.close()
         return 2
     if args.pods_file:
         from qgpu_runtime.node.pods import FilePodSource
@@ -131,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
         log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
-             ", ".join(k.name for k in config.resources))
+             "DRA driver gpu.qgpu.io" if config.dra else ", ".join(k.name for k in config.resources))
     # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
     # threads, and then only a main thread that wakes up on its own runs the Python handler.
     while not stop.wait(0.5):

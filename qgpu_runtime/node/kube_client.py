@@ -12,7 +12,8 @@ call, the apiserver and the reason — never a bare traceback.
 API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 grants exactly this):
 ``pods``: ``list`` (this node's pods, by field selector) and ``patch`` (``qgpu.io/assigned``);
 ``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
-annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). ``list_pods``/``list_nodes``
+annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod);
+with ``--dra``, ``resourceclaims`` (resource.k8s.io): ``get`` (the claims kubelet asks it to prepare). ``list_pods``/``list_nodes``
 serve ``qgpu status``, which runs with the user's own credentials, not the manager's.
 """
 
@@ -67,6 +68,7 @@ class KubePodSource:
         api_client = _api_client(kubeconfig, context)
         self.server = str(api_client.configuration.host)
         self._core = client.CoreV1Api(api_client)
+        self._resource = client.ResourceV1Api(api_client)
         self._timeout = timeout
         self._attempts = attempts
 
@@ -107,6 +109,11 @@ class KubePodSource:
         doc = json.loads(self._call(f"reading node {node}", lambda: self._core.read_node(
             node, _preload_content=False, _request_timeout=self._timeout)).data)
         return dict((doc.get("metadata") or {}).get("labels") or {})
+
+    def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A ResourceClaim (resource.k8s.io/v1) as API JSON, for the DRA kubelet plugin."""
+        return json.loads(self._call(f"reading ResourceClaim {namespace}/{name}", lambda: self._resource.read_namespaced_resource_claim(
+            name, namespace, _preload_content=False, _request_timeout=self._timeout)).data)
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
         """A Warning Event on the pod, so ``kubectl describe pod`` shows why qgpu acted on it."""

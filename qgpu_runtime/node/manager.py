@@ -67,6 +67,10 @@ class ManagerConfig:
     isolation_refresh_s: float = 1.0
     memory_tolerance_mib: int = 0
     api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
+    dra: bool = False  # serve the DRA kubelet plugin (node/draplugin.py) instead of device plugins
+    cdi_dir: Path = Path("/var/run/cdi")
+    kubelet_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
+    plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
 
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:
@@ -104,7 +108,12 @@ class NodeManager:
         self.publisher = NodePublisher(config, self.cards, self.health, pods, lambda: self.policy)
         self.pod_cache = PodCache(config, pods)
         self.sampler = MetricsSampler(config, self.cards, self.health, backend, store, self.pod_cache, self.metrics)
-        self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
+        if config.dra:
+            from qgpu_runtime.node.draplugin import dra_plugin
+
+            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health.unhealthy)
+        else:
+            self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
         self.plugins = self.registration.plugins
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
