@@ -12,10 +12,9 @@ import sqlite3
 import tempfile
 from pathlib import Path
 
-import grpc
 import pytest
+from drakubelet import Kubelet
 
-from qgpu_runtime import protos
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
@@ -57,39 +56,6 @@ def claim(uid: str, name: str = "train", namespace: str = "team-a", results: lis
             "metadata": {"namespace": namespace, "name": name, "uid": uid},
             "spec": {"devices": {"requests": []}},
             "status": {"allocation": {"devices": {"results": results}}}}
-
-
-class Kubelet:
-    """kubelet's side of the two sockets."""
-
-    def __init__(self, settings: DraSettings) -> None:
-        self.settings = settings
-
-    def get_info(self):
-        reg = protos.pluginregistration()
-        with grpc.insecure_channel(f"unix://{self.settings.registration_socket}") as ch:
-            return reg.grpc.RegistrationStub(ch).GetInfo(reg.pb2.InfoRequest(), timeout=5)
-
-    def notify(self, ok: bool, error: str = "") -> None:
-        reg = protos.pluginregistration()
-        with grpc.insecure_channel(f"unix://{self.settings.registration_socket}") as ch:
-            reg.grpc.RegistrationStub(ch).NotifyRegistrationStatus(
-                reg.pb2.RegistrationStatus(plugin_registered=ok, error=error), timeout=5)
-
-    def _call(self, method: str, claims: list[tuple[str, str, str]]):
-        dra = protos.dra()
-        with grpc.insecure_channel(f"unix://{self.settings.dra_socket}") as ch:
-            stub = dra.grpc.DRAPluginStub(ch)
-            request_type = dra.pb2.NodePrepareResourcesRequest if method == "prepare" else dra.pb2.NodeUnprepareResourcesRequest
-            call = stub.NodePrepareResources if method == "prepare" else stub.NodeUnprepareResources
-            return call(request_type(claims=[dra.pb2.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]),
-                        timeout=5).claims
-
-    def prepare(self, *claims: tuple[str, str, str]):
-        return self._call("prepare", list(claims))
-
-    def unprepare(self, *claims: tuple[str, str, str]):
-        return self._call("unprepare", list(claims))
 
 
 class Plugin:
