@@ -122,12 +122,18 @@ class ClaimShare:
     share_id: str
 
 
+_DECIMAL_SUFFIX: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
 def _int_quantity(where: str, field: str, value: Any) -> int:
-    text = str(value)
-    if not re.fullmatch(r"[0-9]{1,9}", text):
+    """A plain integer, as qgpu writes it, or the apiserver's canonical form of one: it stores
+    ``1000`` as ``1k`` (apimachinery's Quantity drops trailing zeros into a decimal suffix), so a
+    whole card's ``core`` comes back from the API as ``1k``."""
+    m = re.fullmatch(r"([0-9]{1,9})(k|M|G)?", str(value))
+    if not m:
         raise DraClaimError(f"{where}: {field} {value!r} is not allowed: qgpu capacities are plain integers "
                             "(core in thousandths of a card, memory in MiB)")
-    return int(text)
+    return int(m.group(1)) * _DECIMAL_SUFFIX[m.group(2) or ""]
 
 
 def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
