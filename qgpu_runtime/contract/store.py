@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 1
 """The version this qgpu writes and the newest it reads."""
 
 
@@ -57,25 +57,21 @@ _TABLES_V1 = (
     """CREATE TABLE IF NOT EXISTS events (
         id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
         reason TEXT NOT NULL, message TEXT NOT NULL)""",
+    # Added after 0.1.0, without a version bump because it is a table only (the rule above): the
+    # ResourceClaims the DRA kubelet plugin prepared (node/draplugin.py). Their card shares are
+    # ordinary ``shares`` rows whose workload_id is the claim's UID, so every reader of version 1
+    # sees them; this table adds what kubelet is answered again on a repeated prepare (``devices``,
+    # JSON) and the CDI spec file to remove. 0.1.0 refuses any version but "1", so a bump here
+    # would have made a rollback of the manager over its own store fail.
+    """CREATE TABLE IF NOT EXISTS claims (
+        claim_uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, devices TEXT NOT NULL,
+        cdi_spec TEXT NOT NULL, created_ns INTEGER NOT NULL)""",
 )
 
 
 def _to_v1(db: sqlite3.Connection) -> None:
     for statement in _TABLES_V1:
         db.execute(statement)
-
-
-# Version 2: ``claims``, the ResourceClaims the DRA kubelet plugin prepared (node/draplugin.py).
-# Their card shares are ordinary ``shares`` rows whose workload_id is the claim's UID, so `qgpu
-# status` and every reader of version 1 see them unchanged; the table only adds what kubelet is
-# answered again on a repeated prepare (``devices``, JSON) and the CDI spec file to remove.
-_CLAIMS_V2 = """CREATE TABLE IF NOT EXISTS claims (
-    claim_uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, devices TEXT NOT NULL,
-    cdi_spec TEXT NOT NULL, created_ns INTEGER NOT NULL)"""
-
-
-def _to_v2(db: sqlite3.Connection) -> None:
-    db.execute(_CLAIMS_V2)
 
 
 @dataclass(frozen=True)
@@ -87,7 +83,6 @@ class Migration:
 
 MIGRATIONS: tuple[Migration, ...] = (
     Migration(1, "the tables of both kinds of store (a new file, or a 0.1.0 file of either kind)", _to_v1),
-    Migration(2, "claims: the ResourceClaims prepared by the DRA kubelet plugin", _to_v2),
 )
 """Ordered; migration N brings a file from version N-1 (0: no version yet) to N. Re-applying
 the last one to a file already at its version is harmless (CREATE IF NOT EXISTS), which is how a

@@ -275,7 +275,7 @@ def test_the_reconciler_leaves_claim_shares_to_kubelet(plugin, claims, root):
     assert len(_claim_shares(plugin, "uid-1")) == 1
 
 
-def test_a_store_of_the_previous_release_gets_the_claims_table(root):
+def test_a_store_of_the_previous_release_gets_the_claims_table_and_keeps_its_version(root):
     dump = Path(__file__).parents[1] / "contract" / "previous_release" / "node_store_v1.sql"
     db = sqlite3.connect(root / "old.db")
     db.executescript(dump.read_text())
@@ -283,6 +283,7 @@ def test_a_store_of_the_previous_release_gets_the_claims_table(root):
     store = Store(root / "old.db")
     try:
         assert store.claim_uids() == set() and len(store.shares()) == 1
+        assert store.meta("schema_version") == "1"  # a table only: 0.1.0 still opens the file
     finally:
         store.close()
 
