@@ -3,7 +3,8 @@
 Each job has its own component, built here with its dependencies passed in:
 - ``Allocator`` (node/allocator.py): Allocate, GetPreferredAllocation, PreStartContainer;
 - ``CardHealth`` (node/health.py): unhealthy cards and the device-list version ListAndWatch waits on;
-- ``KubeletRegistration`` (node/registration.py): the gRPC servers and their registration;
+- ``KubeletRegistration`` (node/registration.py): the gRPC servers and their registration; with
+  ``dra``, ``DraKubeletPlugin`` (node/draplugin.py) in its place, the DRA kubelet plugin;
 - ``Reconciler`` (node/reconciler.py): the store against the node's pods, at start and while running;
 - ``NodePublisher``, ``PodCache``, ``MetricsSampler`` (node/publisher.py): node labels and metrics;
 - ``NodeIsolation`` (node/enforcer.py): the node's policy enforced on its containers every tick.

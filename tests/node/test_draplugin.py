@@ -311,3 +311,11 @@ def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(ro
         manager.stop()
         store.close()
     assert not (root / "registry" / "gpu.qgpu.io-reg.sock").exists()
+
+
+def test_manager_serve_dra_refuses_a_pods_file(root, caplog):
+    from qgpu_runtime.cli import main
+
+    assert main(["manager", "serve", "--nodename", NODE, "--dbfile", str(root / "m.db"), "--gpu-backend", "simulated",
+                 "--simulated-gpus", "2xT4-16G", "--pods-file", str(root / "p.json"), "--dra"]) == 2
+    assert "--dra reads ResourceClaims from the Kubernetes API; --pods-file cannot serve them" in caplog.text
