@@ -5,6 +5,7 @@ kubelet calling the plugin over its real unix sockets (a real kubelet driving it
 
 from __future__ import annotations
 
+import json
 import sys
 import tempfile
 import uuid
@@ -113,6 +114,8 @@ def test_prepare_reads_the_claim_books_it_and_writes_the_cdi_spec(node, resource
 def test_a_whole_card_is_read_from_the_apiservers_own_quantity_form(node, resource, ns):
     uid = create_claim(resource, ns, "whole", core=1000, memory=16384)["metadata"]["uid"]
     allocate(resource, ns, "whole", device="gpu-1", consumed={"core": "1000", "memory": "16384"})
+    stored = json.loads(resource.read_namespaced_resource_claim("whole", ns, _preload_content=False).data)
+    assert stored["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"]["core"] == "1k"
     answer = node.kubelet.prepare((ns, uid, "whole"))[uid]
     assert answer.error == ""
     assert node.shares(uid) == [(1, 1000, 16384)]
