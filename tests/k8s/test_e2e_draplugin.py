@@ -166,3 +166,32 @@ def test_an_allocation_without_consumed_capacity_is_refused(node, resource, ns):
     uid = create_claim(resource, ns, "train")["metadata"]["uid"]
     allocate(resource, ns, "train")
     assert "consumedCapacity is missing" in node.kubelet.prepare((ns, uid, "train"))[uid].error
+
+
+def test_the_node_manager_with_dra_prepares_through_its_own_api_client(cluster, resource, ns):
+    from qgpu_runtime.gpu.simulated import SimulatedBackend
+    from qgpu_runtime.node.manager import ManagerConfig, NodeManager
+
+    uid = create_claim(resource, ns, "train")["metadata"]["uid"]
+    allocate(resource, ns, "train", consumed={"core": "300", "memory": "4096"})
+    with tempfile.TemporaryDirectory(prefix="qgpu-dra-", dir="/tmp") as d:
+        root = Path(d)
+        config = ManagerConfig(node=NODE, resources=(), plugin_dir=root / "dp", pod_resources_socket=root / "none.sock",
+                               state_dir=root / "state", isolation_policy="fixed-share", label_node=False,
+                               dra=True, cdi_dir=root / "cdi", kubelet_plugins_dir=root / "plugins",
+                               plugins_registry_dir=root / "registry")
+        store = Store(root / "meta.db")
+        manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store,
+                              KubePodSource(str(cluster.cp.admin_kubeconfig)))
+        try:
+            assert manager.start()
+            kubelet = Kubelet(manager.registration.settings)
+            answer = kubelet.prepare((ns, uid, "train"))[uid]
+            assert answer.error == "" and answer.devices[0].device_name == "gpu-0"
+            manager.release_gone()  # the pods' release leaves the claim's shares alone
+            assert [(s.workload, s.core_milli) for s in store.shares()] == [("train", 300)]
+            spec = cdi.read_spec(cdi.spec_path(root / "cdi", uid))
+            assert "QGPU_POLICY=fixed-share" in spec["devices"][0]["containerEdits"]["env"]
+        finally:
+            manager.stop()
+            store.close()
