@@ -296,7 +296,9 @@ def test_a_pod_deleted_while_the_manager_runs_is_released_without_a_restart(node
     poll(lambda: {s.workload for s in node.store.shares()} == {"keep"}, timeout=10,
          what="the deleted and the finished pod released by the running manager")
     assert {g.pod for g in node.store.grants()} == {"keep"}
-    assert {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]}
+    # the folders go just after the rows, outside the store's transaction: wait for them too
+    poll(lambda: {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]},
+         timeout=10, what="the quota folders of the released pods removed")
 
 
 # -- the node as the last line of defence against over-commitment (issue 11 §5) -----------------
