@@ -73,6 +73,7 @@ class ManagedNode:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="qgpu-nm-", dir="/tmp")))
     resources: tuple[str, ...] = (CORE, MEMORY)
     process: subprocess.Popen[bytes] | None = None
+    extra_args: tuple[str, ...] = ()  # appended to `qgpu manager serve` (e.g. --dra)
 
     def __post_init__(self) -> None:
         self.kubelet = TestKubelet(self.root / "dp", self.root / "pr" / "kubelet.sock")
@@ -101,7 +102,8 @@ class ManagedNode:
                 "--device-plugin-dir", str(self.root / "dp"), "--pod-resources-socket", str(self.root / "pr" / "kubelet.sock"),
                 "--state-dir", str(self.root / "state"), "--resources", ",".join(self.resources),
                 "--sample-interval", "0.5", "--metrics-port", "-1", "--no-device-specs", "--log-level", "INFO",
-                "--isolation-policy", "fixed-share"]  # as the DaemonSet passes it; the label path: test_e2e_node_isolation
+                "--isolation-policy", "fixed-share",  # as the DaemonSet passes it; the label path: test_e2e_node_isolation
+                *self.extra_args]
 
     def spawn(self, kubeconfig: Path | str | None = None) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
