@@ -306,3 +306,13 @@ def test_the_manager_without_dra_publishes_no_slice(manager_parts):
     manager = NodeManager(_config(tmp_path, False), SimulatedBackend(tuple(CARDS.values())), store, _Pods(),
                           slice_api=FakeSlices())
     assert manager.slices is None
+
+
+def test_manager_serve_refuses_dra_with_a_pods_file(tmp_path, caplog):
+    from qgpu_runtime.cli import main
+
+    (tmp_path / "pods.json").write_text('{"items": []}')
+    code = main(["manager", "serve", "--nodename", NODE, "--dra", "--pods-file", str(tmp_path / "pods.json"),
+                 "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G", "--dbfile", str(tmp_path / "meta.db"),
+                 "--metrics-port", "-1"])
+    assert code == 2 and "--dra publishes ResourceSlices through the Kubernetes API" in caplog.text
