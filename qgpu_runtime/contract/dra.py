@@ -197,3 +197,13 @@ def device_classes(whole_extended_resource: str | None = "nvidia.com/gpu") -> li
          "spec": {"selectors": [{"cel": {"expression": device_class_selector(True)}}]}},
         {"apiVersion": API_VERSION, "kind": "DeviceClass", "metadata": {"name": WHOLE_CLASS}, "spec": whole_spec},
     ]
+
+
+# ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler reads it) -------------
+UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
+"""Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
+to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
+device. Its value is the reason, cut to a label value."""
+SLICE_CONTENT: Final = f"{DRIVER}/content"
+"""Annotation on the slice: a digest of the spec qgpu wrote, so an unchanged node writes nothing
+(the apiserver rewrites quantities, e.g. ``1000`` reads back as ``1k``, so specs are not compared)."""

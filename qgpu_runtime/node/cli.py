@@ -49,7 +49,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="read pods from this JSON file instead of the API (demos, hosts without an apiserver)")
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
     serve.add_argument("--dra", action="store_true",
-                       help="serve the DRA kubelet plugin (driver gpu.qgpu.io) instead of device plugins (docs/dra.md)")
+                       help="serve qgpu as a DRA driver (gpu.qgpu.io): kubelet plugin and this node's ResourceSlice, no device plugins")
     serve.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),
                        help="with --dra: where CDI specs of prepared claims are written (a cdi_spec_dirs entry of the runtime)")
     serve.add_argument("--kubelet-plugins-dir", type=Path, default=Path("/var/lib/kubelet/plugins"),
@@ -106,11 +106,12 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, BackendError, StoreError) as exc:
         log.error("%s", exc)
         return 2
-    if args.pods_file and args.dra:
-        log.error("--dra reads ResourceClaims from the Kubernetes API; --pods-file cannot serve them")
-        store.close()
-        return 2
+    slice_api = None
     if args.pods_file:
+        if args.dra:
+            log.error("--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API: it cannot run with --pods-file")
+            store.close()
+            return 2
         from qgpu_runtime.node.pods import FilePodSource
 
         pods = FilePodSource(args.pods_file)
@@ -124,12 +125,16 @@ def run(args: argparse.Namespace) -> int:
             store.close()
             return 2
         log.info("reading pods of node %s from the Kubernetes API at %s", args.nodename, pods.server)
+        if args.dra:
+            from qgpu_runtime.node.kube_client import KubeSlices
+
+            slice_api = KubeSlices(pods)
     isolation = None
     if not args.no_isolation:
         from qgpu_runtime.node.enforcer import default_backend
 
         isolation = default_backend(backend)
-    manager = NodeManager(config, backend, store, pods, isolation=isolation)
+    manager = NodeManager(config, backend, store, pods, isolation=isolation, slice_api=slice_api)
     stop = threading.Event()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -32,6 +32,7 @@ from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.node.allocator import Allocator
 from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.draslices import SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -94,8 +95,10 @@ class NodeUnreadable(RuntimeError):
 
 class NodeManager:
     def __init__(self, config: ManagerConfig, backend: GpuBackend, store: Store, pods: PodSource,
-                 clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None) -> None:
-        """``isolation`` None: device plugin, store and metrics only (nothing is throttled)."""
+                 clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None,
+                 slice_api: SliceApi | None = None) -> None:
+        """``isolation`` None: device plugin, store and metrics only (nothing is throttled);
+        ``slice_api``: where ``config.dra`` publishes the node's ResourceSlice (node/draslices.py)."""
         self.config = config
         self.backend = backend
         self.store = store
@@ -120,6 +123,13 @@ class NodeManager:
         self._threads: list[threading.Thread] = []
         self._isolation_backend = isolation
         self.isolation: NodeIsolation | None = None
+        self.slices: SlicePublisher | None = None
+        if config.dra:
+            if slice_api is None:
+                raise ValueError("--dra: the ResourceSlice is written through the Kubernetes API, "
+                                 "which this manager was given none of (--pods-file?)")
+            self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy,
+                                         retry_max_s=config.api_retry_max_s)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, until: threading.Event | None = None) -> bool:
@@ -144,6 +154,9 @@ class NodeManager:
         self.sample_once()
         loops: list[tuple[str, Callable[[], None]]] = [
             ("health", self._health_loop), ("kubelet-watch", self._watch_loop), ("sampler", lambda: self.sampler.serve(self._stop))]
+        if self.slices is not None:
+            slices = self.slices
+            loops.append(("dra-slices", lambda: slices.serve(self._stop)))
         if self.isolation is not None:
             isolation = self.isolation
             loops.append(("isolation", lambda: isolation.serve(self._stop)))
@@ -192,6 +205,8 @@ class NodeManager:
         self.health.close()
         self.backend.close()
         self.registration.stop()
+        if self.slices is not None:
+            self.slices.close()
         for t in self._threads:
             t.join(timeout=5)
 
@@ -228,6 +243,8 @@ class NodeManager:
         log.warning("card %d (%s) unhealthy: %s", index, self.cards[index].uuid, reason)
         self.store.set_card_health(index, False, reason)
         self.publisher.publish()
+        if self.slices is not None:
+            self.slices.publish()
 
     # ---- DeviceService (node/devices.py), and what tests and benchmarks drive directly ---------
     def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:

@@ -181,8 +181,10 @@ def test_the_node_manager_with_dra_prepares_through_its_own_api_client(cluster, 
                                dra=True, cdi_dir=root / "cdi", kubelet_plugins_dir=root / "plugins",
                                plugins_registry_dir=root / "registry")
         store = Store(root / "meta.db")
-        manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store,
-                              KubePodSource(str(cluster.cp.admin_kubeconfig)))
+        from qgpu_runtime.node.kube_client import KubeSlices
+
+        pods = KubePodSource(str(cluster.cp.admin_kubeconfig))
+        manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store, pods, slice_api=KubeSlices(pods))
         try:
             assert manager.start()
             kubelet = Kubelet(manager.registration.settings)

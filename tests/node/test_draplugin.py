@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import sqlite3
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
 from drakubelet import Kubelet
 
+from qgpu_runtime.contract import dra
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
@@ -299,14 +301,22 @@ def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(ro
                            pod_resources_socket=root / "none.sock", state_dir=root / "state", label_node=False,
                            isolation_policy="fixed-share", dra=True, cdi_dir=root / "cdi",
                            kubelet_plugins_dir=root / "plugins", plugins_registry_dir=root / "registry")
+    from tests.node.test_draslices import FakeSlices
+
+    slices = FakeSlices()
+    slices.node_uids = {NODE: "uid-1"}
     store = Store(root / "meta.db")
-    manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store, FilePodSource(pods))
+    manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store, FilePodSource(pods), slice_api=slices)
     try:
         assert manager.start()
         info = Kubelet(manager.registration.settings).get_info()
         assert (info.name, info.endpoint) == (DRIVER, str(root / "plugins" / DRIVER / "dra.sock"))
         assert (root / "registry" / "gpu.qgpu.io-reg.sock").is_socket()
         assert not (root / "dp").exists() or not any((root / "dp").iterdir())
+        wait_until = time.monotonic() + 10
+        while dra.slice_name(NODE) not in slices.objects and time.monotonic() < wait_until:
+            time.sleep(0.05)
+        assert [d["name"] for d in slices.objects[dra.slice_name(NODE)]["spec"]["devices"]] == ["gpu-0", "gpu-1"][:len(CARDS)]
     finally:
         manager.stop()
         store.close()
@@ -318,4 +328,4 @@ def test_manager_serve_dra_refuses_a_pods_file(root, caplog):
 
     assert main(["manager", "serve", "--nodename", NODE, "--dbfile", str(root / "m.db"), "--gpu-backend", "simulated",
                  "--simulated-gpus", "2xT4-16G", "--pods-file", str(root / "p.json"), "--dra"]) == 2
-    assert "--dra reads ResourceClaims from the Kubernetes API; --pods-file cannot serve them" in caplog.text
+    assert "--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API" in caplog.text
