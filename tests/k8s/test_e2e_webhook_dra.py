@@ -1,0 +1,186 @@
+"""`qgpu webhook serve --dra` registered with the real kube-apiserver: in a namespace labelled
+``qgpu.io/gpu-mode=dra`` a pod of every dialect is admitted with claims on templates the webhook
+created with qgpu's capacity requests; invalid pods are refused with the parser's words; dryRun
+creates nothing; device-plugin pods keep their resources."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.contract import dra
+from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA
+from tests.k8s.controlplane import QgpuServer, free_port
+from tests.k8s.kubeobjects import gpu_pod, read_pod
+
+DRA_NAMESPACE = {GPU_MODE: GPU_MODE_DRA}
+QGPU = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 4}
+
+
+class Hook:
+    def __init__(self, cluster: Any, ns: str, server: QgpuServer):
+        self.cluster = cluster
+        self.ns = ns
+        self.server = server
+        self.resource = client.ResourceV1Api(cluster.api_client)
+
+    def template(self, name: str) -> dict:
+        return json.loads(self.resource.read_namespaced_resource_claim_template(name, self.ns, _preload_content=False).data)
+
+    def create(self, name: str, resources: dict, annotations: dict | None = None, ns: str | None = None, **kwargs: Any) -> dict:
+        pod = gpu_pod(name, resources, annotations=annotations)
+        response = self.cluster.api.create_namespaced_pod(ns or self.ns, pod, _preload_content=False, **kwargs)
+        return json.loads(response.data)
+
+
+@pytest.fixture(scope="module")
+def hook(cluster) -> Iterator[Hook]:
+    cp = cluster.cp
+    pair = cp.ca.issue("webhook-dra", "qgpu-webhook", server=True, hosts=("127.0.0.1",))
+    port = free_port()
+    server = QgpuServer("qgpu-webhook-dra", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
+                                             "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
+                                             "--scheduler-name", "qgpu-scheduler", "--dra", "--dra-card-memory-mib", "15360",
+                                             "--kubeconfig", str(cp.admin_kubeconfig)], cp.workdir, port, "https", cp.ca.cert_path)
+    server.start(ready_path="/healthz")
+    api = client.AdmissionregistrationV1Api(cluster.api_client)
+    ca_bundle = base64.b64encode(cp.ca.pem).decode()
+    name = f"qgpu-dra-{uuid.uuid4().hex[:6]}"
+
+    def hook_of(path: str) -> dict:
+        return {"name": f"{path}.qgpu.io", "admissionReviewVersions": ["v1"], "sideEffects": "NoneOnDryRun", "failurePolicy": "Fail",
+                "timeoutSeconds": 10, "namespaceSelector": {"matchLabels": DRA_NAMESPACE},
+                "clientConfig": {"url": f"{server.url}/{path}", "caBundle": ca_bundle},
+                "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}]}
+
+    api.create_validating_webhook_configuration({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration",
+                                                 "metadata": {"name": name}, "webhooks": [hook_of("validate")]})
+    api.create_mutating_webhook_configuration({"apiVersion": "admissionregistration.k8s.io/v1", "kind": "MutatingWebhookConfiguration",
+                                               "metadata": {"name": name}, "webhooks": [hook_of("mutate-dra")]})
+    ns = cluster.namespace()
+    cluster.api.patch_namespace(ns, {"metadata": {"labels": DRA_NAMESPACE}})
+    h = Hook(cluster, ns, server)
+    try:
+        _wait_until_active(h)
+        yield h
+    finally:
+        api.delete_validating_webhook_configuration(name)
+        api.delete_mutating_webhook_configuration(name)
+        server.stop()
+
+
+def _wait_until_active(h: Hook) -> None:
+    """The apiserver picks configurations up through a watch: probe with dry-run pods until one is converted."""
+    deadline = time.monotonic() + 30
+    while True:
+        pod = h.create("probe", dict(QGPU), dry_run="All")
+        if pod["spec"].get("resourceClaims"):
+            return
+        assert time.monotonic() < deadline, "webhook never became active"
+        time.sleep(0.5)
+
+
+def _claim_template(pod: dict, container: int = 0) -> str:
+    (claim,) = pod["spec"]["containers"][container]["resources"]["claims"]
+    (ref,) = [r for r in pod["spec"]["resourceClaims"] if r["name"] == claim["name"]]
+    return ref["resourceClaimTemplateName"]
+
+
+def _only_request(template: dict) -> dict:
+    (request,) = template["spec"]["spec"]["devices"]["requests"]
+    return request
+
+
+def test_qgpu_share_becomes_a_claim_on_a_template_with_qgpu_capacity(hook):
+    pod = read_pod(hook.cluster.api, hook.ns, hook.create("qgpu", dict(QGPU))["metadata"]["name"])
+    assert _claim_template(pod) == "qgpu-c300-m4096-x1"
+    resources = pod["spec"]["containers"][0]["resources"]
+    assert not any(k.startswith("tke.cloud.tencent.com/") for k in {**resources.get("limits", {}), **resources.get("requests", {})})
+    assert pod["spec"].get("schedulerName") == "default-scheduler"  # kube-scheduler's own, no extender
+    exactly = _only_request(hook.template("qgpu-c300-m4096-x1"))["exactly"]
+    assert exactly["deviceClassName"] == dra.SHARED_CLASS
+    assert exactly["capacity"]["requests"] == {"core": "300", "memory": "4096"}  # consumable capacity is on in 1.37
+
+
+def test_vcuda_share_uses_the_same_template(hook):
+    pod = hook.create("vcuda", {"tencent.com/vcuda-core": 30, "tencent.com/vcuda-memory": 16})
+    assert _claim_template(pod) == "qgpu-c300-m4096-x1"
+
+
+def test_t9k_whole_cards_become_a_whole_card_claim_on_distinct_cards(hook):
+    pod = hook.create("t9k", {"tensorstack.dev/nvidia-gpu": 2})
+    assert _claim_template(pod) == "qgpu-whole-x2"
+    template = hook.template("qgpu-whole-x2")
+    exactly = _only_request(template)["exactly"]
+    assert (exactly["deviceClassName"], exactly["allocationMode"], exactly["count"]) == (dra.WHOLE_CLASS, "ExactCount", 2)
+    assert template["spec"]["spec"]["devices"]["constraints"] == [{"requests": ["gpu"], "distinctAttribute": "gpu.qgpu.io/uuid"}]
+
+
+def test_t9k_percent_asks_a_share_of_the_pools_card_size(hook):
+    pod = hook.create("t9k-pct", {"tensorstack.dev/nvidia-gpu-percent": 50})
+    (sub,) = _only_request(hook.template(_claim_template(pod)))["firstAvailable"]
+    assert sub["capacity"]["requests"] == {"core": "10", "memory": "8192"}
+
+
+def test_offline_pod_carries_class_and_greedy_in_the_opaque_config(hook):
+    pod = hook.create("offline", {"tke.cloud.tencent.com/qgpu-core-greedy": 40, "tke.cloud.tencent.com/qgpu-memory": 2},
+                      annotations={"tke.cloud.tencent.com/app-class": "offline", "qgpu.io/gpu-model": "Tesla T4"})
+    template = hook.template(_claim_template(pod))
+    devices = template["spec"]["spec"]["devices"]
+    assert dra.read_share_config(devices["config"][0]["opaque"]["parameters"]) == ("offline", True)
+    assert devices["requests"][0]["exactly"]["selectors"] == [{"cel": {"expression": 'device.attributes["gpu.qgpu.io"].model in ["Tesla T4"]'}}]
+    assert pod["spec"]["nodeSelector"] == {"mixed-qgpu-enable": "enable"}
+
+
+def test_nvidia_gpu_stays_for_the_whole_card_class(hook):
+    pod = hook.create("nvidia", {"nvidia.com/gpu": 1})
+    assert not pod["spec"].get("resourceClaims")
+    assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
+def test_device_plugin_pods_keep_their_resources(hook):
+    kept = hook.create("kept", dict(QGPU), annotations={GPU_MODE: GPU_MODE_DEVICE_PLUGIN})
+    assert not kept["spec"].get("resourceClaims")
+    assert kept["spec"]["containers"][0]["resources"]["limits"]["tke.cloud.tencent.com/qgpu-core"] == "30"
+    assert kept["spec"]["schedulerName"] == "qgpu-scheduler"  # /mutate's completion, for the extender
+    other = hook.cluster.namespace()  # a namespace of a device-plugin pool: /mutate-dra is not called
+    untouched = hook.create("elsewhere", dict(QGPU), ns=other)
+    assert not untouched["spec"].get("resourceClaims")
+    assert untouched["spec"]["containers"][0]["resources"]["limits"]["tke.cloud.tencent.com/qgpu-memory"] == "4"
+
+
+def test_invalid_pod_is_refused_with_the_parsers_message(hook):
+    with pytest.raises(ApiException) as refused:
+        hook.create("bad", {"tke.cloud.tencent.com/qgpu-core": 150, "tke.cloud.tencent.com/qgpu-memory": 4})
+    message = json.loads(refused.value.body)["message"]
+    assert refused.value.status == 422
+    assert "mutate-dra.qgpu.io" in message
+    assert "container 'c0': tke.cloud.tencent.com/qgpu-core=150: 100 or more must be a multiple of 100 (whole cards)" in message
+
+
+def test_dry_run_answers_the_conversion_but_creates_nothing(hook):
+    pod = hook.create("dry", {"tke.cloud.tencent.com/qgpu-core": 70, "tke.cloud.tencent.com/qgpu-memory": 7}, dry_run="All")
+    assert _claim_template(pod) == "qgpu-c700-m7168-x1"
+    with pytest.raises(ApiException) as missing:
+        hook.template("qgpu-c700-m7168-x1")
+    assert missing.value.status == 404
+    with pytest.raises(ApiException) as no_pod:
+        hook.cluster.api.read_namespaced_pod("dry", hook.ns)
+    assert no_pod.value.status == 404
+
+
+def test_a_changed_template_is_not_overwritten_and_the_pod_is_refused_with_the_reason(hook):
+    manifest = {"apiVersion": dra.API_VERSION, "kind": "ResourceClaimTemplate", "metadata": {"name": "qgpu-c900-m1024-x1"},
+                "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": dra.WHOLE_CLASS}}]}}}}
+    hook.resource.create_namespaced_resource_claim_template(hook.ns, manifest)
+    with pytest.raises(ApiException) as refused:
+        hook.create("clash", {"tke.cloud.tencent.com/qgpu-core": 90, "tke.cloud.tencent.com/qgpu-memory": 1})
+    message = json.loads(refused.value.body)["message"]
+    assert f"ResourceClaimTemplate {hook.ns}/qgpu-c900-m1024-x1: exists with another spec" in message
