@@ -17,10 +17,23 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
+from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.webhook.dra import ClaimTemplate, TemplateError
 
 log = logging.getLogger(__name__)
 _UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)  # refused, reset, timed out
+
+
+def _same_value(actual: Any, wanted: Any) -> bool:
+    """Equal, or the same quantity: the apiserver stores capacity "1000" in canonical form, "1k"."""
+    if actual == wanted:
+        return True
+    if isinstance(actual, str) and isinstance(wanted, str):
+        try:
+            return parse_quantity(actual) == parse_quantity(wanted)
+        except QuantityError:
+            return False
+    return False
 
 
 def _contains(actual: Any, wanted: Any) -> bool:
@@ -28,7 +41,7 @@ def _contains(actual: Any, wanted: Any) -> bool:
         return isinstance(actual, dict) and all(_contains(actual.get(k), v) for k, v in wanted.items())
     if isinstance(wanted, list):
         return isinstance(actual, list) and len(actual) == len(wanted) and all(_contains(a, w) for a, w in zip(actual, wanted))
-    return actual == wanted
+    return _same_value(actual, wanted)
 
 
 def _reason(exc: ApiException) -> str:

@@ -9,6 +9,7 @@ import base64
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 import pytest
@@ -17,8 +18,10 @@ from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract import dra
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA
+from qgpu_runtime.gpu.types import CardInfo
 from tests.k8s.controlplane import QgpuServer, free_port
-from tests.k8s.kubeobjects import gpu_pod, read_pod
+from tests.k8s.kubeobjects import gpu_node, gpu_pod, read_pod
+from tests.polling import poll
 
 DRA_NAMESPACE = {GPU_MODE: GPU_MODE_DRA}
 QGPU = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 4}
@@ -139,6 +142,16 @@ def test_offline_pod_carries_class_and_greedy_in_the_opaque_config(hook):
     assert pod["spec"]["nodeSelector"] == {"mixed-qgpu-enable": "enable"}
 
 
+def test_an_existing_template_is_reused_though_the_apiserver_rewrote_its_quantities(hook):
+    greedy = {"tke.cloud.tencent.com/qgpu-core-greedy": 100, "tke.cloud.tencent.com/qgpu-memory": 8}
+    offline = {"tke.cloud.tencent.com/app-class": "offline"}
+    first = hook.create("greedy-1", dict(greedy), annotations=offline)
+    second = hook.create("greedy-2", dict(greedy), annotations=offline)  # 409, read back, same template
+    assert _claim_template(first) == _claim_template(second) == "qgpu-c1000-m8192-x1-offline"
+    stored = _only_request(hook.template("qgpu-c1000-m8192-x1-offline"))["exactly"]["capacity"]["requests"]
+    assert stored == {"core": "1k", "memory": "8192"}  # canonical form, as kube-apiserver v1.37.2 stores it
+
+
 def test_nvidia_gpu_stays_for_the_whole_card_class(hook):
     pod = hook.create("nvidia", {"nvidia.com/gpu": 1})
     assert not pod["spec"].get("resourceClaims")
@@ -184,3 +197,85 @@ def test_a_changed_template_is_not_overwritten_and_the_pod_is_refused_with_the_r
         hook.create("clash", {"tke.cloud.tencent.com/qgpu-core": 90, "tke.cloud.tencent.com/qgpu-memory": 1})
     message = json.loads(refused.value.body)["message"]
     assert f"ResourceClaimTemplate {hook.ns}/qgpu-c900-m1024-x1: exists with another spec" in message
+
+
+# --- the converted pods are allocatable: kube-scheduler places them on qgpu's slices ----------------
+
+@dataclass
+class Pool:
+    node: str
+    taint: dict
+    ns: str
+
+
+@pytest.fixture(scope="module")
+def pool(cluster, hook) -> Iterator[Pool]:
+    """One fake node with four T4s published as a qgpu ResourceSlice, tainted so that only this
+    test's pods land there, and the resourceclaim controller that makes claims from templates."""
+    cp = cluster.cp
+    cp._spawn("kcm-resourceclaim", [str(cp.bindir / "kube-controller-manager"), f"--kubeconfig={cp.admin_kubeconfig}",
+                                    "--controllers=resourceclaim-controller", "--leader-elect=false", "--secure-port=0"])
+    node = f"dra-{uuid.uuid4().hex[:8]}"
+    taint = {"key": "qgpu-test-dra", "value": node, "effect": "NoSchedule"}
+    gpu_node(cluster.api, node, [])
+    cluster.api.patch_node(node, {"spec": {"taints": [taint]}})
+    for device_class in dra.device_classes():
+        try:
+            hook.resource.create_device_class(device_class)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+    cards = [CardInfo(index=i, uuid=f"GPU-{node}-{i}", model="Tesla T4", memory_mib=15360, minor=i) for i in range(4)]
+    hook.resource.create_resource_slice({
+        "apiVersion": dra.API_VERSION, "kind": "ResourceSlice", "metadata": {"name": dra.slice_name(node)},
+        "spec": {"driver": dra.DRIVER, "nodeName": node, "pool": {"name": dra.pool_name(node), "generation": 1, "resourceSliceCount": 1},
+                 "devices": [dra.slice_device(card, "fixed-share") for card in cards]}})
+    try:
+        yield Pool(node, taint, hook.ns)
+    finally:
+        cp._stop_process("kcm-resourceclaim")
+        hook.resource.delete_resource_slice(dra.slice_name(node))
+        cluster.api.delete_node(node)
+
+
+def _place(hook: Hook, pool: Pool, name: str, resources: dict, annotations: dict | None = None) -> None:
+    pod = gpu_pod(name, resources, annotations=annotations, selector={"kubernetes.io/hostname": pool.node})
+    pod["spec"]["tolerations"] = [{**pool.taint, "operator": "Equal"}]
+    hook.cluster.api.create_namespaced_pod(pool.ns, pod)
+
+
+def _shares(hook: Hook, pool: Pool, name: str) -> list[dra.ClaimShare]:
+    def bound() -> dict | None:
+        pod = read_pod(hook.cluster.api, pool.ns, name)
+        return pod if pod["spec"].get("nodeName") else None
+
+    pod = poll(bound, timeout=60, interval=0.5, what=f"pod {name} bound")
+    assert pod["spec"]["nodeName"] == pool.node
+    (status,) = pod["status"]["resourceClaimStatuses"]
+    claim = json.loads(hook.resource.read_namespaced_resource_claim(status["resourceClaimName"], pool.ns, _preload_content=False).data)
+    return dra.claim_shares(claim, pool.node)
+
+
+def test_converted_pods_are_allocated_the_capacity_they_asked(hook, pool):
+    _place(hook, pool, "a-share", dict(QGPU))
+    _place(hook, pool, "b-whole", {"tensorstack.dev/nvidia-gpu": 2})
+    _place(hook, pool, "c-percent", {"tensorstack.dev/nvidia-gpu-percent": 50})
+    (share,) = _shares(hook, pool, "a-share")
+    assert (share.core_milli, share.memory_mib) == (300, 4096)
+    whole = _shares(hook, pool, "b-whole")
+    assert len({s.card_index for s in whole}) == 2 and all(s.core_milli == 1000 and s.memory_mib == 15360 for s in whole)
+    (percent,) = _shares(hook, pool, "c-percent")
+    assert (percent.core_milli, percent.memory_mib) == (10, 8192)
+    assert percent.card_index not in {s.card_index for s in whole}
+
+
+def test_a_pod_naming_another_model_is_not_allocated(hook, pool):
+    _place(hook, pool, "v100-only", dict(QGPU), annotations={"qgpu.io/gpu-model": "Tesla V100"})
+
+    def unschedulable() -> str | None:
+        conditions = read_pod(hook.cluster.api, pool.ns, "v100-only").get("status", {}).get("conditions") or []
+        return next((c.get("message", "") for c in conditions if c["type"] == "PodScheduled" and c["status"] == "False"), None)
+
+    message = poll(unschedulable, timeout=60, interval=0.5, what="v100-only unschedulable")
+    assert "claim" in message, message
+    assert not read_pod(hook.cluster.api, pool.ns, "v100-only")["spec"].get("nodeName")

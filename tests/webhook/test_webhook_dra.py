@@ -323,3 +323,15 @@ def test_card_sizes_are_checked():
         DraConfig(card_memory_mib=(512,))
     with pytest.raises(ValueError, match="at most 8"):
         DraConfig(card_memory_mib=tuple(range(2048, 2048 + 9)))
+
+
+def test_a_stored_template_matches_what_qgpu_writes_despite_defaults_and_canonical_quantities():
+    from qgpu_runtime.webhook.templates import _contains
+
+    wanted = convert(pod(container(limits={QGPU_GREEDY: "100", QGPU_MEMORY: "8"}), annotations={APP_CLASS: "offline"})).templates[0].claim_spec
+    stored = copy.deepcopy(wanted)
+    stored["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["core"] = "1k"
+    stored["devices"]["requests"][0]["exactly"]["tolerations"] = []  # a field the apiserver may default
+    assert _contains(stored, wanted)
+    stored["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = "4096"
+    assert not _contains(stored, wanted)
