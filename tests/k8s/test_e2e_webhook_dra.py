@@ -24,6 +24,7 @@ from tests.k8s.kubeobjects import gpu_node, gpu_pod, read_pod
 from tests.polling import poll
 
 DRA_NAMESPACE = {GPU_MODE: GPU_MODE_DRA}
+DRA_SCHEDULER = "qgpu-test-dra-pool"
 QGPU = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 4}
 
 
@@ -215,6 +216,13 @@ def pool(cluster, hook) -> Iterator[Pool]:
     cp = cluster.cp
     cp._spawn("kcm-resourceclaim", [str(cp.bindir / "kube-controller-manager"), f"--kubeconfig={cp.admin_kubeconfig}",
                                     "--controllers=resourceclaim-controller", "--leader-elect=false", "--secure-port=0"])
+    # A DRA pool needs no extender: its own kube-scheduler profile, as the session's routes every
+    # GPU resource (nvidia.com/gpu included) to qgpu's extender.
+    config = cp._write_yaml("scheduler-dra.yaml", {
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(cp.scheduler_kubeconfig)}, "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": DRA_SCHEDULER}]})
+    cp._spawn("kube-scheduler-dra", [str(cp.bindir / "kube-scheduler"), f"--config={config}", "--secure-port=0", "--v=2"])
     node = f"dra-{uuid.uuid4().hex[:8]}"
     taint = {"key": "qgpu-test-dra", "value": node, "effect": "NoSchedule"}
     gpu_node(cluster.api, node, [])
@@ -234,6 +242,7 @@ def pool(cluster, hook) -> Iterator[Pool]:
         yield Pool(node, taint, hook.ns)
     finally:
         cp._stop_process("kcm-resourceclaim")
+        cp._stop_process("kube-scheduler-dra")
         hook.resource.delete_resource_slice(dra.slice_name(node))
         cluster.api.delete_node(node)
 
@@ -241,6 +250,7 @@ def pool(cluster, hook) -> Iterator[Pool]:
 def _place(hook: Hook, pool: Pool, name: str, resources: dict, annotations: dict | None = None) -> None:
     pod = gpu_pod(name, resources, annotations=annotations, selector={"kubernetes.io/hostname": pool.node})
     pod["spec"]["tolerations"] = [{**pool.taint, "operator": "Equal"}]
+    pod["spec"]["schedulerName"] = DRA_SCHEDULER
     hook.cluster.api.create_namespaced_pod(pool.ns, pod)
 
 
@@ -267,6 +277,21 @@ def test_converted_pods_are_allocated_the_capacity_they_asked(hook, pool):
     (percent,) = _shares(hook, pool, "c-percent")
     assert (percent.core_milli, percent.memory_mib) == (10, 8192)
     assert percent.card_index not in {s.card_index for s in whole}
+
+
+def test_nvidia_gpu_is_a_whole_card_through_the_classes_extended_resource_name(hook, pool):
+    _place(hook, pool, "d-nvidia", {"nvidia.com/gpu": 1})
+
+    def bound() -> dict | None:
+        pod = read_pod(hook.cluster.api, pool.ns, "d-nvidia")
+        return pod if pod["spec"].get("nodeName") and pod.get("status", {}).get("extendedResourceClaimStatus") else None
+
+    pod = poll(bound, timeout=60, interval=0.5, what="d-nvidia bound with its extended-resource claim")
+    assert pod["spec"]["nodeName"] == pool.node and not pod["spec"].get("resourceClaims")
+    name = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
+    claim = json.loads(hook.resource.read_namespaced_resource_claim(name, pool.ns, _preload_content=False).data)
+    (share,) = dra.claim_shares(claim, pool.node)
+    assert (share.core_milli, share.memory_mib) == (1000, 15360)
 
 
 def test_a_pod_naming_another_model_is_not_allocated(hook, pool):
