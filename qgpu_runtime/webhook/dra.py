@@ -30,6 +30,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract import dra
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, MIXED_LABEL
+from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import (
     DEFAULT_LIMITS,
     GPU_RESOURCES,
@@ -266,6 +267,24 @@ def _deny(uid: str, message: str, code: int) -> dict[str, Any]:
                                                                    "message": message}}}
 
 
+def _check_claim_fields(pod: Mapping[str, Any]) -> None:
+    """The JSON types of the fields only this mutation reads (check_pod covers the parser's): a 400
+    naming the field, not a 500."""
+    where = "AdmissionReview.request.object.spec"
+    spec = pod.get("spec") or {}
+
+    def objects(value: Any, path: str) -> None:
+        if value is not None and (not isinstance(value, list) or not all(isinstance(v, dict) for v in value)):
+            raise ReviewError(f"{path}={show_value(value)}: must be a list of objects")
+
+    objects(spec.get("resourceClaims"), f"{where}.resourceClaims")
+    for i, container in enumerate(spec.get("containers") or []):
+        objects((container.get("resources") or {}).get("claims"), f"{where}.containers[{i}].resources.claims")
+    selector = spec.get("nodeSelector")
+    if selector is not None and (not isinstance(selector, dict) or not all(isinstance(v, str) for v in selector.values())):
+        raise ReviewError(f"{where}.nodeSelector={show_value(selector)}: must be an object of strings")
+
+
 def mutate_dra(body: bytes | str, config: WebhookConfig, dra_config: DraConfig, ensure: EnsureTemplates) -> dict[str, Any]:
     """/mutate-dra: convert a pod being created (templates ensured first, none on dryRun) and deny
     what the parser refuses with its words. An UPDATE cannot add claims to a pod: it gets what
@@ -276,6 +295,7 @@ def mutate_dra(body: bytes | str, config: WebhookConfig, dra_config: DraConfig, 
     pod = _pod(request)
     if pod is None or request.get("operation") != "CREATE" or device_plugin_pod(pod):
         return mutate(body, config)
+    _check_claim_fields(pod)
     uid = request["uid"]
     try:
         conversion = convert(pod, dra_config)

@@ -10,11 +10,14 @@ import re
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
 
 from qgpu_runtime.contract import dra
 from qgpu_runtime.model.requests import RequestError, parse_pod
+from qgpu_runtime.webhook import cli
 from qgpu_runtime.webhook.admission import XGN_TOLERATION, WebhookConfig, mutate
 from qgpu_runtime.webhook.dra import ClaimTemplate, DraConfig, DraRefusal, TemplateError, convert, mutate_dra
+from tests.jsonmutation import mutations
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
 QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
@@ -335,3 +338,51 @@ def test_a_stored_template_matches_what_qgpu_writes_despite_defaults_and_canonic
     assert _contains(stored, wanted)
     stored["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["memory"] = "4096"
     assert not _contains(stored, wanted)
+
+
+# --- malformed bodies: a 400 naming the field, never an exception ----------------------------------
+
+FUZZ_POD = {
+    "metadata": {"name": "p", "namespace": "ns", "annotations": {"qgpu.io/gpu-model": "T4"}},
+    "spec": {"containers": [{"name": "c", "resources": {"limits": {QGPU_CORE: "40", QGPU_MEMORY: "4"}, "claims": [{"name": "nic"}]}},
+                            {"name": "w", "resources": {"limits": {"tensorstack.dev/nvidia-gpu": "2"}}},
+                            {"name": "n", "resources": {"limits": {"nvidia.com/gpu": "1"}}}],
+             "resourceClaims": [{"name": "nic", "resourceClaimName": "n"}], "nodeSelector": {"zone": "a"},
+             "tolerations": [{"key": "k", "operator": "Exists"}]},
+}
+DRA_ROUTES = cli.routes(WebhookConfig("qgpu-scheduler"), (DraConfig(card_memory_mib=(15360,)), Recorder()))
+
+
+def dra_answer(doc: object) -> tuple[int, object]:
+    status, body = DRA_ROUTES.post["/mutate-dra"]("", json.dumps(doc).encode())
+    if status != 200:
+        assert status == 400 and body["error"], body
+    return status, body
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"resourceClaims": 5}, "AdmissionReview.request.object.spec.resourceClaims=5"),
+    ({"nodeSelector": {"a": 1}}, "AdmissionReview.request.object.spec.nodeSelector="),
+    ({"containers": [{"name": "c", "resources": {"limits": {QGPU_CORE: "30", QGPU_MEMORY: "4"}, "claims": "x"}}]},
+     "AdmissionReview.request.object.spec.containers[0].resources.claims=x"),
+])
+def test_wrong_typed_claim_fields_are_400_naming_the_field(spec, field):
+    p = {"metadata": {"name": "p"}, "spec": {"containers": [container(limits={QGPU_CORE: "30", QGPU_MEMORY: "4"})], **spec}}
+    status, body = dra_answer(json.loads(review(p)))
+    assert status == 400 and body["error"].startswith(field), body
+
+
+def test_the_fuzz_pod_converts():
+    status, body = dra_answer(json.loads(review(FUZZ_POD)))
+    assert status == 200 and body["response"]["allowed"] is True, body
+
+
+@settings(max_examples=400, deadline=None)
+@given(doc=mutations(json.loads(review(FUZZ_POD))))
+def test_structure_mutated_reviews_are_converted_or_refused(doc):
+    dra_answer(doc)
+
+
+def test_the_dra_route_exists_only_with_dra():
+    assert "/mutate-dra" not in cli.routes(WebhookConfig()).post
+    assert DRA_ROUTES.body_limits["/mutate-dra"] == 8 * 1024 * 1024
