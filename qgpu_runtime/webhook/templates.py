@@ -63,24 +63,35 @@ class TemplateWriter:
             self._ensure(namespace, template)
 
     def _ensure(self, namespace: str, template: ClaimTemplate) -> None:
+        """Read first (the common case, one call per pod); create on 404; read again when another
+        webhook replica created it in between (409)."""
         where = f"ResourceClaimTemplate {namespace}/{template.name}"
-        try:
-            drain(self.api.create_namespaced_resource_claim_template(
-                namespace, template.manifest(namespace), _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
-            log.info("created %s", where)
-            return
-        except ApiException as exc:
-            if exc.status != 409:
-                raise TemplateError(f"{where}: the apiserver refused to create it: {_reason(exc)}") from None
-        except _UNREACHABLE as exc:
-            raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
-        try:
-            stored = raw_json(self.api.read_namespaced_resource_claim_template(
-                template.name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
-        except ApiException as exc:
-            raise TemplateError(f"{where}: exists, but the apiserver refused to read it: {_reason(exc)}") from None
-        except _UNREACHABLE as exc:
-            raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
+        stored = self._read(where, namespace, template.name)
+        if stored is None:
+            try:
+                drain(self.api.create_namespaced_resource_claim_template(
+                    namespace, template.manifest(namespace), _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
+                log.info("created %s", where)
+                return
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise TemplateError(f"{where}: the apiserver refused to create it: {_reason(exc)}") from None
+            except _UNREACHABLE as exc:
+                raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
+            stored = self._read(where, namespace, template.name)
+            if stored is None:
+                raise TemplateError(f"{where}: the apiserver answered 409 (exists) to the create and 404 to the read; try again")
         if not _contains((stored.get("spec") or {}).get("spec"), template.claim_spec):
             raise TemplateError(f"{where}: exists with another spec than qgpu writes for this shape "
                                 f"({json.dumps(template.claim_spec, sort_keys=True)}); delete it and qgpu recreates it")
+
+    def _read(self, where: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return raw_json(self.api.read_namespaced_resource_claim_template(
+                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise TemplateError(f"{where}: the apiserver refused to read it: {_reason(exc)}") from None
+        except _UNREACHABLE as exc:
+            raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None

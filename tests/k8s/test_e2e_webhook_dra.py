@@ -19,7 +19,10 @@ from kubernetes.client.exceptions import ApiException
 from qgpu_runtime.contract import dra
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA
 from qgpu_runtime.gpu.types import CardInfo
-from tests.k8s.controlplane import QgpuServer, free_port
+from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.webhook.dra import TemplateError, convert
+from qgpu_runtime.webhook.templates import TemplateWriter
+from tests.k8s.controlplane import QgpuServer, free_port, kubeconfig
 from tests.k8s.kubeobjects import gpu_node, gpu_pod, read_pod
 from tests.polling import poll
 
@@ -304,3 +307,15 @@ def test_a_pod_naming_another_model_is_not_allocated(hook, pool):
     message = poll(unschedulable, timeout=60, interval=0.5, what="v100-only unschedulable")
     assert "claim" in message, message
     assert not read_pod(hook.cluster.api, pool.ns, "v100-only")["spec"].get("nodeName")
+
+
+def test_an_identity_without_rbac_gets_the_apiservers_refusal_naming_the_template(cluster, hook):
+    cp = cluster.cp
+    pair = cp.ca.issue("no-rbac", "qgpu-webhook-without-rbac", client=True)
+    config = cp._write_yaml("no-rbac.kubeconfig", kubeconfig(cp.server, cp.ca.cert_path, pair, "qgpu-webhook-without-rbac"))
+    writer = TemplateWriter(api_client(str(config)))
+    (template,) = convert(gpu_pod("p", {"tke.cloud.tencent.com/qgpu-core": 20, "tke.cloud.tencent.com/qgpu-memory": 2})).templates
+    with pytest.raises(TemplateError) as refused:
+        writer(hook.ns, [template])
+    assert str(refused.value).startswith(f"ResourceClaimTemplate {hook.ns}/qgpu-c200-m2048-x1: the apiserver refused to read it: 403 Forbidden: ")
+    assert 'cannot get resource "resourceclaimtemplates"' in str(refused.value)
