@@ -14,6 +14,8 @@ import threading
 from functools import partial
 from typing import Any, Callable
 
+from kubernetes.config import ConfigException
+
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, mutate, validate
@@ -74,13 +76,19 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dra = None
+    if not args.dra and (args.dra_card_memory_mib or args.kubeconfig):
+        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib and --kubeconfig: only with --dra")
     if args.dra:
         try:
-            dra = (DraConfig(tuple(args.dra_card_memory_mib)), TemplateWriter(api_client(args.kubeconfig)))
+            dra_config = DraConfig(tuple(args.dra_card_memory_mib))
         except ValueError as exc:
             raise SystemExit(f"qgpu webhook serve: --dra-card-memory-mib: {exc}") from None
-    elif args.dra_card_memory_mib:
-        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib: only with --dra")
+        try:
+            writer = TemplateWriter(api_client(args.kubeconfig))
+        except (ConfigException, OSError) as exc:
+            where = f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster service account (no --kubeconfig)"
+            raise SystemExit(f"qgpu webhook serve: --dra: {where}: {exc}") from None
+        dra = (dra_config, writer)
     server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra),
                         args.tls_cert_file, args.tls_private_key_file)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())

@@ -386,3 +386,15 @@ def test_structure_mutated_reviews_are_converted_or_refused(doc):
 def test_the_dra_route_exists_only_with_dra():
     assert "/mutate-dra" not in cli.routes(WebhookConfig()).post
     assert DRA_ROUTES.body_limits["/mutate-dra"] == 8 * 1024 * 1024
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib and --kubeconfig: only with --dra"),
+    (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
+    (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),
+])
+def test_bad_dra_flags_are_refused_before_serving(argv, message):
+    from qgpu_runtime.cli import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", *argv])
