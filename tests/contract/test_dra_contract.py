@@ -85,3 +85,18 @@ def test_device_classes_select_this_driver():
     assert shared["metadata"]["name"] == dra.SHARED_CLASS and "allowMultipleAllocations" in shared["spec"]["selectors"][0]["cel"]["expression"]
     assert whole["spec"]["extendedResourceName"] == "nvidia.com/gpu"
     assert "extendedResourceName" not in dra.device_classes(None)[1]["spec"]
+
+
+def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
+    assert dra.read_share_config(dra.share_config("offline", True)) == ("offline", True)
+    with pytest.raises(ValueError, match="appClass"):
+        dra.share_config("batch", False)
+    with pytest.raises(dra.DraClaimError, match="ShareConfig"):
+        dra.read_share_config({"apiVersion": "other/v1", "kind": "ShareConfig"})
+    with pytest.raises(dra.DraClaimError, match="greedy a boolean"):
+        dra.read_share_config({**dra.share_config("online", False), "greedy": "yes"})
+
+
+def test_selectors_name_the_drivers_attributes():
+    assert dra.memory_selector(15360) == 'device.attributes["gpu.qgpu.io"].memoryMiB == 15360'
+    assert dra.model_selector(["T4", "V100", "T4"]) == 'device.attributes["gpu.qgpu.io"].model in ["T4", "V100"]'
