@@ -162,15 +162,18 @@ def claim_usage(claim: Mapping[str, Any], default_memory_mib: int = DEFAULT_LIMI
     return total
 
 
+def _hard(quota: Mapping[str, Any]) -> dict[str, Any]:
+    spec = quota.get("spec")
+    hard = spec.get("hard") if isinstance(spec, dict) else None
+    return hard if isinstance(hard, dict) else {}
+
+
 def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int]]:
     """(quota name, resource, hard) of every qgpu entry of the namespace's ResourceQuotas."""
     limits = []
     for quota in quotas:
         _, name = _name(quota)
-        spec = quota.get("spec")
-        hard = spec.get("hard") if isinstance(spec, dict) else None
-        if not isinstance(hard, dict):
-            continue
+        hard = _hard(quota)
         for resource in (CORE_QUOTA, MEMORY_QUOTA):
             if resource in hard:
                 limits.append((name, resource, _plain_int(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource])))
@@ -186,11 +189,14 @@ def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]],
     each of its requests of a qgpu class, so a malformed claim cannot hide usage. Raises
     ClaimQuotaError when the new claim or a quota cannot be read.
     """
-    limits = quota_limits(quotas)
+    quotas = list(quotas)
+    if not any(r in _hard(q) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
+        return []  # no qgpu quota here: the claim is not ours to judge
     namespace, name = _name(claim)
     asked = claim_usage(claim, default_memory_mib)
-    if not limits or asked == Usage():
-        return []
+    if asked == Usage():
+        return []  # asks nothing of qgpu: a broken qgpu quota must not block other drivers' claims
+    limits = quota_limits(quotas)
     used = Usage()
     for other in existing:
         other_ns, other_name = _name(other)
@@ -222,3 +228,32 @@ def _whole_cards(claim: Mapping[str, Any], default_memory_mib: int) -> Usage:
             classes += [s.get("deviceClassName") for s in request["firstAvailable"] if isinstance(s, dict)]
         n += any(c in QGPU_CLASSES for c in classes)
     return Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
+
+
+def claim_admission(request: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
+                    default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> tuple[bool, str]:
+    """(allowed, message) for an AdmissionReview ``request``: a CREATE of a resource.k8s.io
+    ResourceClaim is checked against the namespace's quotas, anything else is allowed.
+
+    The caller (the webhook's route) lists ``existing`` claims and ``quotas`` of
+    ``request["namespace"]``; a claim or quota that cannot be read is a denial naming it, since
+    admitting it would let the quota be bypassed."""
+    kind = request.get("kind") if isinstance(request.get("kind"), dict) else {}
+    if request.get("operation") != "CREATE" or kind.get("group") != "resource.k8s.io" or kind.get("kind") != "ResourceClaim":
+        return True, ""
+    obj = request.get("object")
+    if not isinstance(obj, dict):
+        return False, f"qgpu: AdmissionReview.request.object={_shown(obj)}: must be a ResourceClaim object"
+    meta = dict(obj.get("metadata") or {}) if isinstance(obj.get("metadata"), dict) else {}
+    meta.setdefault("namespace", request.get("namespace") or "default")
+    if not meta.get("name") and isinstance(request.get("name"), str):
+        meta["name"] = request["name"]
+    claim = {**obj, "metadata": meta}
+    try:
+        refusals = check_claim(claim, existing, quotas, default_memory_mib)
+    except ClaimQuotaError as exc:
+        return False, f"qgpu: {exc}"
+    if refusals:
+        _, name = _name(claim)
+        return False, "qgpu: " + "; ".join(r.message(name) for r in refusals)
+    return True, ""

@@ -12,6 +12,7 @@ from qgpu_runtime.webhook.claimquota import (
     Refusal,
     Usage,
     check_claim,
+    claim_admission,
     claim_usage,
     quota_limits,
 )
@@ -200,3 +201,54 @@ def test_an_unreadable_existing_claim_is_charged_a_whole_card():
 def test_a_bad_new_claim_is_an_error_not_a_silent_admission():
     with pytest.raises(ClaimQuotaError):
         check_claim(claim(request(core="1e3")), [], [quota(core="1000")])
+
+
+# -- the admission request --------------------------------------------------------------------
+
+
+def admission(obj, operation="CREATE", kind="ResourceClaim", group="resource.k8s.io"):
+    return {"uid": "u1", "operation": operation, "namespace": NS,
+            "kind": {"group": group, "version": "v1", "kind": kind}, "object": obj}
+
+
+def test_a_claim_create_beyond_the_quota_is_denied_with_the_figures():
+    new = claim(request(core="500", memory="1024"))
+    del new["metadata"]["namespace"]  # the apiserver fills it in the review, not always in the object
+    allowed, message = claim_admission(admission(new), [claim(request(core="600", memory="1024"), name="old")],
+                                       [quota(core="1000")])
+    assert not allowed
+    assert message.startswith("qgpu: ResourceClaim team-a/c: exceeded quota 'gpu'")
+    assert "used 600 + requested 500 > hard 1000" in message
+
+
+def test_a_claim_create_within_the_quota_is_allowed():
+    assert claim_admission(admission(claim(request(core="500", memory="1024"))), [], [quota(core="1000")]) == (True, "")
+
+
+@pytest.mark.parametrize("review", [
+    admission(claim(request(WHOLE_CLASS, count=8)), operation="UPDATE"),  # claim specs are immutable
+    admission({"metadata": {"name": "p"}}, kind="Pod", group=""),
+    admission(claim(request(WHOLE_CLASS, count=8)), group="example.com"),
+])
+def test_other_requests_are_not_judged(review):
+    assert claim_admission(review, [], [quota(core="0")]) == (True, "")
+
+
+def test_an_unreadable_claim_is_denied_naming_the_field():
+    allowed, message = claim_admission(admission(claim(request(core="-1"))), [], [quota(core="1000")])
+    assert not allowed and "capacity.requests.core='-1'" in message
+
+
+def test_an_object_that_is_not_a_claim_is_denied():
+    allowed, message = claim_admission(admission("nope"), [], [quota(core="1000")])
+    assert not allowed and "must be a ResourceClaim object" in message
+
+
+def test_without_a_qgpu_quota_even_a_malformed_claim_is_not_judged_here():
+    assert check_claim(claim(request(core="-1")), [], [quota(**{"requests.cpu": "1"})]) == []
+
+
+def test_a_broken_qgpu_quota_does_not_block_other_drivers_claims():
+    assert check_claim(claim(request("gpu.nvidia.com")), [], [quota(core="4k")]) == []
+    with pytest.raises(ClaimQuotaError, match="ResourceQuota gpu"):
+        check_claim(claim(request(core="100", memory="1024")), [], [quota(core="4k")])
