@@ -14,8 +14,9 @@ kube-apiserver accepts them (a quota resource name with a ``/`` only has to be a
 one without must be a standard name, so ``requests.core.gpu.qgpu.io`` is refused) and counts
 nothing for them (no evaluator matches: they are not ``requests.``-prefixed extended resources,
 hugepages or ``count/``), so they mean exactly what this module enforces. The units are those of
-the claims' ``capacity.requests`` (contract/dra.py): plain integers, core in thousandths of a
-card, memory in MiB.
+the claims' ``capacity.requests`` (contract/dra.py): whole numbers, core in thousandths of a
+card, memory in MiB, written as quantities without binary suffix (the apiserver serves ``4000`` back
+as ``4k``).
 
 The webhook calls :func:`check_claim` on a ResourceClaim CREATE with the namespace's claims and
 ResourceQuotas. Usage is what the claims *ask*: per request of a qgpu class, ``count`` times the
@@ -28,11 +29,11 @@ hold, as upstream. Pure: dicts in, a verdict out.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Final, Iterable, Mapping
 
 from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, SHARED_CLASS, WHOLE_CLASS
+from qgpu_runtime.model.quantity import QUANTITY_LIMIT, QuantityError, parse_quantity
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS
 
 CORE_QUOTA: Final = f"{DRIVER}/{CORE}"
@@ -42,9 +43,6 @@ MEMORY_QUOTA: Final = f"{DRIVER}/{MEMORY}"
 QGPU_CLASSES: Final = frozenset({SHARED_CLASS, WHOLE_CLASS})
 UNITS: Final = {CORE_QUOTA: "thousandths of a card", MEMORY_QUOTA: "MiB"}
 
-# A quantity is a plain integer of at most 18 digits: below 2^63 (Kubernetes' int64), so a sum of
-# a few thousand of them stays exact and no text can make the conversion expensive.
-_PLAIN_INT = re.compile(r"[0-9]{1,18}")
 _MAX_COUNT = 1 << 16
 _SHOWN = 40
 
@@ -87,20 +85,29 @@ def _shown(value: Any) -> str:
     return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
 
 
-def _plain_int(where: str, value: Any) -> int:
-    """A non-negative plain integer, as a JSON number or a quantity string without suffix."""
-    if isinstance(value, bool):
-        raise ClaimQuotaError(f"{where}={_shown(value)}: must be a plain non-negative integer")
-    if isinstance(value, int):
-        text = str(value) if value >= 0 else "-"
-    elif isinstance(value, str):
-        text = value
-    else:
-        text = "-"
-    if not _PLAIN_INT.fullmatch(text):
-        raise ClaimQuotaError(f"{where}={_shown(value)}: must be a plain non-negative integer of at most 18 digits "
-                              "(qgpu capacities: core in thousandths of a card, memory in MiB; no suffix, sign or fraction)")
-    return int(text)
+def _whole_number(where: str, value: Any) -> int:
+    """A non-negative whole number in qgpu's units, written as kube-apiserver serves quantities.
+
+    The apiserver canonicalises what it stores: ``"1000"`` comes back as ``"1k"``, so decimal
+    suffixes and exponents must be read (``model/quantity.py``, bounded work, at most 2^63-1).
+    Binary suffixes are refused: ``64Gi`` of a quantity counted in MiB is a mistake, not a limit."""
+    rule = ("must be a non-negative whole number in qgpu's units (core in thousandths of a card, memory in MiB): "
+            "4000 or 4k, no fraction, sign or binary suffix (Ki, Mi, Gi)")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    if isinstance(value, str) and value.endswith("i"):
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    try:
+        number = parse_quantity(str(value)) if isinstance(value, str) else None
+    except QuantityError as exc:
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule} ({exc.rule})") from None
+    if number is None:  # a JSON integer
+        if not 0 <= value <= QUANTITY_LIMIT:
+            raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+        return value
+    if number < 0 or number != number.to_integral_value():
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    return int(number)
 
 
 def _name(obj: Mapping[str, Any]) -> tuple[str, str]:
@@ -123,8 +130,8 @@ def _request_usage(where: str, request: Mapping[str, Any], default_memory_mib: i
         asked = {}
     if not isinstance(capacity, dict) or not isinstance(asked, dict):
         raise ClaimQuotaError(f"{where}.capacity={_shown(capacity)}: must be an object with a 'requests' object")
-    core = _plain_int(f"{where}.capacity.requests.{CORE}", asked[CORE]) if CORE in asked else CORE_MILLI_PER_CARD
-    memory = _plain_int(f"{where}.capacity.requests.{MEMORY}", asked[MEMORY]) if MEMORY in asked else default_memory_mib
+    core = _whole_number(f"{where}.capacity.requests.{CORE}", asked[CORE]) if CORE in asked else CORE_MILLI_PER_CARD
+    memory = _whole_number(f"{where}.capacity.requests.{MEMORY}", asked[MEMORY]) if MEMORY in asked else default_memory_mib
     return Usage(core * count, memory * count)
 
 
@@ -176,7 +183,7 @@ def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, in
         hard = _hard(quota)
         for resource in (CORE_QUOTA, MEMORY_QUOTA):
             if resource in hard:
-                limits.append((name, resource, _plain_int(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource])))
+                limits.append((name, resource, _whole_number(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource])))
     return limits
 
 

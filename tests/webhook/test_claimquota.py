@@ -97,13 +97,19 @@ def test_the_default_memory_is_the_largest_card_qgpu_admits_unless_told():
     assert claim_usage(claim(request(core="100"))).memory_mib == 80 * 1024
 
 
-@pytest.mark.parametrize("value", ["-100", -100, "1.5", "5e2", "500m", "1k", "1Gi", "", " 100", "0x10", "١٠٠",
-                                   "1" * 19, 10**19, True, None, [100], {"v": 1}, 1.0])
-def test_a_capacity_that_is_not_a_plain_integer_is_refused(value):
+@pytest.mark.parametrize("value,core", [("1k", 1000), ("5e2", 500), ("300", 300), ("0", 0), ("1.0", 1), ("+7", 7)])
+def test_capacities_are_read_as_the_apiserver_serves_them(value, core):
+    """kube-apiserver canonicalises quantities: a claim written with 1000 is served with 1k."""
+    assert usage(request(core=value, memory="1024")).core_milli == core
+
+
+@pytest.mark.parametrize("value", ["-100", -100, "1.5", "500m", "1Gi", "64Mi", "", " 100", "0x10", "١٠٠", "NaN",
+                                   "1" * 20, 2**63, "1e600000", True, None, [100], {"v": 1}, 1.0])
+def test_a_capacity_that_is_not_a_whole_number_is_refused(value):
     with pytest.raises(ClaimQuotaError) as e:
         usage(request(core=value if value is not None else "x", memory="1024"))
     assert "spec.devices.requests[0].exactly.capacity.requests.core" in str(e.value)
-    assert "plain non-negative integer" in str(e.value)
+    assert "non-negative whole number in qgpu's units" in str(e.value)
 
 
 def test_a_huge_value_is_cut_in_the_message():
@@ -137,8 +143,12 @@ def test_only_qgpu_entries_of_a_quota_are_read():
         ("gpu", CORE_QUOTA, 4000), ("gpu", MEMORY_QUOTA, 65536)]
 
 
-@pytest.mark.parametrize("hard", ["4k", "-1", "64Gi", "2.5"])
-def test_a_quota_value_that_is_not_a_plain_integer_is_refused_naming_the_quota(hard):
+def test_quota_values_are_read_as_the_apiserver_serves_them():
+    assert quota_limits([quota(core="4k", memory="65536")]) == [("gpu", CORE_QUOTA, 4000), ("gpu", MEMORY_QUOTA, 65536)]
+
+
+@pytest.mark.parametrize("hard", ["-1", "64Gi", "2.5", "100m"])
+def test_a_quota_value_that_is_not_a_whole_number_is_refused_naming_the_quota(hard):
     with pytest.raises(ClaimQuotaError, match=r"ResourceQuota gpu: spec.hard\['gpu.qgpu.io/core'\]"):
         quota_limits([quota(core=hard)])
 
@@ -200,7 +210,7 @@ def test_an_unreadable_existing_claim_is_charged_a_whole_card():
 
 def test_a_bad_new_claim_is_an_error_not_a_silent_admission():
     with pytest.raises(ClaimQuotaError):
-        check_claim(claim(request(core="1e3")), [], [quota(core="1000")])
+        check_claim(claim(request(core="1e-3")), [], [quota(core="1000")])
 
 
 # -- the admission request --------------------------------------------------------------------
@@ -249,6 +259,6 @@ def test_without_a_qgpu_quota_even_a_malformed_claim_is_not_judged_here():
 
 
 def test_a_broken_qgpu_quota_does_not_block_other_drivers_claims():
-    assert check_claim(claim(request("gpu.nvidia.com")), [], [quota(core="4k")]) == []
+    assert check_claim(claim(request("gpu.nvidia.com")), [], [quota(core="4Ki")]) == []
     with pytest.raises(ClaimQuotaError, match="ResourceQuota gpu"):
-        check_claim(claim(request(core="100", memory="1024")), [], [quota(core="4k")])
+        check_claim(claim(request(core="100", memory="1024")), [], [quota(core="4Ki")])
