@@ -384,8 +384,10 @@ def at_rows(by_row: np.ndarray, rows: np.ndarray, missing: int | bool) -> np.nda
     return np.where(known, by_row[np.where(known, rows, 0)], missing)
 
 
-def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray) -> Scored:
-    """Score the nodes at ``rows`` (from :meth:`ClusterState.rows_of`) in one vector pass.
+def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray,
+               card_choice: CardChoice = CardChoice.POLICY) -> Scored:
+    """Score the nodes at ``rows`` (from :meth:`ClusterState.rows_of`) in one vector pass; with
+    ``CardChoice.FIRST_FIT`` each node is scored with the card DRA's allocator will take there.
 
     No per-node Python work: a kube-scheduler that sends 5,000 names pays for numpy, not for a
     loop over them.
@@ -396,7 +398,7 @@ def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.nd
     mask[rows[known]] = True
     feasible, allowed = check_nodes(state, req)
     feasible = Feasibility(feasible.ok & mask, feasible.code)
-    ranked = rank(state, req, policy, feasible, allowed)
+    ranked = rank(state, req, policy, feasible, allowed, card_choice)
     node_score = np.full(state.node_count, -1, dtype=np.int64)
     if len(ranked.rows):
         key = ranked.tier * (np.ptp(ranked.cost) + 1.0) + ranked.cost

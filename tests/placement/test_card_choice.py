@@ -117,3 +117,15 @@ def test_an_online_pod_takes_the_first_card_with_room_even_beside_offline_work()
     online = PodRequest("ns", "on", klass=AppClass.ONLINE, containers=(ContainerRequest("c", Dialect.QGPU, 1, 0, GIB),))
     assert cards_of(place(state, online, make_policy("binpack"))) == [1]
     assert cards_of(place(state, online, make_policy("binpack"), card_choice=FIRST_FIT)) == [0]
+
+
+def test_the_extender_view_scores_each_node_with_the_first_fit_card():
+    """score_rows ranks with the allocator's card, and placement_at hands that card back."""
+    from qgpu_runtime.placement.engine import placement_at, score_rows
+
+    state = ClusterState([node("a"), node("b")])
+    preload(state, "a", 1, 70)
+    req = share(30)
+    scored = score_rows(state, req, make_policy("binpack"), state.rows_of(["a", "b"]), card_choice=FIRST_FIT)
+    assert scored.score.tolist() == [10, 0]  # binpack still prefers the fuller node
+    assert cards_of(placement_at(state, req, scored, 0)) == [0]
