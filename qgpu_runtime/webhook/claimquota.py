@@ -43,7 +43,9 @@ MEMORY_QUOTA: Final = f"{DRIVER}/{MEMORY}"
 QGPU_CLASSES: Final = frozenset({SHARED_CLASS, WHOLE_CLASS})
 UNITS: Final = {CORE_QUOTA: "thousandths of a card", MEMORY_QUOTA: "MiB"}
 
-_MAX_COUNT = 1 << 16
+# A claim's allocation holds at most 32 devices (AllocationResultsMaxSize, pkg/apis/resource of
+# v1.37): a larger count can never be allocated, so it is refused rather than charged.
+_MAX_COUNT = 32
 _SHOWN = 40
 
 

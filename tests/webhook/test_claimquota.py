@@ -60,6 +60,10 @@ def test_count_multiplies_the_share():
     assert usage(request(core="250", memory="2048", count=3)) == Usage(750, 6144)
 
 
+def test_the_largest_allocatable_count_is_charged():
+    assert usage(request(WHOLE_CLASS, count=32)) == Usage(32000, 32 * CARD_MIB)
+
+
 def test_a_request_naming_no_capacity_asks_the_whole_card():
     assert usage(request(WHOLE_CLASS, count=2)) == Usage(2000, 2 * CARD_MIB)
 
@@ -118,7 +122,7 @@ def test_a_huge_value_is_cut_in_the_message():
     assert "(1002 characters)" in str(e.value) and len(str(e.value)) < 400
 
 
-@pytest.mark.parametrize("count", [0, -1, 1 << 17, "2", 1.5, True])
+@pytest.mark.parametrize("count", [0, -1, 33, 1 << 70, "2", 1.5, True])
 def test_a_bad_count_is_refused(count):
     with pytest.raises(ClaimQuotaError, match=r"requests\[0\]\.exactly\.count="):
         usage(request(core="100", count=count))
