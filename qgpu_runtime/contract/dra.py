@@ -18,9 +18,10 @@ card. Pure functions over dicts (the API's JSON), like the other codecs of this 
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Final, Iterable, Protocol
 
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, MIB_PER_GIB, CardLimits
 
@@ -122,12 +123,18 @@ class ClaimShare:
     share_id: str
 
 
+_DECIMAL_SUFFIX: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
 def _int_quantity(where: str, field: str, value: Any) -> int:
-    text = str(value)
-    if not re.fullmatch(r"[0-9]{1,9}", text):
+    """A plain integer, as qgpu writes it, or the apiserver's canonical form of one: it stores
+    ``1000`` as ``1k`` (apimachinery's Quantity drops trailing zeros into a decimal suffix), so a
+    whole card's ``core`` comes back from the API as ``1k``."""
+    m = re.fullmatch(r"([0-9]{1,9})(k|M|G)?", str(value))
+    if not m:
         raise DraClaimError(f"{where}: {field} {value!r} is not allowed: qgpu capacities are plain integers "
                             "(core in thousandths of a card, memory in MiB)")
-    return int(text)
+    return int(m.group(1)) * _DECIMAL_SUFFIX[m.group(2) or ""]
 
 
 def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
@@ -191,3 +198,54 @@ def device_classes(whole_extended_resource: str | None = "nvidia.com/gpu") -> li
          "spec": {"selectors": [{"cel": {"expression": device_class_selector(True)}}]}},
         {"apiVersion": API_VERSION, "kind": "DeviceClass", "metadata": {"name": WHOLE_CLASS}, "spec": whole_spec},
     ]
+
+
+# ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler reads it) -------------
+UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
+"""Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
+to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
+device. Its value is the reason, cut to a label value."""
+SLICE_CONTENT: Final = f"{DRIVER}/content"
+"""Annotation on the slice: a digest of the spec qgpu wrote, so an unchanged node writes nothing
+(the apiserver rewrites quantities, e.g. ``1000`` reads back as ``1k``, so specs are not compared)."""
+
+
+# --- what the webhook writes into claims and the kubelet plugin reads back ----------------------
+CONFIG_API_VERSION: Final = "gpu.qgpu.io/v1alpha1"
+CONFIG_KIND: Final = "ShareConfig"
+"""The opaque configuration of a claim's requests (``config[].opaque.parameters``): what the
+scheduler need not know but the node must, i.e. qGPU's co-location class and whether the share's
+core may be exceeded when the card is idle (``qgpu-core-greedy``)."""
+
+
+def share_config(app_class: str, greedy: bool) -> dict[str, Any]:
+    """The opaque parameters of a share: ``app_class`` online, offline or normal."""
+    if app_class not in ("online", "offline", "normal"):
+        raise ValueError(f"appClass {app_class!r} is not allowed: must be online, offline or normal")
+    return {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "appClass": app_class, "greedy": bool(greedy)}
+
+
+def read_share_config(parameters: Any) -> tuple[str, bool]:
+    """(appClass, greedy) of opaque parameters written by :func:`share_config`; DraClaimError otherwise."""
+    if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION or parameters.get("kind") != CONFIG_KIND:
+        raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: expected apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}")
+    app_class, greedy = parameters.get("appClass", "normal"), parameters.get("greedy", False)
+    if app_class not in ("online", "offline", "normal") or not isinstance(greedy, bool):
+        raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: appClass online|offline|normal, greedy a boolean")
+    return app_class, greedy
+
+
+def _cel_string(text: str) -> str:
+    # JSON's string escapes (\\, \", \uXXXX) are CEL's too.
+    return json.dumps(str(text))
+
+
+def model_selector(models: Iterable[str]) -> str:
+    """CEL selecting cards whose model is one of ``models`` (exact names, as the extender compares)."""
+    names = ", ".join(_cel_string(m) for m in sorted(set(models)))
+    return f'device.attributes["{DRIVER}"].{ATTR_MODEL} in [{names}]'
+
+
+def memory_selector(memory_mib: int) -> str:
+    """CEL selecting cards of exactly ``memory_mib`` MiB (as published in ``memoryMiB``)."""
+    return f'device.attributes["{DRIVER}"].{ATTR_MEMORY_MIB} == {int(memory_mib)}'

@@ -49,6 +49,12 @@ COMMITMENTS_LEASE_PREFIX: Final = "qgpu-node."
 # --- namespaces and workload objects the roles render ------------------------------------------
 WEBHOOK_OPT_OUT_LABEL: Final = "qgpu.io/webhook"
 """Namespaces labelled ``qgpu.io/webhook=disabled`` are not sent to the webhook."""
+GPU_MODE: Final = "qgpu.io/gpu-mode"
+"""Label of namespaces (and annotation of pods) choosing how GPU requests are served: ``dra``
+namespaces are registered with the webhook's /mutate-dra, which turns every dialect into DRA claims;
+a pod annotated ``device-plugin`` there keeps its resources (docs/dra.md)."""
+GPU_MODE_DRA: Final = "dra"
+GPU_MODE_DEVICE_PLUGIN: Final = "device-plugin"
 POD_TEMPLATE_ANNOTATIONS: Final = frozenset({
     "qgpu.io/scheduler-config-checksum", "qgpu.io/tls-checksum", "qgpu.io/tls-sha256",
     "qgpu.io/device-resources"})
@@ -75,5 +81,5 @@ def finished(pod: dict) -> bool:
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
-    COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, *POD_TEMPLATE_ANNOTATIONS})
+    COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

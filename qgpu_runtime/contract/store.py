@@ -57,6 +57,15 @@ _TABLES_V1 = (
     """CREATE TABLE IF NOT EXISTS events (
         id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
         reason TEXT NOT NULL, message TEXT NOT NULL)""",
+    # Added after 0.1.0, without a version bump because it is a table only (the rule above): the
+    # ResourceClaims the DRA kubelet plugin prepared (node/draplugin.py). Their card shares are
+    # ordinary ``shares`` rows whose workload_id is the claim's UID, so every reader of version 1
+    # sees them; this table adds what kubelet is answered again on a repeated prepare (``devices``,
+    # JSON) and the CDI spec file to remove. 0.1.0 refuses any version but "1", so a bump here
+    # would have made a rollback of the manager over its own store fail.
+    """CREATE TABLE IF NOT EXISTS claims (
+        claim_uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, devices TEXT NOT NULL,
+        cdi_spec TEXT NOT NULL, created_ns INTEGER NOT NULL)""",
 )
 
 

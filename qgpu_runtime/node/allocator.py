@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 from qgpu_runtime.contract.names import ASSIGNED, finished
 from qgpu_runtime.contract.record import assigned
@@ -89,7 +89,7 @@ class Allocator:
             if sick:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
                                       f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
-            problems = over_commit(m, self.cards, self.store.shares(), pods)
+            problems = over_commit(m, self.cards, self.store.shares(), pods, self.store.claim_uids())
             if problems:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: its record would over-commit "
                                       f"this node: {'; '.join(problems)} (live pods of the node already hold it; "
@@ -139,15 +139,17 @@ class Allocator:
                       mine.namespace, mine.pod, mine.container, holder.namespace, holder.pod, holder.container)
 
 
-def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict]) -> list[str]:
+def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict],
+                claims: Collection[str] = ()) -> list[str]:
     """Why granting ``m``'s cards would put a card over its capacity, given the shares of the node's
-    live pods in the store (deleted and finished pods no longer hold theirs); empty when it fits.
+    live pods in the store (deleted and finished pods no longer hold theirs) and of the prepared
+    ResourceClaims ``claims`` (UIDs; kubelet releases those); empty when it fits.
 
     The node is the last line of defence: the extender's commitments keep binders from promising
     a card twice, and this refuses a record that does so anyway (an older extender, a binder
     running without commitments, a record written by hand)."""
     live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
-            if not finished(p)}
+            if not finished(p)} | set(claims)
     held = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
                        (CardUse(s.card_index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD),))
             for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]

@@ -48,6 +48,14 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--pods-file", type=Path,
                        help="read pods from this JSON file instead of the API (demos, hosts without an apiserver)")
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
+    serve.add_argument("--dra", action="store_true",
+                       help="serve qgpu as a DRA driver (gpu.qgpu.io): kubelet plugin and this node's ResourceSlice, no device plugins")
+    serve.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),
+                       help="with --dra: where CDI specs of prepared claims are written (a cdi_spec_dirs entry of the runtime)")
+    serve.add_argument("--kubelet-plugins-dir", type=Path, default=Path("/var/lib/kubelet/plugins"),
+                       help="with --dra: the DRA socket is <dir>/gpu.qgpu.io/dra.sock")
+    serve.add_argument("--plugins-registry-dir", type=Path, default=Path("/var/lib/kubelet/plugins_registry"),
+                       help="with --dra: kubelet's plugin watcher folder (registration socket gpu.qgpu.io-reg.sock)")
     serve.add_argument("--log-level", default="INFO")
 
 
@@ -90,13 +98,20 @@ def run(args: argparse.Namespace) -> int:
             sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
             # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
             isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
-            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0)
+            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
+            dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
+            plugins_registry_dir=args.plugins_registry_dir)
         backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
         store = Store(args.dbfile)
     except (ValueError, BackendError, StoreError) as exc:
         log.error("%s", exc)
         return 2
+    slice_api = None
     if args.pods_file:
+        if args.dra:
+            log.error("--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API: it cannot run with --pods-file")
+            store.close()
+            return 2
         from qgpu_runtime.node.pods import FilePodSource
 
         pods = FilePodSource(args.pods_file)
@@ -110,12 +125,16 @@ def run(args: argparse.Namespace) -> int:
             store.close()
             return 2
         log.info("reading pods of node %s from the Kubernetes API at %s", args.nodename, pods.server)
+        if args.dra:
+            from qgpu_runtime.node.kube_client import KubeSlices
+
+            slice_api = KubeSlices(pods)
     isolation = None
     if not args.no_isolation:
         from qgpu_runtime.node.enforcer import default_backend
 
         isolation = default_backend(backend)
-    manager = NodeManager(config, backend, store, pods, isolation=isolation)
+    manager = NodeManager(config, backend, store, pods, isolation=isolation, slice_api=slice_api)
     stop = threading.Event()
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -131,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
         log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
-             ", ".join(k.name for k in config.resources))
+             "DRA driver gpu.qgpu.io" if config.dra else ", ".join(k.name for k in config.resources))
     # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
     # threads, and then only a main thread that wakes up on its own runs the Python handler.
     while not stop.wait(0.5):

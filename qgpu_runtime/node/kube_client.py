@@ -13,12 +13,15 @@ API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 gr
 ``pods``: ``list`` (this node's pods, by field selector) and ``patch`` (``qgpu.io/assigned``);
 ``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
 annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). ``list_pods``/``list_nodes``
-serve ``qgpu status``, which runs with the user's own credentials, not the manager's.
+serve ``qgpu status``, which runs with the user's own credentials, not the manager's. With ``--dra``:
+``resourceclaims`` (resource.k8s.io) ``get`` (the claims kubelet asks it to prepare) and, through
+``KubeSlices``, ``resourceslices`` ``get``, ``watch`` (by name), ``create``, ``update``.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any, Callable, Mapping, TypeVar
 
 from kubernetes import client, config
@@ -66,7 +69,9 @@ class KubePodSource:
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, attempts: int = 3) -> None:
         api_client = _api_client(kubeconfig, context)
         self.server = str(api_client.configuration.host)
+        self.api_client = api_client
         self._core = client.CoreV1Api(api_client)
+        self._resource = client.ResourceV1Api(api_client)
         self._timeout = timeout
         self._attempts = attempts
 
@@ -108,6 +113,11 @@ class KubePodSource:
             node, _preload_content=False, _request_timeout=self._timeout)).data)
         return dict((doc.get("metadata") or {}).get("labels") or {})
 
+    def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
+        """A ResourceClaim (resource.k8s.io/v1) as API JSON, for the DRA kubelet plugin."""
+        return json.loads(self._call(f"reading ResourceClaim {namespace}/{name}", lambda: self._resource.read_namespaced_resource_claim(
+            name, namespace, _preload_content=False, _request_timeout=self._timeout)).data)
+
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
         """A Warning Event on the pod, so ``kubectl describe pod`` shows why qgpu acted on it."""
         from datetime import datetime, timezone
@@ -121,3 +131,80 @@ class KubePodSource:
         }
         drain(self._call(f"recording event {reason} on pod {namespace}/{pod}", lambda: self._core.create_namespaced_event(
             namespace, body, _preload_content=False, _request_timeout=self._timeout)))
+
+
+class KubeSlices:
+    """The ResourceSlice calls of node/draslices.py, through ``source``'s client, timeouts and retries."""
+
+    def __init__(self, source: KubePodSource) -> None:
+        self._source = source
+        self._resource = client.ResourceV1Api(source.api_client)
+        self._core = client.CoreV1Api(source.api_client)
+        self._timeout = source._timeout
+        self._streams: set[Any] = set()
+        self._lock = threading.Lock()
+
+    def node_uid(self, node: str) -> str:
+        doc = json.loads(self._source._call(f"reading node {node}", lambda: self._core.read_node(
+            node, _preload_content=False, _request_timeout=self._timeout)).data)
+        return str(doc["metadata"]["uid"])
+
+    def read_slice(self, name: str) -> dict[str, Any] | None:
+        try:
+            response = self._source._call(f"reading ResourceSlice {name}", lambda: self._resource.read_resource_slice(
+                name, _preload_content=False, _request_timeout=self._timeout))
+        except PodSourceError as exc:
+            if isinstance(exc.__cause__, ApiException) and exc.__cause__.status == 404:
+                return None
+            raise
+        return dict(json.loads(response.data))
+
+    def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
+        name = body["metadata"]["name"]
+        return dict(json.loads(self._source._call(f"creating ResourceSlice {name}", lambda: self._resource.create_resource_slice(
+            body, _preload_content=False, _request_timeout=self._timeout)).data))
+
+    def replace_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        return dict(json.loads(self._source._call(f"updating ResourceSlice {name}", lambda: self._resource.replace_resource_slice(
+            name, body, _preload_content=False, _request_timeout=self._timeout)).data))
+
+    def watch_slice(self, name: str, resource_version: str, timeout_s: float, stop: threading.Event) -> str | None:
+        """One watch of the slice by name from ``resource_version``: the first event's type, None when
+        the apiserver ended the watch or ``close`` cut it."""
+        response = self._source._call(f"watching ResourceSlice {name}", lambda: self._resource.list_resource_slice(
+            field_selector=f"metadata.name={name}", watch=True, resource_version=resource_version,
+            timeout_seconds=int(timeout_s), _preload_content=False, _request_timeout=(self._timeout[0], timeout_s + 30)))
+        with self._lock:
+            self._streams.add(response)
+        try:
+            if stop.is_set():
+                return None
+            for line in response:
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                kind = str(event.get("type") or "")
+                if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
+                    return "EXPIRED"
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    return kind
+            return None
+        except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
+            if stop.is_set():
+                return None
+            raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {describe(exc)}",
+                                 transient=True) from exc
+        finally:
+            with self._lock:
+                self._streams.discard(response)
+            response.close()
+
+    def close(self) -> None:
+        """Cut the watches in progress (the manager is stopping)."""
+        with self._lock:
+            streams = list(self._streams)
+        for response in streams:
+            try:
+                response.shutdown()
+            except Exception:  # noqa: BLE001 - already closed
+                pass

@@ -3,7 +3,8 @@
 Each job has its own component, built here with its dependencies passed in:
 - ``Allocator`` (node/allocator.py): Allocate, GetPreferredAllocation, PreStartContainer;
 - ``CardHealth`` (node/health.py): unhealthy cards and the device-list version ListAndWatch waits on;
-- ``KubeletRegistration`` (node/registration.py): the gRPC servers and their registration;
+- ``KubeletRegistration`` (node/registration.py): the gRPC servers and their registration; with
+  ``dra``, ``DraKubeletPlugin`` (node/draplugin.py) in its place, the DRA kubelet plugin;
 - ``Reconciler`` (node/reconciler.py): the store against the node's pods, at start and while running;
 - ``NodePublisher``, ``PodCache``, ``MetricsSampler`` (node/publisher.py): node labels and metrics;
 - ``NodeIsolation`` (node/enforcer.py): the node's policy enforced on its containers every tick.
@@ -31,6 +32,7 @@ from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.node.allocator import Allocator
 from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.draslices import SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -67,6 +69,10 @@ class ManagerConfig:
     isolation_refresh_s: float = 1.0
     memory_tolerance_mib: int = 0
     api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
+    dra: bool = False  # serve the DRA kubelet plugin (node/draplugin.py) instead of device plugins
+    cdi_dir: Path = Path("/var/run/cdi")
+    kubelet_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
+    plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
 
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:
@@ -89,8 +95,10 @@ class NodeUnreadable(RuntimeError):
 
 class NodeManager:
     def __init__(self, config: ManagerConfig, backend: GpuBackend, store: Store, pods: PodSource,
-                 clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None) -> None:
-        """``isolation`` None: device plugin, store and metrics only (nothing is throttled)."""
+                 clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None,
+                 slice_api: SliceApi | None = None) -> None:
+        """``isolation`` None: device plugin, store and metrics only (nothing is throttled);
+        ``slice_api``: where ``config.dra`` publishes the node's ResourceSlice (node/draslices.py)."""
         self.config = config
         self.backend = backend
         self.store = store
@@ -104,12 +112,24 @@ class NodeManager:
         self.publisher = NodePublisher(config, self.cards, self.health, pods, lambda: self.policy)
         self.pod_cache = PodCache(config, pods)
         self.sampler = MetricsSampler(config, self.cards, self.health, backend, store, self.pod_cache, self.metrics)
-        self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
+        if config.dra:
+            from qgpu_runtime.node.draplugin import dra_plugin
+
+            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health.unhealthy)
+        else:
+            self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
         self.plugins = self.registration.plugins
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._isolation_backend = isolation
         self.isolation: NodeIsolation | None = None
+        self.slices: SlicePublisher | None = None
+        if config.dra:
+            if slice_api is None:
+                raise ValueError("--dra: the ResourceSlice is written through the Kubernetes API, "
+                                 "which this manager was given none of (--pods-file?)")
+            self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy,
+                                         retry_max_s=config.api_retry_max_s)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, until: threading.Event | None = None) -> bool:
@@ -134,6 +154,9 @@ class NodeManager:
         self.sample_once()
         loops: list[tuple[str, Callable[[], None]]] = [
             ("health", self._health_loop), ("kubelet-watch", self._watch_loop), ("sampler", lambda: self.sampler.serve(self._stop))]
+        if self.slices is not None:
+            slices = self.slices
+            loops.append(("dra-slices", lambda: slices.serve(self._stop)))
         if self.isolation is not None:
             isolation = self.isolation
             loops.append(("isolation", lambda: isolation.serve(self._stop)))
@@ -182,6 +205,8 @@ class NodeManager:
         self.health.close()
         self.backend.close()
         self.registration.stop()
+        if self.slices is not None:
+            self.slices.close()
         for t in self._threads:
             t.join(timeout=5)
 
@@ -218,6 +243,8 @@ class NodeManager:
         log.warning("card %d (%s) unhealthy: %s", index, self.cards[index].uuid, reason)
         self.store.set_card_health(index, False, reason)
         self.publisher.publish()
+        if self.slices is not None:
+            self.slices.publish()
 
     # ---- DeviceService (node/devices.py), and what tests and benchmarks drive directly ---------
     def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:

@@ -36,7 +36,7 @@ class Reconciler:
         except Exception as exc:
             log.warning("pod-resources unavailable, reconciling with the API only: %s", exc)
             held = None
-        p = plan(self.store.grants(), self.store.shares(), pods, held)
+        p = plan(self.store.grants(), self._pod_shares(), pods, held)
         for uid, why in p.release_pods.items():
             log.info("release pod %s: %s", uid, why)
         self.store.release_pods(p.release_pods)
@@ -65,7 +65,7 @@ class Reconciler:
         across the listing and the release keeps a pod created meanwhile from being released."""
         with self.lock:
             pods = self.pods.pods_on_node(self.config.node)
-            gone = plan(self.store.grants(), self.store.shares(), pods, None).release_pods
+            gone = plan(self.store.grants(), self._pod_shares(), pods, None).release_pods
             if gone:
                 self.store.release_pods(gone)
         for uid, why in gone.items():
@@ -73,6 +73,12 @@ class Reconciler:
         if gone:
             self._remove_stale_container_dirs(pods)
         return gone
+
+    def _pod_shares(self):
+        """Shares booked for pods; a prepared ResourceClaim's (keyed by the claim's UID, not a
+        pod's) is kubelet's to release through NodeUnprepareResources."""
+        claims = self.store.claim_uids()
+        return [s for s in self.store.shares() if s.workload_id not in claims]
 
     def _remove_stale_container_dirs(self, pods: list[dict]) -> None:
         """Quota folders of pods that are gone or finished (also ones written just before a crash)."""

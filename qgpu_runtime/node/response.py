@@ -66,13 +66,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
             have = f"card {s.index} is {card.uuid}" if card else f"no card {s.index}"
             raise GrantError(f"pod {m.namespace}/{m.pod} container {m.container}: record names card {s.index} "
                              f"({s.uuid}) but this node has {have}")
-    envs = {
-        "NVIDIA_VISIBLE_DEVICES": ",".join(s.uuid for s in shares),
-        "QGPU_CORE_MILLI": ",".join(str(s.core_milli) for s in shares),
-        "QGPU_MEMORY_MIB": ",".join(str(s.memory_mib) for s in shares),
-        "QGPU_CLASS": m.record.klass.value,
-        "QGPU_POLICY": policy,
-    }
+    envs = card_envs(shares, m.record.klass.value, policy)
     spec_container = next(c for c in (m.pod_obj.get("spec") or {}).get("containers", []) if c.get("name") == m.container)
     envs.update(t9k_envs(spec_container, shares))
     host_dir = state_dir / "containers" / m.pod_uid / m.container
@@ -88,6 +82,18 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
     }
     notes = {"qgpu.io/pod": f"{m.namespace}/{m.pod}", "qgpu.io/pod-uid": m.pod_uid, "qgpu.io/container": m.container}
     return ContainerGrant(envs, mounts, devices, notes, quota)
+
+
+def card_envs(shares: Sequence[CardShare], klass: str, policy: str) -> dict[str, str]:
+    """The variables the isolation engine and the container read, for both front doors (device
+    plugin Allocate and DRA NodePrepareResources): cards and their shares in one order."""
+    return {
+        "NVIDIA_VISIBLE_DEVICES": ",".join(s.uuid for s in shares),
+        "QGPU_CORE_MILLI": ",".join(str(s.core_milli) for s in shares),
+        "QGPU_MEMORY_MIB": ",".join(str(s.memory_mib) for s in shares),
+        "QGPU_CLASS": klass,
+        "QGPU_POLICY": policy,
+    }
 
 
 T9K_MODES = ((rq.T9K_GPU, "xgn"), (rq.T9K_GPU_PERCENT, "sgn"), (rq.T9K_GPU_NODE, "node"))
@@ -109,6 +115,21 @@ def t9k_envs(spec_container: Mapping[str, Any], shares: Sequence[CardShare]) -> 
             envs["T9K_GPU_MEMORY"] = ",".join(str(s.memory_mib) for s in shares)
         return envs
     return {}
+
+
+def t9k_share_envs(shares: Sequence[CardShare], cards: Mapping[int, CardInfo]) -> dict[str, str]:
+    """The T9k variables for shares that come without a T9k request (a DRA claim): all cards at
+    full core read as ``xgn``, anything less as ``sgn`` with the memory percent of the first card, so a T9k
+    image finds the same names whichever door its cards came through."""
+    if not shares:
+        return {}
+    envs = {"T9K_GPU_COUNT": str(len(shares))}
+    if all(s.core_milli >= rq.CORE_MILLI_PER_CARD for s in shares):
+        return {"T9K_GPU_MODE": "xgn", **envs}
+    first = shares[0]
+    percent = max(1, min(100, round(100 * first.memory_mib / cards[first.index].memory_mib)))
+    return {"T9K_GPU_MODE": "sgn", **envs, "T9K_GPU_PERCENT": str(percent),
+            "T9K_GPU_MEMORY": ",".join(str(s.memory_mib) for s in shares)}
 
 
 def store_rows(m: Match, resource: str, device_ids: tuple[str, ...], now_ns: int) -> tuple[Grant, list[Share]]:

@@ -20,7 +20,7 @@ import sqlite3
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from qgpu_runtime.contract.store import SchemaError, open_store, transaction
 from qgpu_runtime.gpu.types import CardInfo
@@ -52,6 +52,19 @@ class Share:
     core_milli: int
     memory_mib: int
     klass: str
+    created_ns: int
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    """A ResourceClaim the DRA kubelet plugin prepared: what kubelet was answered and where the CDI
+    spec lies. Its card shares are ``shares`` rows whose workload_id is ``claim_uid``."""
+
+    claim_uid: str
+    namespace: str
+    name: str
+    devices: tuple[dict, ...]  # the answered devices, as JSON objects (node/draplugin.py)
+    cdi_spec: str
     created_ns: int
 
 
@@ -182,6 +195,41 @@ class Store:
             for (nuid, ns, pod, container), rows in shares.values():
                 self._db.executemany("INSERT OR REPLACE INTO shares VALUES (?,?,?,?,?,?,?,?,?,?)",
                                      [(nuid, ns, pod, container, *r[4:]) for r in rows])
+
+    def prepared_claim(self, claim_uid: str) -> PreparedClaim | None:
+        with self._lock:
+            row = self._db.execute("SELECT * FROM claims WHERE claim_uid=?", (claim_uid,)).fetchone()
+        return None if row is None else PreparedClaim(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5])
+
+    def claim_uids(self) -> set[str]:
+        with self._lock:
+            return {r[0] for r in self._db.execute("SELECT claim_uid FROM claims")}
+
+    def book_claim(self, claim: PreparedClaim, shares: Sequence[Share],
+                   check: Callable[[list[Share]], None]) -> None:
+        """Book a prepared claim and its shares in one transaction, replacing an earlier booking of
+        the same claim (a repeated prepare books once). ``check`` gets every other share of the
+        node, read inside the transaction, and raises to refuse; nothing is written then."""
+        with self._lock, self._tx():
+            rows = self._db.execute("SELECT * FROM shares WHERE workload_id<>?", (claim.claim_uid,)).fetchall()
+            check([Share(*r) for r in rows])
+            self._db.execute("DELETE FROM shares WHERE workload_id=?", (claim.claim_uid,))
+            self._db.executemany(
+                "INSERT INTO shares VALUES (?,?,?,?,?,?,?,?,?,?)",
+                [(s.workload_id, s.namespace, s.workload, s.container, s.card_index, s.card_uuid, s.core_milli,
+                  s.memory_mib, s.klass, s.created_ns) for s in shares])
+            self._db.execute(
+                "INSERT INTO claims VALUES (?,?,?,?,?,?) ON CONFLICT(claim_uid) DO UPDATE SET namespace=excluded.namespace,"
+                " name=excluded.name, devices=excluded.devices, cdi_spec=excluded.cdi_spec, created_ns=excluded.created_ns",
+                (claim.claim_uid, claim.namespace, claim.name, json.dumps(list(claim.devices), sort_keys=True),
+                 claim.cdi_spec, claim.created_ns))
+
+    def release_claim(self, claim_uid: str) -> bool:
+        """Forget a prepared claim and its shares; False when it was not booked (already released)."""
+        with self._lock, self._tx():
+            a = self._db.execute("DELETE FROM claims WHERE claim_uid=?", (claim_uid,)).rowcount
+            b = self._db.execute("DELETE FROM shares WHERE workload_id=?", (claim_uid,)).rowcount
+        return bool(a or b)
 
     def integrity(self) -> str:
         with self._lock:

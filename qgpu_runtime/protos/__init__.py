@@ -1,4 +1,5 @@
-"""Kubelet gRPC APIs (device plugin v1beta1, pod-resources v1), compiled on first use.
+"""Kubelet gRPC APIs (device plugin v1beta1, pod-resources v1, plugin registration v1, DRA v1),
+compiled on first use.
 
 The .proto files in this folder are the source; generated Python is never committed. On first
 import the protos are compiled with grpcio-tools into a cache folder keyed by the protos' hash, so
@@ -22,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTOS = ("deviceplugin_v1beta1", "podresources_v1")
+PROTOS = ("deviceplugin_v1beta1", "podresources_v1", "pluginregistration_v1", "dra_v1")
 _MODULE_PREFIX = "qgpu_protos_"
 _lock = threading.Lock()
 _loaded: dict[str, "Api"] = {}
@@ -130,3 +131,13 @@ def deviceplugin() -> Api:
 
 def podresources() -> Api:
     return load("podresources_v1")
+
+
+def pluginregistration() -> Api:
+    """kubelet's plugin watcher: ``Registration`` (GetInfo, NotifyRegistrationStatus)."""
+    return load("pluginregistration_v1")
+
+
+def dra() -> Api:
+    """The ``v1.DRAPlugin`` service (NodePrepareResources, NodeUnprepareResources)."""
+    return load("dra_v1")

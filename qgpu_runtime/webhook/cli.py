@@ -1,6 +1,8 @@
 """`qgpu webhook serve`: the validating and mutating admission webhook over TLS.
 
-Routes: POST /validate and POST /mutate (AdmissionReview v1); GET /healthz.
+Routes: POST /validate and POST /mutate (AdmissionReview v1); GET /healthz. With ``--dra`` also
+POST /mutate-dra, which turns every dialect into DRA claims and creates their ResourceClaimTemplates
+(docs/dra.md, "Every dialect through the webhook").
 """
 
 from __future__ import annotations
@@ -9,10 +11,16 @@ import argparse
 import logging
 import signal
 import threading
+from functools import partial
 from typing import Any, Callable
 
+from kubernetes.config import ConfigException
+
+from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import JsonServer, Routes
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, mutate, validate
+from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
+from qgpu_runtime.webhook.templates import TemplateWriter
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,6 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-cert-file", required=True, help="serving certificate (PEM); the apiserver only calls HTTPS webhooks")
     serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
+    serve.add_argument("--dra", action="store_true",
+                       help="serve /mutate-dra: GPU pods of every dialect become DRA claims (needs RBAC to create resourceclaimtemplates)")
+    serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
+                       help="a card size (MiB) of the DRA pools, repeatable: T9k nvidia-gpu-percent requests need them")
+    serve.add_argument("--kubeconfig", default=None, help="with --dra: kubeconfig file (default: in-cluster service account)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -42,19 +55,41 @@ def handler(review: Callable[[bytes, WebhookConfig], dict[str, Any]], config: We
 MAX_REVIEW_BYTES = 8 * 1024 * 1024
 
 
-def routes(config: WebhookConfig) -> Routes:
+def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None) -> Routes:
+    post = {"/validate": handler(validate, config), "/mutate": handler(mutate, config)}
+    if dra is not None:
+        dra_config, ensure = dra
+        post["/mutate-dra"] = handler(partial(_mutate_dra, dra_config=dra_config, ensure=ensure), config)
     return Routes(
-        post={"/validate": handler(validate, config), "/mutate": handler(mutate, config)},
+        post=post,
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
-        body_limits={"/validate": MAX_REVIEW_BYTES, "/mutate": MAX_REVIEW_BYTES},
+        body_limits={path: MAX_REVIEW_BYTES for path in post},
     )
+
+
+def _mutate_dra(body: bytes, config: WebhookConfig, *, dra_config: DraConfig, ensure: EnsureTemplates) -> dict[str, Any]:
+    return mutate_dra(body, config, dra_config, ensure)
 
 
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name)),
+    dra = None
+    if not args.dra and (args.dra_card_memory_mib or args.kubeconfig):
+        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib and --kubeconfig: only with --dra")
+    if args.dra:
+        try:
+            dra_config = DraConfig(tuple(args.dra_card_memory_mib))
+        except ValueError as exc:
+            raise SystemExit(f"qgpu webhook serve: --dra-card-memory-mib: {exc}") from None
+        try:
+            writer = TemplateWriter(api_client(args.kubeconfig))
+        except (ConfigException, OSError) as exc:
+            where = f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster service account (no --kubeconfig)"
+            raise SystemExit(f"qgpu webhook serve: --dra: {where}: {exc}") from None
+        dra = (dra_config, writer)
+    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra),
                         args.tls_cert_file, args.tls_private_key_file)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d", args.address, server.port)

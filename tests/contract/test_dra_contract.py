@@ -51,7 +51,9 @@ def test_claim_shares_decodes_this_drivers_results_only():
     (_result(device="gpu-01"), "not a qgpu device"),
     (_result(consumedCapacity=None), "DRAConsumableCapacity"),
     (_result(consumedCapacity={"core": "300"}), "must name"),
-    (_result(consumedCapacity={"core": "3k", "memory": "1"}), "plain integers"),
+    (_result(consumedCapacity={"core": "300", "memory": "4Gi"}), "plain integers"),
+    (_result(consumedCapacity={"core": "30%", "memory": "1"}), "plain integers"),
+    (_result(consumedCapacity={"core": "3k", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "0", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "1001", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "10", "memory": "0"}), ">= 1 MiB"),
@@ -60,6 +62,12 @@ def test_claim_shares_refuses_with_the_field_and_rule(result, words):
     with pytest.raises(dra.DraClaimError, match="ResourceClaim ns/c") as e:
         dra.claim_shares(_claim([result]), "node-a")
     assert words in str(e.value)
+
+
+def test_claim_shares_reads_the_apiservers_canonical_quantities():
+    """kube-apiserver stores 1000 as "1k" and 128000 as "128k": a whole card comes back that way."""
+    (share,) = dra.claim_shares(_claim([_result(consumedCapacity={"core": "1k", "memory": "128k"})]), "node-a")
+    assert (share.core_milli, share.memory_mib) == (1000, 128000)
 
 
 def test_unallocated_claim_is_refused():
@@ -77,3 +85,18 @@ def test_device_classes_select_this_driver():
     assert shared["metadata"]["name"] == dra.SHARED_CLASS and "allowMultipleAllocations" in shared["spec"]["selectors"][0]["cel"]["expression"]
     assert whole["spec"]["extendedResourceName"] == "nvidia.com/gpu"
     assert "extendedResourceName" not in dra.device_classes(None)[1]["spec"]
+
+
+def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
+    assert dra.read_share_config(dra.share_config("offline", True)) == ("offline", True)
+    with pytest.raises(ValueError, match="appClass"):
+        dra.share_config("batch", False)
+    with pytest.raises(dra.DraClaimError, match="ShareConfig"):
+        dra.read_share_config({"apiVersion": "other/v1", "kind": "ShareConfig"})
+    with pytest.raises(dra.DraClaimError, match="greedy a boolean"):
+        dra.read_share_config({**dra.share_config("online", False), "greedy": "yes"})
+
+
+def test_selectors_name_the_drivers_attributes():
+    assert dra.memory_selector(15360) == 'device.attributes["gpu.qgpu.io"].memoryMiB == 15360'
+    assert dra.model_selector(["T4", "V100", "T4"]) == 'device.attributes["gpu.qgpu.io"].model in ["T4", "V100"]'

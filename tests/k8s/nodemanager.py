@@ -73,6 +73,7 @@ class ManagedNode:
     root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="qgpu-nm-", dir="/tmp")))
     resources: tuple[str, ...] = (CORE, MEMORY)
     process: subprocess.Popen[bytes] | None = None
+    extra_args: tuple[str, ...] = ()  # appended to `qgpu manager serve` (e.g. --dra)
 
     def __post_init__(self) -> None:
         self.kubelet = TestKubelet(self.root / "dp", self.root / "pr" / "kubelet.sock")
@@ -101,7 +102,19 @@ class ManagedNode:
                 "--device-plugin-dir", str(self.root / "dp"), "--pod-resources-socket", str(self.root / "pr" / "kubelet.sock"),
                 "--state-dir", str(self.root / "state"), "--resources", ",".join(self.resources),
                 "--sample-interval", "0.5", "--metrics-port", "-1", "--no-device-specs", "--log-level", "INFO",
-                "--isolation-policy", "fixed-share"]  # as the DaemonSet passes it; the label path: test_e2e_node_isolation
+                "--isolation-policy", "fixed-share",  # as the DaemonSet passes it; the label path: test_e2e_node_isolation
+                *self.dra_args(), *self.extra_args]
+
+    @property
+    def dra(self) -> bool:
+        return "--dra" in self.extra_args
+
+    def dra_args(self) -> list[str]:
+        """With --dra: the kubelet plugin's sockets and CDI specs under this node's folder, never the host's."""
+        if not self.dra:
+            return []
+        return ["--kubelet-plugins-dir", str(self.root / "plugins"), "--plugins-registry-dir", str(self.root / "registry"),
+                "--cdi-dir", str(self.root / "cdi")]
 
     def spawn(self, kubeconfig: Path | str | None = None) -> subprocess.Popen[bytes]:
         with open(self.log_path, "ab") as log:
@@ -111,13 +124,19 @@ class ManagedNode:
         return self.process
 
     def start(self, kubeconfig: Path | str | None = None, timeout: float = 60.0) -> None:
-        """Start the manager and wait until every resource is registered with devices listed."""
+        """Start the manager and wait until every resource is registered with devices listed (with --dra: until
+        its DRA registration socket is served)."""
         before = len(self.kubelet.registrations)
         proc = self.spawn(kubeconfig)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise AssertionError(f"manager exited with {proc.returncode}:\n{self.log()[-4000:]}")
+            if self.dra:  # no device plugin registers: the DRA registration socket is the sign of life
+                if (self.root / "registry" / "gpu.qgpu.io-reg.sock").exists():
+                    return
+                time.sleep(0.1)
+                continue
             try:
                 self.kubelet.wait_for(lambda: len(self.kubelet.registrations) >= before + len(self.resources)
                                       and all(p.devices for p in self.kubelet.plugins.values()), timeout=1)

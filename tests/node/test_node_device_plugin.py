@@ -296,7 +296,9 @@ def test_a_pod_deleted_while_the_manager_runs_is_released_without_a_restart(node
     poll(lambda: {s.workload for s in node.store.shares()} == {"keep"}, timeout=10,
          what="the deleted and the finished pod released by the running manager")
     assert {g.pod for g in node.store.grants()} == {"keep"}
-    assert {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]}
+    # the folders go just after the rows, outside the store's transaction: wait for them too
+    poll(lambda: {d.name for d in (node.root / "state" / "containers").iterdir()} == {keep["metadata"]["uid"]},
+         timeout=10, what="the quota folders of the released pods removed")
 
 
 # -- the node as the last line of defence against over-commitment (issue 11 §5) -----------------
@@ -336,3 +338,16 @@ def test_shares_of_deleted_and_finished_pods_do_not_count_against_a_new_allocate
     node.set_pods([done, new])  # 'gone' deleted, 'done' finished; their rows are still in the store
     assert {s.workload for s in node.store.shares()} >= {"gone", "done"}
     assert node.kubelet.admit(new)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+
+
+def test_allocate_counts_the_shares_of_prepared_resource_claims(node):
+    from qgpu_runtime.node.store import PreparedClaim, Share
+
+    claim = PreparedClaim("claim-uid", "team-a", "train", (), "/nowhere.json", 1)
+    node.store.book_claim(claim, [Share("claim-uid", "team-a", "train", "gpu", 0, node.uuid(0), 600, 4096, "normal", 1)],
+                          lambda others: None)
+    second = pod("second", "gpu-node-1", [("main", qgpu(60, 4), [(0, node.uuid(0), 600, 4096)])], bind_time=2)
+    node.set_pods([second])
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.admit(second)
+    assert "card 0: core 1200‰ committed > 1000‰" in err.value.details()

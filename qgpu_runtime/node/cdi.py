@@ -1,0 +1,92 @@
+"""CDI specs for prepared ResourceClaims: one JSON file per claim in the runtime's CDI folder.
+
+The DRA kubelet plugin answers kubelet with fully qualified CDI device IDs
+(``gpu.qgpu.io/claim=<name>``); kubelet passes them to the runtime through the CRI, and the runtime
+(containerd ≥ 2.0, CRI-O) looks them up in its ``cdi_spec_dirs`` and applies their container edits.
+A runtime without CDI ignores the IDs silently (docs/dra.md), which is why the edits carry nothing
+the pod cannot live without except the card itself.
+
+Files are written atomically (temporary file in the same folder, fsync, rename): the runtime may
+scan the folder at any moment and must never read half a spec.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from qgpu_runtime.contract.dra import DRIVER
+
+CDI_VERSION = "0.6.0"
+CLASS = "claim"
+KIND = f"{DRIVER}/{CLASS}"
+DEFAULT_DIR = Path("/var/run/cdi")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One CDI device: the environment and device nodes a container gets for one claim result."""
+
+    name: str
+    env: Mapping[str, str]
+    device_nodes: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"CDI device name {self.name!r} is not allowed: letters, digits and _.:- only")
+
+
+def device_id(name: str) -> str:
+    """The fully qualified CDI ID kubelet hands the runtime: ``gpu.qgpu.io/claim=<name>``."""
+    return f"{KIND}={name}"
+
+
+def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
+    """One file per claim, named after its UID (the vendor-class_name.json convention)."""
+    return Path(cdi_dir) / f"{DRIVER}-{CLASS}_{claim_uid}.json"
+
+
+def spec(devices: Sequence[CdiDevice]) -> dict[str, Any]:
+    return {
+        "cdiVersion": CDI_VERSION,
+        "kind": KIND,
+        "devices": [{
+            "name": d.name,
+            "containerEdits": {
+                "env": [f"{k}={v}" for k, v in sorted(d.env.items())],
+                **({"deviceNodes": [{"path": p} for p in d.device_nodes]} if d.device_nodes else {}),
+            },
+        } for d in devices],
+    }
+
+
+def write_spec(path: Path, document: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(document, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_spec(path: Path) -> dict[str, Any] | None:
+    """The spec at ``path``; None when absent or unreadable (a repair rewrites it)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def remove_spec(path: Path) -> None:
+    """Remove a claim's spec; an absent one is fine (unprepared before, or never written)."""
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,331 @@
+"""The DRA kubelet plugin (node/draplugin.py) over its real unix sockets, with a test gRPC client
+standing in for kubelet: registration, prepare and unprepare, idempotency, restarts, refusals.
+
+Claims come from a dict standing in for the apiserver (tests/k8s/test_e2e_draplugin.py reads them
+from a real kube-apiserver); everything else — store, CDI folder, sockets — is real.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from drakubelet import Kubelet
+
+from qgpu_runtime.contract import dra
+from qgpu_runtime.contract.dra import DRIVER
+from qgpu_runtime.contract.store import read_status
+from qgpu_runtime.gpu.simulated import build_cards, parse_spec
+from qgpu_runtime.node import cdi
+from qgpu_runtime.node.draplugin import ClaimPreparer, DraKubeletPlugin, DraSettings
+from qgpu_runtime.node.pods import FilePodSource
+from qgpu_runtime.node.reconciler import Reconciler
+from qgpu_runtime.node.store import Grant, Share, Store
+
+NODE = "gpu-node-1"
+CARDS = {c.index: c for c in build_cards(parse_spec("2xT4-16G"), NODE)}
+
+
+class Claims:
+    """The apiserver's ResourceClaims by (namespace, name); counts reads."""
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str], dict] = {}
+        self.reads = 0
+
+    def add(self, obj: dict) -> dict:
+        meta = obj["metadata"]
+        self.objects[(meta["namespace"], meta["name"])] = obj
+        return obj
+
+    def resource_claim(self, namespace: str, name: str) -> dict:
+        self.reads += 1
+        try:
+            return self.objects[(namespace, name)]
+        except KeyError:
+            raise RuntimeError(f"reading ResourceClaim {namespace}/{name}: HTTP 404 not found") from None
+
+
+def claim(uid: str, name: str = "train", namespace: str = "team-a", results: list[dict] | None = None) -> dict:
+    if results is None:
+        results = [{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0",
+                    "consumedCapacity": {"core": "300", "memory": "4096", "pods": "1"}, "shareID": f"share-{uid}"}]
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "spec": {"devices": {"requests": []}},
+            "status": {"allocation": {"devices": {"results": results}}}}
+
+
+class Plugin:
+    """One plugin process: preparer + servers over a store and a CDI folder that outlive it."""
+
+    def __init__(self, root: Path, claims: Claims, devices: set[str] | None = None) -> None:
+        self.settings = DraSettings(NODE, root / "plugins", root / "plugins_registry", root / "cdi")
+        self.store = Store(root / "meta.db")
+        self.store.sync_cards(list(CARDS.values()))
+        existing = devices if devices is not None else {"/dev/nvidia0", "/dev/nvidiactl"}
+        self.preparer = ClaimPreparer(self.settings, CARDS, self.store, claims, lambda: "fixed-share",
+                                      device_exists=existing.__contains__)
+        self.server = DraKubeletPlugin(self.settings, self.preparer)
+        self.server.serve()
+        self.kubelet = Kubelet(self.settings)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.store.close()
+
+
+@pytest.fixture
+def root():
+    with tempfile.TemporaryDirectory(prefix="qgpu-dra-", dir="/tmp") as d:  # unix socket paths stay short
+        yield Path(d)
+
+
+@pytest.fixture
+def claims():
+    return Claims()
+
+
+@pytest.fixture
+def plugin(root, claims):
+    p = Plugin(root, claims)
+    yield p
+    p.stop()
+
+
+def _spec(plugin: Plugin, uid: str) -> dict | None:
+    return cdi.read_spec(cdi.spec_path(plugin.settings.cdi_dir, uid))
+
+
+def _claim_shares(plugin: Plugin, uid: str) -> list[Share]:
+    return [s for s in plugin.store.shares() if s.workload_id == uid]
+
+
+def test_registration_answers_kubelets_plugin_watcher(plugin):
+    info = plugin.kubelet.get_info()
+    assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+    assert info.endpoint == str(plugin.settings.dra_socket) and Path(info.endpoint).is_absolute()
+    assert plugin.settings.registration_socket.name == "gpu.qgpu.io-reg.sock"
+    assert plugin.settings.dra_socket.parts[-2:] == (DRIVER, "dra.sock")
+    plugin.kubelet.notify(True)
+    assert plugin.server.registered == (True, "")
+
+
+def test_prepare_books_the_share_and_writes_the_cdi_spec(plugin, claims):
+    claims.add(claim("uid-1"))
+    answer = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"]
+    assert answer.error == ""
+    (device,) = answer.devices
+    assert (list(device.request_names), device.pool_name, device.device_name) == (["gpu"], NODE, "gpu-0")
+    assert list(device.cdi_device_ids) == ["gpu.qgpu.io/claim=uid-1-0"] and device.share_id == "share-uid-1"
+    spec = _spec(plugin, "uid-1")
+    assert (spec["cdiVersion"], spec["kind"]) == (cdi.CDI_VERSION, "gpu.qgpu.io/claim")
+    (edits,) = [d["containerEdits"] for d in spec["devices"] if d["name"] == "uid-1-0"]
+    assert set(edits["env"]) == {
+        f"NVIDIA_VISIBLE_DEVICES={CARDS[0].uuid}", "QGPU_CORE_MILLI=300", "QGPU_MEMORY_MIB=4096",
+        "QGPU_POLICY=fixed-share", "QGPU_CLASS=normal",
+        "T9K_GPU_MODE=sgn", "T9K_GPU_COUNT=1", "T9K_GPU_PERCENT=25", "T9K_GPU_MEMORY=4096"}
+    assert _claim_shares(plugin, "uid-1") == [
+        Share("uid-1", "team-a", "train", "gpu", 0, CARDS[0].uuid, 300, 4096, "normal", _claim_shares(plugin, "uid-1")[0].created_ns)]
+    status = read_status(plugin.store.path)  # what `qgpu status` reads
+    assert ("team-a", "train", "gpu", 0, 300, 4096, "normal") in status.shares
+
+
+def test_device_nodes_are_passed_only_where_the_host_has_them(plugin, claims):
+    claims.add(claim("uid-1"))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    (device,) = _spec(plugin, "uid-1")["devices"]
+    assert device["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}, {"path": "/dev/nvidiactl"}]
+
+
+def test_a_claim_with_another_uid_is_refused_and_the_others_prepared(plugin, claims):
+    claims.add(claim("uid-new", name="train"))
+    claims.add(claim("uid-2", name="infer"))
+    answers = plugin.kubelet.prepare(("team-a", "uid-old", "train"), ("team-a", "uid-2", "infer"))
+    assert "has UID 'uid-new', not the one kubelet asked for" in answers["uid-old"].error
+    assert not answers["uid-old"].devices and _spec(plugin, "uid-old") is None
+    assert answers["uid-2"].error == "" and len(answers["uid-2"].devices) == 1
+    assert {s.workload_id for s in plugin.store.shares()} == {"uid-2"}
+
+
+def test_prepare_twice_answers_the_same_devices_and_books_once(plugin, claims):
+    claims.add(claim("uid-1"))
+    first = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"]
+    second = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"]
+    assert second == first
+    assert len(_claim_shares(plugin, "uid-1")) == 1
+    assert claims.reads == 1  # the second answer came from the store
+
+
+def test_unprepare_frees_the_card_and_removes_the_spec(plugin, claims):
+    claims.add(claim("uid-1"))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    answer = plugin.kubelet.unprepare(("team-a", "uid-1", "train"))["uid-1"]
+    assert answer.error == ""
+    assert _claim_shares(plugin, "uid-1") == [] and plugin.store.prepared_claim("uid-1") is None
+    assert _spec(plugin, "uid-1") is None
+
+
+def test_a_restarted_plugin_unprepares_what_the_previous_one_prepared(root, claims):
+    claims.add(claim("uid-1"))
+    first = Plugin(root, claims)
+    first.kubelet.prepare(("team-a", "uid-1", "train"))
+    first.stop()
+    second = Plugin(root, claims)
+    try:
+        assert second.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].devices[0].device_name == "gpu-0"
+        assert claims.reads == 1
+        assert second.kubelet.unprepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+        assert second.store.shares() == [] and _spec(second, "uid-1") is None
+    finally:
+        second.stop()
+
+
+def test_unprepare_of_a_claim_never_prepared_succeeds(plugin):
+    assert plugin.kubelet.unprepare(("team-a", "uid-x", "nothing"))["uid-x"].error == ""
+
+
+def test_a_crash_between_booking_and_spec_is_repaired_by_the_next_prepare(plugin, claims):
+    claims.add(claim("uid-1"))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    cdi.spec_path(plugin.settings.cdi_dir, "uid-1").unlink()  # as if the process died before the rename
+    answer = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"]
+    assert answer.error == "" and _spec(plugin, "uid-1") is not None
+    assert len(_claim_shares(plugin, "uid-1")) == 1
+
+
+@pytest.mark.parametrize("consumed, field", [
+    ({"core": "30%", "memory": "4096"}, "consumedCapacity.core '30%' is not allowed"),
+    ({"core": "300", "memory": "4Gi"}, "consumedCapacity.memory '4Gi' is not allowed"),
+    ({"core": "300"}, "consumedCapacity {'core': '300'} is not allowed: it must name 'core' and 'memory'"),
+    (None, "consumedCapacity is missing"),
+])
+def test_a_malformed_allocation_is_refused_naming_the_field(plugin, claims, consumed, field):
+    result = {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-0"}
+    if consumed is not None:
+        result["consumedCapacity"] = consumed
+    claims.add(claim("uid-1", results=[result]))
+    error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+    assert "ResourceClaim team-a/train: status.allocation.devices.results[0]" in error and field in error
+    assert plugin.store.shares() == [] and _spec(plugin, "uid-1") is None
+
+
+def test_an_unallocated_claim_is_refused(plugin, claims):
+    obj = claim("uid-1")
+    del obj["status"]
+    claims.add(obj)
+    assert "status.allocation is missing" in plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+
+
+def test_a_claim_that_would_over_book_a_card_is_refused(plugin, claims):
+    plugin.store.record(Grant("pod-1", "team-b", "big", "main", "tke.cloud.tencent.com/qgpu-core", ("d",), 1),
+                        [Share("pod-1", "team-b", "big", "main", 0, CARDS[0].uuid, 800, 2048, "normal", 1)])
+    claims.add(claim("uid-1"))
+    error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+    assert "would over-book this node" in error and "card 0" in error
+    assert _claim_shares(plugin, "uid-1") == [] and _spec(plugin, "uid-1") is None
+
+
+def test_two_claims_that_fit_share_a_card(plugin, claims):
+    claims.add(claim("uid-1", name="a"))
+    claims.add(claim("uid-2", name="b"))
+    answers = plugin.kubelet.prepare(("team-a", "uid-1", "a"), ("team-a", "uid-2", "b"))
+    assert answers["uid-1"].error == answers["uid-2"].error == ""
+    assert sum(s.core_milli for s in plugin.store.shares() if s.card_index == 0) == 600
+
+
+def test_a_card_the_node_does_not_have_is_refused(plugin, claims):
+    claims.add(claim("uid-1", results=[{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-7",
+                                        "consumedCapacity": {"core": "300", "memory": "4096"}}]))
+    assert "names card 7, which this node does not have" in plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+
+
+def test_a_claim_missing_from_the_apiserver_is_that_claims_error(plugin):
+    assert "HTTP 404" in plugin.kubelet.prepare(("team-a", "uid-1", "gone"))["uid-1"].error
+
+
+def test_whole_cards_read_as_t9k_xgn_and_every_device_carries_the_claims_cards(plugin, claims):
+    whole = {"core": "1000", "memory": "16384"}
+    claims.add(claim("uid-1", results=[
+        {"request": "gpus", "driver": DRIVER, "pool": NODE, "device": f"gpu-{i}", "consumedCapacity": whole} for i in (0, 1)]))
+    answer = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"]
+    assert [list(d.cdi_device_ids) for d in answer.devices] == [["gpu.qgpu.io/claim=uid-1-0"], ["gpu.qgpu.io/claim=uid-1-1"]]
+    envs = [set(d["containerEdits"]["env"]) for d in _spec(plugin, "uid-1")["devices"]]
+    assert envs[0] == envs[1]
+    assert {f"NVIDIA_VISIBLE_DEVICES={CARDS[0].uuid},{CARDS[1].uuid}", "T9K_GPU_MODE=xgn", "T9K_GPU_COUNT=2"} <= envs[0]
+
+
+def test_the_reconciler_leaves_claim_shares_to_kubelet(plugin, claims, root):
+    claims.add(claim("uid-1"))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    pods = root / "pods.json"
+    pods.write_text(json.dumps({"items": []}))
+
+    class Config:
+        node = NODE
+        state_dir = root / "state"
+        pod_resources_socket = root / "no-kubelet.sock"
+
+    import threading
+
+    reconciler = Reconciler(Config(), plugin.store, FilePodSource(pods), threading.Lock())
+    assert reconciler.release_gone() == {} and reconciler.reconcile().release_pods == {}
+    assert len(_claim_shares(plugin, "uid-1")) == 1
+
+
+def test_a_store_of_the_previous_release_gets_the_claims_table_and_keeps_its_version(root):
+    dump = Path(__file__).parents[1] / "contract" / "previous_release" / "node_store_v1.sql"
+    db = sqlite3.connect(root / "old.db")
+    db.executescript(dump.read_text())
+    db.close()
+    store = Store(root / "old.db")
+    try:
+        assert store.claim_uids() == set() and len(store.shares()) == 1
+        assert store.meta("schema_version") == "1"  # a table only: 0.1.0 still opens the file
+    finally:
+        store.close()
+
+
+def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(root):
+    from qgpu_runtime.gpu.simulated import SimulatedBackend
+    from qgpu_runtime.node.manager import ManagerConfig, NodeManager
+    from qgpu_runtime.node.resources import DEFAULT_RESOURCES, parse_resources
+
+    pods = root / "pods.json"
+    pods.write_text(json.dumps({"items": []}))
+    config = ManagerConfig(node=NODE, resources=parse_resources(",".join(DEFAULT_RESOURCES)), plugin_dir=root / "dp",
+                           pod_resources_socket=root / "none.sock", state_dir=root / "state", label_node=False,
+                           isolation_policy="fixed-share", dra=True, cdi_dir=root / "cdi",
+                           kubelet_plugins_dir=root / "plugins", plugins_registry_dir=root / "registry")
+    from tests.node.test_draslices import FakeSlices
+
+    slices = FakeSlices()
+    slices.node_uids = {NODE: "uid-1"}
+    store = Store(root / "meta.db")
+    manager = NodeManager(config, SimulatedBackend(tuple(CARDS.values())), store, FilePodSource(pods), slice_api=slices)
+    try:
+        assert manager.start()
+        info = Kubelet(manager.registration.settings).get_info()
+        assert (info.name, info.endpoint) == (DRIVER, str(root / "plugins" / DRIVER / "dra.sock"))
+        assert (root / "registry" / "gpu.qgpu.io-reg.sock").is_socket()
+        assert not (root / "dp").exists() or not any((root / "dp").iterdir())
+        wait_until = time.monotonic() + 10
+        while dra.slice_name(NODE) not in slices.objects and time.monotonic() < wait_until:
+            time.sleep(0.05)
+        assert [d["name"] for d in slices.objects[dra.slice_name(NODE)]["spec"]["devices"]] == ["gpu-0", "gpu-1"][:len(CARDS)]
+    finally:
+        manager.stop()
+        store.close()
+    assert not (root / "registry" / "gpu.qgpu.io-reg.sock").exists()
+
+
+def test_manager_serve_dra_refuses_a_pods_file(root, caplog):
+    from qgpu_runtime.cli import main
+
+    assert main(["manager", "serve", "--nodename", NODE, "--dbfile", str(root / "m.db"), "--gpu-backend", "simulated",
+                 "--simulated-gpus", "2xT4-16G", "--pods-file", str(root / "p.json"), "--dra"]) == 2
+    assert "--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API" in caplog.text
