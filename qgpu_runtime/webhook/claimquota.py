@@ -23,7 +23,8 @@ ResourceQuotas. Usage is what the claims *ask*: per request of a qgpu class, ``c
 capacity it names, or the whole card where it names none (the device's defaults; the card's memory
 is not known before allocation, so a request naming no memory is charged ``default_memory_mib``,
 the largest card qgpu admits unless the operator says otherwise). A request with a prioritized list
-(``firstAvailable``) is charged its largest qgpu alternative. Every quota of the namespace must
+(``firstAvailable``) is charged its largest qgpu alternative, ``allocationMode: All`` the most cards
+a node may have (``CardLimits.max_cards_per_node``). Every quota of the namespace must
 hold, as upstream. Pure: dicts in, a verdict out.
 """
 
@@ -120,12 +121,16 @@ def _name(obj: Mapping[str, Any]) -> tuple[str, str]:
 def _request_usage(where: str, request: Mapping[str, Any], default_memory_mib: int) -> Usage:
     """What one device request of a qgpu class asks, all its devices together."""
     mode = request.get("allocationMode") or "ExactCount"
-    if mode != "ExactCount":
-        raise ClaimQuotaError(f"{where}.allocationMode={_shown(mode)}: a quota on GPU core and memory cannot charge "
-                              "'All' devices of a node; ask an exact count")
-    count = request.get("count", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_COUNT:
-        raise ClaimQuotaError(f"{where}.count={_shown(count)}: must be an integer 1..{_MAX_COUNT}")
+    if mode == "All":
+        # Every matching card of the node (a T9k whole-node pod): how many is known only after
+        # allocation, so the charge is the most a node may have, as the memory default is.
+        count = DEFAULT_LIMITS.max_cards_per_node
+    elif mode == "ExactCount":
+        count = request.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_COUNT:
+            raise ClaimQuotaError(f"{where}.count={_shown(count)}: must be an integer 1..{_MAX_COUNT}")
+    else:
+        raise ClaimQuotaError(f"{where}.allocationMode={_shown(mode)}: must be ExactCount or All")
     capacity = request.get("capacity") or {}
     asked = capacity.get("requests") if isinstance(capacity, dict) else None
     if asked is None:

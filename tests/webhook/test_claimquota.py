@@ -128,9 +128,14 @@ def test_a_bad_count_is_refused(count):
         usage(request(core="100", count=count))
 
 
-def test_allocation_mode_all_cannot_be_charged():
-    with pytest.raises(ClaimQuotaError, match="allocationMode='All'"):
-        usage(request(WHOLE_CLASS, allocationMode="All"))
+def test_allocation_mode_all_is_charged_the_most_cards_a_node_may_have():
+    """A T9k whole-node pod's claim: every card of the node, known only after allocation."""
+    assert usage(request(WHOLE_CLASS, allocationMode="All")) == Usage(8000, 8 * CARD_MIB)
+
+
+def test_an_unknown_allocation_mode_is_refused():
+    with pytest.raises(ClaimQuotaError, match="allocationMode='Some': must be ExactCount or All"):
+        usage(request(WHOLE_CLASS, allocationMode="Some"))
 
 
 @pytest.mark.parametrize("devices", [{"requests": "gpu"}, {"requests": ["gpu"]}])
