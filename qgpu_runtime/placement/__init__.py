@@ -1,6 +1,6 @@
 """The placement engine: pure, numpy-backed, shared by the extender, the simulator and `qgpu run`."""
 
-from qgpu_runtime.placement.engine import Unschedulable, check_nodes, place, score
+from qgpu_runtime.placement.engine import CardChoice, Unschedulable, check_nodes, place, score
 from qgpu_runtime.placement.policies import POLICIES, FragPolicy, Policy, WorkloadShapes, make_policy
 from qgpu_runtime.placement.state import (
     CardShare,
@@ -14,6 +14,7 @@ from qgpu_runtime.placement.state import (
 
 __all__ = [
     "POLICIES",
+    "CardChoice",
     "CardShare",
     "CardSpec",
     "ClusterState",

@@ -12,11 +12,19 @@ How a decision is made:
    vector pass by the policy; multi-container pods are placed container by container per node.
 3. Lowest cost wins; ties go to the lower node index, then the lower card slot, so the same input
    always gives the same answer.
+
+``card_choice`` says who picks the cards inside the chosen node. ``POLICY`` (the default): the
+policy, as the device-plugin path does, where qgpu's allocation record names the cards. ``FIRST_FIT``:
+the DRA allocator of kube-scheduler, which qgpu cannot steer inside a node — it takes the first
+device, in slice order (card index order: the node manager publishes one device per card, by index),
+whose free capacity (core, memory, pod slots) holds the request. qgpu's extender then only ranks
+nodes, and it ranks each by the card the allocator will take there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 import numpy as np
 
@@ -39,6 +47,13 @@ REASONS = {
     10: "node unknown to qgpu (no GPU inventory reported yet)",
 }
 UNKNOWN_NODE = 10
+
+
+class CardChoice(str, Enum):
+    """Who picks the cards inside the chosen node (see the module docstring)."""
+
+    POLICY = "policy"
+    FIRST_FIT = "first-fit"
 
 
 class Unschedulable(Exception):
@@ -189,20 +204,49 @@ class Ranked:
         return [[int(j) for j in np.nonzero(picked)[0]]]
 
 
-def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibility, allowed: np.ndarray) -> Ranked:
-    """Cost every feasible node (and its card choice) for the pod with the given policy."""
+def _index_order(state: ClusterState, rows: np.ndarray) -> np.ndarray:
+    """[R, C] each row's card slots in card index order (the order of the devices in the node's
+    ResourceSlice), missing slots last."""
+    key = np.where(state.card_valid[rows], state.card_index[rows], np.iinfo(np.int64).max)
+    return np.argsort(key, axis=1, kind="stable")
+
+
+def _first_fit_slot(order: np.ndarray, fit: np.ndarray) -> np.ndarray:
+    """[R] per row the slot of the first fitting card in ``order`` (rows have at least one)."""
+    first = np.argmax(np.take_along_axis(fit, order, axis=1), axis=1)
+    return order[np.arange(len(order)), first]
+
+
+def _first_cards(order: np.ndarray, free: np.ndarray, k: int) -> np.ndarray:
+    """[R, C] per row the first ``k`` free cards in ``order``."""
+    in_order = np.take_along_axis(free, order, axis=1)
+    take = np.zeros_like(free)
+    np.put_along_axis(take, order, in_order & (np.cumsum(in_order, axis=1) <= k), axis=1)
+    return take
+
+
+def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibility, allowed: np.ndarray,
+         card_choice: CardChoice = CardChoice.POLICY) -> Ranked:
+    """Cost every feasible node (and its card choice) for the pod with the given policy.
+
+    With ``CardChoice.FIRST_FIT`` the cards are the allocator's (first fit in index order) and each
+    node costs what the policy charges for that card, so the node choice stays the policy's."""
     rows = np.nonzero(feasible.ok)[0]
+    first_fit = card_choice is CardChoice.FIRST_FIT
     if not len(rows) or not req.containers:
         cost = policy.cpu_only_cost(state, rows, req) if len(rows) else np.zeros(0)
         return Ranked(rows, np.zeros(len(rows), dtype=np.int64), cost, None)
     if len(req.containers) == 1 and req.containers[0].shared:
         container = req.containers[0]
         fit = shared_fit(state, container, allowed)[rows]
-        fit, tier = _co_location_tier(state, rows, fit, req.klass)
-        cand = SharedCandidates(rows=rows, fit=fit, core=container.core_milli, cpu=req.cpu_milli, mem=req.memory_mib,
+        # The allocator knows nothing of online/offline classes: it takes any card with room.
+        # The class still ranks the nodes, which is the extender's part.
+        preferred, tier = _co_location_tier(state, rows, fit, req.klass)
+        cand = SharedCandidates(rows=rows, fit=fit if first_fit else preferred, core=container.core_milli,
+                                cpu=req.cpu_milli, mem=req.memory_mib,
                                 binpack_cards=req.klass is AppClass.OFFLINE, spread_cards=req.klass is AppClass.ONLINE)
         card_cost = policy.shared_card_cost(state, cand)
-        slot = np.argmin(card_cost, axis=1)
+        slot = _first_fit_slot(_index_order(state, rows), fit) if first_fit else np.argmin(card_cost, axis=1)
         cost = card_cost[np.arange(len(rows)), slot]
         return Ranked(rows, tier, cost, slot)
     if len(req.containers) == 1:
@@ -211,17 +255,24 @@ def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibi
             take = state.card_valid[rows]
         else:
             free = (state.card_free_whole() & allowed)[rows]
-            take = free & (np.cumsum(free, axis=1) <= container.cards)
+            if first_fit:
+                take = _first_cards(_index_order(state, rows), free, container.cards)
+            else:
+                take = free & (np.cumsum(free, axis=1) <= container.cards)
         cost = policy.exclusive_cost(state, rows, take, req)
         return Ranked(rows, np.zeros(len(rows), dtype=np.int64), cost, take)
-    return _rank_multi(state, req, policy, rows, allowed)
+    return _rank_multi(state, req, policy, rows, allowed, first_fit)
 
 
-def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray, allowed: np.ndarray) -> Ranked:
-    """Several GPU containers: place them one by one on each candidate node (best-fit cards),
-    then cost the node by the state the whole pod would leave behind."""
+def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray, allowed: np.ndarray,
+                first_fit: bool = False) -> Ranked:
+    """Several GPU containers: place them one by one on each candidate node (best-fit cards, or
+    the first fitting cards in index order under ``first_fit``), then cost the node by the state
+    the whole pod would leave behind."""
     keep_rows, costs, all_slots = [], [], []
-    for r in rows:
+    orders = _index_order(state, rows) if first_fit else None
+    for i, r in enumerate(rows):
+        order = orders[i] if orders is not None else np.arange(state.card_valid.shape[1])
         core = state.core_free[r].copy()
         mem = state.mem_free_card[r].copy()
         pods = state.pods[r].copy()
@@ -233,7 +284,8 @@ def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.n
             if container.whole_node:
                 chosen = _exclusive_slots(state.card_valid[r], int(state.n_cards[r]))
             elif container.exclusive:
-                chosen = _exclusive_slots(whole & ~taken & (pods == 0) & (core == CORE_MILLI_PER_CARD), container.cards)
+                chosen = _exclusive_slots((whole & ~taken & (pods == 0) & (core == CORE_MILLI_PER_CARD))[order], container.cards)
+                chosen = [int(order[j]) for j in chosen]
                 ok = len(chosen) == container.cards
             else:
                 need = card_memory_need(state, container)
@@ -242,6 +294,8 @@ def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.n
                 if not fit.any():
                     ok = False
                     chosen = []
+                elif first_fit:
+                    chosen = [int(order[np.argmax(fit[order])])]
                 else:
                     after = np.where(fit, core - container.core_milli, np.iinfo(np.int64).max)
                     chosen = [int(np.argmin(after))]
@@ -273,15 +327,17 @@ def _placement(state: ClusterState, req: PodRequest, row: int, slots: list[list[
     return Placement(state.names[row], containers, req.klass, req.cpu_milli, req.memory_mib)
 
 
-def place(state: ClusterState, req: PodRequest, policy: Policy, nodes: np.ndarray | None = None) -> Placement:
+def place(state: ClusterState, req: PodRequest, policy: Policy, nodes: np.ndarray | None = None,
+          card_choice: CardChoice = CardChoice.POLICY) -> Placement:
     """The best node and cards for ``req``, or :class:`Unschedulable` with a reason per node.
 
-    ``nodes`` (a boolean mask over nodes) restricts the choice, as the extender's candidate list does.
+    ``nodes`` (a boolean mask over nodes) restricts the choice, as the extender's candidate list does;
+    ``card_choice`` says who picks the cards inside the node (the policy, or DRA's first fit).
     """
     feasible, allowed = check_nodes(state, req)
     if nodes is not None:
         feasible = Feasibility(feasible.ok & nodes, feasible.code)
-    ranked = rank(state, req, policy, feasible, allowed)
+    ranked = rank(state, req, policy, feasible, allowed, card_choice)
     if not len(ranked.rows):
         scope = np.nonzero(nodes)[0] if nodes is not None else None
         reasons = feasible.reasons(state, scope)
@@ -328,8 +384,10 @@ def at_rows(by_row: np.ndarray, rows: np.ndarray, missing: int | bool) -> np.nda
     return np.where(known, by_row[np.where(known, rows, 0)], missing)
 
 
-def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray) -> Scored:
-    """Score the nodes at ``rows`` (from :meth:`ClusterState.rows_of`) in one vector pass.
+def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.ndarray,
+               card_choice: CardChoice = CardChoice.POLICY) -> Scored:
+    """Score the nodes at ``rows`` (from :meth:`ClusterState.rows_of`) in one vector pass; with
+    ``CardChoice.FIRST_FIT`` each node is scored with the card DRA's allocator will take there.
 
     No per-node Python work: a kube-scheduler that sends 5,000 names pays for numpy, not for a
     loop over them.
@@ -340,7 +398,7 @@ def score_rows(state: ClusterState, req: PodRequest, policy: Policy, rows: np.nd
     mask[rows[known]] = True
     feasible, allowed = check_nodes(state, req)
     feasible = Feasibility(feasible.ok & mask, feasible.code)
-    ranked = rank(state, req, policy, feasible, allowed)
+    ranked = rank(state, req, policy, feasible, allowed, card_choice)
     node_score = np.full(state.node_count, -1, dtype=np.int64)
     if len(ranked.rows):
         key = ranked.tier * (np.ptp(ranked.cost) + 1.0) + ranked.cost

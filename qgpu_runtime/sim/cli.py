@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qgpu_runtime.placement.engine import CardChoice
 from qgpu_runtime.placement.policies import POLICIES
 from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory", type=int, default=0, metavar="MIB",
                         help="GPU memory each sharing pod asks for (default 0: GPU memory left out, as in the study)")
     parser.add_argument("--pod-limit", action="store_true", help="enforce the qGPU per-card pod-count limit")
+    parser.add_argument("--card-choice", choices=[c.value for c in CardChoice], default=CardChoice.POLICY.value,
+                        help="who picks the cards inside the policy's node: the policy (default), or first fit in "
+                             "card index order, as kube-scheduler's DRA allocator does (docs/dra.md)")
     parser.add_argument("--workers", type=int, default=0, help="processes for seeds (default: one per CPU)")
     parser.add_argument("--gpu-spec-fraction", type=float, default=None, metavar="F",
                         help="replay the GPU-model variant: about F of the GPU pods (0..1; the study's "
@@ -73,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class PolicySummary:
     policy: str
     seeds: list[int]
+    card_choice: str
     unallocated_gpu_pct_at_100: float
     unallocated_gpu_pct_at_130: float
     allocation_ratio_at_100: float
@@ -86,6 +91,7 @@ class PolicySummary:
         return {
             "policy": self.policy,
             "seeds": self.seeds,
+            "card_choice": self.card_choice,
             "unallocated_gpu_pct_at_100": self.unallocated_gpu_pct_at_100,
             "unallocated_gpu_pct_at_130": self.unallocated_gpu_pct_at_130,
             "allocation_ratio_at_100": self.allocation_ratio_at_100,
@@ -102,13 +108,14 @@ def _median(values: list[float]) -> float:
     return round(statistics.median(clean), 4) if clean else float("nan")
 
 
-def summarise(policy: str, results: list[SeedResult], seconds: float) -> PolicySummary:
+def summarise(policy: str, results: list[SeedResult], seconds: float, card_choice: str = CardChoice.POLICY.value) -> PolicySummary:
     curves = np.array([r.alloc_pct_by_bin for r in results])
     with np.errstate(all="ignore"):
         median_curve = np.nanmedian(np.where(np.isnan(curves), np.nan, 100.0 - curves), axis=0) if len(results) else np.array([])
     return PolicySummary(
         policy=policy,
         seeds=[r.seed for r in results],
+        card_choice=card_choice,
         unallocated_gpu_pct_at_100=_median([r.unallocated_at(100) for r in results]),
         unallocated_gpu_pct_at_130=_median([r.unallocated_at(min(130, len(r.alloc_pct_by_bin) - 1)) for r in results]),
         allocation_ratio_at_100=_median([float(r.alloc_pct_by_bin[100]) for r in results]),
@@ -170,7 +177,7 @@ def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: R
         if pool is not None:
             pool.shutdown()
     for p in policies:
-        summaries.append(summarise(p, sorted(by_policy[p], key=lambda r: r.seed), elapsed[p]))
+        summaries.append(summarise(p, sorted(by_policy[p], key=lambda r: r.seed), elapsed[p], options.card_choice.value))
     return summaries
 
 
@@ -181,6 +188,8 @@ def _table(summaries: list[PolicySummary]) -> str:
         lines.append(f"{s.policy:<10} {s.unallocated_gpu_pct_at_100:>13.2f} {s.unallocated_gpu_pct_at_130:>13.2f} "
                      f"{s.fragmentation_pct_at_100:>10.2f} {s.failed_pods:>12.0f} {s.seconds:>8.1f}")
     lines.append("(unalloc = % of cluster GPU capacity left unallocated, median over seeds, at arrived demand 100% / 130%)")
+    if summaries and summaries[0].card_choice != CardChoice.POLICY.value:
+        lines.append(f"(cards inside each node chosen {summaries[0].card_choice}, as kube-scheduler's DRA allocator does)")
     return "\n".join(lines)
 
 
@@ -197,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     except (UsageError, TraceError, VariantError) as exc:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2
-    options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit)
+    options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit, card_choice=CardChoice(args.card_choice))
     progress = not args.no_progress and sys.stderr.isatty()
     if args.replay_times:
         try:

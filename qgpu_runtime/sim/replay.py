@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
-from qgpu_runtime.placement.engine import Unschedulable, place
+from qgpu_runtime.placement.engine import CardChoice, Unschedulable, place
 from qgpu_runtime.placement.policies import FragPolicy, Policy, WorkloadShapes, make_policy
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement
 from qgpu_runtime.sim.trace import TracePod
@@ -35,6 +35,8 @@ class ReplayOptions:
     gpu_memory_mib: int = 0  # GPU memory each sharing pod asks for; 0 leaves GPU memory out
     pod_limit: bool = False  # enforce the qGPU per-card pod-count limit
     extend_to_pct: int = MAX_ARRIVED_PCT
+    # who picks the cards inside the policy's node: the policy, or first fit as DRA's allocator does
+    card_choice: CardChoice = CardChoice.POLICY
 
 
 @dataclass(frozen=True)
@@ -98,7 +100,7 @@ def _submit(state: ClusterState, policy, pod: TracePod, key: str, options: Repla
     req = pod.request(options.gpu_memory_mib)
     policy.observe(req)
     try:
-        placement = place(state, req, policy)
+        placement = place(state, req, policy, card_choice=options.card_choice)
     except Unschedulable:
         return None
     state.commit(key, placement)

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from qgpu_runtime.placement import CardChoice
 from qgpu_runtime.sim.replay import ReplayOptions, arrival_order, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import load_nodes, load_pods
 from tests.tracedata import openb_trace_dir
@@ -82,6 +83,40 @@ def test_replay_times_releases_pods_that_leave(trace):
     result = replay_times(nodes, pods, "frag")
     assert result.pods == len(pods)
     assert 0 < result.mean_alloc_pct <= result.peak_alloc_pct <= 100
+
+
+def _first_fit_breaches(trace, card_choice):
+    """Shared placements that passed over a lower-index card with room for the pod."""
+    nodes = load_nodes(trace[0])
+    pods = load_pods(trace[1])
+    breaches = []
+
+    def check(event):
+        if event.kind != "arrive" or not event.placement.containers or event.placement.containers[0].exclusive:
+            return
+        state, row = event.state, event.state.index[event.placement.node]
+        taken = event.placement.containers[0].shares[0]
+        for j in range(int(state.n_cards[row])):
+            index = int(state.card_index[row, j])
+            if index < taken.index and not state.exclusive[row, j] and state.core_free[row, j] >= taken.core_milli:
+                breaches.append((event.key, index, taken.index))
+
+    replay_times(nodes, pods, "binpack", ReplayOptions(card_choice=card_choice), observer=check)
+    return breaches
+
+
+def test_card_choice_first_fit_reaches_the_engine(trace):
+    assert _first_fit_breaches(trace, CardChoice.FIRST_FIT) == []
+    assert _first_fit_breaches(trace, CardChoice.POLICY)  # binpack's best fit does pass over cards
+
+
+def test_simulate_card_choice_option(trace):
+    out = run_cli("simulate", "--nodes", str(trace[0]), "--pods", str(trace[1]), "--policy", "frag", "--seeds", "1",
+                  "--card-choice", "first-fit", "--json", "--workers", "1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["card_choice"] == "first-fit"
+    bad = run_cli("simulate", "--nodes", str(trace[0]), "--pods", str(trace[1]), "--card-choice", "last-fit")
+    assert bad.returncode == 2 and "--card-choice" in bad.stderr
 
 
 def test_simulate_json_has_the_documented_keys(trace):

@@ -1,0 +1,273 @@
+"""Namespace quota on the GPU core and memory that ResourceClaims of qgpu's DeviceClasses ask for.
+
+Kubernetes' ResourceQuota counts DRA *devices* (``<class>.deviceclass.resource.k8s.io/devices``),
+not the capacity a claim consumes: one claim for 10 % of a card and one for a whole card count the
+same. qgpu fills that in at admission. The quota is declared where operators already look, in a
+ResourceQuota of the namespace, under two resource names no upstream quota evaluator claims:
+
+    spec:
+      hard:
+        gpu.qgpu.io/core: "4000"      # thousandths of a card: four whole cards' worth
+        gpu.qgpu.io/memory: "65536"   # MiB
+
+kube-apiserver accepts them (a quota resource name with a ``/`` only has to be a qualified name;
+one without must be a standard name, so ``requests.core.gpu.qgpu.io`` is refused) and counts
+nothing for them (no evaluator matches: they are not ``requests.``-prefixed extended resources,
+hugepages or ``count/``), so they mean exactly what this module enforces. The units are those of
+the claims' ``capacity.requests`` (contract/dra.py): whole numbers, core in thousandths of a
+card, memory in MiB, written as quantities without binary suffix (the apiserver serves ``4000`` back
+as ``4k``).
+
+The webhook calls :func:`check_claim` on a ResourceClaim CREATE with the namespace's claims and
+ResourceQuotas. Usage is what the claims *ask*: per request of a qgpu class, ``count`` times the
+capacity it names, or the whole card where it names none (the device's defaults; the card's memory
+is not known before allocation, so a request naming no memory is charged ``default_memory_mib``,
+the largest card qgpu admits unless the operator says otherwise). A request with a prioritized list
+(``firstAvailable``) is charged its largest qgpu alternative, ``allocationMode: All`` the most cards
+a node may have (``CardLimits.max_cards_per_node``). Every quota of the namespace must
+hold, as upstream. Pure: dicts in, a verdict out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final, Iterable, Mapping
+
+from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, SHARED_CLASS, WHOLE_CLASS
+from qgpu_runtime.model.quantity import QUANTITY_LIMIT, QuantityError, parse_quantity
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS
+
+CORE_QUOTA: Final = f"{DRIVER}/{CORE}"
+"""ResourceQuota resource name of the GPU core a namespace's claims may ask (thousandths of a card)."""
+MEMORY_QUOTA: Final = f"{DRIVER}/{MEMORY}"
+"""ResourceQuota resource name of the GPU memory a namespace's claims may ask (MiB)."""
+QGPU_CLASSES: Final = frozenset({SHARED_CLASS, WHOLE_CLASS})
+UNITS: Final = {CORE_QUOTA: "thousandths of a card", MEMORY_QUOTA: "MiB"}
+
+# A claim's allocation holds at most 32 devices (AllocationResultsMaxSize, pkg/apis/resource of
+# v1.37): a larger count can never be allocated, so it is refused rather than charged.
+_MAX_COUNT = 32
+_SHOWN = 40
+
+
+class ClaimQuotaError(ValueError):
+    """The claim or a quota cannot be read; the message names the object, the field, the value and the rule."""
+
+
+@dataclass(frozen=True)
+class Usage:
+    core_milli: int = 0
+    memory_mib: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(self.core_milli + other.core_milli, self.memory_mib + other.memory_mib)
+
+    def of(self, resource: str) -> int:
+        return self.core_milli if resource == CORE_QUOTA else self.memory_mib
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One quota the new claim would exceed."""
+
+    namespace: str
+    quota: str
+    resource: str
+    used: int
+    requested: int
+    hard: int
+
+    def message(self, claim: str) -> str:
+        return (f"ResourceClaim {self.namespace}/{claim}: exceeded quota {self.quota!r} in namespace "
+                f"{self.namespace!r}: {self.resource} used {self.used} + requested {self.requested} > hard "
+                f"{self.hard} ({UNITS[self.resource]})")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+def _whole_number(where: str, value: Any) -> int:
+    """A non-negative whole number in qgpu's units, written as kube-apiserver serves quantities.
+
+    The apiserver canonicalises what it stores: ``"1000"`` comes back as ``"1k"``, so decimal
+    suffixes and exponents must be read (``model/quantity.py``, bounded work, at most 2^63-1).
+    Binary suffixes are refused: ``64Gi`` of a quantity counted in MiB is a mistake, not a limit."""
+    rule = ("must be a non-negative whole number in qgpu's units (core in thousandths of a card, memory in MiB): "
+            "4000 or 4k, no fraction, sign or binary suffix (Ki, Mi, Gi)")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    if isinstance(value, str) and value.endswith("i"):
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    try:
+        number = parse_quantity(str(value)) if isinstance(value, str) else None
+    except QuantityError as exc:
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule} ({exc.rule})") from None
+    if number is None:  # a JSON integer
+        if not 0 <= value <= QUANTITY_LIMIT:
+            raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+        return value
+    if number < 0 or number != number.to_integral_value():
+        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
+    return int(number)
+
+
+def _name(obj: Mapping[str, Any]) -> tuple[str, str]:
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or meta.get("generateName") or "?")
+
+
+def _request_usage(where: str, request: Mapping[str, Any], default_memory_mib: int) -> Usage:
+    """What one device request of a qgpu class asks, all its devices together."""
+    mode = request.get("allocationMode") or "ExactCount"
+    if mode == "All":
+        # Every matching card of the node (a T9k whole-node pod): how many is known only after
+        # allocation, so the charge is the most a node may have, as the memory default is.
+        count = DEFAULT_LIMITS.max_cards_per_node
+    elif mode == "ExactCount":
+        count = request.get("count", 1)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_COUNT:
+            raise ClaimQuotaError(f"{where}.count={_shown(count)}: must be an integer 1..{_MAX_COUNT}")
+    else:
+        raise ClaimQuotaError(f"{where}.allocationMode={_shown(mode)}: must be ExactCount or All")
+    capacity = request.get("capacity") or {}
+    asked = capacity.get("requests") if isinstance(capacity, dict) else None
+    if asked is None:
+        asked = {}
+    if not isinstance(capacity, dict) or not isinstance(asked, dict):
+        raise ClaimQuotaError(f"{where}.capacity={_shown(capacity)}: must be an object with a 'requests' object")
+    core = _whole_number(f"{where}.capacity.requests.{CORE}", asked[CORE]) if CORE in asked else CORE_MILLI_PER_CARD
+    memory = _whole_number(f"{where}.capacity.requests.{MEMORY}", asked[MEMORY]) if MEMORY in asked else default_memory_mib
+    return Usage(core * count, memory * count)
+
+
+def claim_usage(claim: Mapping[str, Any], default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> Usage:
+    """GPU core and memory ``claim`` asks of qgpu's classes; requests of other classes count nothing.
+
+    Raises ClaimQuotaError, naming the field, for a qgpu request that cannot be charged."""
+    namespace, name = _name(claim)
+    spec = claim.get("spec")
+    devices = spec.get("devices") if isinstance(spec, dict) else None
+    requests = devices.get("requests") if isinstance(devices, dict) else None
+    if requests is None:
+        return Usage()
+    if not isinstance(requests, list):
+        raise ClaimQuotaError(f"ResourceClaim {namespace}/{name}: spec.devices.requests={_shown(requests)}: must be a list")
+    total = Usage()
+    for i, request in enumerate(requests):
+        where = f"ResourceClaim {namespace}/{name}: spec.devices.requests[{i}]"
+        if not isinstance(request, dict):
+            raise ClaimQuotaError(f"{where}={_shown(request)}: must be an object")
+        if "firstAvailable" in request:
+            alternatives = request["firstAvailable"]
+            if not isinstance(alternatives, list):
+                raise ClaimQuotaError(f"{where}.firstAvailable={_shown(alternatives)}: must be a list")
+            charged = Usage()
+            for j, sub in enumerate(alternatives):
+                if isinstance(sub, dict) and sub.get("deviceClassName") in QGPU_CLASSES:
+                    u = _request_usage(f"{where}.firstAvailable[{j}]", sub, default_memory_mib)
+                    charged = Usage(max(charged.core_milli, u.core_milli), max(charged.memory_mib, u.memory_mib))
+            total += charged
+            continue
+        exactly = request.get("exactly", request)  # resource.k8s.io/v1 nests it; v1beta1 did not
+        if isinstance(exactly, dict) and exactly.get("deviceClassName") in QGPU_CLASSES:
+            total += _request_usage(where + (".exactly" if "exactly" in request else ""), exactly, default_memory_mib)
+    return total
+
+
+def _hard(quota: Mapping[str, Any]) -> dict[str, Any]:
+    spec = quota.get("spec")
+    hard = spec.get("hard") if isinstance(spec, dict) else None
+    return hard if isinstance(hard, dict) else {}
+
+
+def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, int]]:
+    """(quota name, resource, hard) of every qgpu entry of the namespace's ResourceQuotas."""
+    limits = []
+    for quota in quotas:
+        _, name = _name(quota)
+        hard = _hard(quota)
+        for resource in (CORE_QUOTA, MEMORY_QUOTA):
+            if resource in hard:
+                limits.append((name, resource, _whole_number(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource])))
+    return limits
+
+
+def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
+                default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> list[Refusal]:
+    """The quotas a new claim would exceed (empty: admit it).
+
+    ``existing`` are the namespace's claims; the new claim itself and claims of other namespaces
+    among them are skipped. An existing claim that cannot be read is charged a whole card for
+    each of its requests of a qgpu class, so a malformed claim cannot hide usage. Raises
+    ClaimQuotaError when the new claim or a quota cannot be read.
+    """
+    quotas = list(quotas)
+    if not any(r in _hard(q) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
+        return []  # no qgpu quota here: the claim is not ours to judge
+    namespace, name = _name(claim)
+    asked = claim_usage(claim, default_memory_mib)
+    if asked == Usage():
+        return []  # asks nothing of qgpu: a broken qgpu quota must not block other drivers' claims
+    limits = quota_limits(quotas)
+    used = Usage()
+    for other in existing:
+        other_ns, other_name = _name(other)
+        if other_ns != namespace or other_name == name:
+            continue
+        try:
+            used += claim_usage(other, default_memory_mib)
+        except ClaimQuotaError:
+            used += _whole_cards(other, default_memory_mib)
+    refusals = []
+    for quota, resource, hard in limits:
+        if used.of(resource) + asked.of(resource) > hard and asked.of(resource) > 0:
+            refusals.append(Refusal(namespace, quota, resource, used.of(resource), asked.of(resource), hard))
+    return refusals
+
+
+def _whole_cards(claim: Mapping[str, Any], default_memory_mib: int) -> Usage:
+    """A whole card per qgpu request of an unreadable existing claim (its count unknown: one)."""
+    spec = claim.get("spec") if isinstance(claim.get("spec"), dict) else {}
+    devices = spec.get("devices") if isinstance(spec.get("devices"), dict) else {}
+    requests = devices.get("requests") if isinstance(devices.get("requests"), list) else []
+    n = 0
+    for request in requests:
+        if not isinstance(request, dict):
+            continue
+        exactly = request.get("exactly", request)
+        classes = [exactly.get("deviceClassName")] if isinstance(exactly, dict) else []
+        if isinstance(request.get("firstAvailable"), list):
+            classes += [s.get("deviceClassName") for s in request["firstAvailable"] if isinstance(s, dict)]
+        n += any(c in QGPU_CLASSES for c in classes)
+    return Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
+
+
+def claim_admission(request: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
+                    default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> tuple[bool, str]:
+    """(allowed, message) for an AdmissionReview ``request``: a CREATE of a resource.k8s.io
+    ResourceClaim is checked against the namespace's quotas, anything else is allowed.
+
+    The caller (the webhook's route) lists ``existing`` claims and ``quotas`` of
+    ``request["namespace"]``; a claim or quota that cannot be read is a denial naming it, since
+    admitting it would let the quota be bypassed."""
+    kind = request.get("kind") if isinstance(request.get("kind"), dict) else {}
+    if request.get("operation") != "CREATE" or kind.get("group") != "resource.k8s.io" or kind.get("kind") != "ResourceClaim":
+        return True, ""
+    obj = request.get("object")
+    if not isinstance(obj, dict):
+        return False, f"qgpu: AdmissionReview.request.object={_shown(obj)}: must be a ResourceClaim object"
+    meta = dict(obj.get("metadata") or {}) if isinstance(obj.get("metadata"), dict) else {}
+    meta.setdefault("namespace", request.get("namespace") or "default")
+    if not meta.get("name") and isinstance(request.get("name"), str):
+        meta["name"] = request["name"]
+    claim = {**obj, "metadata": meta}
+    try:
+        refusals = check_claim(claim, existing, quotas, default_memory_mib)
+    except ClaimQuotaError as exc:
+        return False, f"qgpu: {exc}"
+    if refusals:
+        _, name = _name(claim)
+        return False, "qgpu: " + "; ".join(r.message(name) for r in refusals)
+    return True, ""
