@@ -173,6 +173,8 @@ class ClaimQuota:
             allowed, message = claim_admission(request, claims, quotas, self.default_memory_mib, reserved_usage(counting))
             if not allowed:
                 return Verdict(False, message)
+            if request.get("dryRun") is True:
+                return Verdict(True)  # nothing will be stored, so nothing is reserved (sideEffects: NoneOnDryRun)
             if len(counting) >= MAX_ENTRIES:
                 raise QuotaUnavailable(f"{len(counting)} claims of the namespace are admitted and not yet stored")
             counting[key] = Reservation(asked.core_milli, asked.memory_mib, now + self.ttl)

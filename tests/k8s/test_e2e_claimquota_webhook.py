@@ -135,6 +135,18 @@ def test_a_claim_beyond_the_quota_is_refused_with_the_figures(hook):
     assert set(parse_ledger(lease.metadata.annotations[CLAIM_RESERVATIONS])) <= {"first", "third"}
 
 
+def test_a_dry_run_is_judged_and_reserves_nothing(hook):
+    ns = hook.namespace(quota_core=1000)
+    for _ in range(3):
+        hook.resource.create_namespaced_resource_claim(ns, _claim("dry", 600), dry_run="All", _preload_content=False)
+    with pytest.raises(ApiException) as refused:
+        hook.resource.create_namespaced_resource_claim(ns, _claim("dry", 1200), dry_run="All", _preload_content=False)
+    assert "requested 1200 > hard 1000" in json.loads(refused.value.body)["message"]
+    with pytest.raises(ApiException) as absent:
+        client.CoordinationV1Api(hook.cluster.api_client).read_namespaced_lease(ledger_name(ns), hook.ledger_ns)
+    assert absent.value.status == 404
+
+
 def test_a_namespace_without_a_qgpu_quota_is_not_judged(hook):
     ns = hook.namespace()
     for i in range(3):
