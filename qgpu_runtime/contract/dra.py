@@ -267,7 +267,9 @@ def claim_share_settings(claim: dict[str, Any], requests: Iterable[str]) -> dict
     meta = claim.get("metadata") or {}
     where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
     allocated = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config")
-    field, entries = ("status.allocation.devices.config", allocated) if allocated else         ("spec.devices.config", ((claim.get("spec") or {}).get("devices") or {}).get("config"))
+    field, entries = "status.allocation.devices.config", allocated
+    if not allocated:
+        field, entries = "spec.devices.config", ((claim.get("spec") or {}).get("devices") or {}).get("config")
     wanted = list(dict.fromkeys(requests))
     out = {r: NORMAL_SHARE for r in wanted}
     if entries is None:
