@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
@@ -38,6 +38,7 @@ from qgpu_runtime import protos
 from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model import AppClass
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import cdi
 from qgpu_runtime.node.response import CONTROL_DEVICES, card_envs, t9k_share_envs
@@ -142,6 +143,9 @@ class ClaimPreparer:
             settings = claim_share_settings(claim, [s.request for s in shares])
         except DraClaimError as exc:
             raise ClaimRefused(str(exc)) from None
+        # Online work books memory only, as the device plugin books it (the extender's core 0): the
+        # 10 the webhook asks (the capacity's minimum step) would otherwise cap it at 1 % of the card.
+        shares = [replace(s, core_milli=0) if settings[s.request].app_class == AppClass.ONLINE.value else s for s in shares]
         self._check_cards(where, shares)
         now = self.clock_ns()
         rows = self._share_rows(namespace, name, uid, shares, settings, now)
