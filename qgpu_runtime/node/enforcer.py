@@ -149,8 +149,10 @@ class NodeIsolation:
         self.engine = build_engine(policy, sampler, self._actuator, metrics.registry, sink, memory_tolerance_mib)
 
     def _pod_of(self, key: str) -> tuple[str, str, str]:
-        ref = self.resolver.ref(key)
-        return ref.namespace, ref.pod, ref.pod_uid
+        """The pod an event about ``key`` goes to: a tenant of several pods (one claim shared by
+        them) reports on its first."""
+        first = self.resolver.ref(key).members[0]
+        return first.namespace, first.pod, first.pod_uid
 
     def refresh(self, pods_max_age_s: float) -> None:
         """Re-read the store's shares and the node's pods (new containers, ended pods)."""

@@ -361,3 +361,16 @@ def test_a_restarted_manager_enforces_a_claim_from_the_store_and_its_reserved_po
     assert [pod.uid for pod in w.store.prepared_claims()[0].pods] == [_uid(p)]
     w.drive(1.0)
     assert w.rate(101, 4.0) == pytest.approx(300, abs=25)
+
+
+def test_a_claim_shared_by_two_pods_over_its_memory_stops_both_and_reports_on_one_named_pod(world_of):
+    w = world_of(Policy.BEST_EFFORT)
+    w.claim("shared", 500, memory_mib=2048)
+    p1, i1 = w.pod("one", {"main": ["shared"]})
+    p2, i2 = w.pod("two", {"main": ["shared"]})
+    w.run(101, cgroupfs(_uid(p1), i1["main"]), 300, memory_mib=1024)
+    w.run(202, cgroupfs(_uid(p2), i2["main"]), 300, memory_mib=1024)
+    w.drive(0.5, events={3: lambda: w.gpus[0].allocate(202, 1024)})  # together over the claim's 2048 MiB
+    assert 101 not in w.gpus[0].processes and 202 not in w.gpus[0].processes
+    events = [json.loads(line) for line in w.pods_file.with_suffix(".events.jsonl").read_text().splitlines()]
+    assert [(e["pod"], e["uid"], e["reason"]) for e in events] == [("one", _uid(p1), "GPUMemoryQuotaExceeded")]
