@@ -3,10 +3,13 @@
 kube-scheduler allocates a ResourceClaim (resource.k8s.io/v1, consumable capacity) to a card of
 this node's ResourceSlice; kubelet then calls ``NodePrepareResources`` with the claim's namespace,
 name and UID only. This plugin reads the claim from the apiserver, checks the UID, decodes the
-allocation with ``contract.dra.claim_shares``, books the shares in the node store (the same
+allocation with ``contract.dra.claim_shares`` and each request's class from the claim's opaque
+ShareConfig (``contract.dra.claim_share_settings``), books the shares in the node store (the same
 ``shares`` table the device plugin writes, keyed by the claim's UID, so `qgpu status`, the metrics
-and the isolation engine read one store) and writes a CDI spec whose devices carry the container
-environment the device-plugin path sets (node/response.py). ``NodeUnprepareResources`` undoes both.
+and the isolation engine read one store) together with the pods of its ``status.reservedFor``
+(node/tenants.py makes the containers that reference the claim its tenant), and writes a CDI spec
+whose devices carry the container environment the device-plugin path sets (node/response.py).
+``NodeUnprepareResources`` undoes both.
 
 Order and crash safety: prepare books first and writes the spec second; a repeated prepare
 answers from the store when the spec is in place, and goes the whole way again (replacing its own
