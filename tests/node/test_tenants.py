@@ -85,3 +85,10 @@ def test_quotas_on_one_card_add_up_and_core_stops_at_the_whole_card():
     rows = [_row("cx", "x", "gpu", 0, 700), _row("cy", "y", "gpu", 0, 600)]
     pod = _pod("p1", "p", {"main": [{"name": "x"}, {"name": "y"}]}, {"x": "x", "y": "y"})
     assert _summary(tenants_of(rows, [x, y], {"p1": pod})) == {"ns/p/main": ("normal", (CardQuota(0, 1000, 2048),))}
+
+
+def test_a_sidecar_init_container_referencing_a_claim_is_a_member_too():
+    pod = _pod("p1", "p", {"main": [{"name": "g"}]}, {"g": "shared"})
+    pod["spec"]["initContainers"] = [{"name": "sidecar", "restartPolicy": "Always", "resources": {"claims": [{"name": "g"}]}}]
+    ((ref, _),) = tenants_of([_row("c1", "shared", "gpu", 0, 300)], [_claim("c1", "shared")], {"p1": pod}).values()
+    assert [m.container for m in ref.members] == ["main", "sidecar"]
