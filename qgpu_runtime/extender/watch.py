@@ -113,7 +113,10 @@ class CacheFeeder:
         }
         if kind.field_selector:
             kwargs["field_selector"] = kind.field_selector
-        w = watch.Watch()
+        # Events are not deserialised into models; naming a type skips the client's lookup of the
+        # model from the list call's signature, which fails for resource.k8s.io (ResourceClaimList
+        # → "V1ResourceClaim", a model the client names ResourceV1ResourceClaim).
+        w = watch.Watch(return_type=dict)
         try:
             for event in w.stream(kind.list_call, **kwargs):
                 if self._stop.is_set():
