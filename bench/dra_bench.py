@@ -22,7 +22,12 @@ spreads). Claims of (c) and (d) consume the same slices, dialect pods of (b) are
 extender's records on the same cards: the two accountings are separate, as they would be in a
 cluster that runs both paths on different node pools.
 
-Run: .venv/bin/python bench/dra_bench.py --nodes 300 --pods 400 [--json out.json] [--markdown]
+With ``--pack-nodes N``: the packing outcome when the cluster fills up. A seeded mix of quarter
+cards, halves and whole cards (whole: a claim without capacity) arrives one pod at a time on N
+empty nodes of each DRA arm's own, until it asks ``--pack-demand`` of the compute of their cards; (c)'s default
+scoring against (d)'s binpack through prioritize: pods placed, compute booked, whole cards left.
+
+Run: .venv/bin/python bench/dra_bench.py --nodes 300 --pods 400 [--pack-nodes 4] [--json out.json] [--markdown]
 """
 
 from __future__ import annotations
@@ -104,6 +109,89 @@ def claims_for(resource: client.ResourceV1Api):
     return prepare
 
 
+PACK_LABEL = "qgpu.io/bench-pack"
+PACK_SHAPES = ((250, 4096), (500, 8192), (None, None))  # a quarter, a half, a whole card (no capacity asked)
+PACK_WEIGHTS = (0.55, 0.25, 0.20)
+
+
+def pack_mix(nodes: int, seed: int, demand: float) -> list[tuple[int | None, int | None]]:
+    """A seeded mix of shares and whole cards asking, in all, ``demand`` of the compute of ``nodes`` nodes."""
+    import random
+    rng = random.Random(seed)
+    capacity, asked, out = int(nodes * CARDS * 1000 * demand), 0, []
+    while asked < capacity:
+        shape = rng.choices(PACK_SHAPES, PACK_WEIGHTS)[0]
+        out.append(shape)
+        asked += shape[0] or 1000
+    return out
+
+
+def pack_claim(name: str, shape: tuple[int | None, int | None]) -> dict[str, Any]:
+    core, memory = shape
+    if core is None:
+        return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": SHARED_CLASS}}]}}}
+    doc = share_claim(name)
+    doc["spec"]["devices"]["requests"][0]["exactly"]["capacity"]["requests"] = {"core": str(core), "memory": str(memory)}
+    return doc
+
+
+def packing(api: client.CoreV1Api, resource: client.ResourceV1Api, group: str, nodes: int,
+            mix: list[tuple[int | None, int | None]]) -> dict[str, Any]:
+    """The mix arriving one pod at a time on ``nodes`` empty tainted nodes of their own; a pod the
+    scheduler reports unschedulable is deleted (so it cannot take a later pod's place). Reported:
+    pods placed, compute booked, whole cards left free and nodes used."""
+    names = [f"pack-{group}-{i:03d}" for i in range(nodes)]
+    for name in names:
+        make_pack_node(api, resource, name, group)
+    ns = f"pack-{group}-{int(time.time() * 1000) % 10**8}"
+    api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    placed, booked = 0, 0
+    for i, shape in enumerate(mix):
+        name = f"p{i:04d}"
+        resource.create_namespaced_resource_claim(ns, pack_claim(name, shape), _preload_content=False)
+        doc = claim_pod(name)
+        doc["spec"]["nodeSelector"] = {PACK_LABEL: group}
+        doc["spec"]["tolerations"] = [{"key": PACK_LABEL, "operator": "Equal", "value": group, "effect": "NoSchedule"}]
+        api.create_namespaced_pod(ns, doc, _preload_content=False)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            pod = json.loads(api.read_namespaced_pod(name, ns, _preload_content=False).data)
+            if pod["spec"].get("nodeName"):
+                placed += 1
+                booked += shape[0] or 1000
+                break
+            if any(c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+                   for c in (pod.get("status") or {}).get("conditions") or []):
+                api.delete_namespaced_pod(name, ns, grace_period_seconds=0, _preload_content=False)
+                break
+            time.sleep(0.05)
+        time.sleep(0.2)  # one arrival at a time: the claim's allocation reaches every watcher
+    claims = json.loads(resource.list_namespaced_resource_claim(ns, _preload_content=False).data)["items"]
+    used_cards: set[tuple[str, str]] = set()
+    for c in claims:
+        for r in (((c.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []:
+            used_cards.add((r["pool"], r["device"]))
+    return {"nodes": nodes, "cards": nodes * CARDS, "pods": len(mix), "placed": placed,
+            "compute_booked_pct": round(100 * booked / (nodes * CARDS * 1000), 1),
+            "whole_cards_free": nodes * CARDS - len(used_cards), "nodes_used": len({p for p, _ in used_cards}),
+            "empty_nodes": nodes - len({p for p, _ in used_cards})}
+
+
+def make_pack_node(api: client.CoreV1Api, resource: client.ResourceV1Api, name: str, group: str) -> None:
+    resources = {"cpu": "96", "memory": "768Gi", "pods": "250"}
+    api.create_node({"apiVersion": "v1", "kind": "Node",
+                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, PACK_LABEL: group}},
+                     "spec": {"taints": [{"key": PACK_LABEL, "value": group, "effect": "NoSchedule"}]}})
+    api.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources,
+                                            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}]}})
+    devices = [slice_device(c, "burst-share") for c in cards(CARDS, node=name)]
+    resource.create_resource_slice({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                                    "metadata": {"name": slice_name(name)},
+                                    "spec": {"driver": DRIVER, "nodeName": name, "devices": devices,
+                                             "pool": {"name": name, "generation": 1, "resourceSliceCount": 1}}})
+
+
 def nodes_used(api: client.CoreV1Api, namespace: str) -> int:
     items = json.loads(api.list_namespaced_pod(namespace, _preload_content=False).data)["items"]
     return len({p["spec"].get("nodeName") for p in items if p["spec"].get("nodeName")})
@@ -114,6 +202,10 @@ def main() -> int:
     parser.add_argument("--nodes", type=int, default=300)
     parser.add_argument("--pods", type=int, default=400)
     parser.add_argument("--priority", default="binpack")
+    parser.add_argument("--pack-nodes", type=int, default=0,
+                        help="also pack a seeded mix one pod at a time on this many empty nodes per DRA arm")
+    parser.add_argument("--pack-seed", type=int, default=7)
+    parser.add_argument("--pack-demand", type=float, default=0.75, help="compute the mix asks, of the pack nodes' total")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", action="store_true", help="append the table to docs/benchmarks.md")
     args = parser.parse_args()
@@ -168,6 +260,17 @@ def main() -> int:
         for arm in ("a_no_gpu", "b_extender", "c_dra", "d_dra_prioritize", "a_no_gpu_again"):
             result[arm]["ratio"] = round(result[arm]["pods_per_s"] / base, 3)
             result[arm]["nodes_used"] = nodes_used(api, result[arm]["namespace"])
+        if args.pack_nodes:
+            mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand)
+            result["pack_demand"] = args.pack_demand
+            cp.start_scheduler([])
+            result["packing"] = {"c_dra": packing(api, resource, "dra", args.pack_nodes, mix)}
+            extender = extender_server(cp, priority=args.priority, assume_timeout=120,
+                                       extra_args=(*holds, "--dra-prioritize"), name="qgpu-extender-dra")
+            extender.start()
+            cp.start_scheduler([entry])
+            result["packing"]["d_dra_prioritize"] = packing(api, resource, "qgpu", args.pack_nodes, mix)
+            cp.stop_scheduler()
     finally:
         if extender is not None:
             extender.stop()
@@ -210,6 +313,16 @@ def append_markdown(r: dict[str, Any]) -> None:
              f"- Machine: {r['machine']}; {r['kubernetes']}; load average at the end {r['load_average_at_end']}",
              f"- {r['nodes']} fake nodes with {CARDS} cards, {r['pods']} pods per arm, policy {r['priority']}", "",
              *table(r), ""]
+    if "packing" in r:
+        lines += ["| packing: the same seeded mix (55 % quarter cards, 25 % halves, 20 % whole cards), one pod at a time, "
+                  f"on identical empty nodes, asking {round(100 * r['pack_demand'])} % of their compute "
+                  "| pods placed of asked | compute booked | whole cards left free | nodes used | nodes left empty |",
+                  "|---|---|---|---|---|---|"]
+        for key, label in (("c_dra", "(c) DRA alone"), ("d_dra_prioritize", "(d) DRA + qgpu prioritize")):
+            pk = r["packing"][key]
+            lines.append(f"| {label} ({pk['nodes']} nodes, {pk['cards']} cards) | {pk['placed']} / {pk['pods']} | "
+                         f"{pk['compute_booked_pct']} % | {pk['whole_cards_free']} | {pk['nodes_used']} | {pk['empty_nodes']} |")
+        lines.append("")
     with (ROOT / "docs" / "benchmarks.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
 
