@@ -268,6 +268,9 @@ def main() -> int:
             extender = extender_server(cp, priority=args.priority, assume_timeout=120,
                                        extra_args=(*holds, "--dra-prioritize"), name="qgpu-extender-dra")
             extender.start()
+            wait_cached(extender.url, extender.ssl_context(), args.nodes)
+            entry = extender.scheduler_config(timeout="30s", weight=PRIORITIZE_WEIGHT)  # the new server's port
+            entry.update(filterVerb="", bindVerb="", ignorable=True)
             cp.start_scheduler([entry])
             result["packing"]["d_dra_prioritize"] = packing(api, resource, "qgpu", args.pack_nodes, mix)
             cp.stop_scheduler()
