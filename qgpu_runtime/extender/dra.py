@@ -163,7 +163,8 @@ class DraView:
     """Slices, claims and templates as the watches deliver them, and the scoring of DRA pods.
 
     ``node_specs``: the extender's node cache (CPU and memory of each node, for the policy's node
-    terms). Thread-safe: one lock, held for the event and for one scoring pass.
+    terms), read when the card state is rebuilt (a slice changed); a node seen after its slice
+    counts as large until then. Thread-safe: one lock, held for the event and for one scoring pass.
     """
 
     def __init__(self, limits: CardLimits = DEFAULT_LIMITS, node_specs: Callable[[], Mapping[str, NodeSpec]] | None = None):
