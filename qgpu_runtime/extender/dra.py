@@ -1,8 +1,9 @@
 """The extender's view of qgpu's DRA devices, for prioritize-only scoring of DRA pods.
 
-With DRA, kube-scheduler's own allocator picks the card: first fit, devices in name order within
-the node's pool (contract/dra.py publishes one pool per node). qgpu cannot change that choice, and
-must not filter or bind such pods, but it can still choose the node through prioritize. This view
+With DRA, kube-scheduler's own allocator picks the card: first fit within the node's pool, its
+slices by name and each slice's devices in the order the slice lists them (contract/dra.py: one
+pool per node, one device per card). qgpu cannot change that choice, and must not filter or bind
+such pods, but it can still choose the node through prioritize. This view
 answers "how would each node look after the allocator placed this pod's claims there" and scores
 that with the extender's policy, so binpack fills one node before the next (the scheduler's own
 plugins would spread).
@@ -257,17 +258,19 @@ class DraView:
     # -- state ---------------------------------------------------------------------------------
 
     def state(self) -> ClusterState:
-        """The cards of every node with a qgpu slice, their columns in first-fit order (device
-        names compared as strings, as the allocator does), minus what allocated claims consume."""
+        """The cards of every node with a qgpu slice, their columns in first-fit order (the node's
+        slices by name, each one's devices as listed: the allocator's walk), minus what allocated
+        claims consume."""
         with self.lock:
             if self._state is None:
                 cards: dict[str, list[tuple[str, CardSpec]]] = {}
-                for node, devices in self._slices.values():
+                for name in sorted(self._slices):  # the allocator walks a pool's slices by name
+                    node, devices = self._slices[name]
                     cards.setdefault(node, []).extend(devices)
                 known = self.node_specs()
                 specs, self._columns = [], {}
                 for node in sorted(cards):
-                    ordered = sorted(cards[node], key=lambda d: d[0])
+                    ordered = cards[node]  # and each slice's devices in the order it lists them
                     base = known.get(node) or DEFAULT_NODE
                     specs.append(NodeSpec(node, base.cpu_milli, base.memory_mib, tuple(c for _, c in ordered)))
                     self._columns[node] = {name: j for j, (name, _) in enumerate(ordered)}

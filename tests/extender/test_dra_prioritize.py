@@ -137,15 +137,26 @@ def test_a_node_where_first_fit_finds_no_card_scores_zero() -> None:
     assert v.scores([Ask(None, None)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [10, 0]
 
 
-def test_first_fit_follows_device_name_order() -> None:
-    """12 cards: the allocator compares names as strings, so gpu-10 comes before gpu-2. With gpu-0,
-    gpu-1, gpu-10 and gpu-11 used up on node-a, a whole card fits there still (gpu-2), and binpack
-    scores it fuller than the empty node-b; a pod asking for 9 whole cards fits only on node-b."""
+def test_first_fit_follows_the_slices_device_order() -> None:
+    """The allocator walks a slice's devices as listed (qgpu lists them by card index), not by name.
+    With gpu-0, gpu-1, gpu-2 and gpu-3 full on node-a, a whole card still fits there (gpu-4), and
+    binpack scores node-a over the empty node-b; a pod asking for 9 whole cards fits only on node-b."""
     v = view("node-a", "node-b", cards=12)
-    full = [("node-a", f"gpu-{i}", 1000, 16384) for i in (0, 1, 10, 11)]
+    full = [("node-a", f"gpu-{i}", 1000, 16384) for i in range(4)]
     v.apply_claim("ADDED", claim("u", count=4, allocated=full))
     assert v.scores([Ask(None, None)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [10, 0]
     assert v.scores([Ask(None, None)] * 9, NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [0, 10]
+
+
+def test_card_columns_follow_the_slices_device_order() -> None:
+    """First fit tries the columns left to right: a slice listing gpu-1 before gpu-0 puts gpu-1 first."""
+    reordered = rslice("node-a", cards=2)
+    reordered["spec"]["devices"].reverse()
+    v = DraView()
+    v.replace_slices([reordered])
+    v.replace_claims([])
+    state = v.state()
+    assert [int(state.card_index[0, j]) for j in range(2)] == [1, 0]
 
 
 def test_unknown_nodes_score_zero_and_the_list_order_is_kept() -> None:
