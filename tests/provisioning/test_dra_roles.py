@@ -272,3 +272,42 @@ def test_the_manager_refuses_an_unknown_pool_mode(tmp_path: Path) -> None:
     run, _ = render_manager(tmp_path, {"qgpu_pool_x": (["gpu-x"], {"qgpu_pool_mode": "DRA"})})
     assert run.returncode != 0
     assert 'gpu-x: qgpu_pool_mode "DRA" is not allowed; allowed values: device-plugin, dra' in one_line(run.output)
+
+
+# --- the preflight: which modes the cluster supports ---------------------------------------------
+
+PREFLIGHT = REPO / "tests/provisioning/playbooks/preflight.yml"
+
+
+def preflight_pool_mode(tmp_path: Path, **role_vars: Any) -> tuple[Run, dict[str, Any]]:
+    results = tmp_path / "results.json"
+    run = playbook(PREFLIGHT, gpu_preflight_checks=["pool_mode"], results_file=str(results), **role_vars)
+    found = {r["check"]: r for r in json.loads(results.read_text())} if results.exists() else {}
+    return run, found.get("pool_mode", {})
+
+
+@pytest.mark.parametrize("kubelet", ["1.34.0", "v1.37.2"])
+def test_the_preflight_reports_both_modes_from_kubernetes_1_34(tmp_path: Path, kubelet: str) -> None:
+    run, result = preflight_pool_mode(tmp_path, gpu_preflight_kubelet_version=kubelet, qgpu_pool_mode="dra")
+    assert run.returncode == 0, run.output[-4000:]
+    assert result["ok"] is True
+    assert "supports: device-plugin, dra" in one_line(result["detail"])
+
+
+def test_the_preflight_refuses_dra_below_kubernetes_1_34(tmp_path: Path) -> None:
+    enforced, _ = preflight_pool_mode(tmp_path, gpu_preflight_kubelet_version="1.33.5", qgpu_pool_mode="dra")
+    assert enforced.returncode != 0
+    text = one_line(enforced.output)
+    assert "pool_mode: localhost: qgpu_pool_mode dra needs Kubernetes 1.34 or later" in text
+    assert "kubelet 1.33.5 supports only: device-plugin" in text
+    reported, result = preflight_pool_mode(tmp_path, gpu_preflight_kubelet_version="1.33.5", qgpu_pool_mode="dra",
+                                           gpu_preflight_mode="report")
+    assert reported.returncode == 0, reported.output[-4000:]
+    assert result["ok"] is False
+
+
+def test_an_older_cluster_keeps_the_device_plugin_path(tmp_path: Path) -> None:
+    run, result = preflight_pool_mode(tmp_path, gpu_preflight_kubelet_version="1.20.15")
+    assert run.returncode == 0, run.output[-4000:]
+    assert result["ok"] is True
+    assert "qgpu_pool_mode device-plugin; kubelet 1.20.15 supports: device-plugin" in one_line(result["detail"])
