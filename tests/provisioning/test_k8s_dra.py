@@ -159,6 +159,10 @@ def slice_for(node: str) -> dict[str, Any]:
                      "devices": [{"name": dra.device_name(0)}]}}
 
 
+def message(refusal: ApiException) -> str:
+    return str(json.loads(refusal.body)["message"])
+
+
 def test_the_admission_policy_refuses_a_slice_for_another_node(site: DraSite, tmp_path: Path) -> None:
     cluster = site.cluster
     kubeconfig = service_account_kubeconfig(cluster, "qgpu-manager-dra", tmp_path / "dra.kubeconfig", node="gpu-dra-1")
@@ -170,13 +174,13 @@ def test_the_admission_policy_refuses_a_slice_for_another_node(site: DraSite, tm
         with pytest.raises(ApiException) as refused:
             slices.create(body=slice_for("gpu-dra-2"))
         assert refused.value.status in (403, 422), refused.value.body
-        assert "is for node(s) \"gpu-dra-2\"; rule: the node manager writes only ResourceSlices of its own node" \
-            in refused.value.body
+        assert ('qgpu-manager of node gpu-dra-1: ResourceSlice gpu-dra-2-gpu.qgpu.io is for node(s) "gpu-dra-2"; '
+                "rule: the node manager writes only ResourceSlices of its own node") in message(refused.value)
         foreign = slice_for("gpu-dra-1") | {"metadata": {"name": "foreign-driver"}}
         foreign["spec"] = foreign["spec"] | {"driver": "gpu.example.com", "pool": {"name": "x", "generation": 1, "resourceSliceCount": 1}}
         with pytest.raises(ApiException) as other_driver:
             slices.create(body=foreign)
-        assert 'names driver "gpu.example.com"' in other_driver.value.body
+        assert 'names driver "gpu.example.com"' in message(other_driver.value)
         slices.delete(name=dra.slice_name("gpu-dra-1"))
     finally:
         cluster.api.delete_namespaced_pod("qgpu-manager-dra-token-holder", NAMESPACE, grace_period_seconds=0)
