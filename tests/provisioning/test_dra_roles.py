@@ -53,7 +53,7 @@ def test_a_dra_pool_gets_cdi_in_containerd_and_a_second_run_changes_nothing(tmp_
     main = tomllib.loads((root / "etc/containerd/config.toml").read_text())
     assert main["imports"] == ["/etc/containerd/other.d/*.toml", "/etc/containerd/conf.d/*.toml"]
     assert main["plugins"]["io.containerd.cri.v1.runtime"] == {"restrict_oom_score_adj": True}
-    assert "RUNNING HANDLER [qgpu_node_pool : Restart containerd]" in first.output
+    assert "RUNNING HANDLER [qgpu_node_pool : Restart containerd to load the CDI settings]" in first.output
     plan = json.loads((root / "var/lib/qgpu/provisioning/node-pool/gpu-dra-1.json").read_text())
     assert plan["metadata"]["labels"]["qgpu.io/pool-mode"] == "dra"
 
