@@ -6,7 +6,8 @@ each qgpu_pool_mode, against fake Nodes; the dra pool's containerd CDI drop-in i
 inventory's sandbox root (containerd 2.x declared, no service restarted). Read back from the
 apiserver: the mode label, the DeviceClasses equal to contract.dra.device_classes(), the DRA manager
 DaemonSets and RBAC (SubjectAccessReview), and the admission policy refusing a ResourceSlice that a
-manager's token writes for another node.
+manager's token writes for another node; the webhook in its DRA mode (--dra, /mutate-dra and the
+claim-quota entry, exactly the RBAC it calls).
 """
 
 from __future__ import annotations
@@ -190,6 +191,44 @@ def test_the_admission_policy_refuses_a_slice_for_another_node(site: DraSite, tm
                 admin.delete(name=name)
             except ApiException:
                 pass
+
+
+def webhook_docs(root: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((root / "etc/qgpu/manifests/qgpu-webhook.yaml").read_text()) if d]
+
+
+def test_a_dra_pool_runs_the_webhook_with_dra_and_its_entries(site: DraSite) -> None:
+    docs = webhook_docs(site.root)
+    for doc in docs:
+        assert live_object(site.cluster, doc) is not None, f"{doc['kind']}/{doc['metadata']['name']}"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--dra" in args and f"--quota-ledger-namespace={NAMESPACE}" in args
+    admission = client.AdmissionregistrationV1Api(site.cluster.api_client)
+    mutating = {h.name: h for h in admission.read_mutating_webhook_configuration("qgpu-webhook").webhooks}
+    validating = {h.name: h for h in admission.read_validating_webhook_configuration("qgpu-webhook").webhooks}
+    assert set(mutating) == {"mutate.qgpu.io", "mutate-dra.qgpu.io"}
+    assert mutating["mutate-dra.qgpu.io"].side_effects == "NoneOnDryRun"
+    assert set(validating) == {"validate.qgpu.io", "claim-quota.qgpu.io"}
+    assert validating["claim-quota.qgpu.io"].failure_policy == "Fail"
+    assert admission.read_validating_admission_policy("qgpu-webhook-own-names").spec.validations
+
+
+def test_the_dra_webhook_has_exactly_the_rbac_it_calls(site: DraSite) -> None:
+    cluster = site.cluster
+    allowed = [("get", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+               ("create", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+               ("list", "resourceclaims", "team-a", "resource.k8s.io"), ("list", "resourcequotas", "team-a", ""),
+               ("get", "leases", NAMESPACE, "coordination.k8s.io"), ("create", "leases", NAMESPACE, "coordination.k8s.io"),
+               ("update", "leases", NAMESPACE, "coordination.k8s.io")]
+    forbidden = [("update", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+                 ("delete", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+                 ("create", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourceclaims", "team-a", "resource.k8s.io"),
+                 ("watch", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourcequotas", "team-a", ""),
+                 ("create", "leases", "team-a", "coordination.k8s.io"), ("delete", "leases", NAMESPACE, "coordination.k8s.io"),
+                 ("get", "secrets", NAMESPACE, ""), ("list", "pods", None, ""), ("create", "resourceslices", None, "resource.k8s.io")]
+    assert [a for a in allowed if not can(cluster, "qgpu-webhook", a[0], a[1], namespace=a[2], group=a[3])] == []
+    assert [f for f in forbidden if can(cluster, "qgpu-webhook", f[0], f[1], namespace=f[2], group=f[3])] == []
 
 
 def test_a_second_run_changes_nothing(site: DraSite) -> None:
