@@ -39,7 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
     serve.add_argument("--dra", action="store_true",
-                       help="serve /mutate-dra: GPU pods of every dialect become DRA claims (needs RBAC to create resourceclaimtemplates)")
+                       help="serve /mutate-dra (GPU pods of every dialect become DRA claims) and /validate-claim (the claims' GPU "
+                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceclaims and "
+                            "resourcequotas list, leases get/create/update in --quota-ledger-namespace")
     serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
                        help="a card size (MiB) of the DRA pools, repeatable: T9k nvidia-gpu-percent requests need them")
     serve.add_argument("--kubeconfig", default=None, help="with --dra: kubeconfig file (default: in-cluster service account)")
