@@ -2,7 +2,8 @@
 real kube-apiserver v1.37 (docs/dra.md, "Quota on GPU core and memory").
 
 Refusals carry the figures; many claims created at the same moment never pass the hard limit,
-through one webhook and across two replicas sharing the ledger Lease; claims the resourceclaim
+through one webhook, two webhook processes behind one address, and two replicas' worth of locks
+sharing the ledger Lease; claims the resourceclaim
 controller makes from templates are held to the same quota, and the pod whose claim is refused
 stays pending with the controller's event; an apiserver refusal is a 500 naming it."""
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import threading
 import time
 import uuid
@@ -58,10 +60,11 @@ def _stored_core(resource: client.ResourceV1Api, ns: str) -> int:
 
 
 class Hook:
-    def __init__(self, cluster: Any, ledger_ns: str, selector: dict[str, str]):
+    def __init__(self, cluster: Any, ledger_ns: str, selector: dict[str, str], port: int):
         self.cluster = cluster
         self.ledger_ns = ledger_ns
         self.selector = selector
+        self.port = port
         self.resource = client.ResourceV1Api(cluster.api_client)
 
     def namespace(self, quota_core: int | None = None) -> str:
@@ -89,20 +92,23 @@ def hook(cluster) -> Iterator[Hook]:
     api = client.AdmissionregistrationV1Api(cluster.api_client)
     selector = {LABEL: uuid.uuid4().hex[:8]}
     name = f"qgpu-claim-quota-{selector[LABEL]}"
-    api.create_validating_webhook_configuration({
-        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", "metadata": {"name": name},
-        "webhooks": [{"name": "claim-quota.qgpu.io", "admissionReviewVersions": ["v1"], "sideEffects": "NoneOnDryRun",
-                      "failurePolicy": "Fail", "timeoutSeconds": 10, "namespaceSelector": {"matchLabels": selector},
-                      "clientConfig": {"url": f"{server.url}/validate-claim", "caBundle": base64.b64encode(cp.ca.pem).decode()},
-                      "rules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"], "operations": ["CREATE"],
-                                 "resources": ["resourceclaims"]}]}]})
-    h = Hook(cluster, ledger_ns, selector)
+    api.create_validating_webhook_configuration(_configuration(name, f"{server.url}/validate-claim", cp.ca.pem, selector))
+    h = Hook(cluster, ledger_ns, selector, port)
     try:
         _wait_until_active(h)
         yield h
     finally:
         api.delete_validating_webhook_configuration(name)
         server.stop()
+
+
+def _configuration(name: str, url: str, ca: bytes, selector: dict[str, str]) -> dict:
+    return {"apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingWebhookConfiguration", "metadata": {"name": name},
+            "webhooks": [{"name": "claim-quota.qgpu.io", "admissionReviewVersions": ["v1"], "sideEffects": "NoneOnDryRun",
+                          "failurePolicy": "Fail", "timeoutSeconds": 10, "namespaceSelector": {"matchLabels": selector},
+                          "clientConfig": {"url": url, "caBundle": base64.b64encode(ca).decode()},
+                          "rules": [{"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"], "operations": ["CREATE"],
+                                     "resources": ["resourceclaims"]}]}]}
 
 
 def _wait_until_active(h: Hook) -> None:
@@ -216,6 +222,90 @@ def test_two_replicas_sharing_the_ledger_never_pass_the_hard_limit(hook):
     admitted = _race(20, admit_and_store)
     assert len(admitted) == 6  # 6 × 400 = 2400 <= 2500 < 7 × 400
     assert _stored_core(hook.resource, ns) == 2400
+
+
+class RoundRobin:
+    """A TCP proxy handing each connection to the next of ``ports`` in turn, TLS passed through:
+    what a Service in front of two webhook replicas does for the apiserver's connections."""
+
+    def __init__(self, ports: list[int]):
+        self.ports = ports
+        self.served = [0] * len(ports)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.stopped = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        turn = 0
+        while not self.stopped:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return
+            index = turn % len(self.ports)
+            turn += 1
+            self.served[index] += 1
+            upstream = socket.create_connection(("127.0.0.1", self.ports[index]))
+            for a, b in ((downstream, upstream), (upstream, downstream)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.listener.close()
+
+
+def test_two_webhook_processes_behind_one_address_never_pass_the_hard_limit(hook):
+    """A second `qgpu webhook serve --dra` sharing the ledger namespace, both behind a round-robin
+    proxy registered as one entry: the apiserver's concurrent CREATEs are judged by both."""
+    cp = hook.cluster.cp
+    pair = cp.ca.issue("webhook-claim-quota-2", "qgpu-webhook", server=True, hosts=("127.0.0.1",))
+    port = free_port()
+    second = QgpuServer("qgpu-webhook-claim-quota-2", [
+        "webhook", "serve", "--address", "127.0.0.1", "--port", str(port), "--tls-cert-file", str(pair.cert),
+        "--tls-private-key-file", str(pair.key), "--dra", "--kubeconfig", str(cp.admin_kubeconfig),
+        "--quota-ledger-namespace", hook.ledger_ns], cp.workdir, port, "https", cp.ca.cert_path)
+    second.start(ready_path="/healthz")
+    proxy = RoundRobin([hook.port, port])
+    selector = {LABEL: uuid.uuid4().hex[:8]}
+    admission = client.AdmissionregistrationV1Api(hook.cluster.api_client)
+    name = f"qgpu-claim-quota-rr-{selector[LABEL]}"
+    admission.create_validating_webhook_configuration(_configuration(name, f"https://127.0.0.1:{proxy.port}/validate-claim",
+                                                                     cp.ca.pem, selector))
+    try:
+        both = Hook(hook.cluster, hook.ledger_ns, selector, hook.port)
+        _wait_until_active(both)
+        ns = both.namespace(quota_core=2000)
+
+        def create(i: int) -> bool:
+            try:
+                both.create(ns, f"c{i}", 300)
+                return True
+            except ApiException as exc:
+                assert "exceeded quota 'gpu'" in json.loads(exc.body)["message"], exc.body
+                return False
+
+        admitted = _race(24, create)
+        assert len(admitted) == 6 and _stored_core(both.resource, ns) == 1800
+        assert all(proxy.served), proxy.served  # both replicas took connections
+    finally:
+        admission.delete_validating_webhook_configuration(name)
+        proxy.stop()
+        second.stop()
 
 
 def test_the_apiservers_refusal_is_a_500_naming_it(hook):
