@@ -49,9 +49,9 @@ import numpy as np
 from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.extender.memo import FilterMemo, NeverFits
-from qgpu_runtime.extender.nodes import NodeInventoryError, node_spec
+from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra_pool, node_spec
 from qgpu_runtime.extender.podstate import BindAuthorization, PodEntry, PodStates
-from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest, RequestError, parse_pod
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement, StateError
@@ -134,6 +134,7 @@ class AllocationCache:
         self.assume_ttl_ns = assume_ttl_ns
         self.lock = threading.RLock()
         self._specs: dict[str, NodeSpec] = {}
+        self._dra_pool: set[str] = set()  # nodes of DRA pools (extender/nodes.py dra_pool)
         self._pods = PodStates()  # the booking lifecycle: one PodState per pod key
         self._state: ClusterState | None = None
         self._empty: ClusterState | None = None
@@ -210,6 +211,7 @@ class AllocationCache:
         name = str((node.get("metadata") or {}).get("name") or "")
         with self.lock:
             if event == "DELETED":
+                self._dra_pool.discard(name)
                 if self._specs.pop(name, None) is not None:
                     self._state = None
                 return
@@ -218,6 +220,10 @@ class AllocationCache:
             except NodeInventoryError as exc:
                 self._problem(str(exc))
                 spec = node_spec({**node, "metadata": {**(node.get("metadata") or {}), "annotations": {}}})
+            if dra_pool(spec):
+                self._dra_pool.add(name)
+            else:
+                self._dra_pool.discard(name)
             if self._specs.get(name) != spec:
                 self._specs[name] = spec
                 self._state = None
@@ -405,11 +411,24 @@ class AllocationCache:
             ok = scored.score >= 0
             failed: dict[str, str] = {}
             unresolvable: dict[str, str] = {}
+            refused = None
+            if self._dra_pool and any(c.dialect is not Dialect.NVIDIA for c in request.containers):
+                # DRA pools map nvidia.com/gpu only; any other dialect would find no device plugin there
+                dra = np.fromiter((n in self._dra_pool for n in names), dtype=bool, count=len(names))
+                if dra.any():
+                    unresolvable.update(dict.fromkeys(compress(names, dra.tolist()), DRA_POOL_REASON))
+                    ok, refused = ok & ~dra, dra
+                    scored.score[dra] = -1  # so the hold below never picks one
             if not ok.all():
                 # Unknown nodes and nodes this shape could not fit even empty: preemption cannot help.
                 never = self._never_fits(request)
                 hopeless = ~ok & engine.at_rows(never, scored.rows, True)
-                for into, pick in ((unresolvable, hopeless), (failed, ~ok & ~hopeless)):
+                if refused is not None:
+                    hopeless &= ~refused
+                    ok_or_refused = ok | refused
+                else:
+                    ok_or_refused = ok
+                for into, pick in ((unresolvable, hopeless), (failed, ~ok_or_refused & ~hopeless)):
                     if pick.any():
                         into.update(zip(compress(names, pick.tolist()),
                                         map(engine.REASONS.__getitem__, scored.code[pick].tolist())))

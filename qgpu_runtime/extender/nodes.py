@@ -2,8 +2,8 @@
 
 A node's cards come from its inventory annotation (contract/inventory.py); cards the node manager
 marks unhealthy are left out, so nothing new lands on them. A node of a DRA pool (label
-``qgpu.io/pool-mode=dra``) has no cards here: its cards reach pods through ResourceClaims, and a pod
-the extender bound there with an allocation record would find no device plugin to serve it. CPU and memory come from
+``qgpu.io/pool-mode=dra``, ``dra_pool``) serves only what DRA maps: ``nvidia.com/gpu`` through the
+whole-card DeviceClass; the cache refuses it every other dialect (no device plugin runs there). CPU and memory come from
 ``status.allocatable``. Pure functions over API dicts.
 """
 
@@ -17,7 +17,15 @@ from qgpu_runtime.contract.names import POOL_MODE_LABEL
 from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.placement.state import CardSpec, NodeSpec
 
-__all__ = ["NodeInventoryError", "node_spec"]
+__all__ = ["NodeInventoryError", "dra_pool", "node_spec"]
+
+DRA_POOL_REASON = ("node of a DRA pool: its cards reach pods through ResourceClaims (label the namespace "
+                   "qgpu.io/gpu-mode=dra, docs/dra.md); only nvidia.com/gpu is mapped there")
+
+
+def dra_pool(spec: NodeSpec) -> bool:
+    """Whether the node's cards are served by qgpu's DRA driver rather than its device plugins."""
+    return spec.labels.get(POOL_MODE_LABEL) == "dra"
 
 
 def _quantity(value: Any, default: Decimal = Decimal(0)) -> Decimal:
@@ -34,9 +42,8 @@ def node_spec(node: Mapping[str, Any]) -> NodeSpec:
     annotations = meta.get("annotations") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     labels = dict(meta.get("labels") or {})
-    served = CARDS in annotations and labels.get(POOL_MODE_LABEL) != "dra"
     cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib)
-                  for c in parse_inventory(name, annotations[CARDS]) if c.healthy) if served else ()
+                  for c in parse_inventory(name, annotations[CARDS]) if c.healthy) if CARDS in annotations else ()
     return NodeSpec(
         name=name,
         cpu_milli=int(_quantity(allocatable.get("cpu", 0)) * 1000),

@@ -238,17 +238,29 @@ def test_a_record_that_collides_with_a_filter_hold_is_booked_and_the_hold_yields
     assert not c.problems
 
 
-def test_nodes_of_a_dra_pool_take_no_device_plugin_pods():
-    """Cards of a DRA pool reach pods through ResourceClaims: a dialect pod bound there by the
-    extender would find no device plugin, so those nodes offer the extender no card."""
+def test_nodes_of_a_dra_pool_take_only_what_dra_maps():
+    """Cards of a DRA pool reach pods through ResourceClaims: a qGPU/vcuda/T9k pod bound there would
+    find no device plugin, so those nodes are refused to it (unresolvable, with the reason), while
+    nvidia.com/gpu, which the whole-card DeviceClass maps (KEP-5004), may still go there."""
     from qgpu_runtime.contract.names import POOL_MODE_LABEL
-    from qgpu_runtime.extender.nodes import node_spec
+    from qgpu_runtime.extender.nodes import DRA_POOL_REASON, dra_pool, node_spec
 
     d = node("d")
     d["metadata"]["labels"] = {POOL_MODE_LABEL: "dra"}
-    assert node_spec(d).cards == () and node_spec(node("p")).cards != ()
+    assert dra_pool(node_spec(d)) and not dra_pool(node_spec(node("p")))
     c = cache()
     c.replace_nodes([d, node("p")])
     share = pod("share")
-    result = c.filter(share, parse_pod(share), ["d", "p"])
-    assert "d" in result.unresolvable and "p" not in result.unresolvable and "p" not in result.failed
+    result = c.filter(share, parse_pod(share), ["d", "p"], now_ns=1)
+    assert result.passed == ["p"] and result.unresolvable == {"d": DRA_POOL_REASON} and result.held == "p"
+    only_dra = pod("only")
+    result = c.filter(only_dra, parse_pod(only_dra), ["d"], now_ns=1)
+    assert result.passed == [] and result.unresolvable == {"d": DRA_POOL_REASON} and result.held is None
+    whole = {"metadata": {"name": "w", "namespace": "ns", "uid": "uid-w", "annotations": {}},
+             "spec": {"nodeName": "", "containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]},
+             "status": {"phase": "Pending"}}
+    result = c.filter(whole, parse_pod(whole), ["d"], now_ns=1)
+    assert result.passed == ["d"]
+    c.replace_nodes([node("d"), node("p")])  # the pool went back to device plugins
+    again = pod("again")
+    assert c.filter(again, parse_pod(again), ["d"], now_ns=1).passed == ["d"]
