@@ -235,6 +235,65 @@ def read_share_config(parameters: Any) -> tuple[str, bool]:
     return app_class, greedy
 
 
+@dataclass(frozen=True)
+class ShareSettings:
+    """What a claim's opaque config says of one request: its co-location class and greedy flag.
+
+    Greedy carries nothing beyond the class on the node: an offline pod's ``qgpu-core-greedy`` is
+    its ``core`` share, as in the device-plugin path (the record holds the core and the class)."""
+
+    app_class: str = "normal"
+    greedy: bool = False
+
+
+NORMAL_SHARE: Final = ShareSettings()
+
+
+def _config_applies(names: list[str], request: str) -> bool:
+    """A config entry names requests; none means all of them. A subrequest's result (``gpu/t4``,
+    from ``firstAvailable``) is governed by a config naming its parent request (``gpu``)."""
+    return not names or any(request == n or request.startswith(f"{n}/") for n in names)
+
+
+def claim_share_settings(claim: dict[str, Any], requests: Iterable[str]) -> dict[str, ShareSettings]:
+    """The ShareSettings of each of ``requests`` (result request names) from the claim's opaque
+    configs for qgpu's driver, defaulting to normal.
+
+    The allocation's copy (``status.allocation.devices.config``, written by kube-scheduler with the
+    class's configs first) is read when present, else the claim's ``spec.devices.config``; later
+    entries override earlier ones for the requests they name, as in DRA. Other drivers' entries
+    are skipped. Raises DraClaimError naming the field for a malformed entry of qgpu's driver.
+    """
+    meta = claim.get("metadata") or {}
+    where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
+    allocated = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config")
+    field, entries = "status.allocation.devices.config", allocated
+    if not allocated:
+        field, entries = "spec.devices.config", ((claim.get("spec") or {}).get("devices") or {}).get("config")
+    wanted = list(dict.fromkeys(requests))
+    out = {r: NORMAL_SHARE for r in wanted}
+    if entries is None:
+        return out
+    if not isinstance(entries, list):
+        raise DraClaimError(f"{where}: {field} {entries!r} is not allowed: must be a list")
+    for i, entry in enumerate(entries):
+        at = f"{where}: {field}[{i}]"
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if not isinstance(opaque, dict) or opaque.get("driver") != DRIVER:
+            continue
+        names = entry.get("requests") or []
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise DraClaimError(f"{at}.requests {names!r} is not allowed: must be a list of request names")
+        try:
+            app_class, greedy = read_share_config(opaque.get("parameters"))
+        except DraClaimError as exc:
+            raise DraClaimError(f"{at}.opaque.parameters: {exc}") from None
+        for r in wanted:
+            if _config_applies(names, r):
+                out[r] = ShareSettings(app_class, greedy)
+    return out
+
+
 def _cel_string(text: str) -> str:
     # JSON's string escapes (\\, \", \uXXXX) are CEL's too.
     return json.dumps(str(text))

@@ -66,6 +66,15 @@ _TABLES_V1 = (
     """CREATE TABLE IF NOT EXISTS claims (
         claim_uid TEXT PRIMARY KEY, namespace TEXT NOT NULL, name TEXT NOT NULL, devices TEXT NOT NULL,
         cdi_spec TEXT NOT NULL, created_ns INTEGER NOT NULL)""",
+    # Added after the claims table, a table only again: the pods a prepared claim is reserved for
+    # (its ``status.reservedFor`` at prepare), so the isolation loop finds the claim's containers
+    # after a restart without the apiserver. A separate table, not a column of ``claims``: a
+    # manager rolled back to the release before writes ``claims`` rows with six values, which a
+    # seventh column would refuse; it never reads this table, and rows it leaves behind for a claim
+    # it released name a claim no longer booked, which every reader skips.
+    """CREATE TABLE IF NOT EXISTS claim_pods (
+        claim_uid TEXT NOT NULL, pod_uid TEXT NOT NULL, namespace TEXT NOT NULL, pod TEXT NOT NULL,
+        PRIMARY KEY (claim_uid, pod_uid))""",
 )
 
 

@@ -2,10 +2,11 @@
 
 NVML (or the simulated backend) names processes by host PID only. The way from a PID to a
 booking is: ``<proc>/<pid>/cgroup`` → pod UID + container ID (node/cgroups.py, cgroupfs and
-systemd layouts) → the pod's ``containerStatuses`` → container name → the store's shares for
-(pod UID, container). A process that does not end in a share (a host process, a pod that holds
-no qgpu share, a container another device plugin serves) is not ours to throttle: it is left
-alone and logged once.
+systemd layouts) → the pod's ``containerStatuses`` → container name → the tenant that container
+belongs to (node/tenants.py: the store's shares booked for it by the device plugin, or those of
+the ResourceClaims it references, whichever door booked them). A process that does not end in a
+share (a host process, a pod that holds no qgpu share, a container another device plugin serves)
+is not ours to throttle: it is left alone and logged once.
 
 Process groups (``<proc>/<pid>/stat`` field 5) are what the actuator signals, so a container's
 GPU process is held together with the children in its group. The proc root is configurable so
@@ -22,14 +23,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract.names import finished
-from qgpu_runtime.isolation.engine import CardQuota, Workload
+from qgpu_runtime.isolation.engine import Workload
 from qgpu_runtime.isolation.procfs import ProcFS
-from qgpu_runtime.model import AppClass
 from qgpu_runtime.node.cgroups import container_id, pod_and_container
-from qgpu_runtime.node.store import Share
+from qgpu_runtime.node.store import PreparedClaim, Share
+from qgpu_runtime.node.tenants import TenantRef, tenants_of
 
 log = logging.getLogger("qgpu.node.isolation")
 
@@ -44,52 +45,19 @@ class _Attributed:
     container: tuple[str, str] | None  # (pod UID, container ID) of its cgroup
 
 
-@dataclass(frozen=True)
-class ContainerRef:
-    """A qgpu container as the isolation engine knows it; ``key`` is ``namespace/pod/container``."""
-
-    pod_uid: str
-    namespace: str
-    pod: str
-    container: str
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.pod}/{self.container}"
-
-
-def workloads_of(shares: Iterable[Share], live_uids: Iterable[str]) -> dict[str, tuple[ContainerRef, Workload]]:
-    """The engine's workloads: one per container of a live pod that holds shares, by key.
-
-    Rows of pods that are gone are skipped (reconciliation releases them at the next start), so
-    a pod re-created under the same name never collides with its predecessor's rows.
-    """
-    live = set(live_uids)
-    cards: dict[ContainerRef, list[CardQuota]] = {}
-    klass: dict[ContainerRef, AppClass] = {}
-    for s in shares:
-        if s.workload_id not in live:
-            continue
-        ref = ContainerRef(s.workload_id, s.namespace, s.workload, s.container)
-        cards.setdefault(ref, []).append(CardQuota(s.card_index, s.core_milli, s.memory_mib))
-        klass[ref] = AppClass(s.klass)
-    return {ref.key: (ref, Workload(ref.key, klass[ref], tuple(sorted(cs, key=lambda c: c.index))))
-            for ref, cs in cards.items()}
-
-
 class ContainerResolver:
     """Maps host PIDs to qgpu containers and containers to their process groups.
 
-    ``update`` gives it the pods of the node and the store's shares; ``owner`` is the sampler's
-    attribution callback; ``groups`` is the actuator's. A PID once attributed stays attributed
+    ``update`` gives it the pods of the node, the store's shares and its prepared claims;
+    ``owner`` is the sampler's attribution callback; ``groups`` is the actuator's. A PID once attributed stays attributed
     while it lives (``update`` drops the dead), so a process held in one tick is resumed even if
     a later sample happens not to list it.
     """
 
     def __init__(self, proc_root: Path = Path("/proc")) -> None:
         self.proc_root = proc_root
-        self._refs: dict[str, ContainerRef] = {}  # key -> container
-        self._by_container_id: dict[str, str] = {}  # container id -> key
+        self._refs: dict[str, TenantRef] = {}  # key -> tenant
+        self._by_container_id: dict[str, tuple[str, str]] = {}  # container id -> (key, pod UID listing it)
         self._booked_uids: set[str] = set()
         self._proc = ProcFS(proc_root)
         self._pids: dict[int, _Attributed] = {}
@@ -97,8 +65,12 @@ class ContainerResolver:
         self.unmanaged: set[int] = set()  # GPU processes seen in the last sample that are not ours
         self.unknown_containers = 0  # processes of booked pods whose container ID the pod list lacks
 
-    def update(self, pods: Iterable[Mapping[str, Any]], shares: Iterable[Share]) -> list[Workload]:
-        """Take the node's pods and the store's shares; returns the workloads to isolate."""
+    def update(self, pods: Iterable[Mapping[str, Any]], shares: Iterable[Share],
+               claims: Sequence[PreparedClaim] = ()) -> list[Workload]:
+        """Take the node's pods, the store's shares and prepared claims; returns the workloads to
+        isolate. Rows of pods that are gone reach no container (reconciliation or kubelet's
+        unprepare releases them), so a pod re-created under the same name never collides with its
+        predecessor's rows."""
         live: dict[str, Mapping[str, Any]] = {}
         for pod in pods:
             meta = pod.get("metadata") or {}
@@ -106,25 +78,25 @@ class ContainerResolver:
             if finished(pod) or meta.get("deletionTimestamp"):
                 continue
             live[str(meta.get("uid", ""))] = pod
-        found = workloads_of(shares, live)
+        found = tenants_of(shares, claims, live)
         previous = set(self._refs)
         self._refs = {key: ref for key, (ref, _) in found.items()}
-        self._booked_uids = {ref.pod_uid for ref in self._refs.values()}
-        keys = {(ref.pod_uid, ref.container): key for key, ref in self._refs.items()}
+        keys = {(m.pod_uid, m.container): key for key, ref in self._refs.items() for m in ref.members}
+        self._booked_uids = {uid for uid, _ in keys}
         self._by_container_id = {}
         for uid, pod in live.items():
             status = pod.get("status") or {}
-            for st in (status.get("containerStatuses") or []):
+            for st in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
                 key = keys.get((uid, st.get("name", "")))
                 if key is not None and st.get("containerID"):
-                    self._by_container_id[container_id(st["containerID"])] = key
+                    self._by_container_id[container_id(st["containerID"])] = (key, uid)
         # pids of a container that just left are kept until the next update, so the engine can
         # still resume them in the tick that sees it gone
         self._pids = {pid: seen for pid, seen in self._pids.items()
                       if (seen.key in self._refs or seen.key in previous) and self._alive(pid)}
         return [w for _, w in found.values()]
 
-    def ref(self, key: str) -> ContainerRef:
+    def ref(self, key: str) -> TenantRef:
         return self._refs[key]
 
     def known(self, key: str) -> bool:
@@ -159,12 +131,13 @@ class ContainerResolver:
         if found is None:
             return None, "not in a Kubernetes pod", False
         uid, cid = found
-        key = self._by_container_id.get(cid)
-        if key is None and uid in self._booked_uids:
+        listed = self._by_container_id.get(cid)
+        if listed is None and uid in self._booked_uids:
             return None, f"in pod {uid}, container {cid[:12]} not (yet) in the pod's status", True
-        if key is None:
+        if listed is None:
             return None, f"in pod {uid}, which holds no qgpu share", False
-        if self._refs[key].pod_uid != uid:
+        key, listed_uid = listed
+        if listed_uid != uid:
             return None, f"container {cid[:12]} is listed under another pod than its cgroup's {uid}", False
         return key, "", False
 

@@ -3,10 +3,13 @@
 kube-scheduler allocates a ResourceClaim (resource.k8s.io/v1, consumable capacity) to a card of
 this node's ResourceSlice; kubelet then calls ``NodePrepareResources`` with the claim's namespace,
 name and UID only. This plugin reads the claim from the apiserver, checks the UID, decodes the
-allocation with ``contract.dra.claim_shares``, books the shares in the node store (the same
+allocation with ``contract.dra.claim_shares`` and each request's class from the claim's opaque
+ShareConfig (``contract.dra.claim_share_settings``), books the shares in the node store (the same
 ``shares`` table the device plugin writes, keyed by the claim's UID, so `qgpu status`, the metrics
-and the isolation engine read one store) and writes a CDI spec whose devices carry the container
-environment the device-plugin path sets (node/response.py). ``NodeUnprepareResources`` undoes both.
+and the isolation engine read one store) together with the pods of its ``status.reservedFor``
+(node/tenants.py makes the containers that reference the claim its tenant), and writes a CDI spec
+whose devices carry the container environment the device-plugin path sets (node/response.py).
+``NodeUnprepareResources`` undoes both.
 
 Order and crash safety: prepare books first and writes the spec second; a repeated prepare
 answers from the store when the spec is in place, and goes the whole way again (replacing its own
@@ -28,28 +31,28 @@ import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import grpc
 
 from qgpu_runtime import protos
-from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, claim_shares
+from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model import AppClass
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import cdi
 from qgpu_runtime.node.response import CONTROL_DEVICES, card_envs, t9k_share_envs
-from qgpu_runtime.node.store import PreparedClaim, Share, Store
+from qgpu_runtime.node.store import PreparedClaim, ReservedPod, Share, Store
+from qgpu_runtime.node.tenants import dominant_class
 from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
 
 log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
 SERVICE_VERSION = "v1.DRAPlugin"
-CLAIM_CLASS = "normal"
-"""QGPU_CLASS of a claim's containers: claims carry no online/offline class (yet)."""
 
 
 @dataclass(frozen=True)
@@ -140,19 +143,25 @@ class ClaimPreparer:
                                "asked for (deleted and created again?); not preparing it")
         try:
             shares = claim_shares(claim, self.settings.node)
+            settings = claim_share_settings(claim, [s.request for s in shares])
         except DraClaimError as exc:
             raise ClaimRefused(str(exc)) from None
+        # Online work books memory only, as the device plugin books it (the extender's core 0): the
+        # 10 the webhook asks (the capacity's minimum step) would otherwise cap it at 1 % of the card.
+        shares = [replace(s, core_milli=0) if settings[s.request].app_class == AppClass.ONLINE.value else s for s in shares]
         self._check_cards(where, shares)
         now = self.clock_ns()
-        rows = self._share_rows(namespace, name, uid, shares, now)
+        rows = self._share_rows(namespace, name, uid, shares, settings, now)
         devices = [PreparedDevice((s.request,), s.pool, s.device, (cdi.device_id(f"{uid}-{i}"),), s.share_id)
                    for i, s in enumerate(shares)]
-        spec = cdi.spec(self._cdi_devices(uid, shares))
-        booked = PreparedClaim(uid, namespace, name, tuple(d.to_json() for d in devices), str(path), now)
+        spec = cdi.spec(self._cdi_devices(uid, shares, dominant_class(settings[s.request].app_class for s in shares)))
+        booked = PreparedClaim(uid, namespace, name, tuple(d.to_json() for d in devices), str(path), now,
+                               reserved_pods(claim))
         self.store.book_claim(booked, rows, lambda others: self._refuse_over_booking(where, uid, rows, others))
         cdi.write_spec(path, spec)
-        log.info("NodePrepareResources %s -> %s", where,
-                 [(s.device, s.core_milli, s.memory_mib) for s in shares])
+        log.info("NodePrepareResources %s -> %s for pods %s", where,
+                 [(s.device, s.core_milli, s.memory_mib, settings[s.request].app_class) for s in shares],
+                 [p.name for p in booked.pods])
         return devices
 
     def _check_cards(self, where: str, shares: Sequence[ClaimShare]) -> None:
@@ -164,16 +173,19 @@ class ClaimPreparer:
             if s.card_index in sick:
                 raise ClaimRefused(f"{where}: device {s.device} is unhealthy ({sick[s.card_index]})")
 
-    def _share_rows(self, namespace: str, name: str, uid: str, shares: Sequence[ClaimShare], now: int) -> list[Share]:
+    def _share_rows(self, namespace: str, name: str, uid: str, shares: Sequence[ClaimShare],
+                    settings: Mapping[str, ShareSettings], now: int) -> list[Share]:
         """One store row per result; the request name stands where a container's name would
-        (`qgpu status` shows it), made unique when one request holds one card twice."""
+        (`qgpu status` shows it), made unique when one request holds one card twice
+        (``<request>[<i>]``, node/tenants.py reads the request back); the class is the request's
+        opaque config's, as the device plugin records the pod's."""
         rows: list[Share] = []
         seen: set[tuple[str, int]] = set()
         for i, s in enumerate(shares):
             label = s.request if (s.request, s.card_index) not in seen else f"{s.request}[{i}]"
             seen.add((label, s.card_index))
             rows.append(Share(uid, namespace, name, label, s.card_index, self.cards[s.card_index].uuid, s.core_milli,
-                              s.memory_mib, CLAIM_CLASS, now))
+                              s.memory_mib, settings[s.request].app_class, now))
         return rows
 
     def _refuse_over_booking(self, where: str, uid: str, mine: Sequence[Share], others: Sequence[Share]) -> None:
@@ -194,11 +206,12 @@ class ClaimPreparer:
             raise ClaimRefused(f"{where}: its allocation would over-book this node: {'; '.join(problems)} "
                                "(the store already holds these shares; the claim must be allocated again)")
 
-    def _cdi_devices(self, uid: str, shares: Sequence[ClaimShare]) -> list[cdi.CdiDevice]:
+    def _cdi_devices(self, uid: str, shares: Sequence[ClaimShare], klass: str) -> list[cdi.CdiDevice]:
         """Every device of a claim carries the claim's whole environment (all its cards, in result
-        order): a container given the claim gets all of them, and identical edits cannot conflict."""
+        order, and one class: the isolation loop's for a tenant of mixed classes): a container
+        given the claim gets all of them, and identical edits cannot conflict."""
         card_shares = [CardShare(s.card_index, self.cards[s.card_index].uuid, s.core_milli, s.memory_mib) for s in shares]
-        env = {**card_envs(card_shares, CLAIM_CLASS, self.policy()), **t9k_share_envs(card_shares, self.cards)}
+        env = {**card_envs(card_shares, klass, self.policy()), **t9k_share_envs(card_shares, self.cards)}
         return [cdi.CdiDevice(f"{uid}-{i}", env, self._device_nodes(s.card_index)) for i, s in enumerate(shares)]
 
     def _device_nodes(self, index: int) -> tuple[str, ...]:
@@ -214,6 +227,16 @@ class ClaimPreparer:
             cdi.remove_spec(cdi.spec_path(self.settings.cdi_dir, uid))
             if self.store.release_claim(uid):
                 log.info("NodeUnprepareResources ResourceClaim %s/%s (uid %s): released", namespace, name, uid)
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> tuple[ReservedPod, ...]:
+    """The pods of the claim's ``status.reservedFor`` (entries of other resources are skipped):
+    whose containers the isolation loop treats as the claim's tenant (node/tenants.py)."""
+    out = []
+    for entry in (claim.get("status") or {}).get("reservedFor") or []:
+        if isinstance(entry, dict) and entry.get("resource") == "pods" and not entry.get("apiGroup") and entry.get("uid"):
+            out.append(ReservedPod(str(entry["uid"]), str(entry.get("name") or "")))
+    return tuple(out)
 
 
 def _servicers(preparer: ClaimPreparer, settings: DraSettings, registered: Callable[[bool, str], None]):

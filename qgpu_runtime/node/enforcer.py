@@ -1,8 +1,9 @@
 """The node manager's isolation loop: the standalone engine, fed with the node's containers.
 
 Every tick (50 ms by default) the loop lets the isolation engine sample the cards, attribute
-each GPU process to its qgpu container (node/containers.py: cgroup → pod UID + container ID →
-store shares), judge with the pure control law under the node's policy, and hold/resume the
+each GPU process to its tenant (node/containers.py: cgroup → pod UID + container ID → the store's
+shares of that container, booked by the device plugin or through a ResourceClaim it references;
+node/tenants.py), judge with the pure control law under the node's policy, and hold/resume the
 containers' process groups (SIGSTOP/SIGCONT) or stop one caught over its memory quota. The engine,
 its watchdog and the loop timing are the same objects the standalone manager uses
 (isolation/runner.py); only where workloads come from differs.
@@ -148,12 +149,15 @@ class NodeIsolation:
         self.engine = build_engine(policy, sampler, self._actuator, metrics.registry, sink, memory_tolerance_mib)
 
     def _pod_of(self, key: str) -> tuple[str, str, str]:
-        ref = self.resolver.ref(key)
-        return ref.namespace, ref.pod, ref.pod_uid
+        """The pod an event about ``key`` goes to: a tenant of several pods (one claim shared by
+        them) reports on its first."""
+        first = self.resolver.ref(key).members[0]
+        return first.namespace, first.pod, first.pod_uid
 
     def refresh(self, pods_max_age_s: float) -> None:
         """Re-read the store's shares and the node's pods (new containers, ended pods)."""
-        self._workloads = self.resolver.update(self._pods(pods_max_age_s), self._store.shares())
+        self._workloads = self.resolver.update(self._pods(pods_max_age_s), self._store.shares(),
+                                               self._store.prepared_claims())
 
     def tick(self, dt_s: float, now: float) -> TickReport:
         due = self._last_refresh is None or now - self._last_refresh >= self._refresh_s

@@ -66,6 +66,15 @@ class PreparedClaim:
     devices: tuple[dict, ...]  # the answered devices, as JSON objects (node/draplugin.py)
     cdi_spec: str
     created_ns: int
+    pods: tuple[ReservedPod, ...] = ()  # its status.reservedFor pods at prepare (table claim_pods)
+
+
+@dataclass(frozen=True)
+class ReservedPod:
+    """A pod a claim is reserved for (``status.reservedFor`` entry of resource ``pods``)."""
+
+    uid: str
+    name: str
 
 
 class StoreError(RuntimeError):
@@ -196,10 +205,22 @@ class Store:
                 self._db.executemany("INSERT OR REPLACE INTO shares VALUES (?,?,?,?,?,?,?,?,?,?)",
                                      [(nuid, ns, pod, container, *r[4:]) for r in rows])
 
+    def _claim_of(self, row: tuple) -> PreparedClaim:
+        pods = self._db.execute("SELECT pod_uid, pod FROM claim_pods WHERE claim_uid=? ORDER BY pod, pod_uid",
+                                (row[0],)).fetchall()
+        return PreparedClaim(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5],
+                             tuple(ReservedPod(uid, name) for uid, name in pods))
+
     def prepared_claim(self, claim_uid: str) -> PreparedClaim | None:
         with self._lock:
             row = self._db.execute("SELECT * FROM claims WHERE claim_uid=?", (claim_uid,)).fetchone()
-        return None if row is None else PreparedClaim(row[0], row[1], row[2], tuple(json.loads(row[3])), row[4], row[5])
+            return None if row is None else self._claim_of(row)
+
+    def prepared_claims(self) -> list[PreparedClaim]:
+        """Every prepared claim with the pods it is reserved for (the isolation loop's input)."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM claims ORDER BY namespace, name, claim_uid").fetchall()
+            return [self._claim_of(r) for r in rows]
 
     def claim_uids(self) -> set[str]:
         with self._lock:
@@ -223,12 +244,16 @@ class Store:
                 " name=excluded.name, devices=excluded.devices, cdi_spec=excluded.cdi_spec, created_ns=excluded.created_ns",
                 (claim.claim_uid, claim.namespace, claim.name, json.dumps(list(claim.devices), sort_keys=True),
                  claim.cdi_spec, claim.created_ns))
+            self._db.execute("DELETE FROM claim_pods WHERE claim_uid=?", (claim.claim_uid,))
+            self._db.executemany("INSERT OR REPLACE INTO claim_pods VALUES (?,?,?,?)",
+                                 [(claim.claim_uid, p.uid, claim.namespace, p.name) for p in claim.pods])
 
     def release_claim(self, claim_uid: str) -> bool:
         """Forget a prepared claim and its shares; False when it was not booked (already released)."""
         with self._lock, self._tx():
             a = self._db.execute("DELETE FROM claims WHERE claim_uid=?", (claim_uid,)).rowcount
             b = self._db.execute("DELETE FROM shares WHERE workload_id=?", (claim_uid,)).rowcount
+            self._db.execute("DELETE FROM claim_pods WHERE claim_uid=?", (claim_uid,))
         return bool(a or b)
 
     def integrity(self) -> str:

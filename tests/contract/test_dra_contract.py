@@ -97,6 +97,39 @@ def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
         dra.read_share_config({**dra.share_config("online", False), "greedy": "yes"})
 
 
+def _claim_with(config: list, where: str = "spec") -> dict:
+    obj: dict = {"metadata": {"namespace": "ns", "name": "c"}, "spec": {"devices": {"requests": []}}, "status": {}}
+    if where == "spec":
+        obj["spec"]["devices"]["config"] = config
+    else:
+        obj["status"]["allocation"] = {"devices": {"results": [], "config": config}}
+    return obj
+
+
+def test_the_kubelet_plugin_reads_the_share_config_the_webhook_writes_per_request():
+    written = [{"requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("offline", True)}}]
+    settings = dra.claim_share_settings(_claim_with(written), ["gpu", "other"])
+    assert settings == {"gpu": dra.ShareSettings("offline", True), "other": dra.NORMAL_SHARE}
+    assert dra.claim_share_settings(_claim_with([]), ["gpu"]) == {"gpu": dra.NORMAL_SHARE}
+
+
+def test_later_configs_override_earlier_ones_and_the_allocation_copy_is_read_first():
+    entries = [{"source": "FromClass", "requests": [], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("online", False)}},
+               {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("offline", True)}}]
+    assert dra.claim_share_settings(_claim_with(entries, "status"), ["gpu", "b"]) == \
+        {"gpu": dra.ShareSettings("offline", True), "b": dra.ShareSettings("online", False)}
+
+
+def test_a_malformed_share_config_names_the_claim_and_the_field():
+    bad = [{"opaque": {"driver": "x.example.com", "parameters": {}}},
+           {"requests": [], "opaque": {"driver": dra.DRIVER, "parameters": {"apiVersion": dra.CONFIG_API_VERSION, "kind": dra.CONFIG_KIND,
+                                                                          "appClass": "batch"}}}]
+    with pytest.raises(dra.DraClaimError, match=r"^ResourceClaim ns/c: status.allocation.devices.config\[1\].opaque.parameters: "):
+        dra.claim_share_settings(_claim_with(bad, "status"), ["gpu"])
+    with pytest.raises(dra.DraClaimError, match=r"spec.devices.config 'x' is not allowed: must be a list"):
+        dra.claim_share_settings(_claim_with("x"), ["gpu"])  # type: ignore[arg-type]
+
+
 def test_selectors_name_the_drivers_attributes():
     assert dra.memory_selector(15360) == 'device.attributes["gpu.qgpu.io"].memoryMiB == 15360'
     assert dra.model_selector(["T4", "V100", "T4"]) == 'device.attributes["gpu.qgpu.io"].model in ["T4", "V100"]'

@@ -141,3 +141,46 @@ def test_a_version_that_is_not_a_number_is_refused(tmp_path):
     db.close()
     with pytest.raises(schema.SchemaError, match=r"odd.db: schema_version='two': not a version number"):
         schema.open_store(path)
+
+
+# FROZEN COPY, for version-skew tests only: how the DRA kubelet plugin of commit c64d41b (before the
+# claim_pods table) booked and read a prepared claim (node/store.py book_claim / prepared_claim).
+PREVIOUS_CLAIM_INSERT = "INSERT INTO claims VALUES (?,?,?,?,?,?)"
+PREVIOUS_CLAIM_SELECT = "SELECT * FROM claims WHERE claim_uid=?"
+
+
+def test_a_dra_store_written_before_claim_pods_opens_with_its_claim_and_no_reserved_pods(tmp_path):
+    store = NodeStore(_restore("node_store_v1_dra.sql", tmp_path / "meta.db"))
+    try:
+        (claim,) = store.prepared_claims()
+        assert (claim.claim_uid, claim.namespace, claim.name, claim.pods) == ("claim-uid-1", "team-a", "train", ())
+        assert claim.devices[0]["device"] == "gpu-0"
+        assert store.shares() == [Share("claim-uid-1", "team-a", "train", "gpu", 0, "GPU-aaaa", 300, 4096, "normal",
+                                        1764000000000000000)]
+        assert store.meta("schema_version") == "1"  # a table only: the previous release still opens the file
+    finally:
+        store.close()
+    assert "claim_pods" in _tables(tmp_path / "meta.db")
+
+
+def test_the_previous_dra_plugin_still_books_and_reads_claims_in_a_file_this_release_wrote(tmp_path):
+    from qgpu_runtime.node.store import PreparedClaim, ReservedPod
+
+    path = tmp_path / "meta.db"
+    store = NodeStore(path)
+    store.book_claim(PreparedClaim("new-claim", "ns", "c", ({"device": "gpu-0"},), "/cdi/x.json", 5,
+                                   (ReservedPod("pod-uid", "p"),)), [], lambda others: None)
+    store.close()
+    db = sqlite3.connect(path)  # what a manager rolled back to c64d41b does with the same file
+    db.execute(PREVIOUS_CLAIM_INSERT, ("old-claim", "ns", "d", "[]", "/cdi/y.json", 6))
+    db.commit()
+    assert db.execute(PREVIOUS_CLAIM_SELECT, ("new-claim",)).fetchone() == ("new-claim", "ns", "c", '[{"device": "gpu-0"}]',
+                                                                             "/cdi/x.json", 5)
+    db.execute("DELETE FROM claims WHERE claim_uid='new-claim'")  # its release_claim: claim_pods rows stay behind
+    db.commit()
+    db.close()
+    store = NodeStore(path)
+    try:
+        assert [(c.claim_uid, c.pods) for c in store.prepared_claims()] == [("old-claim", ())]  # leftovers name no claim
+    finally:
+        store.close()

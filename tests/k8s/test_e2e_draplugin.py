@@ -197,3 +197,41 @@ def test_the_node_manager_with_dra_prepares_through_its_own_api_client(cluster, 
         finally:
             manager.stop()
             store.close()
+
+
+def test_the_share_config_and_reserved_pod_reach_the_store_and_the_isolation_tenant(node, resource, cluster, ns):
+    """A claim with the webhook's opaque ShareConfig, reserved for a real pod through the status
+    subresource: the store carries the class and the pod, and the isolation loop's tenant for
+    that pod's container holds the claim's share as offline work."""
+    from qgpu_runtime.contract.dra import share_config
+    from qgpu_runtime.node.tenants import tenants_of
+
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "batch", "namespace": ns},
+            "spec": {"devices": {
+                "requests": [{"name": "gpu", "exactly": {"deviceClassName": SHARED_CLASS,
+                                                         "capacity": {"requests": {"core": "400", "memory": "2048"}}}}],
+                "config": [{"requests": ["gpu"], "opaque": {"driver": DRIVER, "parameters": share_config("offline", True)}}]}}}
+    uid = resource.create_namespaced_resource_claim(ns, body).metadata.uid
+    core = client.CoreV1Api(cluster.api_client)
+    pod = core.create_namespaced_pod(ns, {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "batch-0"},
+        "spec": {"nodeName": NODE, "resourceClaims": [{"name": "gpu", "resourceClaimName": "batch"}],
+                 "containers": [{"name": "main", "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}},
+                                {"name": "sidecar", "image": "busybox"}]}})
+    selector = {"nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [NODE]}]}]}
+    resource.patch_namespaced_resource_claim_status("batch", ns, {"status": {
+        "allocation": {"devices": {"results": [{"request": "gpu", "driver": DRIVER, "pool": pool_name(NODE), "device": "gpu-1",
+                                                "shareID": str(uuid.uuid4()), "consumedCapacity": {"core": "400", "memory": "2048"}}]},
+                       "nodeSelector": selector},
+        "reservedFor": [{"resource": "pods", "name": "batch-0", "uid": pod.metadata.uid}]}}, _content_type=MERGE_PATCH)
+
+    assert node.kubelet.prepare((ns, uid, "batch"))[uid].error == ""
+    assert (ns, "batch", "gpu", 1, 400, 2048, "offline") in read_status(node.store.path).shares
+    (booked,) = node.store.prepared_claims()
+    assert [(p.uid, p.name) for p in booked.pods] == [(pod.metadata.uid, "batch-0")]
+    assert "QGPU_CLASS=offline" in node.spec(uid)["devices"][0]["containerEdits"]["env"]
+
+    live = json.loads(core.read_namespaced_pod("batch-0", ns, _preload_content=False).data)
+    ((ref, workload),) = tenants_of(node.store.shares(), node.store.prepared_claims(), {pod.metadata.uid: live}).values()
+    assert [(m.pod, m.container) for m in ref.members] == [("batch-0", "main")]  # the sidecar holds nothing
+    assert (workload.klass.value, [(q.index, q.core_milli, q.memory_mib) for q in workload.cards]) == ("offline", [(1, 400, 2048)])

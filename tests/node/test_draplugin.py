@@ -329,3 +329,95 @@ def test_manager_serve_dra_refuses_a_pods_file(root, caplog):
     assert main(["manager", "serve", "--nodename", NODE, "--dbfile", str(root / "m.db"), "--gpu-backend", "simulated",
                  "--simulated-gpus", "2xT4-16G", "--pods-file", str(root / "p.json"), "--dra"]) == 2
     assert "--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API" in caplog.text
+
+
+# ---- the claim's opaque ShareConfig and its reserved pods ------------------------------------------
+def _configured(uid: str, *configs: dict, where: str = "spec", results: list[dict] | None = None,
+                reserved: list[dict] | None = None) -> dict:
+    obj = claim(uid, results=results)
+    if where == "spec":
+        obj["spec"]["devices"]["config"] = list(configs)
+    else:
+        obj["status"]["allocation"]["devices"]["config"] = [{"source": "FromClaim", **c} for c in configs]
+    if reserved is not None:
+        obj["status"]["reservedFor"] = reserved
+    return obj
+
+
+def _opaque(parameters, requests=("gpu",), driver: str = DRIVER) -> dict:
+    return {"requests": list(requests), "opaque": {"driver": driver, "parameters": parameters}}
+
+
+@pytest.mark.parametrize("where", ["spec", "status"])
+def test_the_class_of_the_claims_share_config_is_booked_and_set_in_the_cdi_env(plugin, claims, where):
+    claims.add(_configured("uid-1", _opaque(dra.share_config("offline", True)), where=where))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["offline"]
+    (device,) = _spec(plugin, "uid-1")["devices"]
+    assert "QGPU_CLASS=offline" in device["containerEdits"]["env"]
+    assert ("team-a", "train", "gpu", 0, 300, 4096, "offline") in read_status(plugin.store.path).shares
+
+
+def test_the_allocations_copy_of_the_config_wins_over_the_spec(plugin, claims):
+    obj = _configured("uid-1", _opaque(dra.share_config("online", False)), where="status")
+    obj["spec"]["devices"]["config"] = [_opaque(dra.share_config("offline", True))]
+    claims.add(obj)
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["online"]
+
+
+def test_a_config_applies_to_the_requests_it_names_and_other_drivers_configs_are_skipped(plugin, claims):
+    results = [{"request": r, "driver": DRIVER, "pool": NODE, "device": d,
+                "consumedCapacity": {"core": "300", "memory": "4096"}} for r, d in (("a", "gpu-0"), ("b", "gpu-1"))]
+    claims.add(_configured("uid-1", _opaque(dra.share_config("offline", True), requests=["a"]),
+                           _opaque({"anything": 1}, requests=[], driver="other.example.com"), results=results))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    assert {s.container: s.klass for s in _claim_shares(plugin, "uid-1")} == {"a": "offline", "b": "normal"}
+    # one environment per claim: the class the isolation loop gives a tenant holding both
+    assert {"QGPU_CLASS=normal"} <= set(_spec(plugin, "uid-1")["devices"][0]["containerEdits"]["env"])
+
+
+def test_a_config_without_requests_applies_to_every_request_and_subrequests_follow_their_parent(plugin, claims):
+    results = [{"request": "gpu/t4", "driver": DRIVER, "pool": NODE, "device": "gpu-0",
+                "consumedCapacity": {"core": "300", "memory": "4096"}}]
+    claims.add(_configured("uid-1", _opaque(dra.share_config("online", False), requests=[]), results=results))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["online"]
+
+
+@pytest.mark.parametrize("parameters, field", [
+    ({"apiVersion": "gpu.qgpu.io/v1alpha1", "kind": "ShareConfig", "appClass": "batch"},
+     "spec.devices.config[0].opaque.parameters: opaque parameters"),
+    ({"apiVersion": "gpu.qgpu.io/v1alpha1", "kind": "ShareConfig", "greedy": "yes"},
+     "spec.devices.config[0].opaque.parameters: opaque parameters"),
+    ({"apiVersion": "gpu.qgpu.io/v2", "kind": "ShareConfig"}, "expected apiVersion gpu.qgpu.io/v1alpha1, kind ShareConfig"),
+    (None, "spec.devices.config[0].opaque.parameters"),
+])
+def test_a_malformed_share_config_refuses_the_claim_naming_the_field(plugin, claims, parameters, field):
+    claims.add(_configured("uid-1", _opaque(parameters)))
+    claims.add(claim("uid-2", name="fine"))
+    answers = plugin.kubelet.prepare(("team-a", "uid-1", "train"), ("team-a", "uid-2", "fine"))
+    assert answers["uid-1"].error.startswith("ResourceClaim team-a/train: ") and field in answers["uid-1"].error
+    assert _claim_shares(plugin, "uid-1") == [] and _spec(plugin, "uid-1") is None
+    assert answers["uid-2"].error == ""  # the other claim of the call is prepared
+
+
+def test_a_config_whose_requests_are_not_a_list_is_refused_naming_the_field(plugin, claims):
+    claims.add(_configured("uid-1", {"requests": "gpu", "opaque": {"driver": DRIVER, "parameters": dra.share_config("normal", False)}}))
+    error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+    assert "spec.devices.config[0].requests 'gpu' is not allowed" in error
+
+
+def test_the_pods_the_claim_is_reserved_for_are_booked_with_it_and_released_with_it(plugin, claims):
+    reserved = [{"resource": "pods", "name": "trainer", "uid": "pod-1"},
+                {"resource": "pods", "name": "helper", "uid": "pod-2"},
+                {"apiGroup": "example.com", "resource": "jobs", "name": "j", "uid": "job-1"}]
+    claims.add(_configured("uid-1", reserved=reserved))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    booked = plugin.store.prepared_claim("uid-1")
+    assert [(p.uid, p.name) for p in booked.pods] == [("pod-2", "helper"), ("pod-1", "trainer")]
+    assert plugin.store.prepared_claims() == [booked]
+    plugin.kubelet.unprepare(("team-a", "uid-1", "train"))
+    db = sqlite3.connect(plugin.store.path)
+    assert db.execute("SELECT COUNT(*) FROM claim_pods").fetchone() == (0,)
+    db.close()
