@@ -187,12 +187,16 @@ def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
 
 def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int,
                extender_pid: int | None = None, extender: Any | None = None, *, extender_name: str = "qgpu-extender",
-               make_pod: Callable[[str], dict[str, Any]] = pod) -> dict[str, Any]:
+               make_pod: Callable[[str], dict[str, Any]] = pod,
+               prepare: Callable[[str, int], None] | None = None) -> dict[str, Any]:
     """Pods bound per second by a freshly started scheduler facing `pods` pending pods, and the CPU
-    each process spent per bound pod meanwhile (on a small machine CPU is what bounds the rate)."""
+    each process spent per bound pod meanwhile (on a small machine CPU is what bounds the rate).
+    ``prepare(namespace, pods)`` runs before the pods are created (e.g. their ResourceClaims)."""
     cp.stop_scheduler()
     ns = f"bench-{int(time.time() * 1000) % 10**8}"
     api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+    if prepare is not None:
+        prepare(ns, pods)
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: api.create_namespaced_pod(ns, make_pod(f"p{i:05d}"), _preload_content=False), range(pods)))
     bound_at: dict[str, float] = {}
@@ -243,7 +247,7 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     span = times[-1] - times[0]
     split = time_split(cp, extender)
     return {"pods": pods, "time_split": split, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
-            "pods_per_s": round((len(times) - 1) / span, 1),
+            "pods_per_s": round((len(times) - 1) / span, 1), "namespace": ns,
             "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)}}
 
 

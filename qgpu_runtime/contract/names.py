@@ -40,6 +40,10 @@ DEVICE_ENABLE_LABEL: Final = "qgpu-device-enable"
 """GPU nodes of a pool (value ``enable``); the node manager's DaemonSets select on it."""
 XGN_TAINT_KEY: Final = "sched.tensorstack.dev/xgn-mode"
 """Taint of whole-card (xgn) nodes; the webhook adds its toleration to whole-card pods."""
+POOL_MODE_LABEL: Final = "qgpu.io/pool-mode"
+"""How the pool's cards reach pods: ``device-plugin`` (extended resources, the extender places) or
+``dra`` (ResourceSlices, kube-scheduler allocates claims). The manager DaemonSets select on it."""
+POOL_MODES: Final = ("device-plugin", "dra")
 
 # --- Leases: written and read by every extender -------------------------------------------------
 COMMITMENTS: Final = "qgpu.io/commitments"
@@ -81,5 +85,5 @@ def finished(pod: dict) -> bool:
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
-    COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
+    POOL_MODE_LABEL, COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

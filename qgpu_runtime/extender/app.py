@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
+from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
 from qgpu_runtime.extender.wire import (
     BindingArgs,
@@ -87,7 +88,7 @@ class ExtenderApp:
     (HAMi's and gpu-admission's way). Infeasible nodes carry their reasons in both modes."""
 
     def __init__(self, cache: AllocationCache, binder: Binder | None, limits: CardLimits, metrics: ExtenderMetrics | None = None,
-                 filter_result: str = "all", pods: TrustedPods | None = None):
+                 filter_result: str = "all", pods: TrustedPods | None = None, dra: DraView | None = None):
         if filter_result not in FILTER_RESULTS:
             raise ValueError(f"filter_result={filter_result!r}: must be one of {', '.join(FILTER_RESULTS)}")
         self.filter_result = filter_result
@@ -97,6 +98,9 @@ class ExtenderApp:
         self.binder = binder
         self.limits = limits
         self.metrics = metrics or ExtenderMetrics.create()
+        # DRA prioritize: pods whose cards come through ResourceClaims of qgpu's DeviceClasses are
+        # scored by where the DRA allocator's first fit would leave each node (extender/dra.py).
+        self.dra = dra
 
     def handle(self, verb: str, body: bytes) -> Response:
         started = time.perf_counter()
@@ -149,6 +153,7 @@ class ExtenderApp:
     def prioritize(self, body: bytes) -> Response:
         args = ExtenderArgs.decode(body)
         names = args.names
+        pod = None
         try:
             pod = self.pods.resolve(args.pod)
             request = self._request(pod)
@@ -157,6 +162,11 @@ class ExtenderApp:
             request = None
         except RequestError:
             request = None
+        if request is not None and not request.wants_gpu and self.dra is not None and pod is not None:
+            asks = self.dra.demand(pod)
+            if asks:
+                scores = self.dra.scores(asks, request, names, self.cache.policy)
+                return 200, RawJSON(encode_priorities_json(names, scores))
         if request is None or not request.wants_gpu:
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
         return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(pod, request, names)))

@@ -195,6 +195,11 @@ class AllocationCache:
         with self.lock:
             return self.state().bookings.get(key)
 
+    def node_specs(self) -> dict[str, NodeSpec]:
+        """Every known node's spec by name (a copy; the DRA view takes CPU and memory from it)."""
+        with self.lock:
+            return dict(self._specs)
+
     def node_names(self) -> list[str]:
         with self.lock:
             return sorted(self._specs)

@@ -24,6 +24,7 @@ from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.extender.commitments import LeaseCommitments
+from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
 from qgpu_runtime.kube.client import api_client
@@ -66,6 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "active extender, e.g. under leader election)")
     serve.add_argument("--commitment-namespace", default="kube-system",
                        help="namespace of the per-node commitment Leases qgpu-node.<node> (default kube-system)")
+    serve.add_argument("--dra-prioritize", action=argparse.BooleanOptionalAction, default=False,
+                       help="also score pods whose GPUs come through ResourceClaims of qgpu's DeviceClasses "
+                            "(watches ResourceSlices, ResourceClaims and ResourceClaimTemplates: needs list and "
+                            "watch on them); configure kube-scheduler with a prioritize-only extender entry for "
+                            "them (docs/dra.md)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -123,7 +129,8 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
                     commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9),
                     on_conflict=metrics.commitment_conflicts.inc)
     pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
-    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods)
+    dra = DraView(DEFAULT_LIMITS, cache.node_specs) if args.dra_prioritize else None
+    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods, dra=dra)
 
     def metrics() -> tuple[int, str, bytes]:
         app.refresh_gauges()
@@ -147,7 +154,7 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     )
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
                         client_ca_file=args.client_ca_file)
-    feeder = CacheFeeder(api, cache)
+    feeder = CacheFeeder(api, cache, dra=dra)
     return server, app, (feeder, binder)
 
 

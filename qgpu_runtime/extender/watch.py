@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Mapping
 from kubernetes import client, watch
 
 from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ class Kind:
 class CacheFeeder:
     """Runs one daemon thread per kind; ``ready`` is set once every kind has listed once."""
 
-    def __init__(self, api: client.CoreV1Api, cache: AllocationCache, watch_timeout_s: int = 240):
+    def __init__(self, api: client.CoreV1Api, cache: AllocationCache, watch_timeout_s: int = 240,
+                 dra: DraView | None = None, resource_api: client.ResourceV1Api | None = None):
         self.api = api
         self.cache = cache
         self.watch_timeout_s = watch_timeout_s
@@ -48,6 +50,15 @@ class CacheFeeder:
             Kind("nodes", api.list_node, cache.replace_nodes, cache.apply_node),
             Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS),
         ]
+        if dra is not None:
+            # DRA prioritize: qgpu's slices (cards), claims (demand and usage), templates (demand).
+            resource = resource_api or client.ResourceV1Api(api.api_client)
+            self.kinds += [
+                Kind("resourceslices", resource.list_resource_slice, dra.replace_slices, dra.apply_slice),
+                Kind("resourceclaims", resource.list_resource_claim_for_all_namespaces, dra.replace_claims, dra.apply_claim),
+                Kind("resourceclaimtemplates", resource.list_resource_claim_template_for_all_namespaces,
+                     dra.replace_templates, dra.apply_template),
+            ]
         self.threads: list[threading.Thread] = []
 
     def start(self) -> None:
@@ -102,7 +113,10 @@ class CacheFeeder:
         }
         if kind.field_selector:
             kwargs["field_selector"] = kind.field_selector
-        w = watch.Watch()
+        # Events are not deserialised into models; naming a type skips the client's lookup of the
+        # model from the list call's signature, which fails for resource.k8s.io (ResourceClaimList
+        # → "V1ResourceClaim", a model the client names ResourceV1ResourceClaim).
+        w = watch.Watch(return_type=dict)
         try:
             for event in w.stream(kind.list_call, **kwargs):
                 if self._stop.is_set():

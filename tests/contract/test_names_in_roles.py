@@ -35,7 +35,7 @@ def test_every_name_the_roles_write_is_one_the_contract_knows():
 def test_the_roles_apply_the_pool_labels_the_runtime_reads():
     found = _named()
     for name in (names.ISOLATION_POLICY_LABEL, names.MIXED_LABEL, names.ALLOC_MODE_LABEL, names.ACCELERATOR_LABEL,
-                 names.DEVICE_ENABLE_LABEL, names.XGN_TAINT_KEY):
+                 names.DEVICE_ENABLE_LABEL, names.XGN_TAINT_KEY, names.POOL_MODE_LABEL):
         assert any(w.startswith("roles/qgpu_node_pool/") for w in found.get(name, ())), f"qgpu_node_pool never names {name}"
 
 

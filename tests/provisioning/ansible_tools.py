@@ -61,4 +61,5 @@ def expected_pool_labels(group_vars: dict[str, Any]) -> dict[str, str | None]:
         "mixed-qgpu-enable": "enable" if group_vars.get("qgpu_node_pool_mixed") else None,
         "sched.tensorstack.dev/accelerator": group_vars.get("qgpu_node_pool_accelerator") or None,
         "sched.tensorstack.dev/node-alloc-mode": group_vars.get("qgpu_node_pool_alloc_mode") or None,
+        "qgpu.io/pool-mode": group_vars.get("qgpu_pool_mode", "device-plugin"),
     }

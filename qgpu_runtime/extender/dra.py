@@ -1,0 +1,354 @@
+"""The extender's view of qgpu's DRA devices, for prioritize-only scoring of DRA pods.
+
+With DRA, kube-scheduler's own allocator picks the card: first fit within the node's pool, its
+slices by name and each slice's devices in the order the slice lists them (contract/dra.py: one
+pool per node, one device per card). qgpu cannot change that choice, and must not filter or bind
+such pods, but it can still choose the node through prioritize. This view
+answers "how would each node look after the allocator placed this pod's claims there" and scores
+that with the extender's policy, so binpack fills one node before the next (the scheduler's own
+plugins would spread).
+
+What it mirrors, from watches (the I/O is in extender/watch.py):
+- ResourceSlices of driver ``gpu.qgpu.io``: the cards of each node (core, memory and pods
+  capacities, one column per device in first-fit order);
+- ResourceClaims: the capacity requests of those asking qgpu's DeviceClasses (a pod's demand) and
+  the ``consumedCapacity`` of those allocated on qgpu's devices (the cards' usage);
+- ResourceClaimTemplates: the demand of pods whose claims are made from a template.
+Only those few numbers are kept per object, never the objects.
+
+Blind spot: a claim kube-scheduler has allocated in its own memory but not written yet (the write
+is in its binding cycle) is not counted until the watch delivers it; consecutive pods may then be
+scored against a node that looks emptier than it is. Scores are a preference, the allocator still
+checks capacity, so this costs packing quality, never an over-commit.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+
+from qgpu_runtime.contract.dra import CORE, CORE_STEP, DRIVER, MEMORY, SHARED_CLASS, WHOLE_CLASS, DraClaimError, claim_shares
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, MIB_PER_GIB, CardLimits, PodRequest
+from qgpu_runtime.placement.engine import MAX_SCORE
+from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
+
+QGPU_CLASSES = frozenset({SHARED_CLASS, WHOLE_CLASS})
+MAX_ASKS = 64
+"""Devices one pod may ask through qgpu's classes before the view stops scoring it (a bound on the
+per-call work, far above any card count a node has)."""
+DEFAULT_NODE = NodeSpec("", 10**9, 10**9)
+"""CPU and memory of a node the node cache does not know yet: large, so they never decide."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """One device a claim asks: ``core`` thousandths and ``memory`` MiB, None for the device's
+    default (the whole card's), as the allocator applies the slice's ``requestPolicy``."""
+
+    core: int | None
+    memory: int | None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What one allocated claim consumes on one device."""
+
+    node: str
+    device: str
+    core: int
+    memory: int
+
+
+class DemandError(ValueError):
+    """A claim's request qgpu cannot read; the pod is scored 0 everywhere (no preference)."""
+
+
+_QUANTITY = re.compile(r"([0-9]{1,9})(k|M|G)?")
+_FACTOR = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+
+
+def _integer(field: str, value: Any, unit: str) -> int:
+    """A plain integer, or the apiserver's canonical form of one (``1000`` comes back as ``1k``)."""
+    m = _QUANTITY.fullmatch(str(value))
+    if not m:
+        raise DemandError(f"capacity {field} {value!r}: must be an integer ({unit})")
+    return int(m.group(1)) * _FACTOR[m.group(2) or ""]
+
+
+def _core(value: Any) -> int:
+    """Rounded up as the slice's requestPolicy makes the allocator do: steps of CORE_STEP."""
+    core = _integer(CORE, value, "thousandths of a card")
+    return min(CORE_MILLI_PER_CARD, max(CORE_STEP, -(-core // CORE_STEP) * CORE_STEP))
+
+
+def _memory(value: Any, limits: CardLimits) -> int:
+    """Rounded up as the slice's requestPolicy makes the allocator do: whole GiB, at least the
+    shared minimum."""
+    mib = _integer(MEMORY, value, "MiB")
+    low = limits.min_shared_memory_mib
+    return max(low, low + -(-(mib - low) // MIB_PER_GIB) * MIB_PER_GIB)
+
+
+def claim_asks(spec: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> list[Ask]:
+    """The devices a ResourceClaim spec asks of qgpu's classes (others' requests are skipped).
+
+    ``exactly`` requests and the first qgpu subrequest of a ``firstAvailable`` list (the allocator
+    tries that first). A request without capacity asks the defaults: the whole card.
+    """
+    asks: list[Ask] = []
+    for request in ((spec.get("devices") or {}).get("requests") or []):
+        exact = request.get("exactly")
+        if exact is None:
+            exact = next((s for s in request.get("firstAvailable") or [] if s.get("deviceClassName") in QGPU_CLASSES), None)
+        if not exact or exact.get("deviceClassName") not in QGPU_CLASSES:
+            continue
+        if (exact.get("allocationMode") or "ExactCount") != "ExactCount":
+            raise DemandError(f"request {request.get('name')!r}: allocationMode {exact.get('allocationMode')!r} is not scored")
+        count = int(exact.get("count") or 1)
+        wanted = (exact.get("capacity") or {}).get("requests") or {}
+        core = _core(wanted[CORE]) if CORE in wanted else None
+        memory = _memory(wanted[MEMORY], limits) if MEMORY in wanted else None
+        asks.extend([Ask(core, memory)] * count)
+        if len(asks) > MAX_ASKS:
+            raise DemandError(f"more than {MAX_ASKS} devices asked")
+    return asks
+
+
+def slice_cards(slice_: Mapping[str, Any]) -> tuple[str, list[tuple[str, CardSpec]]] | None:
+    """(node, [(device name, card)]) of one of qgpu's ResourceSlices; None for another driver's.
+    A card's ``memory_mib`` is the slice's ``memory`` capacity (what claims can consume)."""
+    spec = slice_.get("spec") or {}
+    if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+        return None
+    out = []
+    for device in spec.get("devices") or []:
+        attrs = device.get("attributes") or {}
+        capacity = device.get("capacity") or {}
+        try:
+            index = int((attrs.get("index") or {}).get("int"))
+            memory = int(str((capacity.get(MEMORY) or {}).get("value")))
+        except (TypeError, ValueError):
+            continue
+        out.append((str(device.get("name")), CardSpec(index, str((attrs.get("uuid") or {}).get("string") or ""),
+                                                       str((attrs.get("model") or {}).get("string") or ""), memory)))
+    return str(spec["nodeName"]), out
+
+
+def claim_usage(claim: Mapping[str, Any]) -> list[Usage]:
+    """What an allocated claim consumes on qgpu's devices ([] when unallocated or not qgpu's);
+    results that do not decode (contract.dra.claim_shares refuses them) count as nothing."""
+    alloc = dict((claim.get("status") or {}).get("allocation") or {})
+    devices = dict(alloc.get("devices") or {})
+    results = devices.get("results") or []
+    out: list[Usage] = []
+    for pool in sorted({str(r.get("pool") or "") for r in results if r.get("driver") == DRIVER}):  # a pool is a node
+        one_pool = {**devices, "results": [r for r in results if r.get("driver") == DRIVER and r.get("pool") == pool]}
+        try:
+            shares = claim_shares({**claim, "status": {"allocation": {**alloc, "devices": one_pool}}}, pool)
+        except DraClaimError:
+            continue
+        out.extend(Usage(pool, s.device, s.core_milli, s.memory_mib) for s in shares)
+    return out
+
+
+def _key(obj: Mapping[str, Any]) -> str:
+    meta = obj.get("metadata") or {}
+    return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
+
+
+class DraView:
+    """Slices, claims and templates as the watches deliver them, and the scoring of DRA pods.
+
+    ``node_specs``: the extender's node cache (CPU and memory of each node, for the policy's node
+    terms), read when the card state is rebuilt (a slice changed); a node seen after its slice
+    counts as large until then. Thread-safe: one lock, held for the event and for one scoring pass.
+    """
+
+    def __init__(self, limits: CardLimits = DEFAULT_LIMITS, node_specs: Callable[[], Mapping[str, NodeSpec]] | None = None):
+        self.limits = limits
+        self.node_specs = node_specs or dict
+        self.lock = threading.RLock()
+        self._slices: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}
+        self._asks: dict[str, list[Ask] | DemandError] = {}  # claim ns/name -> asks
+        self._template_asks: dict[str, list[Ask] | DemandError] = {}
+        self._usage: dict[str, list[Usage]] = {}  # claim UID -> consumption
+        self._state: ClusterState | None = None
+        self._columns: dict[str, dict[str, int]] = {}  # node -> device name -> card slot
+
+    # -- events --------------------------------------------------------------------------------
+
+    def apply_slice(self, event: str, obj: Mapping[str, Any]) -> None:
+        name = str((obj.get("metadata") or {}).get("name") or "")
+        with self.lock:
+            parsed = None if event == "DELETED" else slice_cards(obj)
+            if parsed is None:
+                if self._slices.pop(name, None) is not None:
+                    self._state = None
+                return
+            if self._slices.get(name) != parsed:
+                self._slices[name] = parsed
+                self._state = None
+
+    def replace_slices(self, items: Iterable[Mapping[str, Any]]) -> None:
+        with self.lock:
+            self._slices.clear()
+            self._state = None
+            for obj in items:
+                self.apply_slice("ADDED", obj)
+
+    def apply_claim(self, event: str, obj: Mapping[str, Any]) -> None:
+        key = _key(obj)
+        uid = str((obj.get("metadata") or {}).get("uid") or "")
+        with self.lock:
+            if event == "DELETED":
+                self._asks.pop(key, None)
+                self._set_usage(uid, [])
+                return
+            try:
+                asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits)
+            except (DemandError, TypeError, ValueError) as exc:
+                asks = DemandError(str(exc))
+            if asks:
+                self._asks[key] = asks
+            else:
+                self._asks.pop(key, None)
+            self._set_usage(uid, claim_usage(obj))
+
+    def replace_claims(self, items: Iterable[Mapping[str, Any]]) -> None:
+        with self.lock:
+            self._asks.clear()
+            self._usage.clear()
+            self._state = None
+            for obj in items:
+                self.apply_claim("ADDED", obj)
+
+    def apply_template(self, event: str, obj: Mapping[str, Any]) -> None:
+        key = _key(obj)
+        with self.lock:
+            if event == "DELETED":
+                self._template_asks.pop(key, None)
+                return
+            try:
+                asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits)
+            except (DemandError, TypeError, ValueError) as exc:
+                asks = DemandError(str(exc))
+            if asks:
+                self._template_asks[key] = asks
+            else:
+                self._template_asks.pop(key, None)
+
+    def replace_templates(self, items: Iterable[Mapping[str, Any]]) -> None:
+        with self.lock:
+            self._template_asks.clear()
+            for obj in items:
+                self.apply_template("ADDED", obj)
+
+    def _set_usage(self, uid: str, usage: list[Usage]) -> None:
+        old = self._usage.pop(uid, [])
+        if usage:
+            self._usage[uid] = usage
+        if self._state is not None and old != usage:
+            self._book(old, -1)
+            self._book(usage, +1)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def state(self) -> ClusterState:
+        """The cards of every node with a qgpu slice, their columns in first-fit order (the node's
+        slices by name, each one's devices as listed: the allocator's walk), minus what allocated
+        claims consume."""
+        with self.lock:
+            if self._state is None:
+                cards: dict[str, list[tuple[str, CardSpec]]] = {}
+                for name in sorted(self._slices):  # the allocator walks a pool's slices by name
+                    node, devices = self._slices[name]
+                    cards.setdefault(node, []).extend(devices)
+                known = self.node_specs()
+                specs, self._columns = [], {}
+                for node in sorted(cards):
+                    ordered = cards[node]  # and each slice's devices in the order it lists them
+                    base = known.get(node) or DEFAULT_NODE
+                    specs.append(NodeSpec(node, base.cpu_milli, base.memory_mib, tuple(c for _, c in ordered)))
+                    self._columns[node] = {name: j for j, (name, _) in enumerate(ordered)}
+                self._state = ClusterState(specs, self.limits)
+                for usage in self._usage.values():
+                    self._book(usage, +1)
+            return self._state
+
+    def _book(self, usage: list[Usage], sign: int) -> None:
+        state = self._state
+        assert state is not None
+        for u in usage:
+            row = state.index.get(u.node)
+            col = self._columns.get(u.node, {}).get(u.device)
+            if row is None or col is None:
+                continue  # its slice is not seen yet: booked when the state is rebuilt
+            state.core_free[row, col] -= sign * u.core
+            state.mem_free_card[row, col] -= sign * u.memory
+            state.pods[row, col] += sign
+
+    # -- pods ----------------------------------------------------------------------------------
+
+    def demand(self, pod: Mapping[str, Any]) -> list[Ask] | None:
+        """The devices ``pod`` asks of qgpu through its claims; None when it asks none (or one of
+        its claims is not known yet or not readable: then qgpu has no opinion)."""
+        meta = pod.get("metadata") or {}
+        namespace = meta.get("namespace") or "default"
+        refs = (pod.get("spec") or {}).get("resourceClaims") or []
+        asks: list[Ask] = []
+        with self.lock:
+            for ref in refs:
+                if ref.get("resourceClaimName"):
+                    found = self._asks.get(f"{namespace}/{ref['resourceClaimName']}")
+                elif ref.get("resourceClaimTemplateName"):
+                    found = self._template_asks.get(f"{namespace}/{ref['resourceClaimTemplateName']}")
+                else:
+                    found = None
+                if isinstance(found, DemandError):
+                    return None
+                asks.extend(found or [])
+        return asks[:MAX_ASKS] or None
+
+    def scores(self, asks: list[Ask], request: PodRequest, names: list[str], policy: Any) -> np.ndarray:
+        """0..10 per name: the policy's ranking of the state each node would be left in after
+        first-fit placed ``asks`` on its cards; 0 where they would not fit or the node has no slice.
+
+        One numpy pass per asked device over all named nodes; no per-node Python."""
+        with self.lock:
+            state = self.state()
+            rows = state.rows_of(names)
+            known = rows >= 0
+            r = rows[known]
+            core = state.core_free[r].copy()
+            mem = state.mem_free_card[r].copy()
+            pods = state.pods[r].copy()
+            cap = state.card_mem_cap[r]
+            limit = state.pod_limit[r]
+            ok = np.ones(len(r), dtype=bool)
+            at = np.arange(len(r))
+            for ask in asks:
+                need_core = CORE_MILLI_PER_CARD if ask.core is None else ask.core
+                need_mem = cap if ask.memory is None else np.minimum(ask.memory, cap)
+                fit = state.card_valid[r] & (core >= need_core) & (mem >= need_mem) & (pods < limit)
+                ok &= fit.any(axis=1)
+                col = np.argmax(fit, axis=1)  # the first fitting card: the allocator's first fit
+                take_mem = need_mem[at, col] if isinstance(need_mem, np.ndarray) else need_mem
+                core[at, col] -= np.where(ok, need_core, 0)
+                mem[at, col] -= np.where(ok, take_mem, 0)
+                pods[at, col] += ok
+            out = np.zeros(len(names), dtype=np.int64)
+            if not ok.any():
+                return out
+            good = r[ok]
+            cost = np.asarray(policy.state_cost(state, good, np.maximum(core[ok], 0), request), dtype=float)
+        lo, hi = float(cost.min()), float(cost.max())
+        node_scores = np.full(len(good), MAX_SCORE, dtype=np.int64) if hi == lo else \
+            np.round(MAX_SCORE * (hi - cost) / (hi - lo)).astype(np.int64)
+        scored = np.zeros(len(r), dtype=np.int64)
+        scored[ok] = node_scores
+        out[known] = scored
+        return out

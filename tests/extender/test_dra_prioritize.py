@@ -1,0 +1,193 @@
+"""DRA prioritize: a pod's demand read from its claims, cards' usage from allocated claims, and the
+policy's ranking of the state the DRA allocator's first fit would leave on each node."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, WHOLE_CLASS, slice_device, slice_name
+from qgpu_runtime.extender.app import ExtenderApp
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.extender.dra import Ask, DemandError, DraView, claim_asks, claim_usage
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, PodRequest
+from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.placement.state import CardSpec
+
+NO_GPU = PodRequest("ns", "p")
+
+
+def rslice(node: str, cards: int = 4, memory: int = 16384) -> dict[str, Any]:
+    devices = [slice_device(CardSpec(i, f"GPU-{node}-{i}", "Tesla-T4", memory), "burst-share") for i in range(cards)]
+    return {"metadata": {"name": slice_name(node)},
+            "spec": {"driver": DRIVER, "nodeName": node, "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                     "devices": devices}}
+
+
+def claim(name: str, core: int | None = 250, memory: int | None = 4096, *, cls: str = SHARED_CLASS, count: int = 1,
+          allocated: list[tuple[str, str, int, int]] = (), uid: str | None = None) -> dict[str, Any]:
+    capacity = {k: str(v) for k, v in (("core", core), ("memory", memory)) if v is not None}
+    exact: dict[str, Any] = {"deviceClassName": cls, "count": count}
+    if capacity:
+        exact["capacity"] = {"requests": capacity}
+    doc: dict[str, Any] = {"metadata": {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}"},
+                           "spec": {"devices": {"requests": [{"name": "gpu", "exactly": exact}]}}}
+    if allocated:
+        doc["status"] = {"allocation": {"devices": {"results": [
+            {"request": "gpu", "driver": DRIVER, "pool": node, "device": device, "shareID": f"s{i}",
+             "consumedCapacity": {"core": str(c), "memory": str(m), "pods": "1"}}
+            for i, (node, device, c, m) in enumerate(allocated)]}}}
+    return doc
+
+
+def pod(*claims: str, template: str | None = None) -> dict[str, Any]:
+    refs: list[dict[str, str]] = [{"name": f"c{i}", "resourceClaimName": c} for i, c in enumerate(claims)]
+    if template:
+        refs.append({"name": "t", "resourceClaimTemplateName": template})
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": "pod-uid"},
+            "spec": {"containers": [{"name": "c", "image": "x"}], "resourceClaims": refs}}
+
+
+def view(*nodes: str, cards: int = 4) -> DraView:
+    v = DraView()
+    v.replace_slices([rslice(n, cards) for n in nodes])
+    v.replace_claims([])
+    v.replace_templates([])
+    return v
+
+
+# -- decoding ------------------------------------------------------------------------------------
+
+def test_capacity_requests_are_rounded_as_the_slice_request_policy_rounds_them() -> None:
+    asks = claim_asks(claim("c", core=255, memory=3000)["spec"])
+    assert asks == [Ask(core=260, memory=3072)]
+
+
+def test_a_request_without_capacity_asks_the_whole_card() -> None:
+    assert claim_asks(claim("c", core=None, memory=None, cls=WHOLE_CLASS, count=2)["spec"]) == [Ask(None, None)] * 2
+
+
+def test_the_apiservers_canonical_quantity_is_read() -> None:
+    spec = claim("c")["spec"]
+    spec["devices"]["requests"][0]["exactly"]["capacity"]["requests"]["core"] = "1k"
+    assert claim_asks(spec) == [Ask(1000, 4096)]
+
+
+def test_other_classes_are_not_qgpus_demand() -> None:
+    assert claim_asks(claim("c", cls="gpu.nvidia.com")["spec"]) == []
+
+
+def test_first_available_takes_the_first_qgpu_subrequest() -> None:
+    spec = {"devices": {"requests": [{"name": "gpu", "firstAvailable": [
+        {"name": "other", "deviceClassName": "gpu.nvidia.com"},
+        {"name": "share", "deviceClassName": SHARED_CLASS, "capacity": {"requests": {"core": "300", "memory": "2048"}}}]}]}}
+    assert claim_asks(spec) == [Ask(300, 2048)]
+
+
+def test_a_byte_quantity_is_not_a_qgpu_capacity() -> None:
+    with pytest.raises(DemandError, match="memory '4Gi'"):
+        claim_asks(claim("c", memory="4Gi")["spec"])  # type: ignore[arg-type]
+
+
+def test_usage_is_the_consumed_capacity_of_qgpu_results() -> None:
+    doc = claim("c", allocated=[("node-a", "gpu-1", 250, 4096)])
+    doc["status"]["allocation"]["devices"]["results"].append({"driver": "other.example.com", "pool": "x", "device": "d"})
+    assert [(u.node, u.device, u.core, u.memory) for u in claim_usage(doc)] == [("node-a", "gpu-1", 250, 4096)]
+
+
+def test_demand_comes_from_named_claims_and_templates() -> None:
+    v = view("node-a")
+    v.apply_claim("ADDED", claim("mine", core=300, memory=2048))
+    v.apply_template("ADDED", {"metadata": {"name": "tpl", "namespace": "ns"},
+                               "spec": {"spec": claim("x", core=None, memory=None, cls=WHOLE_CLASS)["spec"]}})
+    assert v.demand(pod("mine", template="tpl")) == [Ask(300, 2048), Ask(None, None)]
+    assert v.demand(pod("unknown")) is None
+    assert v.demand({"metadata": {"name": "p"}, "spec": {}}) is None
+
+
+# -- scoring -------------------------------------------------------------------------------------
+
+def test_binpack_prefers_the_node_whose_cards_claims_already_use() -> None:
+    v = view("node-a", "node-b", "node-c")
+    v.apply_claim("ADDED", claim("used", allocated=[("node-b", "gpu-0", 500, 8192)]))
+    scores = v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "node-b", "node-c"], make_policy("binpack"))
+    assert scores.tolist() == [0, 10, 0]
+
+
+def test_spread_prefers_the_empty_nodes() -> None:
+    v = view("node-a", "node-b")
+    v.apply_claim("ADDED", claim("used", allocated=[("node-b", "gpu-0", 500, 8192)]))
+    assert v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "node-b"], make_policy("spread")).tolist() == [10, 0]
+
+
+def test_a_deleted_claim_frees_its_share() -> None:
+    v = view("node-a", "node-b")
+    used = claim("used", allocated=[("node-b", "gpu-0", 500, 8192)])
+    v.apply_claim("ADDED", used)
+    v.apply_claim("DELETED", used)
+    assert v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [10, 10]
+
+
+def test_a_node_where_first_fit_finds_no_card_scores_zero() -> None:
+    """Every card of node-b is partly used: a whole card does not fit there; node-a still takes it."""
+    v = view("node-a", "node-b", cards=2)
+    v.apply_claim("ADDED", claim("u", count=2, allocated=[("node-b", "gpu-0", 100, 1024), ("node-b", "gpu-1", 100, 1024)]))
+    assert v.scores([Ask(None, None)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [10, 0]
+
+
+def test_first_fit_follows_the_slices_device_order() -> None:
+    """The allocator walks a slice's devices as listed (qgpu lists them by card index), not by name.
+    With gpu-0, gpu-1, gpu-2 and gpu-3 full on node-a, a whole card still fits there (gpu-4), and
+    binpack scores node-a over the empty node-b; a pod asking for 9 whole cards fits only on node-b."""
+    v = view("node-a", "node-b", cards=12)
+    full = [("node-a", f"gpu-{i}", 1000, 16384) for i in range(4)]
+    v.apply_claim("ADDED", claim("u", count=4, allocated=full))
+    assert v.scores([Ask(None, None)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [10, 0]
+    assert v.scores([Ask(None, None)] * 9, NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [0, 10]
+
+
+def test_card_columns_follow_the_slices_device_order() -> None:
+    """First fit tries the columns left to right: a slice listing gpu-1 before gpu-0 puts gpu-1 first."""
+    reordered = rslice("node-a", cards=2)
+    reordered["spec"]["devices"].reverse()
+    v = DraView()
+    v.replace_slices([reordered])
+    v.replace_claims([])
+    state = v.state()
+    assert [int(state.card_index[0, j]) for j in range(2)] == [1, 0]
+
+
+def test_unknown_nodes_score_zero_and_the_list_order_is_kept() -> None:
+    v = view("node-a")
+    assert v.scores([Ask(250, 4096)], NO_GPU, ["nowhere", "node-a"], make_policy("binpack")).tolist() == [0, 10]
+
+
+def test_a_slice_seen_after_its_claims_books_them() -> None:
+    v = DraView()
+    v.replace_claims([claim("used", allocated=[("node-b", "gpu-0", 500, 8192)])])
+    v.replace_slices([rslice("node-a"), rslice("node-b")])
+    assert v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "node-b"], make_policy("binpack")).tolist() == [0, 10]
+
+
+# -- the extender verb ---------------------------------------------------------------------------
+
+def test_prioritize_scores_a_dra_pod_and_leaves_others_at_zero() -> None:
+    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache.replace_nodes([])
+    the_pod = pod("mine")
+    cache.replace_pods([the_pod])
+    v = view("node-a", "node-b")
+    v.apply_claim("ADDED", claim("mine"))
+    v.apply_claim("ADDED", claim("used", allocated=[("node-a", "gpu-0", 500, 8192)]))
+    app = ExtenderApp(cache, None, DEFAULT_LIMITS, dra=v)
+    body = json.dumps({"Pod": the_pod, "NodeNames": ["node-a", "node-b"]}).encode()
+    status, doc = app.handle("prioritize", body)
+    assert status == 200
+    assert json.loads(doc) == [{"Host": "node-a", "Score": 10},
+                                                                           {"Host": "node-b", "Score": 0}]
+    without = ExtenderApp(cache, None, DEFAULT_LIMITS)
+    status, doc = without.handle("prioritize", body)
+    assert json.loads(doc) == [{"Host": "node-a", "Score": 0},
+                                                                           {"Host": "node-b", "Score": 0}]

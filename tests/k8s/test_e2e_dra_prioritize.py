@@ -1,0 +1,116 @@
+"""DRA prioritize under the real kube-scheduler: pods asking qgpu's shared DeviceClass through
+ResourceClaims (consumable capacity), cards published as ResourceSlices of fake nodes. The DRA
+allocator picks the cards; a second kube-scheduler with qgpu's extender as a prioritize-only entry
+(``--dra-prioritize``, policy binpack) fills one node before the next, while the default scheduler
+(whose extender entry is not called for these pods: they ask none of its managed resources) spreads
+the same pods over the nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Iterator
+
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, device_classes, slice_device, slice_name
+from tests.k8s.controlplane import QgpuServer, extender_config, extender_server
+from tests.k8s.kubeobjects import PAUSE, cards, gpu_node, wait_for
+
+NODES = 3
+PODS = 6
+DRA_SCHEDULER = "qgpu-dra"
+
+
+def ensure_device_classes(resource: client.ResourceV1Api) -> None:
+    for doc in device_classes():
+        try:
+            resource.create_device_class(doc)
+        except ApiException as exc:
+            if exc.status != 409:
+                raise
+
+
+def publish_slice(resource: client.ResourceV1Api, node: str, n_cards: int = 4) -> None:
+    devices = [slice_device(c, "burst-share") for c in cards(n_cards, model="Tesla-T4", memory_mib=16384, node=node)]
+    resource.create_resource_slice({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice",
+                                    "metadata": {"name": slice_name(node)},
+                                    "spec": {"driver": DRIVER, "nodeName": node, "devices": devices,
+                                             "pool": {"name": node, "generation": 1, "resourceSliceCount": 1}}})
+
+
+def share_claim(name: str, core: int = 250, memory: int = 4096) -> dict[str, Any]:
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": SHARED_CLASS, "capacity": {"requests": {"core": str(core), "memory": str(memory)}}}}]}}}
+
+
+def claim_pod(name: str, claim: str, selector: dict[str, str], scheduler: str | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": 0, "nodeSelector": selector,
+        "containers": [{"name": "c", "image": PAUSE, "resources": {"claims": [{"name": "gpu"}]}}],
+        "resourceClaims": [{"name": "gpu", "resourceClaimName": claim}],
+    }
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def dra_scheduler(cluster) -> Iterator[QgpuServer]:
+    """qgpu's extender with --dra-prioritize, and a kube-scheduler profile calling only its prioritize."""
+    extender = extender_server(cluster.cp, tls=False, extra_args=["--dra-prioritize"], name="qgpu-extender-dra")
+    extender.start()
+    entry = extender_config(extender.url, ca_file=None, timeout="10s", weight=10)
+    entry.update(filterVerb="", bindVerb="", ignorable=True)
+    config = cluster.cp._write_yaml("scheduler-dra.yaml", {
+        "apiVersion": "kubescheduler.config.k8s.io/v1", "kind": "KubeSchedulerConfiguration",
+        "clientConnection": {"kubeconfig": str(cluster.cp.scheduler_kubeconfig)},
+        "leaderElection": {"leaderElect": False},
+        "profiles": [{"schedulerName": DRA_SCHEDULER}],
+        "extenders": [entry],
+    })
+    try:
+        cluster.cp.start_scheduler_from_file(config, name="kube-scheduler-dra")
+        yield extender
+    finally:
+        cluster.cp.stop_scheduler("kube-scheduler-dra")
+        extender.stop()
+
+
+def place_one_by_one(cluster, ns: str, scheduler: str | None) -> list[str]:
+    """Create PODS claim pods one after the other on fresh nodes; the node each was bound to."""
+    resource = client.ResourceV1Api(cluster.api_client)
+    ensure_device_classes(resource)
+    label = {"qgpu-test": uuid.uuid4().hex[:10]}
+    for i in range(NODES):
+        name = f"dra-{label['qgpu-test']}-{i}"
+        gpu_node(cluster.api, name, [], labels=label)
+        publish_slice(resource, name)
+    nodes = []
+    for i in range(PODS):
+        resource.create_namespaced_resource_claim(ns, share_claim(f"c{i}"))
+        cluster.api.create_namespaced_pod(ns, claim_pod(f"p{i}", f"c{i}", label, scheduler))
+
+        def bound_node(i: int = i) -> str | None:
+            pod = json.loads(cluster.api.read_namespaced_pod(f"p{i}", ns, _preload_content=False).data)
+            return pod["spec"].get("nodeName")
+
+        nodes.append(wait_for(f"pod p{i} bound", bound_node, timeout=60))
+        # the claim's allocation (written before the binding) reaches the extender's watch
+        wait_for(f"claim c{i} allocated", lambda i=i: (resource.read_namespaced_resource_claim(f"c{i}", ns).status or
+                                                       client.V1ResourceClaimStatus()).allocation, timeout=30)
+    return nodes
+
+
+def test_binpack_through_prioritize_fills_one_node_first(cluster, ns, dra_scheduler) -> None:
+    nodes = place_one_by_one(cluster, ns, DRA_SCHEDULER)
+    assert len(set(nodes)) == 1, nodes
+
+
+def test_the_default_scheduler_spreads_the_same_pods(cluster, ns) -> None:
+    nodes = place_one_by_one(cluster, ns, None)
+    assert len(set(nodes)) > 1, nodes

@@ -1,0 +1,198 @@
+"""A DRA pool beside a device-plugin pool, through site.yml's Kubernetes plays against the real
+control plane of tests/k8s (issue 13 §3, §6).
+
+`playbooks/node-pools.yml` and `playbooks/cluster.yml` run with an inventory of two pools, one in
+each qgpu_pool_mode, against fake Nodes; the dra pool's containerd CDI drop-in is written into the
+inventory's sandbox root (containerd 2.x declared, no service restarted). Read back from the
+apiserver: the mode label, the DeviceClasses equal to contract.dra.device_classes(), the DRA manager
+DaemonSets and RBAC (SubjectAccessReview), and the admission policy refusing a ResourceSlice that a
+manager's token writes for another node.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+from ansible_tools import Run, ansible_playbook
+from kubernetes import client, config
+from kubernetes.client.rest import ApiException
+from kubernetes.dynamic import DynamicClient
+from test_k8s_half import KUBE_PLAYS, NAMESPACE, can, live_object, service_account_kubeconfig
+
+from qgpu_runtime.contract import dra, names
+from tests.k8s.conftest import Cluster
+from tests.k8s.kubeobjects import cards, gpu_node
+
+pytestmark = pytest.mark.slow
+
+POOLS = {
+    "qgpu_pool_plugin": (["gpu-dp-1"], {"qgpu_node_pool_isolation_policy": "fixed-share"}),
+    "qgpu_pool_dra": (["gpu-dra-1", "gpu-dra-2"], {
+        "qgpu_node_pool_isolation_policy": "burst-share", "qgpu_pool_mode": "dra",
+        # this machine runs Debian's containerd 1.6: declare the 2.x a DRA node needs, restart nothing
+        "qgpu_node_pool_containerd_version": "2.4.2", "qgpu_node_pool_manage_services": False}),
+}
+POLICIES = ("best-effort", "fixed-share", "burst-share")
+
+
+@dataclass
+class DraSite:
+    cluster: Cluster
+    inventory: Path
+    root: Path
+    first: Run
+
+    def node(self, name: str) -> dict[str, Any]:
+        return json.loads(self.cluster.api.read_node(name, _preload_content=False).data)
+
+
+def write_inventory(path: Path, cluster: Cluster, root: Path) -> None:
+    (path / "group_vars").mkdir(parents=True)
+    hosts = {"all": {"children": {
+        "kube_control_plane": {"hosts": {}},
+        "qgpu_standalone": {"hosts": {}},
+        "qgpu_kube_api": {"hosts": {"localhost": None}},
+        "qgpu_gpu_nodes": {"children": {pool: {"hosts": {h: None for h in names_}} for pool, (names_, _) in POOLS.items()}},
+    }}}
+    (path / "hosts.yml").write_text(yaml.safe_dump(hosts, sort_keys=False))
+    (path / "group_vars" / "all.yml").write_text(yaml.safe_dump({
+        "ansible_connection": "local",
+        "ansible_python_interpreter": "{{ ansible_playbook_python }}",
+        "qgpu_kubeconfig": str(cluster.cp.admin_kubeconfig),
+        "qgpu_namespace": NAMESPACE,
+        "qgpu_image": "registry.example.com/qgpu/qgpu-runtime:0.1.0",
+        "qgpu_root_prefix": str(root),
+        "qgpu_manager_wait": False,
+        "qgpu_scheduler_wait": False,
+        "qgpu_webhook_wait": False,
+    }, sort_keys=False))
+    for pool, (_, group_vars) in POOLS.items():
+        (path / "group_vars" / f"{pool}.yml").write_text(yaml.safe_dump(group_vars, sort_keys=False))
+
+
+def manifest_docs(root: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((root / "etc/qgpu/manifests/qgpu-manager.yaml").read_text()) if d]
+
+
+@pytest.fixture(scope="module")
+def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DraSite]:
+    work = tmp_path_factory.mktemp("k8s-dra")
+    for names_, _ in POOLS.values():
+        for name in names_:
+            gpu_node(cluster.api, name, cards(2, "T4", 16384, node=name))
+    write_inventory(work / "inventory", cluster, work / "root")
+    first = ansible_playbook("-i", str(work / "inventory"), *KUBE_PLAYS)
+    assert first.returncode == 0, first.output[-6000:]
+    site = DraSite(cluster, work / "inventory", work / "root", first)
+    yield site
+    docs = manifest_docs(site.root)
+    teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
+    admission = client.AdmissionregistrationV1Api(cluster.api_client)
+    for delete in (admission.delete_mutating_webhook_configuration, admission.delete_validating_webhook_configuration):
+        try:
+            delete("qgpu-webhook")
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+    for names_, _ in POOLS.values():
+        for name in names_:
+            cluster.api.delete_node(name)
+    assert teardown.returncode == 0, teardown.output[-4000:]
+    left = [f"{d['kind']}/{d['metadata']['name']}" for d in docs if live_object(cluster, d)]
+    assert left == [], "teardown.yml left these behind"
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def test_each_node_carries_its_pools_mode(site: DraSite) -> None:
+    for names_, group_vars in POOLS.values():
+        for name in names_:
+            assert site.node(name)["metadata"]["labels"][names.POOL_MODE_LABEL] == group_vars.get("qgpu_pool_mode", "device-plugin")
+
+
+def test_the_dra_nodes_get_cdi_in_containerd(site: DraSite) -> None:
+    dropin = tomllib.loads((site.root / "etc/containerd/conf.d/90-qgpu-cdi.toml").read_text())
+    assert dropin["plugins"]["io.containerd.cri.v1.runtime"] == {"enable_cdi": True, "cdi_spec_dirs": ["/etc/cdi", "/var/run/cdi"]}
+
+
+def test_the_live_device_classes_are_the_contracts(site: DraSite) -> None:
+    resource = DynamicClient(site.cluster.api_client).resources.get(api_version=dra.API_VERSION, kind="DeviceClass")
+    for expected in dra.device_classes():
+        live = resource.get(name=expected["metadata"]["name"]).to_dict()
+        assert live["spec"] == expected["spec"], expected["metadata"]["name"]
+        assert live["metadata"]["labels"]["app.kubernetes.io/part-of"] == "qgpu"
+
+
+def test_every_rendered_manager_object_is_live(site: DraSite) -> None:
+    docs = manifest_docs(site.root)
+    assert {f"qgpu-manager-dra-{p}" for p in POLICIES} <= {d["metadata"]["name"] for d in docs if d["kind"] == "DaemonSet"}
+    for doc in docs:
+        assert live_object(site.cluster, doc) is not None, f"{doc['kind']}/{doc['metadata']['name']}"
+
+
+def test_the_dra_manager_may_publish_slices_and_not_allocate_claims(site: DraSite) -> None:
+    cluster = site.cluster
+    for verb in ("create", "get", "list", "watch", "update", "delete"):
+        assert can(cluster, "qgpu-manager-dra", verb, "resourceslices", group="resource.k8s.io"), verb
+    assert can(cluster, "qgpu-manager-dra", "get", "resourceclaims", namespace="default", group="resource.k8s.io")
+    for verb, resource, subresource, namespace in (
+            ("update", "resourceclaims", "status", "default"), ("patch", "resourceclaims", "status", "default"),
+            ("update", "resourceclaims", None, "default"), ("list", "resourceclaims", None, None),
+            ("create", "deviceclasses", None, None), ("deletecollection", "resourceslices", None, None)):
+        assert not can(cluster, "qgpu-manager-dra", verb, resource, namespace=namespace, subresource=subresource,
+                       group="resource.k8s.io"), (verb, resource, subresource)
+    assert not can(cluster, "qgpu-manager-dra", "get", "secrets", namespace=NAMESPACE)
+    # the device-plugin manager gains nothing
+    assert not can(cluster, "qgpu-manager", "create", "resourceslices", group="resource.k8s.io")
+
+
+def slice_for(node: str) -> dict[str, Any]:
+    return {"apiVersion": dra.API_VERSION, "kind": "ResourceSlice", "metadata": {"name": dra.slice_name(node)},
+            "spec": {"driver": dra.DRIVER, "nodeName": node,
+                     "pool": {"name": dra.pool_name(node), "generation": 1, "resourceSliceCount": 1},
+                     "devices": [{"name": dra.device_name(0)}]}}
+
+
+def message(refusal: ApiException) -> str:
+    return str(json.loads(refusal.body)["message"])
+
+
+def test_the_admission_policy_refuses_a_slice_for_another_node(site: DraSite, tmp_path: Path) -> None:
+    cluster = site.cluster
+    kubeconfig = service_account_kubeconfig(cluster, "qgpu-manager-dra", tmp_path / "dra.kubeconfig", node="gpu-dra-1")
+    slices = DynamicClient(config.new_client_from_config(config_file=str(kubeconfig))).resources.get(
+        api_version=dra.API_VERSION, kind="ResourceSlice")
+    try:
+        own = slices.create(body=slice_for("gpu-dra-1"))
+        assert own.spec.nodeName == "gpu-dra-1"
+        with pytest.raises(ApiException) as refused:
+            slices.create(body=slice_for("gpu-dra-2"))
+        assert refused.value.status in (403, 422), refused.value.body
+        assert ('qgpu-manager of node gpu-dra-1: ResourceSlice gpu-dra-2-gpu.qgpu.io is for node(s) "gpu-dra-2"; '
+                "rule: the node manager writes only ResourceSlices of its own node") in message(refused.value)
+        foreign = slice_for("gpu-dra-1") | {"metadata": {"name": "foreign-driver"}}
+        foreign["spec"] = foreign["spec"] | {"driver": "gpu.example.com", "pool": {"name": "x", "generation": 1, "resourceSliceCount": 1}}
+        with pytest.raises(ApiException) as other_driver:
+            slices.create(body=foreign)
+        assert 'names driver "gpu.example.com"' in message(other_driver.value)
+        slices.delete(name=dra.slice_name("gpu-dra-1"))
+    finally:
+        cluster.api.delete_namespaced_pod("qgpu-manager-dra-token-holder", NAMESPACE, grace_period_seconds=0)
+        admin = DynamicClient(cluster.api_client).resources.get(api_version=dra.API_VERSION, kind="ResourceSlice")
+        for name in (dra.slice_name("gpu-dra-1"), dra.slice_name("gpu-dra-2"), "foreign-driver"):
+            try:
+                admin.delete(name=name)
+            except ApiException:
+                pass
+
+
+def test_a_second_run_changes_nothing(site: DraSite) -> None:
+    again = ansible_playbook("-i", str(site.inventory), *KUBE_PLAYS)
+    assert again.returncode == 0, again.output[-6000:]
+    assert again.recap_changed() == 0, again.output[-8000:]
