@@ -68,6 +68,11 @@ def ns(dra_cluster: LocalCluster) -> Iterator[str]:
     api.delete_namespace(NS)
 
 
+def measured(what: str, started: float) -> None:
+    """A timing for docs/benchmarks.md, shown with `pytest -s`."""
+    print(f"measured: {what}: {time.monotonic() - started:.2f} s", file=sys.stderr, flush=True)
+
+
 def custom(cluster: LocalCluster) -> client.CustomObjectsApi:
     return client.CustomObjectsApi(config.new_client_from_config(str(cluster.admin_kubeconfig)))
 
@@ -192,7 +197,7 @@ def test_a_share_runs_and_its_container_sees_card_and_share_from_the_cdi_spec(dr
     started = time.monotonic()
     api.create_namespaced_pod(ns, claim_pod(dra_cluster, "share", "share-30"))
     kube.wait_phase(api, ns, "share", ("Running",))
-    print(f"DRA pod create -> Running: {time.monotonic() - started:.2f} s", file=sys.stderr)
+    measured("DRA pod create -> Running (claim from template, allocation, prepare, CDI)", started)
     claim = pod_claim(dra_cluster, ns, "share")
     (result,) = claim["status"]["allocation"]["devices"]["results"]
     assert (result["driver"], result["pool"]) == (dra.DRIVER, NODE)
@@ -228,11 +233,14 @@ def test_two_pods_share_a_card_a_third_waits_and_runs_once_one_is_deleted(dra_cl
     assert kube.phase(api, ns, "c") == "Pending" and not kube.read(api, ns, "c")["spec"].get("nodeName")
 
     a_claim = claims["a"]["metadata"]["uid"]
+    deleted = time.monotonic()
     delete(dra_cluster, ns, "a")
+    measured("pod delete -> its share released from the node's store", deleted)
     # Unprepared by kubelet: the share is gone from the node's store ...
     poll(lambda: a_claim not in store_shares(dra_cluster), timeout=30, what="a's share released from the store")
     # ... and the scheduler, retrying, finds room for c on card 0.
     kube.wait_phase(api, ns, "c", ("Running",))
+    measured("pod delete -> the pending pod Running in its place", deleted)
     assert card_load(dra_cluster) == {0: 800}
     delete(dra_cluster, ns, "b", "c")
     assert card_load(dra_cluster) == {}
@@ -248,10 +256,12 @@ def test_the_manager_killed_while_a_pod_is_prepared_loses_nothing(dra_cluster: L
     # plugin dying mid-call, and retries until the restarted manager answers.
     poll(lambda: kube.read(api, ns, "during")["spec"].get("nodeName"), timeout=30, interval=0.05,
          what="the pod bound")
+    killed = time.monotonic()
     os.kill(host_pid(dra_cluster, manager), signal.SIGKILL)
     poll(lambda: manager_pod(dra_cluster)["status"]["containerStatuses"][0]["restartCount"] > restarts,
          timeout=60, what="the manager container restarted by the kubelet")
     kube.wait_phase(api, ns, "during", ("Running",), timeout=120)
+    measured("manager SIGKILL -> the pod it was preparing Running", killed)
     claim = pod_claim(dra_cluster, ns, "during")
     assert container_env(dra_cluster, ns, "during")["QGPU_CORE_MILLI"] == "600"
     # Booked exactly once; a second pod of 60 % goes to the other card, a third does not fit.
@@ -268,10 +278,12 @@ def test_the_manager_killed_while_a_pod_is_prepared_loses_nothing(dra_cluster: L
 def test_kubelet_restart_wipes_the_slice_and_the_manager_publishes_it_again(dra_cluster: LocalCluster, ns: str) -> None:
     template(dra_cluster, ns, "share-20", core=200, memory_mib=2048)
     before = poll(lambda: read_slice(dra_cluster), timeout=30, what=f"ResourceSlice {SLICE}")
+    restarted = time.monotonic()
     dra_cluster.restart_kubelet()
     # kubelet deletes its node's slices at start (reference/real-node.md, pitfall 8): a new one.
     again = poll(lambda: s if (s := read_slice(dra_cluster)) and s["metadata"]["uid"] != before["metadata"]["uid"] else None,
                  timeout=60, interval=0.5, what="the slice published again after the kubelet restart")
+    measured("kubelet restart -> slice published again", restarted)
     assert [d["name"] for d in again["spec"]["devices"]] == ["gpu-0", "gpu-1"]
     api = kube.core(dra_cluster)
     api.create_namespaced_pod(ns, claim_pod(dra_cluster, "after-kubelet", "share-20"))
