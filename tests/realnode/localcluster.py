@@ -628,6 +628,8 @@ class LocalCluster:
             "qgpu_pool_mode": "dra",
             "qgpu_node_pool_containerd_binary": str(self.containerd_bin / "containerd"),
             "qgpu_node_pool_manage_services": False,
+            # The webhook's DRA conversion of T9k percent requests needs the pool's card sizes.
+            "qgpu_webhook_dra_card_memory_mib": sorted({int(c["memory_mib"]) for c in self.simulated_cards}),
         }
 
 

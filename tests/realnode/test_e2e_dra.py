@@ -290,3 +290,48 @@ def test_kubelet_restart_wipes_the_slice_and_the_manager_publishes_it_again(dra_
     kube.wait_phase(api, ns, "after-kubelet", ("Running",))
     assert container_env(dra_cluster, ns, "after-kubelet")["QGPU_CORE_MILLI"] == "200"
     delete(dra_cluster, ns, "after-kubelet")
+
+
+# ---- every dialect through the webhook's DRA conversion (where the roles deploy it) --------------
+GPU_MODE = "qgpu.io/gpu-mode"
+
+
+def webhook_converts(cluster: LocalCluster) -> bool:
+    """Whether site.yml runs the webhook with --dra (the roles do once a pool is in DRA mode)."""
+    (ds,) = kube.apps(cluster).list_namespaced_daemon_set("kube-system", label_selector="app.kubernetes.io/name=qgpu-webhook").items
+    container = ds.spec.template.spec.containers[0]
+    return "--dra" in [*(container.command or []), *(container.args or [])]
+
+
+@pytest.fixture(scope="module")
+def dialect_ns(dra_cluster: LocalCluster) -> Iterator[str]:
+    if not webhook_converts(dra_cluster):
+        pytest.skip("the roles deploy the webhook without --dra: dialect pods are not converted into claims")
+    api = kube.core(dra_cluster)
+    name = f"dra-dialects-{os.getpid()}"
+    api.create_namespace({"metadata": {"name": name, "labels": {GPU_MODE: "dra"}}})
+    poll(lambda: any(sa.metadata.name == "default" for sa in api.list_namespaced_service_account(name).items),
+         timeout=30, what=f"the default ServiceAccount of namespace {name}")
+    yield name
+    api.delete_namespace(name)
+
+
+@pytest.mark.parametrize(("limits", "core", "memory"), [
+    ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "2"}, "300", "2048"),
+    ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, "500", "2048"),
+    ({"tensorstack.dev/nvidia-gpu": "1"}, "1000", "32768"),
+    ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "250", "8192"),
+    ({"nvidia.com/gpu": "1"}, "1000", "32768"),
+], ids=["qgpu", "vcuda", "t9k-gpu", "t9k-percent", "nvidia"])
+def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: LocalCluster, dialect_ns: str,
+                                                               limits: dict[str, str], core: str, memory: str) -> None:
+    api = kube.core(dra_cluster)
+    name = "dialect-" + next(iter(limits)).rsplit("/", 1)[1]
+    api.create_namespaced_pod(dialect_ns, kube.shell_pod(name, image(dra_cluster), PRINT, limits=limits))
+    pod = kube.wait_phase(api, dialect_ns, name, ("Running",))
+    container = pod["spec"]["containers"][0]
+    assert not [r for r in container["resources"].get("limits", {}) if r.startswith(kube.GPU_RESOURCE_PREFIXES[:3])]
+    env = container_env(dra_cluster, dialect_ns, name)
+    assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == (core, memory)
+    assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
+    delete(dra_cluster, dialect_ns, name)
