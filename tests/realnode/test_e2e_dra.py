@@ -229,6 +229,7 @@ def test_two_pods_share_a_card_a_third_waits_and_runs_once_one_is_deleted(dra_cl
 
     api.create_namespaced_pod(ns, claim_pod(dra_cluster, "c", "card0-40"))
     reason = poll(lambda: unschedulable_reason(dra_cluster, ns, "c"), timeout=30, what="c unschedulable")
+    print(f"scheduler on the third pod: {reason}", file=sys.stderr, flush=True)
     assert "cannot allocate all claims" in reason, reason
     assert kube.phase(api, ns, "c") == "Pending" and not kube.read(api, ns, "c")["spec"].get("nodeName")
 
