@@ -50,6 +50,13 @@ COMMITMENTS: Final = "qgpu.io/commitments"
 """Annotation of the node's Lease holding the binds in flight (placement/commitments.py)."""
 COMMITMENTS_LEASE_PREFIX: Final = "qgpu-node."
 
+# --- Leases: written and read by every webhook replica -------------------------------------------
+CLAIM_RESERVATIONS: Final = "qgpu.io/claim-reservations"
+"""Annotation of a namespace's claim-quota ledger Lease: claims admitted but not yet visible
+(webhook/ledger.py)."""
+CLAIM_QUOTA_LEASE_PREFIX: Final = "qgpu-claim-quota."
+"""``qgpu-claim-quota.<namespace>``: the ledger Leases, in the webhook's own namespace."""
+
 # --- namespaces and workload objects the roles render ------------------------------------------
 WEBHOOK_OPT_OUT_LABEL: Final = "qgpu.io/webhook"
 """Namespaces labelled ``qgpu.io/webhook=disabled`` are not sent to the webhook."""
@@ -85,5 +92,5 @@ def finished(pod: dict) -> bool:
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
-    POOL_MODE_LABEL, COMMITMENTS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
+    POOL_MODE_LABEL, COMMITMENTS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

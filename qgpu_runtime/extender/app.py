@@ -104,9 +104,11 @@ class ExtenderApp:
 
     def handle(self, verb: str, body: bytes) -> Response:
         started = time.perf_counter()
-        handler = {"filter": self.filter, "prioritize": self.prioritize, "bind": self.bind}.get(verb)
+        handler = {"filter": self.filter, "prioritize": self.prioritize, "bind": self.bind,
+                   "dra-prioritize": self.dra_prioritize}.get(verb)
         if handler is None:
-            status, doc = 404, {"Error": f"unknown verb {verb!r}; this extender serves filter, prioritize and bind"}
+            status, doc = 404, {"Error": f"unknown verb {verb!r}; this extender serves filter, prioritize, bind "
+                                         "and dra-prioritize"}
         else:
             try:
                 status, doc = handler(body)
@@ -170,6 +172,32 @@ class ExtenderApp:
         if request is None or not request.wants_gpu:
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
         return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(pod, request, names)))
+
+    def dra_prioritize(self, body: bytes) -> Response:
+        """Prioritize for DRA claim pods only; every other pod gets 0 on every node.
+
+        kube-scheduler sends every pod to an extender entry without managedResources, which is the
+        only way a claim pod (it asks no extended resource) reaches an extender. Under the shared
+        ``prioritize`` verb a dialect pod would then be scored by both entries, the main entry's
+        weight plus this one's; this verb keeps the dialect pods' weight what the main entry says.
+        """
+        args = ExtenderArgs.decode(body)
+        names = args.names
+        if self.dra is None:
+            return 404, {"Error": "dra-prioritize: this extender was started without --dra-prioritize"}
+        try:
+            pod = self.pods.resolve(args.pod)
+            request = self._request(pod)
+        except UntrustedPod as exc:
+            self._refuse("dra-prioritize", "untrusted-pod", str(exc))
+            return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
+        except RequestError:
+            request = None
+        if request is not None and not request.wants_gpu:
+            asks = self.dra.demand(pod)
+            if asks:
+                return 200, RawJSON(encode_priorities_json(names, self.dra.scores(asks, request, names, self.cache.policy)))
+        return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
 
     def bind(self, body: bytes) -> Response:
         args = BindingArgs.decode(body)

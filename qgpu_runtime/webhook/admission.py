@@ -54,10 +54,13 @@ def _review(body: bytes | str) -> tuple[dict[str, Any], dict[str, Any]]:
     return doc, request
 
 
-def _answer(uid: str, allowed: bool, message: str = "", patch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+_REASONS = {422: "Invalid", 500: "InternalError"}
+
+
+def _answer(uid: str, allowed: bool, message: str = "", patch: list[dict[str, Any]] | None = None, code: int = 422) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": uid, "allowed": allowed}
     if not allowed:
-        response["status"] = {"code": 422, "reason": "Invalid", "message": message}
+        response["status"] = {"code": code, "reason": _REASONS.get(code, "Invalid"), "message": message}
     if patch:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()

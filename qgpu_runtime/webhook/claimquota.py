@@ -195,13 +195,14 @@ def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, in
 
 
 def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
-                default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> list[Refusal]:
+                default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, reserved: Usage = Usage()) -> list[Refusal]:
     """The quotas a new claim would exceed (empty: admit it).
 
     ``existing`` are the namespace's claims; the new claim itself and claims of other namespaces
-    among them are skipped. An existing claim that cannot be read is charged a whole card for
-    each of its requests of a qgpu class, so a malformed claim cannot hide usage. Raises
-    ClaimQuotaError when the new claim or a quota cannot be read.
+    among them are skipped. ``reserved`` is what claims admitted but not yet visible in
+    ``existing`` ask (the webhook's reservation ledger, webhook/ledger.py); it counts as used.
+    An existing claim that cannot be read is charged a whole card for each of its requests of a
+    qgpu class, so a malformed claim cannot hide usage. Raises ClaimQuotaError when the new claim or a quota cannot be read.
     """
     quotas = list(quotas)
     if not any(r in _hard(q) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
@@ -211,7 +212,7 @@ def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]],
     if asked == Usage():
         return []  # asks nothing of qgpu: a broken qgpu quota must not block other drivers' claims
     limits = quota_limits(quotas)
-    used = Usage()
+    used = reserved
     for other in existing:
         other_ns, other_name = _name(other)
         if other_ns != namespace or other_name == name:
@@ -244,27 +245,40 @@ def _whole_cards(claim: Mapping[str, Any], default_memory_mib: int) -> Usage:
     return Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
 
 
-def claim_admission(request: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
-                    default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> tuple[bool, str]:
-    """(allowed, message) for an AdmissionReview ``request``: a CREATE of a resource.k8s.io
-    ResourceClaim is checked against the namespace's quotas, anything else is allowed.
-
-    The caller (the webhook's route) lists ``existing`` claims and ``quotas`` of
-    ``request["namespace"]``; a claim or quota that cannot be read is a denial naming it, since
-    admitting it would let the quota be bypassed."""
+def is_claim_create(request: Mapping[str, Any]) -> bool:
+    """Whether an AdmissionReview ``request`` is a CREATE of a resource.k8s.io ResourceClaim."""
     kind = request.get("kind") if isinstance(request.get("kind"), dict) else {}
-    if request.get("operation") != "CREATE" or kind.get("group") != "resource.k8s.io" or kind.get("kind") != "ResourceClaim":
-        return True, ""
+    return request.get("operation") == "CREATE" and kind.get("group") == "resource.k8s.io" and kind.get("kind") == "ResourceClaim"
+
+
+def new_claim(request: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The claim a CREATE review carries, its namespace and name filled in from the request (None
+    when the object is not an object)."""
     obj = request.get("object")
     if not isinstance(obj, dict):
-        return False, f"qgpu: AdmissionReview.request.object={_shown(obj)}: must be a ResourceClaim object"
+        return None
     meta = dict(obj.get("metadata") or {}) if isinstance(obj.get("metadata"), dict) else {}
     meta.setdefault("namespace", request.get("namespace") or "default")
     if not meta.get("name") and isinstance(request.get("name"), str):
         meta["name"] = request["name"]
-    claim = {**obj, "metadata": meta}
+    return {**obj, "metadata": meta}
+
+
+def claim_admission(request: Mapping[str, Any], existing: Iterable[Mapping[str, Any]], quotas: Iterable[Mapping[str, Any]],
+                    default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, reserved: Usage = Usage()) -> tuple[bool, str]:
+    """(allowed, message) for an AdmissionReview ``request``: a CREATE of a resource.k8s.io
+    ResourceClaim is checked against the namespace's quotas, anything else is allowed.
+
+    The caller (the webhook's route) lists ``existing`` claims and ``quotas`` of
+    ``request["namespace"]`` (and ``reserved``, see :func:`check_claim`); a claim or quota that
+    cannot be read is a denial naming it, since admitting it would let the quota be bypassed."""
+    if not is_claim_create(request):
+        return True, ""
+    claim = new_claim(request)
+    if claim is None:
+        return False, f"qgpu: AdmissionReview.request.object={_shown(request.get('object'))}: must be a ResourceClaim object"
     try:
-        refusals = check_claim(claim, existing, quotas, default_memory_mib)
+        refusals = check_claim(claim, existing, quotas, default_memory_mib, reserved)
     except ClaimQuotaError as exc:
         return False, f"qgpu: {exc}"
     if refusals:

@@ -2,7 +2,9 @@
 
 Routes: POST /validate and POST /mutate (AdmissionReview v1); GET /healthz. With ``--dra`` also
 POST /mutate-dra, which turns every dialect into DRA claims and creates their ResourceClaimTemplates
-(docs/dra.md, "Every dialect through the webhook").
+(docs/dra.md, "Every dialect through the webhook"), and POST /validate-claim, which holds
+ResourceClaim CREATEs to the namespace's GPU core and memory quota (docs/dra.md, "Quota on GPU core
+and memory").
 """
 
 from __future__ import annotations
@@ -18,9 +20,14 @@ from kubernetes.config import ConfigException
 
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import JsonServer, Routes
-from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, mutate, validate
+from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
+from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 from qgpu_runtime.webhook.templates import TemplateWriter
+
+ClaimCheck = Callable[[dict[str, Any]], Verdict]
+DEFAULT_LEDGER_NAMESPACE = "kube-system"
+DEFAULT_RESERVATION_S = 30.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +39,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
     serve.add_argument("--dra", action="store_true",
-                       help="serve /mutate-dra: GPU pods of every dialect become DRA claims (needs RBAC to create resourceclaimtemplates)")
+                       help="serve /mutate-dra (GPU pods of every dialect become DRA claims) and /validate-claim (the claims' GPU "
+                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceclaims and "
+                            "resourcequotas list, leases get/create/update in --quota-ledger-namespace")
     serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
                        help="a card size (MiB) of the DRA pools, repeatable: T9k nvidia-gpu-percent requests need them")
     serve.add_argument("--kubeconfig", default=None, help="with --dra: kubeconfig file (default: in-cluster service account)")
+    serve.add_argument("--quota-ledger-namespace", default=None, metavar="NAMESPACE",
+                       help="with --dra: namespace of the claim-quota ledger Leases qgpu-claim-quota.<namespace>, the "
+                            "webhook's own (default kube-system)")
+    serve.add_argument("--claim-reservation-seconds", type=float, default=None, metavar="SECONDS",
+                       help="with --dra: how long an admitted claim not yet stored counts against the quota (default 30)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -55,11 +69,13 @@ def handler(review: Callable[[bytes, WebhookConfig], dict[str, Any]], config: We
 MAX_REVIEW_BYTES = 8 * 1024 * 1024
 
 
-def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None) -> Routes:
+def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None, claim_quota: ClaimCheck | None = None) -> Routes:
     post = {"/validate": handler(validate, config), "/mutate": handler(mutate, config)}
     if dra is not None:
         dra_config, ensure = dra
         post["/mutate-dra"] = handler(partial(_mutate_dra, dra_config=dra_config, ensure=ensure), config)
+    if claim_quota is not None:
+        post["/validate-claim"] = handler(partial(_validate_claim, check=claim_quota), config)
     return Routes(
         post=post,
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
@@ -71,25 +87,40 @@ def _mutate_dra(body: bytes, config: WebhookConfig, *, dra_config: DraConfig, en
     return mutate_dra(body, config, dra_config, ensure)
 
 
+def _validate_claim(body: bytes, config: WebhookConfig, *, check: ClaimCheck) -> dict[str, Any]:
+    _, request = _review(body)
+    verdict = check(request)
+    return _answer(request["uid"], verdict.allowed, verdict.message, code=verdict.code)
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dra = None
-    if not args.dra and (args.dra_card_memory_mib or args.kubeconfig):
-        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib and --kubeconfig: only with --dra")
+    dra_only = (args.dra_card_memory_mib, args.kubeconfig, args.quota_ledger_namespace, args.claim_reservation_seconds)
+    if not args.dra and any(v not in (None, []) for v in dra_only):
+        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib, --kubeconfig, --quota-ledger-namespace and "
+                         "--claim-reservation-seconds: only with --dra")
+    claim_quota = None
     if args.dra:
         try:
             dra_config = DraConfig(tuple(args.dra_card_memory_mib))
         except ValueError as exc:
             raise SystemExit(f"qgpu webhook serve: --dra-card-memory-mib: {exc}") from None
+        reservation_s = DEFAULT_RESERVATION_S if args.claim_reservation_seconds is None else args.claim_reservation_seconds
+        if not 1 <= reservation_s <= 3600:
+            raise SystemExit(f"qgpu webhook serve: --claim-reservation-seconds {reservation_s:g}: must be within 1..3600 "
+                             "(longer than the rest of the admission chain, short enough that a claim that never appeared stops counting)")
         try:
-            writer = TemplateWriter(api_client(args.kubeconfig))
+            connection = api_client(args.kubeconfig)
         except (ConfigException, OSError) as exc:
             where = f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster service account (no --kubeconfig)"
             raise SystemExit(f"qgpu webhook serve: --dra: {where}: {exc}") from None
-        dra = (dra_config, writer)
-    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra),
+        dra = (dra_config, TemplateWriter(connection))
+        claim_quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
+                                 default_memory_mib=dra_config.limits.max_card_memory_mib)
+    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra, claim_quota),
                         args.tls_cert_file, args.tls_private_key_file)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d", args.address, server.port)

@@ -16,7 +16,7 @@ import urllib3
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, api_error, drain, raw_json
 from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.webhook.dra import ClaimTemplate, TemplateError
 
@@ -44,14 +44,6 @@ def _contains(actual: Any, wanted: Any) -> bool:
     return _same_value(actual, wanted)
 
 
-def _reason(exc: ApiException) -> str:
-    try:
-        message = json.loads(exc.body or "{}").get("message")
-    except (ValueError, AttributeError):
-        message = None
-    return f"{exc.status} {exc.reason}: {message or exc.body}"
-
-
 class TemplateWriter:
     """Creates missing templates through ``api_client``; ``__call__`` is the ``ensure`` of ``mutate_dra``."""
 
@@ -75,7 +67,7 @@ class TemplateWriter:
                 return
             except ApiException as exc:
                 if exc.status != 409:
-                    raise TemplateError(f"{where}: the apiserver refused to create it: {_reason(exc)}") from None
+                    raise TemplateError(f"{where}: the apiserver refused to create it: {api_error(exc)}") from None
             except _UNREACHABLE as exc:
                 raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
             stored = self._read(where, namespace, template.name)
@@ -92,6 +84,6 @@ class TemplateWriter:
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise TemplateError(f"{where}: the apiserver refused to read it: {_reason(exc)}") from None
+            raise TemplateError(f"{where}: the apiserver refused to read it: {api_error(exc)}") from None
         except _UNREACHABLE as exc:
             raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None

@@ -191,3 +191,29 @@ def test_prioritize_scores_a_dra_pod_and_leaves_others_at_zero() -> None:
     status, doc = without.handle("prioritize", body)
     assert json.loads(doc) == [{"Host": "node-a", "Score": 0},
                                                                            {"Host": "node-b", "Score": 0}]
+
+
+def test_dra_prioritize_scores_claim_pods_only() -> None:
+    """The verb of kube-scheduler's entry without managedResources (every pod reaches it): a claim
+    pod is scored as by prioritize, a dialect pod gets 0 (the main entry scores it, once)."""
+    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache.replace_nodes([])
+    the_pod = pod("mine")
+    dialect = pod()
+    dialect["metadata"].update(name="dialect", uid="dialect-uid")
+    dialect["spec"]["containers"][0]["resources"] = {"limits": {"nvidia.com/gpu": "1"}}
+    cache.replace_pods([the_pod, dialect])
+    v = view("node-a", "node-b")
+    v.apply_claim("ADDED", claim("mine"))
+    v.apply_claim("ADDED", claim("used", allocated=[("node-a", "gpu-0", 500, 8192)]))
+    app = ExtenderApp(cache, None, DEFAULT_LIMITS, dra=v)
+    names = ["node-a", "node-b"]
+    status, doc = app.handle("dra-prioritize", json.dumps({"Pod": the_pod, "NodeNames": names}).encode())
+    assert status == 200
+    assert json.loads(doc) == [{"Host": "node-a", "Score": 10}, {"Host": "node-b", "Score": 0}]
+    status, doc = app.handle("dra-prioritize", json.dumps({"Pod": dialect, "NodeNames": names}).encode())
+    assert status == 200
+    assert json.loads(doc) == [{"Host": "node-a", "Score": 0}, {"Host": "node-b", "Score": 0}]
+    status, doc = ExtenderApp(cache, None, DEFAULT_LIMITS).handle(
+        "dra-prioritize", json.dumps({"Pod": the_pod, "NodeNames": names}).encode())
+    assert status == 404 and "--dra-prioritize" in doc["Error"]

@@ -236,3 +236,19 @@ def test_a_record_that_collides_with_a_filter_hold_is_booked_and_the_hold_yields
     c.replace_pods([bound_pod])
     assert c.booking("ns/bound") is not None and c.booking("ns/early") is None
     assert not c.problems
+
+
+def test_nodes_of_a_dra_pool_take_no_device_plugin_pods():
+    """Cards of a DRA pool reach pods through ResourceClaims: a dialect pod bound there by the
+    extender would find no device plugin, so those nodes offer the extender no card."""
+    from qgpu_runtime.contract.names import POOL_MODE_LABEL
+    from qgpu_runtime.extender.nodes import node_spec
+
+    d = node("d")
+    d["metadata"]["labels"] = {POOL_MODE_LABEL: "dra"}
+    assert node_spec(d).cards == () and node_spec(node("p")).cards != ()
+    c = cache()
+    c.replace_nodes([d, node("p")])
+    share = pod("share")
+    result = c.filter(share, parse_pod(share), ["d", "p"])
+    assert "d" in result.unresolvable and "p" not in result.unresolvable and "p" not in result.failed

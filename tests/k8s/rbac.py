@@ -26,11 +26,14 @@ def role_defaults(role: str) -> dict[str, Any]:
     path = ROOT / "roles" / role / "defaults" / "main.yml"
     raw = yaml.safe_load(path.read_text()) if path.exists() else {}
     lenient = jinja2.Environment()
+    # what the inventory-derived defaults use (qgpu_scheduler_dra_prioritize): a bare inventory has no GPU nodes
+    lenient.filters["bool"] = lambda v: v is True or str(v).strip().lower() in ("yes", "on", "1", "true", "y", "t")
+    lenient.filters["extract"] = lambda key, container: container[key]
     out: dict[str, Any] = {}
     for key, value in (raw or {}).items():
         if isinstance(value, str) and "{{" in value:
             try:
-                value = yaml.safe_load(lenient.from_string(value).render()) or ""
+                value = yaml.safe_load(lenient.from_string(value).render(groups={}, hostvars={})) or ""
             except jinja2.TemplateError:
                 continue
         out[key] = value

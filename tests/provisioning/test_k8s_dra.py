@@ -6,7 +6,8 @@ each qgpu_pool_mode, against fake Nodes; the dra pool's containerd CDI drop-in i
 inventory's sandbox root (containerd 2.x declared, no service restarted). Read back from the
 apiserver: the mode label, the DeviceClasses equal to contract.dra.device_classes(), the DRA manager
 DaemonSets and RBAC (SubjectAccessReview), and the admission policy refusing a ResourceSlice that a
-manager's token writes for another node.
+manager's token writes for another node; the webhook in its DRA mode (--dra, /mutate-dra and the
+claim-quota entry, exactly the RBAC it calls).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
+import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -24,11 +27,25 @@ from ansible_tools import Run, ansible_playbook
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from test_k8s_half import KUBE_PLAYS, NAMESPACE, can, live_object, service_account_kubeconfig
+from prometheus_client.parser import text_string_to_metric_families
+from test_k8s_half import (
+    KUBE_PLAYS,
+    NAMESPACE,
+    advertise_as_the_manager_daemonset,
+    bound_or_reason,
+    can,
+    exempt_namespace,
+    live_object,
+    service_account_kubeconfig,
+)
 
 from qgpu_runtime.contract import dra, names
+from qgpu_runtime.contract.record import ALLOCATION
+from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
-from tests.k8s.kubeobjects import cards, gpu_node
+from tests.k8s.controlplane import QgpuServer, extender_server
+from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, patched, read_pod
+from tests.k8s.test_e2e_dra_prioritize import place_one_by_one
 
 pytestmark = pytest.mark.slow
 
@@ -152,6 +169,90 @@ def test_the_dra_manager_may_publish_slices_and_not_allocate_claims(site: DraSit
     assert not can(cluster, "qgpu-manager", "create", "resourceslices", group="resource.k8s.io")
 
 
+DRA_KINDS = ("resourceslices", "resourceclaims", "resourceclaimtemplates")
+
+
+def test_the_extender_may_list_and_watch_the_dra_kinds_and_write_none(site: DraSite) -> None:
+    """--dra-prioritize (on: a pool is dra) reads qgpu's cards, the claims and their templates; it
+    never writes them (kube-scheduler allocates, the manager publishes)."""
+    cluster = site.cluster
+    for resource in DRA_KINDS:
+        for verb in ("list", "watch"):
+            assert can(cluster, "qgpu-scheduler", verb, resource, group="resource.k8s.io"), (verb, resource)
+        if resource != "resourceslices":
+            assert can(cluster, "qgpu-scheduler", "list", resource, namespace="default", group="resource.k8s.io")
+        for verb in ("create", "update", "patch", "delete", "deletecollection", "get"):
+            namespace = None if resource == "resourceslices" else "default"
+            assert not can(cluster, "qgpu-scheduler", verb, resource, namespace=namespace, group="resource.k8s.io"), (
+                verb, resource)
+    assert not can(cluster, "qgpu-scheduler", "update", "resourceclaims", namespace="default", subresource="status",
+                   group="resource.k8s.io")
+    assert not can(cluster, "qgpu-scheduler", "list", "deviceclasses", group="resource.k8s.io")
+
+
+def requests_by_verb(extender: QgpuServer) -> dict[str, float]:
+    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=extender.ssl_context()) as response:
+        text = response.read().decode()
+    counts: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "qgpu_extender_requests_total":
+                counts[sample.labels["verb"]] = counts.get(sample.labels["verb"], 0) + sample.value
+    return counts
+
+
+def test_the_role_config_places_claim_pods_through_dra_prioritize(site: DraSite, tmp_path: Path) -> None:
+    """The KubeSchedulerConfiguration kube_scheduler_extender renders for this inventory (a dra pool:
+    two entries to one extender) loaded by the real kube-scheduler, the extender run with
+    --dra-prioritize as the qgpu-scheduler ServiceAccount the role created (its watches of the DRA
+    kinds must be allowed, or it never gets ready). Claim pods are packed onto one node through
+    dra-prioritize (binpack; the default scheduler spreads them, tests/k8s/test_e2e_dra_prioritize.py),
+    and a dialect pod still goes through today's entry: filter and bind, allocation record."""
+    cluster = site.cluster
+    kubeconfig = service_account_kubeconfig(cluster, "qgpu-scheduler", tmp_path / "extender.kubeconfig")
+    extender = extender_server(cluster.cp, kubeconfig=kubeconfig, name="qgpu-extender-role-dra",
+                               extra_args=["--dra-prioritize", "--commitment-namespace", NAMESPACE])
+    version = cluster.cp.bindir.parent.name.lstrip("v")
+    assert extender.client_cert is not None and extender.ca_file is not None
+    render = ansible_playbook("-i", str(site.inventory), "tests/provisioning/playbooks/render-scheduler-configs.yml",
+                              "-e", json.dumps({
+                                  "sandbox": str(tmp_path / "masters"), "versions": [version],
+                                  "kube_scheduler_extender_url_prefix": extender.url,
+                                  "kube_scheduler_extender_tls": {
+                                      "insecure": False, "caFile": str(extender.ca_file),
+                                      "certFile": str(extender.client_cert.cert), "keyFile": str(extender.client_cert.key)},
+                                  "kube_scheduler_extender_kubeconfig": str(cluster.cp.scheduler_kubeconfig),
+                                  "kube_scheduler_extender_preempt_verb": ""}))
+    assert render.returncode == 0, render.output[-4000:]
+    path = tmp_path / "masters" / version / "etc/kubernetes/qgpu/kube-scheduler-config.yaml"
+    main, dra_entry = yaml.safe_load(path.read_text())["extenders"]
+    assert main["bindVerb"] == "bind" and dra_entry["prioritizeVerb"] == "dra-prioritize"
+
+    label = {"qgpu-test": uuid.uuid4().hex[:10]}
+    dialect_node = f"role-dra-dp-{label['qgpu-test']}"
+    inventory = cards(2, "V100", 32768, node=dialect_node)
+    gpu_node(cluster.api, dialect_node, inventory, labels=label)
+    advertise_as_the_manager_daemonset(cluster, dialect_node, inventory)
+    namespace = exempt_namespace(cluster)
+    extender.start()
+    cluster.cp.stop_scheduler()  # one scheduler of default-scheduler pods at a time
+    try:
+        cluster.cp.start_scheduler_from_file(path, name="kube-scheduler-role-dra")
+        nodes = place_one_by_one(cluster, namespace, None)
+        assert len(set(nodes)) == 1, nodes
+        spec = gpu_pod("dialect", {"tke.cloud.tencent.com/qgpu-core": 50, "tke.cloud.tencent.com/qgpu-memory": 8},
+                       selector=label)
+        cluster.api.create_namespaced_pod(namespace, patched(spec, mutation(spec, WebhookConfig())))
+        assert bound_or_reason(cluster, namespace, "dialect") == dialect_node
+        assert ALLOCATION in read_pod(cluster.api, namespace, "dialect")["metadata"]["annotations"]
+        counts = requests_by_verb(extender)
+        assert counts.get("dra-prioritize", 0) >= len(nodes) and counts.get("bind", 0) >= 1, counts
+    finally:
+        cluster.cp.stop_scheduler("kube-scheduler-role-dra")
+        cluster.cp.start_scheduler(cluster.scheduler_extenders())
+        extender.stop()
+
+
 def slice_for(node: str) -> dict[str, Any]:
     return {"apiVersion": dra.API_VERSION, "kind": "ResourceSlice", "metadata": {"name": dra.slice_name(node)},
             "spec": {"driver": dra.DRIVER, "nodeName": node,
@@ -190,6 +291,44 @@ def test_the_admission_policy_refuses_a_slice_for_another_node(site: DraSite, tm
                 admin.delete(name=name)
             except ApiException:
                 pass
+
+
+def webhook_docs(root: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((root / "etc/qgpu/manifests/qgpu-webhook.yaml").read_text()) if d]
+
+
+def test_a_dra_pool_runs_the_webhook_with_dra_and_its_entries(site: DraSite) -> None:
+    docs = webhook_docs(site.root)
+    for doc in docs:
+        assert live_object(site.cluster, doc) is not None, f"{doc['kind']}/{doc['metadata']['name']}"
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--dra" in args and f"--quota-ledger-namespace={NAMESPACE}" in args
+    admission = client.AdmissionregistrationV1Api(site.cluster.api_client)
+    mutating = {h.name: h for h in admission.read_mutating_webhook_configuration("qgpu-webhook").webhooks}
+    validating = {h.name: h for h in admission.read_validating_webhook_configuration("qgpu-webhook").webhooks}
+    assert set(mutating) == {"mutate.qgpu.io", "mutate-dra.qgpu.io"}
+    assert mutating["mutate-dra.qgpu.io"].side_effects == "NoneOnDryRun"
+    assert set(validating) == {"validate.qgpu.io", "claim-quota.qgpu.io"}
+    assert validating["claim-quota.qgpu.io"].failure_policy == "Fail"
+    assert admission.read_validating_admission_policy("qgpu-webhook-own-names").spec.validations
+
+
+def test_the_dra_webhook_has_exactly_the_rbac_it_calls(site: DraSite) -> None:
+    cluster = site.cluster
+    allowed = [("get", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+               ("create", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+               ("list", "resourceclaims", "team-a", "resource.k8s.io"), ("list", "resourcequotas", "team-a", ""),
+               ("get", "leases", NAMESPACE, "coordination.k8s.io"), ("create", "leases", NAMESPACE, "coordination.k8s.io"),
+               ("update", "leases", NAMESPACE, "coordination.k8s.io")]
+    forbidden = [("update", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+                 ("delete", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
+                 ("create", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourceclaims", "team-a", "resource.k8s.io"),
+                 ("watch", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourcequotas", "team-a", ""),
+                 ("create", "leases", "team-a", "coordination.k8s.io"), ("delete", "leases", NAMESPACE, "coordination.k8s.io"),
+                 ("get", "secrets", NAMESPACE, ""), ("list", "pods", None, ""), ("create", "resourceslices", None, "resource.k8s.io")]
+    assert [a for a in allowed if not can(cluster, "qgpu-webhook", a[0], a[1], namespace=a[2], group=a[3])] == []
+    assert [f for f in forbidden if can(cluster, "qgpu-webhook", f[0], f[1], namespace=f[2], group=f[3])] == []
 
 
 def test_a_second_run_changes_nothing(site: DraSite) -> None:

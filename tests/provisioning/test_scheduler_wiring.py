@@ -139,3 +139,10 @@ def test_unwiring_restores_the_kubeadm_manifest() -> None:
     for config_format, path in (("v1", KSC), ("policy", POLICY)):
         wired = wiring.scheduler_wire(kubeadm_manifest(), config_format, path, CONFIG_DIR, "abc")
         assert wiring.scheduler_unwire(wired, CONFIG_DIR) == kubeadm_manifest()
+
+
+@pytest.mark.parametrize("version,has_dra", [("1.33.5", False), ("v1.34.0", True), ("1.37.2", True),
+                                             ("1.25.16", False), ("1.34.1-tke.1", True)])
+def test_dra_exists_from_kubernetes_1_34(version: str, has_dra: bool) -> None:
+    """kube_scheduler_extender adds the DRA prioritize entry only where kube-scheduler allocates claims."""
+    assert wiring.scheduler_has_dra(version) is has_dra

@@ -385,11 +385,14 @@ def test_structure_mutated_reviews_are_converted_or_refused(doc):
 
 def test_the_dra_route_exists_only_with_dra():
     assert "/mutate-dra" not in cli.routes(WebhookConfig()).post
+    assert "/validate-claim" not in cli.routes(WebhookConfig()).post
     assert DRA_ROUTES.body_limits["/mutate-dra"] == 8 * 1024 * 1024
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib and --kubeconfig: only with --dra"),
+    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib, --kubeconfig, .*: only with --dra"),
+    (["--quota-ledger-namespace", "qgpu"], "--quota-ledger-namespace and --claim-reservation-seconds: only with --dra"),
+    (["--dra", "--claim-reservation-seconds", "0"], "--claim-reservation-seconds 0: must be within 1..3600"),
     (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
     (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),
 ])

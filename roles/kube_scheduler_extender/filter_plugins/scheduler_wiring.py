@@ -21,6 +21,8 @@ CHECKSUM_ANNOTATION = "qgpu.io/scheduler-config-checksum"
 CONFIG_FLAGS = ("--config", "--policy-config-file", "--use-legacy-policy-config",
                 "--policy-configmap", "--policy-configmap-namespace")
 OLDEST_SUPPORTED = (1, 14)
+# resource.k8s.io/v1 (DRA, GA): the first kube-scheduler that allocates ResourceClaims by default.
+DRA_FIRST = (1, 34)
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,11 @@ def scheduler_config_format(version: str, requested: str = "auto") -> str:
             f"kube_scheduler_extender_config_format {requested!r}: kube-scheduler {version} cannot read it "
             f"({requested} works with Kubernetes {span.describe()}); {version} reads {', '.join(readable) or 'none of them'}")
     return requested
+
+
+def scheduler_has_dra(version: str) -> bool:
+    """True when kube-scheduler ``version`` allocates ResourceClaims (resource.k8s.io/v1, 1.34 on)."""
+    return parse_minor(version) >= DRA_FIRST
 
 
 def scheduler_version_from_manifest(manifest: dict[str, Any]) -> str:
@@ -199,6 +206,7 @@ class FilterModule:
     def filters(self) -> dict[str, Any]:
         return {
             "scheduler_config_format": scheduler_config_format,
+            "scheduler_has_dra": scheduler_has_dra,
             "scheduler_version_from_manifest": scheduler_version_from_manifest,
             "scheduler_wire": scheduler_wire,
             "scheduler_unwire": scheduler_unwire,

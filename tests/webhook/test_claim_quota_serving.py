@@ -1,0 +1,207 @@
+"""ClaimQuota (webhook/quota.py) with stand-in API objects: the order of reads, what is reserved,
+conflicts, and every way the check cannot be made, each a 500 naming the call (fail closed).
+The same against the real kube-apiserver: tests/k8s/test_e2e_claimquota_webhook.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
+from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
+from qgpu_runtime.webhook.ledger import Reservation, encode_ledger, parse_ledger
+from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
+
+NS = "team-a"
+
+
+class Response:
+    def __init__(self, doc: Any):
+        self.data = json.dumps(doc).encode()
+
+    def read(self) -> bytes:
+        return self.data
+
+    def release_conn(self) -> None:
+        pass
+
+
+def claim(name: str, core: int) -> dict:
+    return {"metadata": {"name": name, "namespace": NS}, "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": SHARED_CLASS, "capacity": {"requests": {"core": str(core), "memory": "1024"}}}}]}}}
+
+
+def review(name: str, core: int, **extra: Any) -> dict:
+    return {"uid": "u-" + name, "operation": "CREATE", "namespace": NS, "kind": {"group": "resource.k8s.io", "kind": "ResourceClaim"},
+            "object": claim(name, core), **extra}
+
+
+class FakeApi:
+    """Claims, quotas and one ledger Lease, with resourceVersion preconditions; ``fail`` maps a
+    call name to the exception it raises."""
+
+    def __init__(self, claims=(), hard_core: int | None = 1000):
+        self.claims = list(claims)
+        self.quotas = [] if hard_core is None else [{"metadata": {"name": "gpu"}, "spec": {"hard": {CORE_QUOTA: str(hard_core),
+                                                                                                     MEMORY_QUOTA: "65536"}}}]
+        self.lease: dict | None = None
+        self.version = 0
+        self.fail: dict[str, BaseException] = {}
+        self.conflicts_to_give = 0
+        self.calls: list[str] = []
+
+    def _call(self, name: str) -> None:
+        self.calls.append(name)
+        if name in self.fail:
+            raise self.fail[name]
+
+    def list_namespaced_resource_quota(self, ns, **_):
+        self._call("quotas")
+        return Response({"items": self.quotas})
+
+    def list_namespaced_resource_claim(self, ns, **_):
+        self._call("claims")
+        return Response({"items": self.claims})
+
+    def read_namespaced_lease(self, name, ns, **_):
+        self._call("read")
+        if self.lease is None:
+            raise ApiException(status=404, reason="Not Found")
+        return Response(self.lease)
+
+    def _store(self, body):
+        self.version += 1
+        self.lease = {**body, "metadata": {**body["metadata"], "resourceVersion": str(self.version)}}
+        return Response(self.lease)
+
+    def create_namespaced_lease(self, ns, body, **_):
+        self._call("write")
+        if self.lease is not None:
+            raise ApiException(status=409, reason="AlreadyExists")
+        return self._store(body)
+
+    def replace_namespaced_lease(self, name, ns, body, **_):
+        self._call("write")
+        if self.conflicts_to_give or body["metadata"]["resourceVersion"] != self.lease["metadata"]["resourceVersion"]:
+            self.conflicts_to_give = max(0, self.conflicts_to_give - 1)
+            raise ApiException(status=409, reason="Conflict")
+        return self._store(body)
+
+    def reservations(self) -> dict[str, Reservation]:
+        return parse_ledger(self.lease["metadata"]["annotations"][CLAIM_RESERVATIONS]) if self.lease else {}
+
+
+def guard(api: FakeApi, now: list[float] | None = None, **kwargs: Any) -> ClaimQuota:
+    clock = now if now is not None else [1000.0]
+    quota = ClaimQuota(client.ApiClient(), "qgpu", clock=lambda: clock[0], **kwargs)
+    quota.core = quota.resource = quota.leases = api  # type: ignore[assignment]
+    return quota
+
+
+def test_an_admission_reserves_what_the_claim_asks_until_it_is_visible():
+    api = FakeApi()
+    assert guard(api)(review("a", 600)) == Verdict(True)
+    assert api.calls == ["quotas", "read", "claims", "write"]
+    assert api.reservations() == {"a": Reservation(600, 1024, 1030.0)}
+    verdict = guard(api)(review("b", 600))
+    assert not verdict.allowed and verdict.code == 422 and "used 600 + requested 600 > hard 1000" in verdict.message
+    api.claims.append(claim("a", 600))  # stored: the claim counts, its reservation is dropped at the next write
+    assert guard(api)(review("c", 400)) == Verdict(True)
+    assert set(api.reservations()) == {"c"}
+
+
+def test_a_reservation_whose_claim_never_appeared_stops_counting_when_it_expires():
+    api = FakeApi()
+    now = [1000.0]
+    assert guard(api, now)(review("lost", 800)).allowed
+    assert not guard(api, now)(review("b", 800)).allowed
+    now[0] = 1031.0
+    assert guard(api, now)(review("b", 800)).allowed
+    assert set(api.reservations()) == {"b"}
+
+
+def test_no_qgpu_quota_or_nothing_asked_of_qgpu_costs_one_list_and_writes_nothing():
+    api = FakeApi(hard_core=None)
+    assert guard(api)(review("a", 5000)) == Verdict(True)
+    other = review("b", 0)
+    other["object"]["spec"]["devices"]["requests"][0]["exactly"]["deviceClassName"] = "gpu.example.com"
+    api2 = FakeApi()
+    assert guard(api2)(other) == Verdict(True)
+    assert api.calls == ["quotas"] and api2.calls == ["quotas"]
+
+
+def test_a_dry_run_is_judged_and_writes_nothing():
+    api = FakeApi()
+    assert guard(api)(review("a", 600, dryRun=True)) == Verdict(True)
+    assert "write" not in api.calls and api.lease is None
+    assert not guard(api)(review("a", 1600, dryRun=True)).allowed
+
+
+def test_other_operations_are_not_judged():
+    api = FakeApi()
+    assert guard(api)({**review("a", 5000), "operation": "UPDATE"}) == Verdict(True)
+    assert api.calls == []
+
+
+def test_a_lost_write_is_read_and_judged_again():
+    api = FakeApi()
+    guard(api)(review("a", 100))
+    api.conflicts_to_give = 2
+    quota = guard(api)
+    assert quota(review("b", 100)) == Verdict(True)
+    assert quota.conflicts == 2 and api.calls.count("claims") == 4
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    ("quotas", ApiException(status=403, reason="Forbidden"), "listing ResourceQuotas of namespace 'team-a': the apiserver answered 403 Forbidden"),
+    ("claims", ApiException(status=503, reason="Service Unavailable"), "listing ResourceClaims of namespace 'team-a': the apiserver answered 503"),
+    ("read", ApiException(status=500, reason="Internal Server Error"), "reading Lease qgpu/qgpu-claim-quota.team-a: the apiserver answered 500"),
+    ("write", ApiException(status=422, reason="Unprocessable Entity"), "writing Lease qgpu/qgpu-claim-quota.team-a: the apiserver answered 422"),
+    ("claims", TimeoutError("read timed out"), "listing ResourceClaims of namespace 'team-a': the apiserver could not be reached: read timed out"),
+])
+def test_every_failed_call_is_a_500_naming_it(call, exc, words):
+    api = FakeApi()
+    api.fail[call] = exc
+    verdict = guard(api)(review("a", 100))
+    assert (verdict.allowed, verdict.code) == (False, 500)
+    assert verdict.message.startswith("qgpu: ResourceClaim team-a/a: the GPU quota cannot be checked, so the claim is refused "
+                                      "(fail closed; try again): ")
+    assert words in verdict.message, verdict.message
+
+
+def test_an_unreadable_ledger_is_a_500_saying_to_delete_it():
+    api = FakeApi()
+    api.lease = {"metadata": {"resourceVersion": "1", "annotations": {CLAIM_RESERVATIONS: "{"}}}
+    verdict = guard(api)(review("a", 100))
+    assert verdict.code == 500 and "(delete the Lease: the webhook recreates it)" in verdict.message
+
+
+def test_endless_conflicts_end_with_the_budget():
+    api = FakeApi()
+    guard(api)(review("a", 100))
+    api.conflicts_to_give = 10**6
+    quota = guard(api, budget_s=0.3)
+    verdict = quota(review("b", 100))
+    assert verdict.code == 500 and quota.conflicts > 1
+    # whichever call finds the budget spent names it
+    assert "writes lost to concurrent admissions within 0.3s" in verdict.message or "no time left of the 0.3s budget" in verdict.message
+
+
+def test_a_namespace_lock_held_past_the_budget_is_a_500():
+    api = FakeApi()
+    quota = guard(api, budget_s=0.2)
+    with quota.locks.hold(NS, 1.0):  # another admission of the namespace, in this process
+        verdict = quota(review("a", 100))
+    assert verdict.code == 500 and "none finished within 0.2s" in verdict.message
+    assert quota.locks._locks == {}  # dropped once nobody holds or waits for it
+
+
+def test_the_ledger_round_trip_through_the_fake_is_the_codec():
+    api = FakeApi()
+    guard(api)(review("a", 100))
+    assert api.lease["metadata"]["annotations"][CLAIM_RESERVATIONS] == encode_ledger({"a": Reservation(100, 1024, 1030.0)})
