@@ -3,8 +3,8 @@ DeviceClasses and the node manager serving the DRA kubelet plugin; the manager p
 ResourceSlice; the real kube-scheduler allocates claims with consumable capacity from it; the real
 kubelet asks the manager to prepare them; containerd v2 applies the CDI spec the manager wrote. What
 the container prints, the claim's allocation, the scheduler's reasons and the node's own store are
-checked. Pods carry ResourceClaimTemplates written by hand with contract.dra's names (the webhook's
-DRA conversion is not deployed by the roles yet)."""
+checked. Pods carry ResourceClaimTemplates written by hand with contract.dra's names, and pods of
+every dialect are converted by the webhook's /mutate-dra in a namespace labelled qgpu.io/gpu-mode=dra."""
 
 from __future__ import annotations
 
@@ -321,7 +321,8 @@ def dialect_ns(dra_cluster: LocalCluster) -> Iterator[str]:
     ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "2"}, "300", "2048"),
     ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, "500", "2048"),
     ({"tensorstack.dev/nvidia-gpu": "1"}, "1000", "32768"),
-    ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "250", "8192"),
+    # A percent asks memory only: the claim takes the smallest core step (docs/dra.md).
+    ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "10", "8192"),
 ], ids=["qgpu", "vcuda", "t9k-gpu", "t9k-percent"])
 def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: LocalCluster, dialect_ns: str,
                                                                limits: dict[str, str], core: str, memory: str) -> None:
