@@ -132,3 +132,16 @@ def test_dra_can_be_decided_explicitly_and_bad_settings_are_refused(tmp_path: Pa
     assert set(hooks(docs, "MutatingWebhookConfiguration")) == {"mutate.qgpu.io"}
     with pytest.raises(AssertionError, match="qgpu_webhook_dra_timeout_seconds=5 must be within 10..30"):
         render(tmp_path / "bad", "dra", qgpu_webhook_dra_timeout_seconds=5)
+
+
+def test_the_dra_webhook_reaches_the_apiserver_where_the_node_does(tmp_path: Path) -> None:
+    # Clusters whose pods cannot reach the kubernetes Service (the local cluster: no kube-proxy):
+    # --dra calls the apiserver, so it gets the address the other components use.
+    docs = render(tmp_path / "dra", "dra", qgpu_kube_apiserver_host="127.0.0.1", qgpu_kube_apiserver_port=6443)
+    assert {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"} in container(docs)["env"]
+    assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in container(docs)["env"]
+
+
+def test_the_device_plugin_webhook_needs_no_apiserver_address(tmp_path: Path) -> None:
+    docs = render(tmp_path / "dp", "device-plugin", qgpu_kube_apiserver_host="127.0.0.1")
+    assert "env" not in container(docs)

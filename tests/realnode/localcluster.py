@@ -103,6 +103,7 @@ class State:
     ports: dict[str, int] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
     sysctls: dict[str, str] = field(default_factory=dict)
+    dra: bool = False
 
     @classmethod
     def load(cls, path: Path) -> State | None:
@@ -121,7 +122,8 @@ class LocalCluster:
     """One cluster in ``workdir``; binaries from scripts/k8s-testbin and scripts/containerd-bin."""
 
     def __init__(self, workdir: Path, k8s_bin: Path, containerd_bin: Path, *, log: Callable[[str], None] = print,
-                 persistent: bool = True, simulated_cards: list[dict[str, Any]] | None = None) -> None:
+                 persistent: bool = True, simulated_cards: list[dict[str, Any]] | None = None,
+                 dra: bool | None = None) -> None:
         self.dir = workdir.resolve()
         self.k8s_bin = k8s_bin
         self.containerd_bin = containerd_bin
@@ -133,6 +135,9 @@ class LocalCluster:
         state = State.load(self.state_file)
         if state is None:
             state = State(cluster_id=hashlib.sha256(str(self.dir).encode()).hexdigest()[:8])
+        if dra is not None and dra != state.dra:
+            state.dra = dra
+            state.save(self.state_file)
         self.state = state
         self.logs = self.dir / "logs"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
@@ -142,6 +147,12 @@ class LocalCluster:
     @property
     def cgroup_root(self) -> str:
         return f"/qgpu-{self.state.cluster_id}"
+
+    @property
+    def dra(self) -> bool:
+        """The GPU pool serves its cards through DRA (ResourceSlices, claims, CDI), not device plugins.
+        Chosen at the first ``up`` and kept in state.json, so a second ``up`` keeps the mode."""
+        return self.state.dra
 
     @property
     def containerd_socket(self) -> Path:
@@ -378,7 +389,9 @@ class LocalCluster:
         (cni_conf / "10-qgpu-lo.conflist").write_text(json.dumps(
             {"cniVersion": "1.0.0", "name": "qgpu-lo", "plugins": [{"type": "qgpu-lo"}]}))
         config = root / "config.toml"
-        config.write_text(_containerd_config(root, cni_bin, cni_conf, cdi))
+        # CDI on in both modes (DRA needs it); /var/run/cdi is the DRA manager's default spec folder,
+        # a tmpfs of the mount namespace.
+        config.write_text(_containerd_config(root, cni_bin, cni_conf, (cdi, Path("/var/run/cdi"))))
         if self.running("containerd"):
             return
         self.log(f"containerd: starting on {self.containerd_socket}")
@@ -604,6 +617,19 @@ class LocalCluster:
             "qgpu_local_cluster_webhook_port": self.port("webhook"),
             "qgpu_local_cluster_metrics_port": self.port("manager-metrics"),
             "qgpu_local_cluster_kubelet_root": str(self.dir / "host" / "kubelet"),
+            **(self._dra_vars() if self.dra else {}),
+        }
+
+    def _dra_vars(self) -> dict[str, Any]:
+        """The pool in DRA mode (roles' ``qgpu_pool_mode``): DeviceClasses, the manager serving the
+        kubelet plugin and the node's ResourceSlice. The node pool role checks containerd's version
+        with this cluster's binary; the containerd config itself is this script's (CDI already on)."""
+        return {
+            "qgpu_pool_mode": "dra",
+            "qgpu_node_pool_containerd_binary": str(self.containerd_bin / "containerd"),
+            "qgpu_node_pool_manage_services": False,
+            # The webhook's DRA conversion of T9k percent requests needs the pool's card sizes.
+            "qgpu_webhook_dra_card_memory_mib": sorted({int(c["memory_mib"]) for c in self.simulated_cards}),
         }
 
 
@@ -615,7 +641,8 @@ def _v1_hierarchies() -> list[Path]:
     return [p for p in CGROUP_V1.iterdir() if p.is_dir() and (p / "cgroup.procs").exists()]
 
 
-def _containerd_config(root: Path, cni_bin: Path, cni_conf: Path, cdi: Path) -> str:
+def _containerd_config(root: Path, cni_bin: Path, cni_conf: Path, cdi: tuple[Path, ...]) -> str:
+    cdi_dirs = ", ".join(f"'{d}'" for d in cdi)
     return f"""# written by tests/realnode/localcluster.py
 version = 3
 root = "{root / 'root'}"
@@ -636,7 +663,9 @@ state = "{root / 'state'}"
   [plugins.'io.containerd.cri.v1.runtime']
     # These machines lack CAP_SYS_RESOURCE: runc cannot give the pause process its -998 OOM score.
     restrict_oom_score_adj = true
-    cdi_spec_dirs = ['{cdi}']
+    # The DRA kubelet plugin names CDI devices; containerd resolves them from these folders.
+    enable_cdi = true
+    cdi_spec_dirs = [{cdi_dirs}]
     [plugins.'io.containerd.cri.v1.runtime'.containerd]
       default_runtime_name = 'runc'
       [plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes.runc]
@@ -657,6 +686,8 @@ def _bin(script: str, *args: str) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="local-cluster", description=__doc__.split("\n\n")[0])
     parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--dra", action="store_true",
+                        help="up: the GPU pool in DRA mode (kept by later `up`s until `down`)")
     parser.add_argument("--dir", type=Path, default=ROOT / ".cache" / "local-cluster" / "cluster",
                         help="where the cluster lives (default: .cache/local-cluster/cluster)")
     args = parser.parse_args(argv)
@@ -670,10 +701,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     k8s_bin = _bin("k8s-testbin")
     containerd_bin = _bin("containerd-bin")
-    cluster = LocalCluster(args.dir, k8s_bin, containerd_bin, log=say)
+    cluster = LocalCluster(args.dir, k8s_bin, containerd_bin, log=say, dra=True if args.dra else None)
     if args.action == "status":
         for name in ("etcd", "kube-apiserver", "kube-controller-manager", "mountns", "containerd", "kubelet"):
             say(f"{name}: {'running' if cluster.running(name) else 'stopped'}")
+        say(f"GPU pool mode: {'dra' if cluster.dra else 'device-plugin'}")
         return 0
     try:
         cluster.up()
