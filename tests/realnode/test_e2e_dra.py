@@ -338,9 +338,6 @@ def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: Loca
     delete(dra_cluster, dialect_ns, name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "qgpu's extender manages nvidia.com/gpu and refuses the DRA node ('node has no GPUs'), so kube-scheduler "
-    "never reaches the whole-card DeviceClass's extendedResourceName mapping (KEP-5004)"))
 def test_an_unchanged_nvidia_gpu_pod_gets_a_whole_card_through_the_device_class(dra_cluster: LocalCluster, ns: str) -> None:
     api = kube.core(dra_cluster)
     api.create_namespaced_pod(ns, kube.shell_pod("nvidia", image(dra_cluster), PRINT, limits={"nvidia.com/gpu": "1"}))
