@@ -206,7 +206,7 @@ def test_the_role_config_places_claim_pods_through_dra_prioritize(site: DraSite,
     two entries to one extender) loaded by the real kube-scheduler, the extender run with
     --dra-prioritize as the qgpu-scheduler ServiceAccount the role created (its watches of the DRA
     kinds must be allowed, or it never gets ready). Claim pods are packed onto one node through
-    dra-prioritize (binpack; the default scheduler spreads them, tests/k8s/test_e2e_dra_prioritize.py),
+    dra-prioritize (binpack, as in tests/k8s/test_e2e_dra_prioritize.py),
     and a dialect pod still goes through today's entry: filter and bind, allocation record."""
     cluster = site.cluster
     kubeconfig = service_account_kubeconfig(cluster, "qgpu-scheduler", tmp_path / "extender.kubeconfig")
