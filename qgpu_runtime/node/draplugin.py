@@ -20,8 +20,14 @@ restarted plugin, or run for a claim never prepared. A failure of one claim is t
 
 Sockets (the kubelet plugin watcher's conventions): registration on
 ``<plugins_registry>/gpu.qgpu.io-reg.sock`` answering GetInfo{type DRAPlugin, name gpu.qgpu.io,
-endpoint <abs DRA socket>, supported_versions [v1.DRAPlugin]}; the service on
-``<kubelet plugins dir>/gpu.qgpu.io/dra.sock``.
+endpoint <abs DRA socket>, supported_versions [v1.DRAPlugin, v1.DRAResourceHealth]}; both services
+on ``<kubelet plugins dir>/gpu.qgpu.io/dra.sock``.
+
+Device health (``v1.DRAResourceHealth.NodeWatchResources``, kubelet's ResourceHealthStatus gate):
+each stream sends the health of every card of the node (pool = node, device ``gpu-<index>``) at
+once, again whenever ``CardHealth`` changes (an XID marks a card unhealthy), and again every
+``HEALTH_RESEND_S`` so kubelet's timeout never turns them unknown; it waits on CardHealth's version
+and ends when the manager stops (``CardHealth.close``), the server stops or kubelet goes away.
 """
 
 from __future__ import annotations
@@ -38,12 +44,13 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import grpc
 
 from qgpu_runtime import protos
-from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares
+from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares, device_name, pool_name
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node import cdi
+from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.response import CONTROL_DEVICES, card_envs, t9k_share_envs
 from qgpu_runtime.node.store import PreparedClaim, ReservedPod, Share, Store
 from qgpu_runtime.node.tenants import dominant_class
@@ -53,6 +60,12 @@ log = logging.getLogger(__name__)
 
 PLUGIN_TYPE = "DRAPlugin"
 SERVICE_VERSION = "v1.DRAPlugin"
+HEALTH_SERVICE = "v1.DRAResourceHealth"
+# kubelet reads a device's health as unknown once its last report is older than the device's
+# health_check_timeout_seconds (30 s when unset): the full list is sent again every
+# HEALTH_RESEND_S even when nothing changed, well inside HEALTH_TIMEOUT_S.
+HEALTH_RESEND_S = 10.0
+HEALTH_TIMEOUT_S = 60
 
 
 @dataclass(frozen=True)
@@ -239,6 +252,36 @@ def reserved_pods(claim: Mapping[str, Any]) -> tuple[ReservedPod, ...]:
     return tuple(out)
 
 
+def health_report(node: str, cards: Sequence[int], unhealthy: Mapping[int, str], now_s: int):
+    """kubelet's ``NodeWatchResourcesResponse``: every card of the node, healthy or unhealthy with
+    the reason as the message (kubelet truncates past 1024 characters)."""
+    hl = protos.dra_health()
+    return hl.pb2.NodeWatchResourcesResponse(devices=[hl.pb2.DeviceHealth(
+        device=hl.pb2.DeviceIdentifier(pool_name=pool_name(node), device_name=device_name(i)),
+        health=hl.pb2.UNHEALTHY if i in unhealthy else hl.pb2.HEALTHY, last_updated_time=now_s,
+        health_check_timeout_seconds=HEALTH_TIMEOUT_S, message=unhealthy.get(i, "")[:1024]) for i in sorted(cards)])
+
+
+def _health_servicer(settings: DraSettings, cards: Sequence[int], health: CardHealth, stopping: threading.Event,
+                     resend_s: float):
+    hl = protos.dra_health()
+
+    class HealthServicer(hl.grpc.DRAResourceHealthServicer):
+        def NodeWatchResources(self, request, context):
+            context.add_callback(health.wake)  # kubelet gone or server stopped: the wait below ends
+            seen = None
+            while context.is_active() and not stopping.is_set():
+                version, sick, closed = health.wait_change(-1 if seen is None else seen, resend_s)
+                if closed or stopping.is_set() or not context.is_active():
+                    break
+                if seen is not None and version != seen:
+                    log.info("DRA health: unhealthy cards now %s", sick)
+                seen = version
+                yield health_report(settings.node, cards, sick, int(time.time()))
+
+    return HealthServicer()
+
+
 def _servicers(preparer: ClaimPreparer, settings: DraSettings, registered: Callable[[bool, str], None]):
     dra, reg = protos.dra(), protos.pluginregistration()
 
@@ -276,7 +319,7 @@ def _servicers(preparer: ClaimPreparer, settings: DraSettings, registered: Calla
     class RegistrationServicer(reg.grpc.RegistrationServicer):
         def GetInfo(self, request, context):
             return reg.pb2.PluginInfo(type=PLUGIN_TYPE, name=DRIVER, endpoint=str(settings.dra_socket),
-                                      supported_versions=[SERVICE_VERSION])
+                                      supported_versions=[SERVICE_VERSION, HEALTH_SERVICE])
 
         def NotifyRegistrationStatus(self, request, context):
             registered(bool(request.plugin_registered), str(request.error))
@@ -289,10 +332,15 @@ class DraKubeletPlugin:
     """The two sockets, served; the node manager holds it where it would hold the device plugins'
     registration (``serve``, ``stop``, ``check_kubelet``)."""
 
-    def __init__(self, settings: DraSettings, preparer: ClaimPreparer) -> None:
+    def __init__(self, settings: DraSettings, preparer: ClaimPreparer, health: CardHealth | None = None,
+                 health_resend_s: float = HEALTH_RESEND_S) -> None:
+        """``health``: the node's CardHealth (None: the preparer's cards, always healthy)."""
         self.plugins: list = []  # no device-plugin servers in DRA mode
         self.settings = settings
         self.preparer = preparer
+        self.health = health if health is not None else CardHealth(preparer.cards)
+        self.health_resend_s = health_resend_s
+        self._stopping = threading.Event()
         self.registered: tuple[bool, str] | None = None
         self._servers: list[tuple[grpc.Server, Path, int]] = []
 
@@ -305,10 +353,17 @@ class DraKubeletPlugin:
 
     def serve(self) -> None:
         dra_servicer, reg_servicer = _servicers(self.preparer, self.settings, self._on_registration)
-        # The service first: kubelet calls GetInfo as soon as the registration socket appears and
+        self._stopping = threading.Event()
+        health_servicer = _health_servicer(self.settings, sorted(self.preparer.cards), self.health, self._stopping,
+                                           self.health_resend_s)
+
+        def add_services(server: grpc.Server) -> None:
+            protos.dra().grpc.add_DRAPluginServicer_to_server(dra_servicer, server)
+            protos.dra_health().grpc.add_DRAResourceHealthServicer_to_server(health_servicer, server)
+
+        # The services first: kubelet calls GetInfo as soon as the registration socket appears and
         # then connects to the endpoint it names.
-        self._servers.append(self._serve_on(self.settings.dra_socket, "dra",
-                                            lambda s: protos.dra().grpc.add_DRAPluginServicer_to_server(dra_servicer, s)))
+        self._servers.append(self._serve_on(self.settings.dra_socket, "dra", add_services))
         self._servers.append(self._serve_on(self.settings.registration_socket, "dra-reg",
                                             lambda s: protos.pluginregistration().grpc.add_RegistrationServicer_to_server(
                                                 reg_servicer, s)))
@@ -320,7 +375,8 @@ class DraKubeletPlugin:
         socket.parent.mkdir(parents=True, exist_ok=True)
         if socket.exists() or socket.is_symlink():
             socket.unlink()  # a stale socket from a previous run
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix=prefix))
+        # 8 workers: a health stream holds one for as long as kubelet watches.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=prefix))
         add(server)
         server.add_insecure_port(f"unix://{socket}")
         server.start()
@@ -341,6 +397,8 @@ class DraKubeletPlugin:
             self.serve()
 
     def stop(self) -> None:
+        self._stopping.set()
+        self.health.wake()  # health streams end (a stopped server also cancels them)
         for server, socket, inode in self._servers:
             server.stop(grace=0.5).wait()
             try:
@@ -352,8 +410,8 @@ class DraKubeletPlugin:
 
 
 def dra_plugin(config, cards: Mapping[int, CardInfo], store: Store, claims: ClaimSource, policy: Callable[[], str],
-               unhealthy: Callable[[], Mapping[int, str]]) -> DraKubeletPlugin:
+               health: CardHealth) -> DraKubeletPlugin:
     """The plugin for the node manager's ``config`` (ManagerConfig with ``dra`` set)."""
     settings = DraSettings(config.node, config.kubelet_plugins_dir, config.plugins_registry_dir, config.cdi_dir,
                            config.pass_device_specs)
-    return DraKubeletPlugin(settings, ClaimPreparer(settings, cards, store, claims, policy, unhealthy))
+    return DraKubeletPlugin(settings, ClaimPreparer(settings, cards, store, claims, policy, health.unhealthy), health)

@@ -2,7 +2,8 @@
 
 kubelet's ListAndWatch (one stream per served resource) blocks in ``wait_devices`` until the
 version moves, so a card marked unhealthy reaches every stream at once. Unhealthy is sticky until
-the manager restarts: a card that raised a fatal XID needs a reset before it is used again.
+the manager restarts: a card that raised a fatal XID needs a reset before it is used again. The DRA
+plugin's ``NodeWatchResources`` streams wait in ``wait_change`` the same way.
 """
 
 from __future__ import annotations
@@ -43,6 +44,19 @@ class CardHealth:
                 self._changed.wait(timeout_s)
             version, bad = self._version, set(self._unhealthy)
         return version, [(d, not bad.intersection(cards)) for d, cards in kind.advertised(self._cards.values()).items()]
+
+    def wait_change(self, seen: int, timeout_s: float) -> tuple[int, dict[int, str], bool]:
+        """(health version, unhealthy cards, closed); blocks up to ``timeout_s`` while the version
+        is ``seen`` and the health is open (or until ``wake``)."""
+        with self._changed:
+            if seen == self._version and not self._closed:
+                self._changed.wait(timeout_s)
+            return self._version, dict(self._unhealthy), self._closed
+
+    def wake(self) -> None:
+        """Wake every waiter without a change (a stream whose client went away checks and ends)."""
+        with self._changed:
+            self._changed.notify_all()
 
     def close(self) -> None:
         """Wake every waiting stream; later waits return at once (the manager is stopping)."""

@@ -115,7 +115,7 @@ class NodeManager:
         if config.dra:
             from qgpu_runtime.node.draplugin import dra_plugin
 
-            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health.unhealthy)
+            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health)
         else:
             self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
         self.plugins = self.registration.plugins

@@ -1,5 +1,5 @@
-"""Kubelet gRPC APIs (device plugin v1beta1, pod-resources v1, plugin registration v1, DRA v1),
-compiled on first use.
+"""Kubelet gRPC APIs (device plugin v1beta1, pod-resources v1, plugin registration v1, DRA v1,
+DRA resource health v1), compiled on first use.
 
 The .proto files in this folder are the source; generated Python is never committed. On first
 import the protos are compiled with grpcio-tools into a cache folder keyed by the protos' hash, so
@@ -23,7 +23,7 @@ from pathlib import Path
 from types import ModuleType
 
 PROTO_DIR = Path(__file__).resolve().parent
-PROTOS = ("deviceplugin_v1beta1", "podresources_v1", "pluginregistration_v1", "dra_v1")
+PROTOS = ("deviceplugin_v1beta1", "podresources_v1", "pluginregistration_v1", "dra_v1", "dra_health_v1")
 _MODULE_PREFIX = "qgpu_protos_"
 _lock = threading.Lock()
 _loaded: dict[str, "Api"] = {}
@@ -141,3 +141,8 @@ def pluginregistration() -> Api:
 def dra() -> Api:
     """The ``v1.DRAPlugin`` service (NodePrepareResources, NodeUnprepareResources)."""
     return load("dra_v1")
+
+
+def dra_health() -> Api:
+    """The ``v1.DRAResourceHealth`` service (NodeWatchResources), optional beside ``v1.DRAPlugin``."""
+    return load("dra_health_v1")

@@ -1,5 +1,6 @@
 """kubelet's side of the DRA plugin's two sockets, for tests: the plugin watcher's GetInfo and
-NotifyRegistrationStatus, and the v1.DRAPlugin calls, over the real unix sockets."""
+NotifyRegistrationStatus, the v1.DRAPlugin calls and the v1.DRAResourceHealth stream, over the real
+unix sockets."""
 
 from __future__ import annotations
 
@@ -34,6 +35,13 @@ class Kubelet:
             call = stub.NodePrepareResources if method == "prepare" else stub.NodeUnprepareResources
             return call(request_type(claims=[dra.pb2.Claim(namespace=ns, uid=uid, name=name) for ns, uid, name in claims]),
                         timeout=5).claims
+
+    def watch_health(self, timeout_s: float = 10):
+        """(channel, stream) of NodeWatchResources; the caller closes the channel."""
+        hl = protos.dra_health()
+        ch = grpc.insecure_channel(f"unix://{self.settings.dra_socket}")
+        return ch, hl.grpc.DRAResourceHealthStub(ch).NodeWatchResources(hl.pb2.NodeWatchResourcesRequest(),
+                                                                       timeout=timeout_s)
 
     def prepare(self, *claims: tuple[str, str, str]):
         return self._call("prepare", list(claims))

@@ -21,7 +21,8 @@ from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.node import cdi
-from qgpu_runtime.node.draplugin import ClaimPreparer, DraKubeletPlugin, DraSettings
+from qgpu_runtime.node.draplugin import HEALTH_RESEND_S, HEALTH_TIMEOUT_S, ClaimPreparer, DraKubeletPlugin, DraSettings
+from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.pods import FilePodSource
 from qgpu_runtime.node.reconciler import Reconciler
 from qgpu_runtime.node.store import Grant, Share, Store
@@ -63,14 +64,16 @@ def claim(uid: str, name: str = "train", namespace: str = "team-a", results: lis
 class Plugin:
     """One plugin process: preparer + servers over a store and a CDI folder that outlive it."""
 
-    def __init__(self, root: Path, claims: Claims, devices: set[str] | None = None) -> None:
+    def __init__(self, root: Path, claims: Claims, devices: set[str] | None = None,
+                 health_resend_s: float = HEALTH_RESEND_S) -> None:
         self.settings = DraSettings(NODE, root / "plugins", root / "plugins_registry", root / "cdi")
         self.store = Store(root / "meta.db")
         self.store.sync_cards(list(CARDS.values()))
         existing = devices if devices is not None else {"/dev/nvidia0", "/dev/nvidiactl"}
+        self.health = CardHealth(CARDS)
         self.preparer = ClaimPreparer(self.settings, CARDS, self.store, claims, lambda: "fixed-share",
-                                      device_exists=existing.__contains__)
-        self.server = DraKubeletPlugin(self.settings, self.preparer)
+                                      self.health.unhealthy, device_exists=existing.__contains__)
+        self.server = DraKubeletPlugin(self.settings, self.preparer, self.health, health_resend_s)
         self.server.serve()
         self.kubelet = Kubelet(self.settings)
 
@@ -107,7 +110,10 @@ def _claim_shares(plugin: Plugin, uid: str) -> list[Share]:
 
 def test_registration_answers_kubelets_plugin_watcher(plugin):
     info = plugin.kubelet.get_info()
-    assert (info.type, info.name, list(info.supported_versions)) == ("DRAPlugin", DRIVER, ["v1.DRAPlugin"])
+    # kubelet 1.37 (plugin/dra_plugin_manager.go) picks v1.DRAPlugin and, as it is listed, watches
+    # v1.DRAResourceHealth on the same endpoint.
+    assert (info.type, info.name, list(info.supported_versions)) == (
+        "DRAPlugin", DRIVER, ["v1.DRAPlugin", "v1.DRAResourceHealth"])
     assert info.endpoint == str(plugin.settings.dra_socket) and Path(info.endpoint).is_absolute()
     assert plugin.settings.registration_socket.name == "gpu.qgpu.io-reg.sock"
     assert plugin.settings.dra_socket.parts[-2:] == (DRIVER, "dra.sock")
@@ -317,6 +323,12 @@ def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(ro
         while dra.slice_name(NODE) not in slices.objects and time.monotonic() < wait_until:
             time.sleep(0.05)
         assert [d["name"] for d in slices.objects[dra.slice_name(NODE)]["spec"]["devices"]] == ["gpu-0", "gpu-1"][:len(CARDS)]
+        channel, stream = Kubelet(manager.registration.settings).watch_health()  # the manager's CardHealth
+        with channel:
+            assert _health(next(stream))[(NODE, "gpu-0")] == ("HEALTHY", "")
+            manager.health.mark(0, "XID 79")
+            assert _health(next(stream))[(NODE, "gpu-0")] == ("UNHEALTHY", "XID 79")
+            stream.cancel()
     finally:
         manager.stop()
         store.close()
@@ -421,3 +433,92 @@ def test_the_pods_the_claim_is_reserved_for_are_booked_with_it_and_released_with
     db = sqlite3.connect(plugin.store.path)
     assert db.execute("SELECT COUNT(*) FROM claim_pods").fetchone() == (0,)
     db.close()
+
+
+# ---- device health: v1.DRAResourceHealth.NodeWatchResources -----------------------------------------
+def _health(message) -> dict[tuple[str, str], tuple[str, str]]:
+    from qgpu_runtime import protos
+
+    names = protos.dra_health().pb2.HealthStatus.Name
+    return {(d.device.pool_name, d.device.device_name): (names(d.health), d.message) for d in message.devices}
+
+
+def test_the_health_stream_starts_with_every_card_of_the_node(plugin):
+    channel, stream = plugin.kubelet.watch_health()
+    with channel:
+        first = next(stream)
+        assert _health(first) == {(NODE, "gpu-0"): ("HEALTHY", ""), (NODE, "gpu-1"): ("HEALTHY", "")}
+        assert all(d.health_check_timeout_seconds == HEALTH_TIMEOUT_S for d in first.devices)
+        assert abs(first.devices[0].last_updated_time - time.time()) < 5
+        stream.cancel()
+
+
+def test_a_card_marked_unhealthy_is_streamed_at_once(plugin):
+    channel, stream = plugin.kubelet.watch_health()
+    with channel:
+        next(stream)
+        started = time.monotonic()
+        assert plugin.health.mark(1, "XID 79: GPU has fallen off the bus")
+        assert _health(next(stream)) == {(NODE, "gpu-0"): ("HEALTHY", ""),
+                                         (NODE, "gpu-1"): ("UNHEALTHY", "XID 79: GPU has fallen off the bus")}
+        assert time.monotonic() - started < HEALTH_RESEND_S / 2  # the change, not the resend
+        stream.cancel()
+
+
+def test_a_stream_opened_after_the_xid_starts_with_the_card_unhealthy(plugin):
+    plugin.health.mark(0, "XID 48")
+    channel, stream = plugin.kubelet.watch_health()
+    with channel:
+        assert _health(next(stream))[(NODE, "gpu-0")] == ("UNHEALTHY", "XID 48")
+        stream.cancel()
+
+
+def test_the_health_is_sent_again_before_kubelets_timeout_without_a_change(root, claims):
+    p = Plugin(root, claims, health_resend_s=0.2)
+    try:
+        channel, stream = p.kubelet.watch_health()
+        with channel:
+            assert _health(next(stream)) == _health(next(stream))
+            stream.cancel()
+    finally:
+        p.stop()
+    assert HEALTH_RESEND_S * 2 < HEALTH_TIMEOUT_S
+
+
+def test_the_health_stream_ends_when_the_manager_closes_the_health(plugin):
+    channel, stream = plugin.kubelet.watch_health()
+    with channel:
+        next(stream)
+        started = time.monotonic()
+        plugin.health.close()
+        assert list(stream) == []  # a clean end of stream: kubelet's Recv gets EOF
+        assert time.monotonic() - started < 2
+
+
+def test_the_health_stream_ends_when_the_plugin_stops(root, claims):
+    import grpc
+
+    p = Plugin(root, claims)
+    channel, stream = p.kubelet.watch_health()
+    with channel:
+        next(stream)
+        started = time.monotonic()
+        p.stop()
+        try:
+            rest = list(stream)
+        except grpc.RpcError as exc:  # the server went away under the stream
+            assert exc.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        else:
+            assert rest == []
+        assert time.monotonic() - started < 3
+
+
+def test_a_stream_kubelet_drops_frees_its_worker(plugin):
+    """kubelet going away wakes the stream's wait: more streams than the server's workers come and
+    go, and prepare calls still get a worker."""
+    for _ in range(12):
+        channel, stream = plugin.kubelet.watch_health()
+        with channel:
+            next(stream)
+            stream.cancel()
+    assert plugin.kubelet.unprepare(("team-a", "uid-x", "gone"))["uid-x"].error == ""
