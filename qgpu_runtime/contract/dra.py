@@ -124,17 +124,36 @@ class ClaimShare:
 
 
 _DECIMAL_SUFFIX: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
+_INT_QUANTITY: Final = re.compile(r"([0-9]{1,9})(k|M|G)?")
+
+
+def capacity_integer(value: Any) -> int | None:
+    """A capacity as qgpu writes it (a plain integer) or as the apiserver gives it back: it stores
+    ``1000`` as ``1k`` (apimachinery's Quantity drops trailing zeros into a decimal suffix), so a
+    whole card's ``core`` comes back from the API as ``1k``. None for anything else."""
+    m = _INT_QUANTITY.fullmatch(str(value))
+    return int(m.group(1)) * _DECIMAL_SUFFIX[m.group(2) or ""] if m else None
+
+
+def consumed_core(requested: int) -> int:
+    """The ``core`` the allocator consumes for a request of ``requested``, by the slice's
+    requestPolicy (:func:`slice_device`): rounded up to a step, within one step and a whole card."""
+    return min(CORE_MILLI_PER_CARD, max(CORE_STEP, -(-requested // CORE_STEP) * CORE_STEP))
+
+
+def consumed_memory(requested_mib: int, limits: CardLimits = DEFAULT_LIMITS) -> int:
+    """The ``memory`` the allocator consumes for a request of ``requested_mib``, by the slice's
+    requestPolicy (:func:`slice_device`): the shared minimum plus whole GiB steps, rounded up."""
+    low = limits.min_shared_memory_mib
+    return max(low, low + -(-(requested_mib - low) // MIB_PER_GIB) * MIB_PER_GIB)
 
 
 def _int_quantity(where: str, field: str, value: Any) -> int:
-    """A plain integer, as qgpu writes it, or the apiserver's canonical form of one: it stores
-    ``1000`` as ``1k`` (apimachinery's Quantity drops trailing zeros into a decimal suffix), so a
-    whole card's ``core`` comes back from the API as ``1k``."""
-    m = re.fullmatch(r"([0-9]{1,9})(k|M|G)?", str(value))
-    if not m:
+    number = capacity_integer(value)
+    if number is None:
         raise DraClaimError(f"{where}: {field} {value!r} is not allowed: qgpu capacities are plain integers "
                             "(core in thousandths of a card, memory in MiB)")
-    return int(m.group(1)) * _DECIMAL_SUFFIX[m.group(2) or ""]
+    return number
 
 
 def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:

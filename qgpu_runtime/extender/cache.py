@@ -50,7 +50,7 @@ from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.extender.memo import FilterMemo, NeverFits
 from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra_pool, node_spec
-from qgpu_runtime.extender.podstate import BindAuthorization, PodEntry, PodStates
+from qgpu_runtime.extender.podstate import BindAuthorization, NodeNameSet, PodEntry, PodStates
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
@@ -135,6 +135,7 @@ class AllocationCache:
         self.lock = threading.RLock()
         self._specs: dict[str, NodeSpec] = {}
         self._dra_pool: set[str] = set()  # nodes of DRA pools (extender/nodes.py dra_pool)
+        self._dra_rows = np.zeros(0, dtype=bool)  # by row of the current state: node of a DRA pool
         self._pods = PodStates()  # the booking lifecycle: one PodState per pod key
         self._state: ClusterState | None = None
         self._empty: ClusterState | None = None
@@ -165,6 +166,7 @@ class AllocationCache:
                     except StateError as exc:
                         self._problem(f"cannot replay booking of {key} after a node change: {exc}")
                 self._state = fresh
+                self._dra_rows = np.fromiter((n in self._dra_pool for n in fresh.names), dtype=bool, count=fresh.node_count)
                 self._version += 1
                 self._never.clear()
                 self._empty = ClusterState(specs, self.limits)
@@ -372,7 +374,7 @@ class AllocationCache:
     def _set_authorization(self, key: str, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
         if names:
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            self._pods.authorize(key, BindAuthorization(uid, frozenset(names), now_ns))
+            self._pods.authorize(key, BindAuthorization(uid, NodeNameSet(names), now_ns))
         else:
             self._pods.deauthorize(key)
 
@@ -414,7 +416,7 @@ class AllocationCache:
             refused = None
             if self._dra_pool and any(c.dialect is not Dialect.NVIDIA for c in request.containers):
                 # DRA pools map nvidia.com/gpu only; any other dialect would find no device plugin there
-                dra = np.fromiter((n in self._dra_pool for n in names), dtype=bool, count=len(names))
+                dra = engine.at_rows(self._dra_rows, scored.rows, False)
                 if dra.any():
                     unresolvable.update(dict.fromkeys(compress(names, dra.tolist()), DRA_POOL_REASON))
                     ok, refused = ok & ~dra, dra

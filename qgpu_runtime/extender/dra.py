@@ -24,15 +24,25 @@ checks capacity, so this costs packing quality, never an over-commit.
 
 from __future__ import annotations
 
-import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.contract.dra import CORE, CORE_STEP, DRIVER, MEMORY, SHARED_CLASS, WHOLE_CLASS, DraClaimError, claim_shares
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, MIB_PER_GIB, CardLimits, PodRequest
+from qgpu_runtime.contract.dra import (
+    CORE,
+    DRIVER,
+    MEMORY,
+    SHARED_CLASS,
+    WHOLE_CLASS,
+    DraClaimError,
+    capacity_integer,
+    claim_shares,
+    consumed_core,
+    consumed_memory,
+)
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
 
@@ -67,30 +77,19 @@ class DemandError(ValueError):
     """A claim's request qgpu cannot read; the pod is scored 0 everywhere (no preference)."""
 
 
-_QUANTITY = re.compile(r"([0-9]{1,9})(k|M|G)?")
-_FACTOR = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
-
-
 def _integer(field: str, value: Any, unit: str) -> int:
-    """A plain integer, or the apiserver's canonical form of one (``1000`` comes back as ``1k``)."""
-    m = _QUANTITY.fullmatch(str(value))
-    if not m:
+    number = capacity_integer(value)
+    if number is None:
         raise DemandError(f"capacity {field} {value!r}: must be an integer ({unit})")
-    return int(m.group(1)) * _FACTOR[m.group(2) or ""]
+    return number
 
 
 def _core(value: Any) -> int:
-    """Rounded up as the slice's requestPolicy makes the allocator do: steps of CORE_STEP."""
-    core = _integer(CORE, value, "thousandths of a card")
-    return min(CORE_MILLI_PER_CARD, max(CORE_STEP, -(-core // CORE_STEP) * CORE_STEP))
+    return consumed_core(_integer(CORE, value, "thousandths of a card"))
 
 
 def _memory(value: Any, limits: CardLimits) -> int:
-    """Rounded up as the slice's requestPolicy makes the allocator do: whole GiB, at least the
-    shared minimum."""
-    mib = _integer(MEMORY, value, "MiB")
-    low = limits.min_shared_memory_mib
-    return max(low, low + -(-(mib - low) // MIB_PER_GIB) * MIB_PER_GIB)
+    return consumed_memory(_integer(MEMORY, value, "MiB"), limits)
 
 
 def claim_asks(spec: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> list[Ask]:

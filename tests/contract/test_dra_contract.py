@@ -133,3 +133,29 @@ def test_a_malformed_share_config_names_the_claim_and_the_field():
 def test_selectors_name_the_drivers_attributes():
     assert dra.memory_selector(15360) == 'device.attributes["gpu.qgpu.io"].memoryMiB == 15360'
     assert dra.model_selector(["T4", "V100", "T4"]) == 'device.attributes["gpu.qgpu.io"].model in ["T4", "V100"]'
+
+
+def _smallest_valid(requested: int, valid_range: dict[str, str]) -> int:
+    """What the DRA allocator consumes under a validRange requestPolicy: the smallest min + k*step
+    at or above the request (the slice's rule, read from the slice itself; above max the device
+    cannot take the request at all)."""
+    low, step = int(valid_range["min"]), int(valid_range["step"])
+    return low if requested <= low else low + -(-(requested - low) // step) * step
+
+
+@pytest.mark.parametrize("limits", [CardLimits(), CardLimits(min_shared_memory_mib=512)])
+def test_the_rounding_the_extender_scores_with_is_the_slice_request_policy(limits):
+    device = dra.slice_device(CardInfo(0, "GPU-0", "V100", 32768, 0), "binpack", limits)
+    core_range = device["capacity"][dra.CORE]["requestPolicy"]["validRange"]
+    memory_range = device["capacity"][dra.MEMORY]["requestPolicy"]["validRange"]
+    for core in range(1, 1001):
+        assert dra.consumed_core(core) == _smallest_valid(core, core_range), core
+    for mib in range(1, int(memory_range["max"]) + 1, 97):
+        assert dra.consumed_memory(mib, limits) == _smallest_valid(mib, memory_range), mib
+
+
+@pytest.mark.parametrize("value,number", [("0", 0), ("250", 250), ("1k", 1000), ("32768", 32768), ("2M", 2 * 10**6),
+                                          (40, 40), ("1.5k", None), ("-1", None), ("1Ki", None), ("", None),
+                                          ("1234567890", None), (None, None)])
+def test_capacity_integer_reads_plain_and_canonical_integers_only(value, number):
+    assert dra.capacity_integer(value) == number
