@@ -7,11 +7,20 @@ meant for coordination; its holder fields are not used. Writes are conditional: 
 ``metadata.resourceVersion`` and the apiserver answers 409 Conflict when anyone wrote in between; a
 create of a Lease someone else created meanwhile is 409 AlreadyExists. Both become
 :class:`CommitmentConflict`, and the caller re-reads and re-decides.
+
+A store remembers the Lease each of its writes left (what the apiserver answered, resourceVersion
+included) and hands that out as the next read of the node instead of asking again: with one active
+binder, the usual case, a bind then costs one write instead of a read and a write (issue 14 §2:
+the read was a quorum read through the apiserver to etcd). Safety does not rest on it being
+current: a write made on a remembered Lease that anyone changed since fails on its resourceVersion
+like any other, the store forgets the node, and the caller's re-read asks the apiserver.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +28,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.names import COMMITMENTS_LEASE_PREFIX
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.placement.commitments import COMMITMENTS, NodeCommitments, parse_commitments
 
@@ -51,14 +60,44 @@ class Snapshot:
 class LeaseCommitments:
     """Reads and conditionally writes the commitment Leases of one namespace."""
 
+    # Leases remembered from this store's own writes (one small annotation each), least recent out first.
+    MAX_REMEMBERED = 20_000
+
     def __init__(self, api: client.CoordinationV1Api, namespace: str, attempts: int = 5,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
         self.api = api
         self.namespace = namespace
         self.attempts = attempts
         self.timeout = timeout
+        self.fresh_reads = 0  # GETs sent to the apiserver
+        self._written: OrderedDict[str, Snapshot] = OrderedDict()
+        self._lock = threading.Lock()
 
     def read(self, node: str) -> Snapshot:
+        """The node's commitments: as this store's last write left them, if it remembers one
+        (see the module docstring), else as the apiserver has them now."""
+        with self._lock:
+            known = self._written.get(node)
+            if known is not None:
+                self._written.move_to_end(node)
+                return known
+        return self.read_fresh(node)
+
+    def forget(self, node: str) -> None:
+        with self._lock:
+            self._written.pop(node, None)
+
+    def _remember(self, node: str, snapshot: Snapshot) -> None:
+        with self._lock:
+            self._written[node] = snapshot
+            self._written.move_to_end(node)
+            while len(self._written) > self.MAX_REMEMBERED:
+                self._written.popitem(last=False)
+
+    def read_fresh(self, node: str) -> Snapshot:
+        """The node's commitments as the apiserver has them now."""
+        self.forget(node)
+        self.fresh_reads += 1
         name = lease_name(node)
         try:
             doc = raw_json(with_backoff(lambda: self.api.read_namespaced_lease(
@@ -85,17 +124,25 @@ class LeaseCommitments:
             metadata["resourceVersion"] = snapshot.resource_version
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {}}
 
-        def attempt() -> None:
+        def attempt() -> Any:
             if snapshot.resource_version is None:
-                drain(self.api.create_namespaced_lease(self.namespace, body, _preload_content=False,
-                                                       _request_timeout=self.timeout))
-            else:
-                drain(self.api.replace_namespaced_lease(name, self.namespace, body, _preload_content=False,
-                                                        _request_timeout=self.timeout))
+                return raw_json(self.api.create_namespaced_lease(self.namespace, body, _preload_content=False,
+                                                                 _request_timeout=self.timeout))
+            return raw_json(self.api.replace_namespaced_lease(name, self.namespace, body, _preload_content=False,
+                                                              _request_timeout=self.timeout))
 
         try:
-            with_backoff(attempt, attempts=self.attempts)
+            written = with_backoff(attempt, attempts=self.attempts)
         except ApiException as exc:
+            self.forget(commitments.node)
             if exc.status == 409:
                 raise CommitmentConflict(f"lease {self.namespace}/{name} changed since it was read") from exc
             raise
+        except Exception:
+            self.forget(commitments.node)
+            raise
+        version = str(((written or {}).get("metadata") or {}).get("resourceVersion") or "")
+        if version:
+            self._remember(commitments.node, Snapshot(commitments, version))
+        else:
+            self.forget(commitments.node)

@@ -8,10 +8,12 @@ share one connection.
 
 from __future__ import annotations
 
+import pytest
 from kubernetes import client
 
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
@@ -20,14 +22,18 @@ from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, read_pod, record
 PODS = 12
 
 
-def test_sequential_binds_share_one_apiserver_connection(cluster, ns, label):
-    node = f"{ns}-conn"
+@pytest.mark.parametrize("commitments", [False, True], ids=["plain", "node-commitments"])
+def test_sequential_binds_share_one_apiserver_connection(cluster, ns, label, commitments):
+    """With node commitments each bind also reads (the first time) and writes the node's Lease on
+    the same connection."""
+    node = f"{ns}-conn-{int(commitments)}"
     gpu_node(cluster.api, node, cards(4, node=node), label)
     api = client.CoreV1Api(api_client(str(cluster.cp.admin_kubeconfig)))
     cache = AllocationCache(make_policy("binpack"), "binpack")
     cache.replace_nodes([client.ApiClient().sanitize_for_serialization(cluster.api.read_node(node))])
     cache.replace_pods([])
-    binder = Binder(api, cache, DEFAULT_LIMITS)
+    store = LeaseCommitments(client.CoordinationV1Api(api.api_client), ns) if commitments else None
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
     uids = {}
     for i in range(PODS):
         # a scheduler name nobody serves: only this test binds these pods

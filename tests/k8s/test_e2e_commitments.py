@@ -14,7 +14,7 @@ from kubernetes import client
 
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache
-from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot
+from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot, lease_name
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.commitments import CardUse, Commitment
@@ -103,3 +103,45 @@ def test_a_rewrite_prunes_stale_entries_and_keeps_fresh_ones(cluster, ns, label)
     uid = pending_pod(cluster, ns, label, "p")
     binder.bind(ns, "p", uid, node)
     assert set(store.read(node).commitments.pods) == {"fresh-uid", uid}  # a binder gone for 2 min: its entry went
+
+
+def test_binds_in_a_row_read_the_lease_once_and_a_rival_write_between_them_is_caught(cluster, ns, label):
+    """The store hands out the Lease its last write left instead of reading it again (one write per
+    bind with one active binder); a rival's write in between fails the next write on its
+    resourceVersion, and the bind decides again on a fresh read that includes the rival."""
+    node = f"{ns}-row"
+    api, cache, coordination = setup(cluster, ns, label, node, n_cards=2)
+    store = LeaseCommitments(coordination, ns)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    uids = [pending_pod(cluster, ns, label, f"p{i}") for i in range(3)]
+    binder.bind(ns, "p0", uids[0], node)
+    binder.bind(ns, "p1", uids[1], node)
+    assert store.fresh_reads == 1 and binder.conflicts == 0
+    rival_store = LeaseCommitments(coordination, ns)
+    seen = rival_store.read(node)
+    rival = Commitment("rival-uid", "other/rival", time.time_ns(), (CardUse(0, 400, 4096),))
+    rival_store.write(seen, seen.commitments.with_pod(rival))
+    binder.bind(ns, "p2", uids[2], node)
+    assert binder.conflicts == 1 and store.fresh_reads == 2
+    committed = LeaseCommitments(coordination, ns).read(node).commitments
+    assert set(committed.pods) == {"rival-uid", *uids}
+    # binpack put p0 and p1 on card 0 (30 % each) and would put p2 there too; the rival's 40 % fills it
+    assert committed.pods[uids[2]].cards[0].index == 1
+
+
+def test_a_lease_deleted_behind_the_store_is_written_again_with_what_it_knew(cluster, ns, label):
+    """kube-apiserver creates a Lease on update (coordination's strategy allows it), so the write on
+    the remembered Lease recreates it: the entries it knew plus the new one, a superset that only
+    over-counts until pruned. Had a rival recreated it meanwhile, the resourceVersion would differ
+    and the write would conflict as in the test above."""
+    node = f"{ns}-gone"
+    api, cache, coordination = setup(cluster, ns, label, node)
+    store = LeaseCommitments(coordination, ns)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    uids = [pending_pod(cluster, ns, label, f"p{i}") for i in range(2)]
+    binder.bind(ns, "p0", uids[0], node)
+    coordination.delete_namespaced_lease(lease_name(node), ns)
+    binder.bind(ns, "p1", uids[1], node)
+    assert binder.conflicts == 0 and store.fresh_reads == 1
+    assert set(LeaseCommitments(coordination, ns).read(node).commitments.pods) == set(uids)
+    assert read_pod(cluster.api, ns, "p1")["spec"]["nodeName"] == node
