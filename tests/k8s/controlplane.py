@@ -303,6 +303,7 @@ class QgpuServer:
     ca_file: Path | None = None
     process: Process | None = None
     client_cert: KeyPair | None = None  # what kube-scheduler presents to an extender with a client CA
+    module: str = "qgpu_runtime.cli"  # what `python -m` runs (bench/null_extender.py: bench.null_extender)
 
     @property
     def url(self) -> str:
@@ -321,13 +322,26 @@ class QgpuServer:
         """:func:`extender_config` for this server, with its CA and client certificate."""
         return extender_config(self.url, ca_file=self.ca_file, client_cert=self.client_cert, **kwargs)
 
+    def requests_by_verb(self) -> dict[str, float]:
+        """The extender's ``qgpu_extender_requests_total`` summed by verb, from its /metrics."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5, context=self.ssl_context()) as response:
+            text = response.read().decode()
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name == "qgpu_extender_requests_total":
+                    counts[sample.labels["verb"]] = counts.get(sample.labels["verb"], 0) + sample.value
+        return counts
+
     def start(self, timeout: float = 60.0, ready_path: str = "/readyz") -> None:
         import sys
 
         log = self.workdir / f"{self.name}.log"
         handle = open(log, "ab")
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        popen = subprocess.Popen([sys.executable, "-m", "qgpu_runtime.cli", *self.argv], stdout=handle,
+        popen = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], stdout=handle,
                                  stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
                                  start_new_session=True, preexec_fn=_die_with_parent)
         handle.close()

@@ -10,14 +10,12 @@ six on one node in one full run and spread them in others.)
 from __future__ import annotations
 
 import json
-import urllib.request
 import uuid
 from typing import Any, Iterator
 
 import pytest
 from kubernetes import client
 from kubernetes.client.rest import ApiException
-from prometheus_client.parser import text_string_to_metric_families
 
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, device_classes, slice_device, slice_name
 from tests.k8s.controlplane import QgpuServer, extender_config, extender_server
@@ -109,15 +107,8 @@ def place_one_by_one(cluster, ns: str, scheduler: str | None) -> list[str]:
     return nodes
 
 
-def prioritize_calls(extender: QgpuServer) -> float:
-    with urllib.request.urlopen(extender.url + "/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "qgpu_extender_requests_total" and sample.labels.get("verb") == "prioritize")
-
-
 def test_binpack_through_prioritize_fills_one_node_first(cluster, ns, dra_scheduler) -> None:
-    before = prioritize_calls(dra_scheduler)
+    before = dra_scheduler.requests_by_verb().get("prioritize", 0)
     nodes = place_one_by_one(cluster, ns, DRA_SCHEDULER)
     assert len(set(nodes)) == 1, nodes
-    assert prioritize_calls(dra_scheduler) - before >= PODS
+    assert dra_scheduler.requests_by_verb().get("prioritize", 0) - before >= PODS

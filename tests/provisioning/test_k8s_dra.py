@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import shutil
 import tomllib
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,6 @@ from ansible_tools import Run, ansible_playbook
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from prometheus_client.parser import text_string_to_metric_families
 from test_k8s_half import (
     KUBE_PLAYS,
     NAMESPACE,
@@ -43,7 +41,7 @@ from qgpu_runtime.contract import dra, names
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
-from tests.k8s.controlplane import QgpuServer, extender_server
+from tests.k8s.controlplane import extender_server
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, patched, read_pod
 from tests.k8s.test_e2e_dra_prioritize import place_one_by_one
 
@@ -190,17 +188,6 @@ def test_the_extender_may_list_and_watch_the_dra_kinds_and_write_none(site: DraS
     assert not can(cluster, "qgpu-scheduler", "list", "deviceclasses", group="resource.k8s.io")
 
 
-def requests_by_verb(extender: QgpuServer) -> dict[str, float]:
-    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=extender.ssl_context()) as response:
-        text = response.read().decode()
-    counts: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "qgpu_extender_requests_total":
-                counts[sample.labels["verb"]] = counts.get(sample.labels["verb"], 0) + sample.value
-    return counts
-
-
 def test_the_role_config_places_claim_pods_through_dra_prioritize(site: DraSite, tmp_path: Path) -> None:
     """The KubeSchedulerConfiguration kube_scheduler_extender renders for this inventory (a dra pool:
     two entries to one extender) loaded by the real kube-scheduler, the extender run with
@@ -245,7 +232,7 @@ def test_the_role_config_places_claim_pods_through_dra_prioritize(site: DraSite,
         cluster.api.create_namespaced_pod(namespace, patched(spec, mutation(spec, WebhookConfig())))
         assert bound_or_reason(cluster, namespace, "dialect") == dialect_node
         assert ALLOCATION in read_pod(cluster.api, namespace, "dialect")["metadata"]["annotations"]
-        counts = requests_by_verb(extender)
+        counts = extender.requests_by_verb()
         assert counts.get("dra-prioritize", 0) >= len(nodes) and counts.get("bind", 0) >= 1, counts
     finally:
         cluster.cp.stop_scheduler("kube-scheduler-role-dra")
