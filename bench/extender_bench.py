@@ -10,6 +10,12 @@
    1,000 and at 5,000 nodes. Reported: p50/p99 of the pair as seen by the client, and the server's
    own histogram.
 
+   Every throughput arm also records each process's CPU per pod net of what it spends idle
+   (sampled for IDLE_SAMPLE_S before kube-scheduler starts) and kube-apiserver's requests per pod.
+   The arm ``with_null_extender`` runs bench/null_extender.py, an extender that decides nothing,
+   with the same verbs: ``floor`` splits a pod's CPU into what the extender protocol makes the
+   control plane spend, what qgpu adds over that, and each extender's own (issue 14 §2).
+
 3. With ``--peers hami``: HAMi's scheduler extender (v2.10.0, bench/peers/) on the same control
    plane, nodes and pods (in HAMi's resource names): throughput as in 1 (HAMi's default node
    policy binpack, and pods asking it to spread), and its filter latency with all names sent.
@@ -52,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubernetes import client, config, watch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.peers import hami as hami_peer  # noqa: E402
 from bench.peers.hami_nodes import node_allocatable as hami_allocatable  # noqa: E402
@@ -59,7 +66,7 @@ from bench.peers.hami_nodes import node_annotations as hami_annotations  # noqa:
 from bench.peers.hami_nodes import translate_pod  # noqa: E402
 from qgpu_runtime.contract.inventory import cards_annotation  # noqa: E402
 from qgpu_runtime.model.requests import parse_pod  # noqa: E402
-from tests.k8s.controlplane import ControlPlane, extender_config, extender_server, free_port, testbin_dir  # noqa: E402
+from tests.k8s.controlplane import ControlPlane, QgpuServer, extender_ca, extender_config, extender_server, free_port, testbin_dir  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, PAUSE, cards  # noqa: E402
 
 CARDS = 8
@@ -120,6 +127,8 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+# Seconds each throughput arm watches the processes idle before kube-scheduler starts.
+IDLE_SAMPLE_S = 2.0
 # --pin: (control-plane CPUs, CPUs of the extender and this script), or None to share every core.
 PIN: tuple[set[int], set[int]] | None = None
 
@@ -185,6 +194,22 @@ def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
     return split
 
 
+def apiserver_requests(api: client.CoreV1Api) -> dict[str, float]:
+    """kube-apiserver's request counters (apiserver_request_total) summed by verb, resource and
+    subresource, read from its /metrics as the cluster admin."""
+    ac = api.api_client
+    raw = ac.call_api("GET", ac.configuration.host + "/metrics", header_params=ac.default_headers).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(raw):
+        for sample in family.samples:
+            if sample.name != "apiserver_request_total":
+                continue
+            labels = sample.labels
+            key = " ".join(filter(None, (labels.get("verb"), labels.get("resource"), labels.get("subresource"))))
+            out[key] = out.get(key, 0.0) + sample.value
+    return out
+
+
 def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str, Any]], pods: int,
                extender_pid: int | None = None, extender: Any | None = None, *, extender_name: str = "qgpu-extender",
                make_pod: Callable[[str], dict[str, Any]] = pod,
@@ -224,6 +249,13 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     pids = {name: cp.processes[name].popen.pid for name in ("etcd", "kube-apiserver")}
     if extender_pid is not None:
         pids[extender_name] = extender_pid
+    # What each process spends idle (leader-election renewals, watches' bookmarks, etcd's ticks) is
+    # spent per second, not per pod: measured here, it is taken out of the net figures below.
+    idle_from = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    idle_t = time.perf_counter()
+    time.sleep(IDLE_SAMPLE_S)
+    idle_rate = {name: (cpu_seconds(pid) - idle_from[name]) / (time.perf_counter() - idle_t) for name, pid in pids.items()}
+    requests_before = apiserver_requests(api)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
     started = time.perf_counter()
     with control_plane_cpus():
@@ -240,7 +272,11 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
         if len(bound_at) >= pods:
             done.set()
     finished = len(bound_at) >= pods
+    elapsed = time.perf_counter() - started
     cpu = {name: round((cpu_seconds(pid) - cpu_before[name]) * 1000 / pods, 2) for name, pid in pids.items()}
+    net = {name: round(max(0.0, used - idle_rate.get(name, 0.0) * elapsed * 1000 / pods), 2) for name, used in cpu.items()}
+    requests_after = apiserver_requests(api)
+    per_pod = {key: round((n - requests_before.get(key, 0.0)) / pods, 2) for key, n in requests_after.items()}
     times = sorted(bound_at.values())
     if not finished or len(times) < 2:
         raise RuntimeError(f"only {len(times)}/{pods} pods bound within 600 s")
@@ -248,7 +284,53 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     split = time_split(cp, extender)
     return {"pods": pods, "time_split": split, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
             "pods_per_s": round((len(times) - 1) / span, 1), "namespace": ns,
-            "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)}}
+            "cpu_ms_per_pod": {**cpu, "all": round(sum(cpu.values()), 2)},
+            "idle_cpu_ms_per_s": {name: round(rate * 1000, 1) for name, rate in idle_rate.items()},
+            "net_cpu_ms_per_pod": {**net, "all": round(sum(net.values()), 2)},
+            # the bench's own list/watch calls included (the same in every arm)
+            "apiserver_requests_per_pod": {key: n for key, n in sorted(per_pod.items()) if n >= 0.01}}
+
+
+CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-scheduler")
+
+
+def protocol_floor(result: dict[str, Any]) -> dict[str, Any]:
+    """Where the CPU of a pod placed through an extender goes, against the baseline (ms per pod, net
+    of each process's idle CPU): what the protocol makes the control plane spend (the null
+    extender's arm), what qgpu adds on the control plane's side over that (its watches, its Lease
+    write, the allocation record on the Binding), and each extender's own. On a machine whose cores
+    the control plane already fills, the rate follows CPU per pod, so ``zero_cpu_extender_ratio``
+    is the ratio an extender costing nothing could reach."""
+    def cpu(arm: str, name: str) -> float:
+        doc = result[arm]
+        return float(doc.get("net_cpu_ms_per_pod", doc["cpu_ms_per_pod"]).get(name, 0.0))
+
+    def cp(arm: str) -> float:
+        return sum(cpu(arm, name) for name in CONTROL_PLANE)
+
+    base = (cp("without_extender") + cp("without_extender_again")) / 2
+    by_process = {arm: {name: round(cpu(arm, name) - (cpu("without_extender", name) + cpu("without_extender_again", name)) / 2, 2)
+                        for name in CONTROL_PLANE} for arm in ("with_null_extender", "with_extender")}
+    forced = cp("with_null_extender") - base
+    return {"baseline_control_plane_ms": round(base, 2),
+            "protocol_control_plane_ms": round(forced, 2),
+            "qgpu_control_plane_over_protocol_ms": round(cp("with_extender") - cp("with_null_extender"), 2),
+            "null_extender_own_ms": round(cpu("with_null_extender", "null-extender"), 2),
+            "qgpu_extender_own_ms": round(cpu("with_extender", "qgpu-extender"), 2),
+            "over_baseline_by_process_ms": by_process,
+            "zero_cpu_extender_ratio": round(base / (base + forced), 3) if base + forced > 0 else None}
+
+
+def null_extender_server(cp: ControlPlane) -> QgpuServer:
+    """bench/null_extender.py as kube-scheduler meets qgpu's extender: HTTPS, client certificates."""
+    port = free_port()
+    ca = extender_ca(cp)
+    pair = ca.issue("null-extender", "null-extender", server=True, hosts=("127.0.0.1", "localhost"))
+    scheduler = ca.issue("kube-scheduler", "system:kube-scheduler", client=True)
+    argv = ["--port", str(port), "--kubeconfig", str(cp.admin_kubeconfig), "--tls-cert-file", str(pair.cert),
+            "--tls-private-key-file", str(pair.key), "--client-ca-file", str(ca.cert_path)]
+    return QgpuServer("null-extender", argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler,
+                      module="bench.null_extender")
 
 
 def latency_pods(api: client.CoreV1Api, count: int) -> list[dict[str, Any]]:
@@ -549,6 +631,16 @@ def main() -> int:
         # One scheduler extender at a time: an idle one still follows every node and pod change
         # (HAMi's node locks and annotations included) on the same two cores.
         extender.stop()
+        # The protocol's floor: an extender that decides nothing (bench/null_extender.py), same verbs.
+        null = null_extender_server(cp)
+        null.start()
+        result["with_null_extender"] = throughput(
+            cp, api, [null.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")], pods, null.process.popen.pid,
+            None, extender_name="null-extender")
+        cp.stop_scheduler()
+        null.stop()
+        variants.append("with_null_extender")
+        checkpoint()
         mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand) if args.pack_nodes else []
         if hami_binary is not None:
             pair = cp.ca.issue("hami", "hami-scheduler", server=True, hosts=("127.0.0.1", "localhost"))
@@ -574,6 +666,7 @@ def main() -> int:
         base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
         for variant in variants:
             result[f"ratio_{variant}"] = round(result[variant]["pods_per_s"] / base, 3)
+        result["floor"] = protocol_floor(result)
         checkpoint()
         cp.stop_scheduler()
         extender.start()
