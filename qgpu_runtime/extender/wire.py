@@ -120,12 +120,22 @@ _PRIORITY_TAIL = tuple(f"{score}}}" for score in range(MIN_PRIORITY, MAX_PRIORIT
 
 def encode_priorities_json(names: Sequence[str], scores: Sequence[int] | np.ndarray) -> bytes:
     """HostPriorityList (a bare array of {Host, Score}, scores clamped to 0..10) for scores
-    aligned with ``names``, straight to JSON bytes.
+    aligned with ``names``, straight to JSON bytes; hosts scoring 0 are left out.
+
+    Leaving them out is the same answer: kube-scheduler adds each listed host's score (times the
+    extender's weight) to that node's total and adds nothing for a node the list does not name
+    (pkg/scheduler/schedule_one.go, prioritizeNodes). With binpack most of a large cluster scores
+    0 for any one pod, so the answer for 5,000 names shrinks from 165 kB to the few nodes that
+    matter, which kube-scheduler no longer has to decode either (issue 14 §2).
 
     No per-host dict and no per-host Python frame: cached heads joined with one of eleven
     precomputed tails in C-level maps (5,000 hosts: about 0.6 ms on the dev machine).
     """
     values = np.clip(np.asarray(scores, dtype=np.int64), MIN_PRIORITY, MAX_PRIORITY) - MIN_PRIORITY
+    keep = np.flatnonzero(values)
+    if len(keep) < len(values):
+        names = [names[i] for i in keep.tolist()]
+        values = values[keep]
     parts = map(operator.add, map(_priority_head, names), map(_PRIORITY_TAIL.__getitem__, values.tolist()))
     return ("[" + ",".join(parts) + "]").encode()
 

@@ -37,12 +37,12 @@ def _args(names: list[str]) -> bytes:
     return json.dumps({"Pod": {"metadata": {"name": "p", "namespace": "ns"}}, "NodeNames": names}).encode()
 
 
-def test_filter_passes_every_name_and_prioritize_scores_every_host_zero():
+def test_filter_passes_every_name_and_prioritize_scores_every_host_0():
     app = NullExtender(_Api())  # type: ignore[arg-type]
     status, doc = app.handle("filter", _args(["a", "b", "c"]))
     assert status == 200 and doc["NodeNames"] == ["a", "b", "c"] and not doc.get("FailedNodes")
     status, raw = app.handle("prioritize", _args(["a", "b"]))
-    assert status == 200 and json.loads(raw) == [{"Host": "a", "Score": 0}, {"Host": "b", "Score": 0}]
+    assert status == 200 and json.loads(raw) == []  # every host 0: the list names none (extender/wire.py)
 
 
 def test_bind_creates_the_binding_with_the_pods_uid_as_precondition():

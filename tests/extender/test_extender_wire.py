@@ -54,9 +54,30 @@ def test_malformed_args_name_the_field(body, field):
         ExtenderArgs.decode(body)
 
 
-def test_priorities_are_a_bare_array_clamped_to_0_10():
-    assert json.loads(encode_priorities_json(["a", "b", "c"], [12, -1, 7])) == [
-        {"Host": "a", "Score": 10}, {"Host": "b", "Score": 0}, {"Host": "c", "Score": 7}]
+def test_priorities_are_a_bare_array_clamped_to_0_10_without_the_hosts_scoring_0():
+    assert json.loads(encode_priorities_json(["a", "b", "c", "d"], [12, -1, 7, 0])) == [
+        {"Host": "a", "Score": 10}, {"Host": "c", "Score": 7}]
+    assert encode_priorities_json(["a", "b"], [0, 0]) == b"[]" and encode_priorities_json([], []) == b"[]"
+
+
+def _kube_scheduler_totals(nodes: list[str], plugin: dict[str, int], answer: list[dict], weight: int) -> dict[str, int]:
+    """prioritizeNodes of pkg/scheduler/schedule_one.go restated: each listed host's extender score
+    times weight times MaxNodeScore / MaxExtenderPriority is added to that node's total; a node the
+    answer does not list gets nothing added."""
+    extender: dict[str, int] = {}
+    for entry in answer:
+        extender[entry["Host"]] = extender.get(entry["Host"], 0) + entry["Score"] * weight * (100 // 10)
+    return {n: plugin[n] + extender.get(n, 0) for n in nodes}
+
+
+@given(st.lists(st.tuples(st.integers(0, 100), st.integers(-2, 12)), min_size=1, max_size=40), st.integers(1, 10))
+def test_leaving_out_the_hosts_scoring_0_gives_kube_scheduler_the_same_totals(rows, weight):
+    nodes = [f"n{i}" for i in range(len(rows))]
+    plugin = {n: p for n, (p, _) in zip(nodes, rows)}
+    scores = [s for _, s in rows]
+    full = [{"Host": n, "Score": max(0, min(10, s))} for n, s in zip(nodes, scores)]
+    assert (_kube_scheduler_totals(nodes, plugin, json.loads(encode_priorities_json(nodes, scores)), weight)
+            == _kube_scheduler_totals(nodes, plugin, full, weight))
 
 
 def test_binding_args_need_pod_name_and_node():
@@ -74,5 +95,5 @@ def test_priorities_as_json_bytes_equal_the_dict_form_for_any_host_name(pairs):
     for any names: quotes, backslashes, control characters and non-ASCII included."""
     names = [n for n, _ in pairs]
     scores = [s for _, s in pairs]
-    want = [{"Host": n, "Score": max(0, min(10, s))} for n, s in pairs]
+    want = [{"Host": n, "Score": max(0, min(10, s))} for n, s in pairs if s > 0]
     assert json.loads(encode_priorities_json(names, scores)) == want
