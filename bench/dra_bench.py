@@ -33,9 +33,7 @@ Run: .venv/bin/python bench/dra_bench.py --nodes 300 --pods 400 [--pack-nodes 4]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -50,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from kubernetes import client, config  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
-from bench.extender_bench import CARDS, PAUSE, machine, make_nodes, throughput, wait_cached  # noqa: E402
+from bench.extender_bench import CARDS, PAUSE, finish, make_nodes, throughput, wait_cached  # noqa: E402
 from bench.extender_bench import pod as dialect_pod  # noqa: E402
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, device_classes, slice_device, slice_name  # noqa: E402
 from tests.k8s.controlplane import ControlPlane, extender_server, testbin_dir  # noqa: E402
@@ -278,16 +276,7 @@ def main() -> int:
         if extender is not None:
             extender.stop()
         cp.stop()
-    result["machine"] = machine()
-    result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    result["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    result["command"] = "python bench/dra_bench.py " + " ".join(sys.argv[1:])
-    print(json.dumps(result, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if args.markdown:
-        append_markdown(result)
-    return 0
+    return finish(result, "dra_bench.py", args.json, append_markdown if args.markdown else None)
 
 
 ARMS = (("a_no_gpu", "(a) no GPU request, no extender (first run)"),
