@@ -133,13 +133,10 @@ class LeaseCommitments:
 
         try:
             written = with_backoff(attempt, attempts=self.attempts)
-        except ApiException as exc:
-            self.forget(commitments.node)
-            if exc.status == 409:
+        except Exception as exc:
+            self.forget(commitments.node)  # whatever the apiserver holds now, it is not what we remember
+            if isinstance(exc, ApiException) and exc.status == 409:
                 raise CommitmentConflict(f"lease {self.namespace}/{name} changed since it was read") from exc
-            raise
-        except Exception:
-            self.forget(commitments.node)
             raise
         version = str(((written or {}).get("metadata") or {}).get("resourceVersion") or "")
         if version:

@@ -32,6 +32,7 @@ from test_k8s_half import (
     advertise_as_the_manager_daemonset,
     bound_or_reason,
     can,
+    delete_webhook_configurations,
     exempt_namespace,
     live_object,
     service_account_kubeconfig,
@@ -109,13 +110,7 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     yield site
     docs = manifest_docs(site.root)
     teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
-    admission = client.AdmissionregistrationV1Api(cluster.api_client)
-    for delete in (admission.delete_mutating_webhook_configuration, admission.delete_validating_webhook_configuration):
-        try:
-            delete("qgpu-webhook")
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
+    delete_webhook_configurations(cluster)
     for names_, _ in POOLS.values():
         for name in names_:
             cluster.api.delete_node(name)

@@ -156,7 +156,14 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) if live_object(cluster, d)]
     left += [f"Node/{n}: {k}" for names in pools.values() for n in names
              for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
-    # A fail-closed webhook left behind would refuse every later pod of this control plane.
+    delete_webhook_configurations(cluster)
+    assert teardown.returncode == 0, teardown.output[-4000:]
+    assert left == [], "teardown.yml left these behind"
+
+
+def delete_webhook_configurations(cluster: Cluster) -> None:
+    """Delete qgpu's webhook configurations if present: a fail-closed webhook left behind by a
+    failed teardown would refuse every later pod of this control plane."""
     admission = client.AdmissionregistrationV1Api(cluster.api_client)
     for delete in (admission.delete_mutating_webhook_configuration, admission.delete_validating_webhook_configuration):
         try:
@@ -164,8 +171,6 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         except ApiException as exc:
             if exc.status != 404:
                 raise
-    assert teardown.returncode == 0, teardown.output[-4000:]
-    assert left == [], "teardown.yml left these behind"
 
 
 def live_object(cluster: Cluster, doc: dict[str, Any]) -> dict[str, Any] | None:

@@ -26,9 +26,8 @@ import pytest
 import yaml
 from ansible_tools import Run, ansible_playbook
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
-from test_k8s_half import NAMESPACE, live_object
+from test_k8s_half import NAMESPACE, delete_webhook_configurations, live_object
 from test_rollout import (
     Fleet,
     NodeWatch,
@@ -215,13 +214,7 @@ def migration(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield Migration(fleet, steps)
     finally:
         teardown = ansible_playbook("-i", str(fleet.inventory), "playbooks/teardown.yml")
-        admission = client.AdmissionregistrationV1Api(cluster.api_client)
-        for delete in (admission.delete_mutating_webhook_configuration, admission.delete_validating_webhook_configuration):
-            try:
-                delete("qgpu-webhook")
-            except ApiException as exc:
-                if exc.status != 404:
-                    raise
+        delete_webhook_configurations(cluster)
         for name in fleet.nodes:
             cluster.api.delete_node(name)
         cluster.api.delete_namespace(fleet.namespace)

@@ -41,35 +41,42 @@ def site_yml(cluster: LocalCluster, *extra: str) -> subprocess.CompletedProcess[
     return out
 
 
-@pytest.fixture(scope="package")
-def local_cluster() -> Iterator[LocalCluster]:
-    """A fresh cluster for tests/realnode, torn down right after its last test (its kubelet,
-    containerd and control plane would otherwise load the machine for the rest of the run); with QGPU_REALNODE_CLUSTER=<dir> the tests run against a
-    cluster `scripts/local-cluster up` already runs there (kept afterwards; quick iterations)."""
+def running_cluster(env: str, prefix: str, dra: bool = False) -> Iterator[LocalCluster]:
+    """A fresh local cluster with site.yml applied (its GPU pool in DRA mode with ``dra``), torn
+    down afterwards and checked to leave the host as it found it; with ``env``=<dir> set, a cluster
+    `scripts/local-cluster up` already runs there (kept afterwards; quick iterations)."""
     if os.geteuid() != 0:
         pytest.skip("the real node needs root: containerd, the kubelet, mounts and cgroups")
     _run(str(ROOT / "scripts" / "local-cluster-deps"))
-    existing = os.environ.get("QGPU_REALNODE_CLUSTER")
+    existing = os.environ.get(env)
     if existing:
         cluster = LocalCluster(Path(existing), _bin("k8s-testbin"), _bin("containerd-bin"))
         cluster.first_site_yml = ""  # type: ignore[attr-defined]
         yield cluster
         return
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-realnode-"))
-    cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False,
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False, dra=dra,
                            log=lambda msg: print(f"local-cluster: {msg}", file=sys.stderr, flush=True))
     before = host_state(workdir)
     try:
         cluster.up()
         out = site_yml(cluster)
         if out.returncode != 0:
-            raise AssertionError(f"site.yml failed on the local cluster:\n{out.stdout[-6000:]}")
+            raise AssertionError(f"site.yml failed on the local cluster{' in DRA mode' if dra else ''}:\n{out.stdout[-6000:]}")
         cluster.first_site_yml = out.stdout  # type: ignore[attr-defined]
         yield cluster
     finally:
         cluster.down()
     # `down` leaves the host as it found it: a leak fails the session here.
     assert host_state(workdir) == before
+
+
+@pytest.fixture(scope="package")
+def local_cluster() -> Iterator[LocalCluster]:
+    """The cluster of tests/realnode, torn down right after its last test (its kubelet, containerd
+    and control plane would otherwise load the machine for the rest of the run);
+    QGPU_REALNODE_CLUSTER=<dir> reuses one."""
+    yield from running_cluster("QGPU_REALNODE_CLUSTER", "qgpu-realnode-")
 
 
 def host_state(workdir: Path) -> dict[str, object]:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -23,7 +21,7 @@ from qgpu_runtime.contract import dra
 from qgpu_runtime.node.store import Store
 from tests.polling import poll
 from tests.realnode import kube
-from tests.realnode.conftest import _bin, _run, host_state, site_yml
+from tests.realnode.conftest import running_cluster
 from tests.realnode.localcluster import NODE, LocalCluster
 from tests.realnode.test_e2e_isolation import host_pid
 
@@ -37,28 +35,9 @@ MANAGER = "app.kubernetes.io/name=qgpu-manager"
 
 @pytest.fixture(scope="module")
 def dra_cluster() -> Iterator[LocalCluster]:
-    """A fresh cluster with its GPU pool in DRA mode, torn down after this module; with
-    QGPU_REALNODE_DRA_CLUSTER=<dir> the tests use a cluster `scripts/local-cluster up --dra` runs there."""
-    if os.geteuid() != 0:
-        pytest.skip("the real node needs root: containerd, the kubelet, mounts and cgroups")
-    _run(str(Path(__file__).resolve().parents[2] / "scripts" / "local-cluster-deps"))
-    existing = os.environ.get("QGPU_REALNODE_DRA_CLUSTER")
-    if existing:
-        yield LocalCluster(Path(existing), _bin("k8s-testbin"), _bin("containerd-bin"))
-        return
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-realnode-dra-"))
-    cluster = LocalCluster(workdir, _bin("k8s-testbin"), _bin("containerd-bin"), persistent=False, dra=True,
-                           log=lambda msg: print(f"local-cluster: {msg}", file=sys.stderr, flush=True))
-    before = host_state(workdir)
-    try:
-        cluster.up()
-        out = site_yml(cluster)
-        if out.returncode != 0:
-            raise AssertionError(f"site.yml failed on the local cluster in DRA mode:\n{out.stdout[-6000:]}")
-        yield cluster
-    finally:
-        cluster.down()
-    assert host_state(workdir) == before
+    """A fresh cluster with its GPU pool in DRA mode, torn down after this module;
+    QGPU_REALNODE_DRA_CLUSTER=<dir> reuses one `scripts/local-cluster up --dra` runs there."""
+    yield from running_cluster("QGPU_REALNODE_DRA_CLUSTER", "qgpu-realnode-dra-", dra=True)
 
 
 @pytest.fixture(scope="module")
