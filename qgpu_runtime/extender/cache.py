@@ -135,6 +135,7 @@ class AllocationCache:
         self.lock = threading.RLock()
         self._specs: dict[str, NodeSpec] = {}
         self._dra_pool: set[str] = set()  # nodes of DRA pools (extender/nodes.py dra_pool)
+        self._invalid: dict[str, str] = {}  # node -> why its data was refused (extender/nodes.py)
         self._dra_rows = np.zeros(0, dtype=bool)  # by row of the current state: node of a DRA pool
         self._pods = PodStates()  # the booking lifecycle: one PodState per pod key
         self._state: ClusterState | None = None
@@ -214,14 +215,19 @@ class AllocationCache:
         with self.lock:
             if event == "DELETED":
                 self._dra_pool.discard(name)
+                self._invalid.pop(name, None)
                 if self._specs.pop(name, None) is not None:
                     self._state = None
                 return
             try:
                 spec = node_spec(node)
+                self._invalid.pop(name, None)
             except NodeInventoryError as exc:
-                self._problem(str(exc))
-                spec = node_spec({**node, "metadata": {**(node.get("metadata") or {}), "annotations": {}}})
+                # The node's own data is out of bounds: it takes nothing, and filter says why.
+                if self._invalid.get(name) != str(exc):
+                    self._problem(str(exc))
+                self._invalid[name] = str(exc)
+                spec = NodeSpec(name, 0, 0, (), dict((node.get("metadata") or {}).get("labels") or {}))
             if dra_pool(spec):
                 self._dra_pool.add(name)
             else:
@@ -434,11 +440,20 @@ class AllocationCache:
                     if pick.any():
                         into.update(zip(compress(names, pick.tolist()),
                                         map(engine.REASONS.__getitem__, scored.code[pick].tolist())))
+                self._name_invalid(failed, unresolvable)
             held = self._hold(state, key, request, scored, names, now_ns) if ok.any() else None
             passed = list(compress(names, ok.tolist()))
             self._set_authorization(key, pod, passed, now_ns)
             self._memo = FilterMemo(key, self._version, scored.node_score, state, passed, scored.rows[ok])
         return FilterOutcome(passed, failed, unresolvable, held)
+
+    def _name_invalid(self, failed: dict[str, str], unresolvable: dict[str, str]) -> None:
+        """Nodes whose data was refused fail with that reason (not "no GPUs"), as unresolvable:
+        preemption on them cannot help until their manager publishes a valid inventory."""
+        for name, why in self._invalid.items():
+            if name in failed or name in unresolvable:
+                failed.pop(name, None)
+                unresolvable[name] = f"qgpu refused this node's data: {why}"
 
     def _never_fits(self, request: PodRequest) -> np.ndarray:
         """By state row: nodes that could not take this shape of request even empty (memo.py)."""

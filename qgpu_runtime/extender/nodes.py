@@ -5,6 +5,11 @@ marks unhealthy are left out, so nothing new lands on them. A node of a DRA pool
 ``qgpu.io/pool-mode=dra``, ``dra_pool``) serves only what DRA maps: ``nvidia.com/gpu`` through the
 whole-card DeviceClass; the cache refuses it every other dialect (no device plugin runs there). CPU and memory come from
 ``status.allocatable``. Pure functions over API dicts.
+
+Everything here is written by the node itself (its manager's token, its kubelet), so every number
+is bounded before it reaches the placement engine's int64 arrays: a node whose data is out of
+bounds raises :class:`NodeInventoryError` naming the field, and the cache keeps it out of
+placement with that reason. One node can hurt only itself.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ def dra_pool(spec: NodeSpec) -> bool:
     return spec.labels.get(POOL_MODE_LABEL) == "dra"
 
 
+MAX_NODE_CPU_CORES = 1 << 20
+"""A node's allocatable CPU: about a thousand times today's largest single machines, and small
+enough that its millicores (and their sum over 100,000 nodes) stay far inside int64. The
+quantity parser's own cap (2^63 - 1 cores) would overflow once multiplied into millicores."""
+
+
 def _quantity(value: Any, default: Decimal = Decimal(0)) -> Decimal:
     try:
         return parse_quantity(value)
@@ -35,19 +46,30 @@ def _quantity(value: Any, default: Decimal = Decimal(0)) -> Decimal:
         return default
 
 
+def _capacity(node: str, field: str, value: Any, high: Decimal) -> Decimal:
+    amount = _quantity(value)
+    if not 0 <= amount <= high:
+        raise NodeInventoryError(f"node {node}: status.allocatable.{field}={str(value)[:40]!r}: must be from 0 to {high}")
+    return amount
+
+
 def node_spec(node: Mapping[str, Any]) -> NodeSpec:
-    """NodeSpec of an API node; a node without the annotation has no cards (CPU-only)."""
+    """NodeSpec of an API node; a node without the annotation has no cards (CPU-only).
+
+    Raises :class:`NodeInventoryError` for an inventory or a capacity out of bounds."""
     meta = node.get("metadata") or {}
     name = str(meta.get("name") or "")
     annotations = meta.get("annotations") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     labels = dict(meta.get("labels") or {})
+    cpu = _capacity(name, "cpu", allocatable.get("cpu", 0), Decimal(MAX_NODE_CPU_CORES))
+    memory = _capacity(name, "memory", allocatable.get("memory", 0), Decimal(2**63 - 1))
     cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib)
                   for c in parse_inventory(name, annotations[CARDS]) if c.healthy) if CARDS in annotations else ()
     return NodeSpec(
         name=name,
-        cpu_milli=int(_quantity(allocatable.get("cpu", 0)) * 1000),
-        memory_mib=int(_quantity(allocatable.get("memory", 0)) / (1024 * 1024)),
+        cpu_milli=int(cpu * 1000),
+        memory_mib=int(memory / (1024 * 1024)),
         cards=cards,
         labels=labels,
     )

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Sequence
 
-from qgpu_runtime.contract.inventory import encode_inventory
+from qgpu_runtime.contract.inventory import clip_reason, encode_inventory
 from qgpu_runtime.contract.names import (
     INVENTORY,
     LABEL_GPU_COUNT,
@@ -33,4 +33,5 @@ def node_metadata(cards: Sequence[CardInfo], unhealthy: dict[int, str], policy: 
     if cards:
         labels[LABEL_GPU_MODEL] = label_value(cards[0].model)
         labels[LABEL_GPU_MEMORY] = str(min(c.memory_mib for c in cards))
-    return labels, {INVENTORY: encode_inventory(cards, unhealthy), NODE_ISOLATION_POLICY: policy}
+    reasons = {index: clip_reason(reason) for index, reason in unhealthy.items()}
+    return labels, {INVENTORY: encode_inventory(cards, reasons), NODE_ISOLATION_POLICY: policy}
