@@ -16,6 +16,11 @@ What it mirrors, from watches (the I/O is in extender/watch.py):
 - ResourceClaimTemplates: the demand of pods whose claims are made from a template.
 Only those few numbers are kept per object, never the objects.
 
+A node's slices are written by that node's DRA plugin, so they get the inventory's bounds
+(contract/inventory.py): a device whose index or memory is out of bounds is dropped, and a node
+with more than ``MAX_CARDS`` devices or a repeated index is left out of the view (scored 0), so
+one node's slice can never make the state fail to build for every DRA pod.
+
 Blind spot: a claim kube-scheduler has allocated in its own memory but not written yet (the write
 is in its binding cycle) is not counted until the watch delivers it; consecutive pods may then be
 scored against a node that looks emptier than it is. Scores are a preference, the allocator still
@@ -42,6 +47,7 @@ from qgpu_runtime.contract.dra import (
     consumed_core,
     consumed_memory,
 )
+from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_ID_CHARS, MAX_INDEX, MAX_MEMORY_MIB
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
@@ -132,8 +138,11 @@ def slice_cards(slice_: Mapping[str, Any]) -> tuple[str, list[tuple[str, CardSpe
             memory = int(str((capacity.get(MEMORY) or {}).get("value")))
         except (TypeError, ValueError):
             continue
-        out.append((str(device.get("name")), CardSpec(index, str((attrs.get("uuid") or {}).get("string") or ""),
-                                                       str((attrs.get("model") or {}).get("string") or ""), memory)))
+        if not (0 <= index <= MAX_INDEX and 0 < memory <= MAX_MEMORY_MIB):
+            continue  # out of the inventory's bounds: not a card (contract/inventory.py)
+        out.append((str(device.get("name")), CardSpec(index, str((attrs.get("uuid") or {}).get("string") or "")[:MAX_ID_CHARS],
+                                                       str((attrs.get("model") or {}).get("string") or "")[:MAX_ID_CHARS],
+                                                       memory)))
     return str(spec["nodeName"]), out
 
 
@@ -270,6 +279,9 @@ class DraView:
                 specs, self._columns = [], {}
                 for node in sorted(cards):
                     ordered = cards[node]  # and each slice's devices in the order it lists them
+                    indices = [c.index for _, c in ordered]
+                    if len(ordered) > MAX_CARDS or len(set(indices)) != len(indices):
+                        continue  # out of bounds: this node only is left out (scored 0)
                     base = known.get(node) or DEFAULT_NODE
                     specs.append(NodeSpec(node, base.cpu_milli, base.memory_mib, tuple(c for _, c in ordered)))
                     self._columns[node] = {name: j for j, (name, _) in enumerate(ordered)}

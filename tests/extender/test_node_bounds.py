@@ -71,3 +71,19 @@ def test_the_cache_keeps_at_most_the_card_bound_per_node() -> None:
     cache.replace_nodes([node("a"), HOSTILE["3,500 cards"][0]])
     state = cache.state()
     assert state.max_cards <= MAX_CARDS and int(state.n_cards.sum()) == 2
+
+
+def test_a_hostile_resource_slice_leaves_only_its_node_out_of_dra_scoring() -> None:
+    from qgpu_runtime.extender.dra import Ask
+    from tests.extender.test_dra_prioritize import NO_GPU, rslice, view
+
+    huge = rslice("huge", cards=1)
+    huge["spec"]["devices"][0]["capacity"]["memory"]["value"] = str(2**64)
+    repeated = rslice("repeated", cards=2)
+    repeated["spec"]["devices"][1]["attributes"]["index"]["int"] = 0
+    many = rslice("many", cards=MAX_CARDS + 1)
+    v = view("node-a")
+    for hostile in (huge, repeated, many):
+        v.apply_slice("ADDED", hostile)
+    scores = v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "huge", "repeated", "many"], make_policy("binpack"))
+    assert scores.tolist() == [10, 0, 0, 0]
