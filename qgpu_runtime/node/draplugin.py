@@ -36,7 +36,6 @@ import logging
 import os
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
@@ -53,6 +52,7 @@ from qgpu_runtime.node import cdi
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.response import CONTROL_DEVICES, card_envs, t9k_share_envs
 from qgpu_runtime.node.store import PreparedClaim, ReservedPod, Share, Store
+from qgpu_runtime.node.streams import StreamSlots, server_pool
 from qgpu_runtime.node.tenants import dominant_class
 from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
 
@@ -267,17 +267,20 @@ def _health_servicer(settings: DraSettings, cards: Sequence[int], health: CardHe
     hl = protos.dra_health()
 
     class HealthServicer(hl.grpc.DRAResourceHealthServicer):
+        streams = StreamSlots()  # each stream holds a worker: bounded, so NodePrepareResources always has one
+
         def NodeWatchResources(self, request, context):
-            context.add_callback(health.wake)  # kubelet gone or server stopped: the wait below ends
-            seen = None
-            while context.is_active() and not stopping.is_set():
-                version, sick, closed = health.wait_change(-1 if seen is None else seen, resend_s)
-                if closed or stopping.is_set() or not context.is_active():
-                    break
-                if seen is not None and version != seen:
-                    log.info("DRA health: unhealthy cards now %s", sick)
-                seen = version
-                yield health_report(settings.node, cards, sick, int(time.time()))
+            with self.streams.slot(context, "NodeWatchResources"):
+                context.add_callback(health.wake)  # kubelet gone or server stopped: the wait below ends
+                seen = None
+                while context.is_active() and not stopping.is_set():
+                    version, sick, closed = health.wait_change(-1 if seen is None else seen, resend_s)
+                    if closed or stopping.is_set() or not context.is_active():
+                        break
+                    if seen is not None and version != seen:
+                        log.info("DRA health: unhealthy cards now %s", sick)
+                    seen = version
+                    yield health_report(settings.node, cards, sick, int(time.time()))
 
     return HealthServicer()
 
@@ -375,8 +378,8 @@ class DraKubeletPlugin:
         socket.parent.mkdir(parents=True, exist_ok=True)
         if socket.exists() or socket.is_symlink():
             socket.unlink()  # a stale socket from a previous run
-        # 8 workers: a health stream holds one for as long as kubelet watches.
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=prefix))
+        # A health stream holds a worker for as long as kubelet watches: node/streams.py bounds them.
+        server = grpc.server(server_pool(prefix))
         add(server)
         server.add_insecure_port(f"unix://{socket}")
         server.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ import grpc
 from qgpu_runtime import protos
 from qgpu_runtime.node.devices import AllocateRefused, DeviceService
 from qgpu_runtime.node.resources import ResourceKind
+from qgpu_runtime.node.streams import StreamSlots, server_pool
 
 log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
@@ -34,19 +34,21 @@ def _servicer_class():
             self.kind = kind
             self.devices = devices
             self.stopping = stopping
+            self.streams = StreamSlots()  # a stream holds a worker: bounded, so Allocate always has one
 
         def GetDevicePluginOptions(self, request, context):
             return pb2.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)
 
         def ListAndWatch(self, request, context):
-            seen = -1
-            while context.is_active() and not self.stopping.is_set():
-                version, devices = self.devices.wait_devices(self.kind, seen, timeout_s=0.5)
-                if version == seen:
-                    continue
-                seen = version
-                yield pb2.ListAndWatchResponse(devices=[pb2.Device(ID=d, health=HEALTHY if ok else UNHEALTHY)
-                                                        for d, ok in devices])
+            with self.streams.slot(context, f"ListAndWatch {self.kind.name}"):
+                seen = -1
+                while context.is_active() and not self.stopping.is_set():
+                    version, devices = self.devices.wait_devices(self.kind, seen, timeout_s=0.5)
+                    if version == seen:
+                        continue
+                    seen = version
+                    yield pb2.ListAndWatchResponse(devices=[pb2.Device(ID=d, health=HEALTHY if ok else UNHEALTHY)
+                                                            for d, ok in devices])
 
         def GetPreferredAllocation(self, request, context):
             out = []
@@ -96,7 +98,7 @@ class PluginServer:
         self._stopping = threading.Event()
         if self.socket.exists() or self.socket.is_symlink():
             self.socket.unlink()  # a stale socket from a previous run
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"dp-{self.kind.short}"))
+        server = grpc.server(server_pool(f"dp-{self.kind.short}"))
         protos.deviceplugin().grpc.add_DevicePluginServicer_to_server(
             _servicer_class()(self.kind, self.devices, self._stopping), server)
         server.add_insecure_port(f"unix://{self.socket}")

@@ -522,3 +522,22 @@ def test_a_stream_kubelet_drops_frees_its_worker(plugin):
             next(stream)
             stream.cancel()
     assert plugin.kubelet.unprepare(("team-a", "uid-x", "gone"))["uid-x"].error == ""
+
+
+def test_prepare_is_served_while_many_health_streams_are_open(plugin, claims):
+    # Issue 21 §5: each NodeWatchResources stream pinned one of 8 workers; 8 left NodePrepareResources none.
+    from streamflood import OPEN, Streams
+
+    from qgpu_runtime import protos
+    from qgpu_runtime.node.streams import MAX_STREAMS
+
+    hl = protos.dra_health()
+    streams = Streams(f"unix://{plugin.settings.dra_socket}",
+                      lambda ch: hl.grpc.DRAResourceHealthStub(ch).NodeWatchResources(hl.pb2.NodeWatchResourcesRequest()), 10)
+    try:
+        fates = streams.settled()
+        assert fates.count(OPEN) == MAX_STREAMS and fates.count("RESOURCE_EXHAUSTED") == 10 - MAX_STREAMS
+        claims.add(claim("uid-1"))
+        assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    finally:
+        streams.close()

@@ -351,3 +351,49 @@ def test_allocate_counts_the_shares_of_prepared_resource_claims(node):
     with pytest.raises(grpc.RpcError) as err:
         node.kubelet.admit(second)
     assert "card 0: core 1200‰ committed > 1000‰" in err.value.details()
+
+
+def test_allocate_is_served_while_many_list_and_watch_streams_are_open(node):
+    # Issue 21 §5: 8 workers, each ListAndWatch stream pinning one, left Allocate none.
+    from streamflood import OPEN, Streams
+
+    from qgpu_runtime import protos
+    from qgpu_runtime.node.streams import MAX_STREAMS
+
+    api = protos.deviceplugin()
+    target = f"unix://{node.kubelet.dir / node.kubelet.plugins[CORE].endpoint}"
+    streams = Streams(target, lambda ch: api.grpc.DevicePluginStub(ch).ListAndWatch(api.pb2.Empty()), 8)
+    try:
+        fates = streams.settled()
+        # kubelet's own stream holds one slot; the crowd gets the rest and is refused past them
+        assert fates.count(OPEN) == MAX_STREAMS - 1
+        assert fates.count("RESOURCE_EXHAUSTED") == 8 - (MAX_STREAMS - 1)
+        p = pod("crowded", "gpu-node-1", [("main", qgpu(30, 5), [(1, node.uuid(1), 300, 5120)])])
+        node.set_pods([p])
+        assert node.kubelet.admit(p)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    finally:
+        streams.close()
+
+
+def test_a_closed_stream_frees_its_slot(node):
+    from streamflood import OPEN, Streams
+
+    from qgpu_runtime import protos
+    from qgpu_runtime.node.streams import MAX_STREAMS
+    from tests.polling import poll
+
+    api = protos.deviceplugin()
+    target = f"unix://{node.kubelet.dir / node.kubelet.plugins[CORE].endpoint}"
+    start = lambda ch: api.grpc.DevicePluginStub(ch).ListAndWatch(api.pb2.Empty())  # noqa: E731
+    first = Streams(target, start, MAX_STREAMS - 1)
+    assert first.settled() == [OPEN] * (MAX_STREAMS - 1)
+    first.close()  # each server-side stream ends at its next wake-up (at most 0.5 s): its slot then returns
+
+    def all_open() -> Streams | None:
+        batch = Streams(target, start, MAX_STREAMS - 1)
+        if batch.settled() == [OPEN] * (MAX_STREAMS - 1):
+            return batch
+        batch.close()
+        return None
+
+    poll(all_open, timeout=10, interval=0.2, what="the closed streams' slots to return").close()
