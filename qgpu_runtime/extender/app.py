@@ -3,6 +3,8 @@
 Status codes follow one rule: a malformed request is the client's mistake (400, with the reason);
 a well-formed request always gets 200 and an extender/v1 body, whose ``Error`` field (filter,
 bind) tells the scheduler that this attempt failed. A bug of ours is the only source of a 500.
+An apiserver that cannot be reached is such a failure, not a bug: filter and bind answer its
+reason in ``Error``, prioritize answers no scores (kube-scheduler ignores a failed prioritize).
 
 Trust: the body names a pod, the apiserver says what it is (:mod:`.trust`). Filter and prioritize
 work on the apiserver's pod and refuse a body that asks for something else; bind is refused unless
@@ -22,7 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
 from qgpu_runtime.extender.dra import DraView
-from qgpu_runtime.extender.trust import TrustedPods, UntrustedPod
+from qgpu_runtime.extender.trust import PodUnavailable, TrustedPods, UntrustedPod
 from qgpu_runtime.extender.wire import (
     BindingArgs,
     ExtenderArgs,
@@ -81,6 +83,11 @@ class ExtenderMetrics:
 FILTER_RESULTS = ("all", "best")
 
 
+def _refusal(exc: UntrustedPod) -> str:
+    """The ``reason`` label of a refused call: the apiserver unreachable, or the pod not trusted."""
+    return "apiserver-unavailable" if isinstance(exc, PodUnavailable) else "untrusted-pod"
+
+
 class ExtenderApp:
     """``filter_result``: "all" answers every feasible node (kube-scheduler then weighs them with
     prioritize and its own plugins); "best" answers only the node the engine chose and now holds,
@@ -132,7 +139,7 @@ class ExtenderApp:
         try:
             pod = self.pods.resolve(args.pod)
         except UntrustedPod as exc:
-            self._refuse("filter", "untrusted-pod", str(exc))
+            self._refuse("filter", _refusal(exc), str(exc))
             return 200, FilterResult([], error=str(exc)).encode(args)
         try:
             request = self._request(pod)
@@ -159,8 +166,8 @@ class ExtenderApp:
         try:
             pod = self.pods.resolve(args.pod)
             request = self._request(pod)
-        except UntrustedPod as exc:
-            self._refuse("prioritize", "untrusted-pod", str(exc))
+        except UntrustedPod as exc:  # no opinion: kube-scheduler weighs the nodes without us
+            self._refuse("prioritize", _refusal(exc), str(exc))
             request = None
         except RequestError:
             request = None
@@ -189,7 +196,7 @@ class ExtenderApp:
             pod = self.pods.resolve(args.pod)
             request = self._request(pod)
         except UntrustedPod as exc:
-            self._refuse("dra-prioritize", "untrusted-pod", str(exc))
+            self._refuse("dra-prioritize", _refusal(exc), str(exc))
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
         except RequestError:
             request = None

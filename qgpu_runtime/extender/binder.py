@@ -38,7 +38,7 @@ from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
-from qgpu_runtime.kube.retry import with_backoff
+from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
@@ -101,14 +101,20 @@ class Binder:
 
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""
-        from qgpu_runtime.extender.trust import UntrustedPod
+        from qgpu_runtime.extender.trust import PodUnavailable, UntrustedPod
 
         try:
             return self._read_pod(namespace, name)
         except ApiException as exc:
             if exc.status == 404:
                 return None
-            raise UntrustedPod(f"pod {namespace}/{name}: cannot read it from the apiserver ({_short(exc)})") from exc
+            error = PodUnavailable if is_transient(exc) else UntrustedPod
+            raise error(f"pod {namespace}/{name}: cannot read it from the apiserver ({_short(exc)})") from exc
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise PodUnavailable(f"pod {namespace}/{name}: the apiserver cannot be reached to read it "
+                                 f"({_short(exc)}); retry when it answers") from exc
 
     def _pod(self, namespace: str, name: str, uid: str) -> dict[str, Any]:
         seen = self.cache.seen_pod(uid) if uid else None
@@ -120,6 +126,19 @@ class Binder:
             raise BindError(f"pod {namespace}/{name}: cannot read it ({_short(exc)})") from exc
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
+        """Bind, or raise :class:`BindError` with the reason; an apiserver that cannot be reached
+        is such a reason (kube-scheduler sees the ``Error`` and retries), never an exception out."""
+        try:
+            return self._bind(namespace, name, uid, node)
+        except BindError:
+            raise
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise BindError(f"pod {namespace}/{name}: the apiserver cannot be reached ({_short(exc)}); "
+                            "not bound, retry when it answers") from exc
+
+    def _bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
         pod = self._pod(namespace, name, uid)
         meta = pod.get("metadata") or {}
         if uid and meta.get("uid") != uid:

@@ -22,6 +22,11 @@ class UntrustedPod(ValueError):
     """The body's pod is not a pod the apiserver has, or asks for something else than it does."""
 
 
+class PodUnavailable(UntrustedPod):
+    """The apiserver could not be asked about the pod (unreachable, timed out, 5xx): the call is
+    refused with that reason, as a decision in the extender's answer, never an HTTP 500."""
+
+
 def _identity(pod: Mapping[str, Any]) -> tuple[str, str, str]:
     meta = pod.get("metadata") or {}
     return str(meta.get("namespace") or "default"), str(meta.get("name") or ""), str(meta.get("uid") or "")
