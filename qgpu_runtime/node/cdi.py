@@ -7,7 +7,10 @@ A runtime without CDI ignores the IDs silently (docs/dra.md), which is why the e
 the pod cannot live without except the card itself.
 
 Files are written atomically (temporary file in the same folder, fsync, rename): the runtime may
-scan the folder at any moment and must never read half a spec.
+scan the folder at any moment and must never read half a spec. The temporary file is removed on
+any failure of the write, and a kill between its creation and the rename (nothing can clean up
+then) is repaired at the next start: :func:`remove_stale_temporaries` deletes the files of
+qgpu's own temporary pattern, and no other file of the folder (it is shared with other vendors).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ CLASS = "claim"
 KIND = f"{DRIVER}/{CLASS}"
 DEFAULT_DIR = Path("/var/run/cdi")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]*$")
+_TEMPORARY = re.compile(r"^\.%s-%s_[^/]+\.json\.tmp[0-9]+$" % (re.escape(DRIVER), re.escape(CLASS)))
+"""``.<spec name>.tmp<pid>``: what :func:`write_spec` names its temporary files, and only those."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,38 @@ def spec(devices: Sequence[CdiDevice]) -> dict[str, Any]:
 def write_spec(path: Path, document: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(document, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        try:
+            tmp.unlink()  # only still there when the write failed before its rename
+        except FileNotFoundError:
+            pass
+
+
+def remove_stale_temporaries(cdi_dir: Path) -> list[Path]:
+    """Remove the temporary files a killed writer left (qgpu's pattern only); returns them.
+
+    Called once at the plugin's start, before any write of this process: the node runs one qgpu
+    DRA plugin, so no other writer of these names can be half-way."""
+    removed = []
+    try:
+        entries = list(os.scandir(cdi_dir))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if _TEMPORARY.match(entry.name) and entry.is_file(follow_symlinks=False):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            removed.append(Path(entry.path))
+    return removed
 
 
 def read_spec(path: Path) -> dict[str, Any] | None:

@@ -131,6 +131,8 @@ class ClaimPreparer:
         self.device_exists = device_exists
         self.clock_ns = clock_ns
         self._lock = threading.Lock()  # one claim at a time: a booking reads every other one
+        for stale in cdi.remove_stale_temporaries(settings.cdi_dir):  # a writer killed mid-write
+            log.warning("removed a CDI temporary file a killed write left: %s", stale)
 
     def prepare(self, namespace: str, uid: str, name: str) -> list[PreparedDevice]:
         where = f"ResourceClaim {namespace}/{name} (uid {uid})"
