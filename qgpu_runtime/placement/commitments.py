@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable, Mapping
 
+from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_INDEX, MAX_MEMORY_MIB
 from qgpu_runtime.contract.names import COMMITMENTS
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
@@ -139,9 +140,12 @@ def parse_commitments(raw: str | None, node: str) -> NodeCommitments:
             exclusive = card.get("exclusive", False)
             if not isinstance(exclusive, bool):
                 raise CommitmentError(f"{COMMITMENTS}: {at}exclusive={exclusive!r}: must be true or false")
-            cards.append(CardUse(_int(card, "index", at), _int(card, "core_milli", at, 0, CORE_MILLI_PER_CARD),
-                                 _int(card, "memory_mib", at), exclusive))
-        pods[uid] = Commitment(uid, pod, _int(entry, "since_ns", where), tuple(cards))
+            # the inventory's bounds: a number past them would overflow the engine's int64 arrays
+            cards.append(CardUse(_int(card, "index", at, 0, MAX_INDEX), _int(card, "core_milli", at, 0, CORE_MILLI_PER_CARD),
+                                 _int(card, "memory_mib", at, 0, MAX_MEMORY_MIB), exclusive))
+        if len(cards) > MAX_CARDS:
+            raise CommitmentError(f"{COMMITMENTS}: {where}cards: {len(cards)} entries: at most {MAX_CARDS}, a node's cards")
+        pods[uid] = Commitment(uid, pod, _int(entry, "since_ns", where, 0, 2**63 - 1), tuple(cards))
     return NodeCommitments(node, pods)
 
 

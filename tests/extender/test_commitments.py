@@ -53,7 +53,13 @@ def test_no_annotation_means_nothing_committed():
     ('{"version": 1, "node": "gpu-1", "pods": {"u": {"pod": "a/b", "since_ns": 0, "cards": [{"index": "0", '
      '"core_milli": 1, "memory_mib": 1}]}}}', "index='0': must be an integer"),
     ('{"version": 1, "node": "gpu-1", "pods": {"u": {"pod": "a/b", "since_ns": 0, "cards": [{"index": 0, '
-     '"core_milli": 1, "memory_mib": -1}]}}}', "memory_mib=-1: must be >= 0"),
+     '"core_milli": 1, "memory_mib": -1}]}}}', "memory_mib=-1: must be within 0..1048576"),
+    ('{"version": 1, "node": "gpu-1", "pods": {"u": {"pod": "a/b", "since_ns": 0, "cards": [{"index": 0, '
+     '"core_milli": 1, "memory_mib": 18446744073709551616}]}}}', "memory_mib=18446744073709551616: must be within 0..1048576"),
+    ('{"version": 1, "node": "gpu-1", "pods": {"u": {"pod": "a/b", "since_ns": 0, "cards": [{"index": 4096, '
+     '"core_milli": 1, "memory_mib": 1}]}}}', "index=4096: must be within 0..255"),
+    ('{"version": 1, "node": "gpu-1", "pods": {"u": {"pod": "a/b", "since_ns": 18446744073709551616, "cards": []}}}',
+     "since_ns=18446744073709551616: must be within"),
 ])
 def test_a_malformed_document_is_refused_naming_field_and_rule(raw, words):
     with pytest.raises(CommitmentError, match="qgpu.io/commitments") as info:
