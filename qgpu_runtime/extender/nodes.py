@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from qgpu_runtime.contract.inventory import CARDS, NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import POOL_MODE_LABEL
 from qgpu_runtime.model.requests import parse_quantity
-from qgpu_runtime.placement.state import CardSpec, NodeSpec
+from qgpu_runtime.placement.state import ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL, MIXED_LABEL, CardSpec, NodeSpec
 
 __all__ = ["NodeInventoryError", "dra_pool", "node_spec"]
 
@@ -32,6 +32,11 @@ def dra_pool(spec: NodeSpec) -> bool:
     """Whether the node's cards are served by qgpu's DRA driver rather than its device plugins."""
     return spec.labels.get(POOL_MODE_LABEL) == "dra"
 
+
+READ_LABELS = frozenset({POOL_MODE_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL})
+"""The node labels placement reads; the cache keeps no other. A node may carry as many labels as
+its object's size allows (about 1.5 MB), and a label nobody reads must neither cost memory per
+node nor, when it changes, rebuild the state."""
 
 MAX_NODE_CPU_CORES = 1 << 20
 """A node's allocatable CPU: about a thousand times today's largest single machines, and small
@@ -61,7 +66,7 @@ def node_spec(node: Mapping[str, Any]) -> NodeSpec:
     name = str(meta.get("name") or "")
     annotations = meta.get("annotations") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
-    labels = dict(meta.get("labels") or {})
+    labels = {k: str(v) for k, v in (meta.get("labels") or {}).items() if k in READ_LABELS}
     cpu = _capacity(name, "cpu", allocatable.get("cpu", 0), Decimal(MAX_NODE_CPU_CORES))
     memory = _capacity(name, "memory", allocatable.get("memory", 0), Decimal(2**63 - 1))
     cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib)

@@ -87,3 +87,14 @@ def test_a_hostile_resource_slice_leaves_only_its_node_out_of_dra_scoring() -> N
         v.apply_slice("ADDED", hostile)
     scores = v.scores([Ask(250, 4096)], NO_GPU, ["node-a", "huge", "repeated", "many"], make_policy("binpack"))
     assert scores.tolist() == [10, 0, 0, 0]
+
+
+def test_the_cache_keeps_only_the_labels_placement_reads() -> None:
+    from qgpu_runtime.extender.nodes import READ_LABELS, node_spec
+
+    many = node("a")
+    many["metadata"]["labels"] = {**{f"example.com/l{i}": "x" * 63 for i in range(5000)},
+                                  "mixed-qgpu-enable": "enable", "qgpu.io/pool-mode": "dra"}
+    spec = node_spec(many)
+    assert dict(spec.labels) == {"mixed-qgpu-enable": "enable", "qgpu.io/pool-mode": "dra"}
+    assert set(spec.labels) <= READ_LABELS
