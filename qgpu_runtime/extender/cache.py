@@ -49,7 +49,7 @@ import numpy as np
 from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.extender.memo import FilterMemo, NeverFits
-from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra_pool, node_spec
+from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra_pool, node_spec, refused_spec
 from qgpu_runtime.extender.podstate import BindAuthorization, NodeNameSet, PodEntry, PodStates
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
@@ -227,7 +227,7 @@ class AllocationCache:
                 if self._invalid.get(name) != str(exc):
                     self._problem(str(exc))
                 self._invalid[name] = str(exc)
-                spec = NodeSpec(name, 0, 0, (), dict((node.get("metadata") or {}).get("labels") or {}))
+                spec = refused_spec(node)
             if dra_pool(spec):
                 self._dra_pool.add(name)
             else:

@@ -22,7 +22,7 @@ from qgpu_runtime.contract.names import POOL_MODE_LABEL
 from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.placement.state import ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL, MIXED_LABEL, CardSpec, NodeSpec
 
-__all__ = ["NodeInventoryError", "dra_pool", "node_spec"]
+__all__ = ["NodeInventoryError", "dra_pool", "node_spec", "refused_spec"]
 
 DRA_POOL_REASON = ("node of a DRA pool: its cards reach pods through ResourceClaims (label the namespace "
                    "qgpu.io/gpu-mode=dra, docs/dra.md); only nvidia.com/gpu is mapped there")
@@ -58,6 +58,17 @@ def _capacity(node: str, field: str, value: Any, high: Decimal) -> Decimal:
     return amount
 
 
+def _read_labels(meta: Mapping[str, Any]) -> dict[str, str]:
+    return {k: str(v) for k, v in (meta.get("labels") or {}).items() if k in READ_LABELS}
+
+
+def refused_spec(node: Mapping[str, Any]) -> NodeSpec:
+    """The spec of a node whose data :func:`node_spec` refused: nothing to place on (no cards, no
+    CPU, no memory), its labels kept so the DRA pool flag still holds."""
+    meta = node.get("metadata") or {}
+    return NodeSpec(str(meta.get("name") or ""), 0, 0, (), _read_labels(meta))
+
+
 def node_spec(node: Mapping[str, Any]) -> NodeSpec:
     """NodeSpec of an API node; a node without the annotation has no cards (CPU-only).
 
@@ -66,7 +77,7 @@ def node_spec(node: Mapping[str, Any]) -> NodeSpec:
     name = str(meta.get("name") or "")
     annotations = meta.get("annotations") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
-    labels = {k: str(v) for k, v in (meta.get("labels") or {}).items() if k in READ_LABELS}
+    labels = _read_labels(meta)
     cpu = _capacity(name, "cpu", allocatable.get("cpu", 0), Decimal(MAX_NODE_CPU_CORES))
     memory = _capacity(name, "memory", allocatable.get("memory", 0), Decimal(2**63 - 1))
     cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib)
