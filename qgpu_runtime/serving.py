@@ -395,6 +395,9 @@ class _Server(ThreadingHTTPServer):
     """Threads per connection, admitted through :class:`_Connections`."""
 
     daemon_threads = True
+    # The stdlib's backlog is 5: a burst of connections (a flood, or the apiserver after a restart)
+    # would see SYNs dropped and retried after 1, 3, 7 s; the cap on connections is ours to keep.
+    request_queue_size = 128
     connections: _Connections
 
     def process_request(self, request: Any, client_address: Any) -> None:
