@@ -111,7 +111,8 @@ def webhook_up(cluster) -> Iterator[str]:
     port = free_port()
     server = QgpuServer("qgpu-webhook-match", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
                                                "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
-                                               "--scheduler-name", "qgpu-scheduler"], cp.workdir, port, "https", cp.ca.cert_path)
+                                               "--scheduler-name", "qgpu-scheduler", *cp.webhook_auth_args()],
+                        cp.workdir, port, "https", cp.ca.cert_path, client_cert=cp.webhook_client)
     server.start(ready_path="/healthz")
     label = {"qgpu-match": "up"}
     created = register(cluster, server.url, label)
