@@ -164,3 +164,17 @@ def test_a_second_run_changes_nothing_and_logs_no_key(masters):
     output = _run_role(masters, list(VERSIONS), kube_apiserver_admission_webhook_namespace="qgpu")
     assert "changed=0" in output, output[-2000:]
     assert "test key" not in output
+
+
+def test_absent_restores_kubeadms_manifest_and_removes_the_files(tmp_path):
+    manifests = tmp_path / "m/etc/kubernetes/manifests"
+    manifests.mkdir(parents=True)
+    original = kubeadm_manifest("1.30.4")
+    (manifests / "kube-apiserver.yaml").write_text(yaml.safe_dump(original))
+    _run_role(tmp_path, ["m"])
+    assert (tmp_path / "m" / CONFIG.lstrip("/")).exists()
+    _run_role(tmp_path, ["m"], kube_apiserver_admission_state="absent")
+    restored = yaml.safe_load((manifests / "kube-apiserver.yaml").read_text())
+    restored["metadata"].pop("annotations", None)
+    assert restored == original
+    assert not (tmp_path / "m" / CONFIG_DIR.lstrip("/")).exists()
