@@ -26,7 +26,7 @@ from typing import Any, Callable
 from kubernetes.config import ConfigException
 
 from qgpu_runtime.kube.client import api_client
-from qgpu_runtime.serving import JsonServer, Routes, ServerLimits
+from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
@@ -100,6 +100,7 @@ WEBHOOK_LIMITS = ServerLimits(
     write_timeout_s=10.0,
     busy_wait_s=5.0,
     body_budget=8 * MAX_REVIEW_BYTES,
+    read_chunk=READ_CHUNK,  # bodies reserved as they arrive: an announced body holds 64 KiB
 )
 
 
