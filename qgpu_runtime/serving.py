@@ -8,23 +8,35 @@ Anything that can reach the port can also be slow or greedy, and one thread per 
 that cheap to exploit. So (:class:`ServerLimits`):
 
 - at most ``max_connections`` connections; a new one past the cap closes the connection that has
-  waited longest for its next request (an idle keep-alive or a client trickling a request line),
-  and is refused only when every connection is mid-request;
+  waited longest on its client (in the TLS handshake, idle between requests, or sending a request
+  line, headers or body: time the client spends, not the server), and is refused only when every
+  connection is being handled or answered. So connections that announce a body and send nothing
+  cannot keep a caller out: each newcomer closes the oldest of them;
 - deadlines, not per-read timeouts (a client sending a byte every few seconds never trips those):
   ``idle_timeout_s`` to start a request, ``header_timeout_s`` for its headers, a body deadline
   that grows with Content-Length at ``min_body_rate`` bytes/s, ``write_timeout_s`` to take the
   answer; a watchdog thread shuts the socket of any connection past its deadline;
-- at most ``body_budget`` bytes of request bodies held at once, reserved from Content-Length
-  before reading (a 503 past it), and at most ``max_in_flight`` requests decoded and handled at
-  once (a 503 after ``busy_wait_s``): decoding JSON multiplies a body's size several times, so
-  that is where the count is kept small, while a slow body holds only its reservation, not a
-  handler slot;
+- at most ``body_budget`` bytes of request bodies held at once (a 503 past it), reserved chunk by
+  chunk as the bytes are read: the first chunk is ``read_chunk``, each next one as large as what
+  already arrived, so with a small ``read_chunk`` (the webhook: 64 KiB) a client that announces
+  megabytes and sends nothing holds one chunk, and one that sent N bytes holds at most 2N. The
+  default reads (and reserves) the whole body at once: splitting a 1.3 MB body costs ~2 ms more
+  on loopback, which the extender's latency budget cannot spare, and only kube-scheduler's
+  certificate reaches its bodies. At most ``max_in_flight`` requests are decoded and
+  handled at once (a 503 after ``busy_wait_s``), and only once their body is fully read: decoding
+  JSON multiplies a body's size several times, so that is where the count is kept small;
 - a body limit per path (:attr:`Routes.body_limits`), sized to what its caller sends, checked
-  against Content-Length before a byte of the body is read.
+  against Content-Length before a byte of the body is read, and a JSON token limit per path
+  (:attr:`Routes.token_limits`), checked on the read body before any decoding: a 3 MiB body of
+  ``[{},{},...]`` decodes to ~80 MiB of Python objects, a count of ``{ [ , :`` bounds that.
+
+:class:`ServerStats` is the server's own accounting (peak body bytes held, refusals by reason),
+for tests and benchmarks that must not rely on a stopwatch.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import socket
@@ -38,6 +50,9 @@ from typing import Any, Callable, Mapping
 log = logging.getLogger(__name__)
 
 MAX_BODY = 256 * 1024 * 1024  # a NodeList of 5,000 full nodes is tens of MiB
+READ_CHUNK = 64 * 1024  # a small first chunk: what a client that sends nothing can hold
+# Phases in which a connection waits on its client; one of them may be closed for a newcomer.
+CLIENT_PHASES = frozenset({"handshake", "idle", "headers", "body"})
 
 PostHandler = Callable[[str, bytes], tuple[int, Any]]
 GetHandler = Callable[[], tuple[int, str, bytes]]
@@ -57,6 +72,9 @@ class Routes:
     get: dict[str, GetHandler]
     on_connection: Callable[[], None] | None = None  # called once per accepted connection
     body_limits: Mapping[str, int] = field(default_factory=dict)
+    # exact POST path → the most JSON tokens (bytes among ``{ [ , :``) its body may hold, counted
+    # before the handler decodes it: what bounds the decoded objects' memory (others: no limit).
+    token_limits: Mapping[str, int] = field(default_factory=dict)
     # With client-certificate authentication: GET paths answered without a client certificate
     # (kubelet's probes present none). Every other path needs one.
     open_paths: frozenset[str] = frozenset()
@@ -78,6 +96,7 @@ class ServerLimits:
     busy_wait_s: float = 5.0
     body_budget: int = 512 * 1024 * 1024
     watch_interval_s: float = 0.5
+    read_chunk: int = MAX_BODY  # the first body chunk read and reserved; see the module docstring
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -86,9 +105,27 @@ class ServerLimits:
 
 
 @dataclass
+class ServerStats:
+    """What the server refused and held, by its own count (thread-safe increments under a lock)."""
+
+    body_bytes_peak: int = 0  # the most request-body bytes held at once
+    refused_too_large: int = 0  # 413: Content-Length past the path's limit, or too many JSON tokens
+    refused_budget: int = 0  # 503: the body budget was spent
+    refused_busy: int = 0  # 503: no handler slot within busy_wait_s
+    refused_unauthenticated: int = 0  # 401: no client certificate on a path that needs one
+    incomplete_bodies: int = 0  # the client left, or was closed, before its body was in
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + 1)
+
+
+@dataclass
 class _Connection:
     sock: socket.socket
-    phase: str  # "idle" (waiting for a request: may be closed for a newcomer), "reading", "working", "writing"
+    # "handshake", "idle", "headers", "body" (the client's time: see CLIENT_PHASES), "working", "writing"
+    phase: str
     deadline: float | None  # monotonic; None while the handler works (our time, not the client's)
     since: float
 
@@ -114,15 +151,17 @@ class _Connections:
         now = self._clock()
         with self._lock:
             if len(self._open) >= self.limits.max_connections:
-                idle = [c for c in self._open.values() if c.phase == "idle"]
-                if not idle:
+                waiting = [c for c in self._open.values() if c.phase in CLIENT_PHASES]
+                if not waiting:
                     self.refused += 1
                     return False
-                oldest = min(idle, key=lambda c: c.since)
+                oldest = min(waiting, key=lambda c: c.since)
                 del self._open[id(oldest.sock)]  # its thread finds the socket shut and ends
                 _shut(oldest.sock)
                 self.evicted += 1
-            self._open[id(sock)] = _Connection(sock, "idle", now + self.limits.idle_timeout_s, now)
+            # handshake or first request line: the header deadline covers both (setup() sets it
+            # again for TLS; a plain connection's first request line gets the same deadline)
+            self._open[id(sock)] = _Connection(sock, "handshake", now + self.limits.header_timeout_s, now)
         return True
 
     def phase(self, sock: socket.socket, phase: str, timeout_s: float | None) -> None:
@@ -155,17 +194,22 @@ class _Connections:
 
 
 class _Budget:
-    """Bytes that may be reserved at once; reservations never wait."""
+    """Bytes that may be reserved at once; reservations never wait. Records its peak in ``stats``."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, stats: ServerStats) -> None:
+        self._total = total
         self._left = total
         self._lock = threading.Lock()
+        self._stats = stats
 
     def reserve(self, n: int) -> bool:
         with self._lock:
             if n > self._left:
                 return False
             self._left -= n
+            held = self._total - self._left
+            if held > self._stats.body_bytes_peak:
+                self._stats.body_bytes_peak = held
             return True
 
     def release(self, n: int) -> None:
@@ -193,16 +237,18 @@ class _Handler(BaseHTTPRequestHandler):
     connections: _Connections
     in_flight: threading.BoundedSemaphore
     bodies: _Budget
+    stats: ServerStats
     client_auth: bool
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
-        # stall the accept loop; it gets the header deadline.
+        # stall the accept loop; it gets the header deadline, and until it ends the connection
+        # may be closed for a newcomer (a client that never finishes it holds no slot).
         if self.routes.on_connection is not None:
             self.routes.on_connection()
         self.timeout = self.limits.idle_timeout_s  # a backstop; the watchdog's deadlines are what bind
         if isinstance(self.request, ssl.SSLSocket):
-            self.connections.phase(self.request, "reading", self.limits.header_timeout_s)
+            self.connections.phase(self.request, "handshake", self.limits.header_timeout_s)
             self.request.settimeout(self.limits.header_timeout_s)
             self.request.do_handshake()
         super().setup()
@@ -213,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def parse_request(self) -> bool:
         # called once the request line is in: the headers now have their own deadline
-        self.connections.phase(self.request, "reading", self.limits.header_timeout_s)
+        self.connections.phase(self.request, "headers", self.limits.header_timeout_s)
         return super().parse_request()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
@@ -240,7 +286,8 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(self.request, ssl.SSLSocket) and self.request.getpeercert():
             return True
         self.close_connection = True
-        self._json(401, {"Error": f"{path}: a client certificate signed by the extender's client CA is required"})
+        self.stats.count("refused_unauthenticated")
+        self._json(401, {"Error": f"{path}: a client certificate signed by the server's client CA (--client-ca-file) is required"})
         return False
 
     def do_GET(self) -> None:  # noqa: N802 - stdlib naming
@@ -268,30 +315,69 @@ class _Handler(BaseHTTPRequestHandler):
         limit = self.routes.body_limits.get(path, MAX_BODY)
         if length < 0 or length > limit:
             self.close_connection = True
+            self.stats.count("refused_too_large")
             self._json(413, {"Error": f"Content-Length {length}: must be within 0..{limit} for {path}"})
             return
-        if not self.bodies.reserve(length):
-            self.close_connection = True  # the body stays unread
-            self._json(503, {"Error": f"busy: {self.limits.body_budget} bytes of request bodies in memory; retry"})
-            return
+        self.connections.phase(self.request, "body", self.limits.body_timeout_s + length / self.limits.min_body_rate)
+        body, held = self._read_body(length)
         try:
-            self.connections.phase(self.request, "reading", self.limits.body_timeout_s + length / self.limits.min_body_rate)
-            body = self.rfile.read(length)
-            if len(body) < length:  # the client left, or the watchdog closed a trickle
+            if body is None:
+                return  # answered (503), or the client left
+            tokens = self.routes.token_limits.get(path)
+            if tokens is not None and (count := json_tokens(body)) > tokens:
                 self.close_connection = True
-                return
-            self.connections.phase(self.request, "working", None)
-            if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
-                self.close_connection = True
-                status, value = 503, {"Error": f"busy: {self.limits.max_in_flight} requests in flight; retry"}
+                self.stats.count("refused_too_large")
+                status, value = 413, {"Error": f"body of {path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
             else:
-                try:
-                    status, value = self._handle(path, body)
-                finally:
-                    self.in_flight.release()
+                status, value = self._dispatch(path, body)
         finally:
-            self.bodies.release(length)
+            del body
+            self.bodies.release(held)
         self._json(status, value)
+
+    def _read_body(self, length: int) -> tuple[bytes | None, int]:
+        """The body, read chunk by chunk, each chunk's bytes reserved before it is read; and the
+        bytes held (the caller releases them). None when the budget ran out (answered 503) or the
+        client left or was closed by the watchdog before sending all of it.
+
+        A body read at once is returned as read. Otherwise the chunks go into one BytesIO, whose
+        getvalue() hands over its buffer without a copy, so a body costs about its length once
+        (plus BytesIO's growth slack of an eighth), never the two copies a join would need."""
+        buffer: io.BytesIO | None = None
+        chunk = b""
+        held = 0
+        while held < length:
+            # chunks double with what arrived (read_chunk, read_chunk, 2 x read_chunk, ...): a
+            # client holds at most twice what it sent plus one chunk, a big body takes a few reads
+            size = min(max(self.limits.read_chunk, held), length - held)
+            if not self.bodies.reserve(size):
+                self.close_connection = True  # the rest of the body stays unread
+                self.stats.count("refused_budget")
+                self._json(503, {"Error": f"busy: {self.limits.body_budget} bytes of request bodies in memory; retry"})
+                return None, held
+            held += size
+            chunk = self.rfile.read(size)
+            if size < length:  # more than one chunk: gather them
+                buffer = buffer or io.BytesIO()
+                buffer.write(chunk)
+            if len(chunk) < size:  # the client left, or the watchdog closed a trickle
+                self.close_connection = True
+                self.stats.count("incomplete_bodies")
+                return None, held
+        if buffer is None:
+            return chunk, held
+        return buffer.getvalue(), held
+
+    def _dispatch(self, path: str, body: bytes) -> tuple[int, Any]:
+        self.connections.phase(self.request, "working", None)
+        if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
+            self.close_connection = True
+            self.stats.count("refused_busy")
+            return 503, {"Error": f"busy: {self.limits.max_in_flight} requests in flight; retry"}
+        try:
+            return self._handle(path, body)
+        finally:
+            self.in_flight.release()
 
     def _handle(self, path: str, body: bytes) -> tuple[int, Any]:
         for prefix, handler in self.routes.post.items():
@@ -305,10 +391,19 @@ class _Handler(BaseHTTPRequestHandler):
         return 404, {"Error": f"no POST route {path}"}
 
 
+def json_tokens(body: bytes) -> int:
+    """An upper bound on the values and keys a JSON document decodes to (each but the first
+    follows one of ``[ { , :``; the same bytes inside strings only make it larger)."""
+    return body.count(b"{") + body.count(b"[") + body.count(b",") + body.count(b":")
+
+
 class _Server(ThreadingHTTPServer):
     """Threads per connection, admitted through :class:`_Connections`."""
 
     daemon_threads = True
+    # The stdlib's backlog is 5: a burst of connections (a flood, or the apiserver after a restart)
+    # would see SYNs dropped and retried after 1, 3, 7 s; the cap on connections is ours to keep.
+    request_queue_size = 128
     connections: _Connections
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -344,9 +439,10 @@ class JsonServer:
             raise ValueError("client-certificate authentication needs TLS: a client CA without a serving certificate")
         self.limits = limits
         self.connections = _Connections(limits)
+        self.stats = ServerStats()
         handler = type("Handler", (_Handler,), {"routes": routes, "limits": limits, "connections": self.connections,
                                                 "in_flight": threading.BoundedSemaphore(limits.max_in_flight),
-                                                "bodies": _Budget(limits.body_budget),
+                                                "bodies": _Budget(limits.body_budget, self.stats), "stats": self.stats,
                                                 "client_auth": bool(client_ca_file)})
         self.httpd = _Server((host, port), handler)
         self.httpd.connections = self.connections

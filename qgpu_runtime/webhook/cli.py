@@ -5,6 +5,13 @@ POST /mutate-dra, which turns every dialect into DRA claims and creates their Re
 (docs/dra.md, "Every dialect through the webhook"), and POST /validate-claim, which holds
 ResourceClaim CREATEs to the namespace's GPU core and memory quota (docs/dra.md, "Quota on GPU core
 and memory").
+
+Who may call: /mutate-dra and /validate-claim have side effects (a template written, quota
+reserved in the ledger), so only kube-apiserver may call them: ``--dra`` needs ``--client-ca-file``,
+the CA that signed the client certificate the apiserver presents through its admission
+configuration (docs/extender.md, "Who may call the webhook"). /validate and /mutate need the same
+certificate, unless ``--insecure-no-client-auth`` (no --dra) says otherwise. /healthz and /readyz
+stay open for kubelet's probes.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, Callable
 from kubernetes.config import ConfigException
 
 from qgpu_runtime.kube.client import api_client
-from qgpu_runtime.serving import JsonServer, Routes
+from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
@@ -37,6 +44,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--address", default="0.0.0.0", help="listen address (default all interfaces)")
     serve.add_argument("--tls-cert-file", required=True, help="serving certificate (PEM); the apiserver only calls HTTPS webhooks")
     serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
+    serve.add_argument("--client-ca-file", default=None,
+                       help="CA (PEM) that signed the client certificate kube-apiserver presents (its admission "
+                            "configuration's kubeConfigFile); only its clients may call the admission paths. Required "
+                            "unless --insecure-no-client-auth")
+    serve.add_argument("--insecure-no-client-auth", action="store_true",
+                       help="serve /validate and /mutate to any caller, without client certificates (not with --dra: "
+                            "its paths have side effects and always need --client-ca-file)")
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
     serve.add_argument("--dra", action="store_true",
                        help="serve /mutate-dra (GPU pods of every dialect become DRA claims) and /validate-claim (the claims' GPU "
@@ -64,9 +78,30 @@ def handler(review: Callable[[bytes, WebhookConfig], dict[str, Any]], config: We
     return handle
 
 
-# kube-apiserver takes request bodies of at most 3 MiB, and an AdmissionReview carries at most two
-# copies of the object (object and oldObject, on UPDATE) plus a small envelope.
-MAX_REVIEW_BYTES = 8 * 1024 * 1024
+# kube-apiserver takes request bodies of at most 3 MiB, and every qgpu webhook is registered for
+# CREATE only, so a review carries one copy of the object (oldObject is null) plus an envelope
+# (uid, kinds, userInfo, options: a few KiB).
+MAX_REVIEW_BYTES = 3 * 1024 * 1024 + 64 * 1024
+# What a review's JSON may decode to: a 3 MiB body of `[{},{},...]` is ~80 MiB of Python objects,
+# of `{"name":"x","value":"y"}` env entries ~25 MiB (docs/benchmarks.md, "Webhook memory"). A
+# 1.5 MiB pod (etcd's default object limit) of env entries counts ~190,000 tokens.
+MAX_REVIEW_TOKENS = 256 * 1024
+# The container limit is 256 Mi (templates/kubernetes/qgpu-webhook.yaml.j2): a ~70 MiB process,
+# at most 8 bodies held (~25 MiB) and 3 decoded at once (each bounded by the token count) stay
+# well inside it (docs/benchmarks.md, "Webhook memory"). Deadlines are short: the apiserver sends a
+# review in one write, and its own timeout is at most 30 s.
+WEBHOOK_LIMITS = ServerLimits(
+    max_connections=128,  # HTTP/1.1: one per review in flight, per apiserver
+    max_in_flight=3,
+    idle_timeout_s=120.0,  # above Go's 90 s idle keep-alive
+    header_timeout_s=5.0,  # TLS handshake, then request line and headers
+    body_timeout_s=5.0,
+    min_body_rate=1024 * 1024,
+    write_timeout_s=10.0,
+    busy_wait_s=5.0,
+    body_budget=8 * MAX_REVIEW_BYTES,
+    read_chunk=READ_CHUNK,  # bodies reserved as they arrive: an announced body holds 64 KiB
+)
 
 
 def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None, claim_quota: ClaimCheck | None = None) -> Routes:
@@ -80,6 +115,9 @@ def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None 
         post=post,
         get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
         body_limits={path: MAX_REVIEW_BYTES for path in post},
+        token_limits={path: MAX_REVIEW_TOKENS for path in post},
+        # kubelet's probes present no client certificate; every admission path needs one.
+        open_paths=frozenset({"/healthz", "/readyz"}),
     )
 
 
@@ -93,10 +131,28 @@ def _validate_claim(body: bytes, config: WebhookConfig, *, check: ClaimCheck) ->
     return _answer(request["uid"], verdict.allowed, verdict.message, code=verdict.code)
 
 
+def _check_auth(args: argparse.Namespace) -> None:
+    """Client certificates unless explicitly waived, and never waived for the side-effect paths."""
+    if args.client_ca_file and args.insecure_no_client_auth:
+        raise SystemExit("qgpu webhook serve: --client-ca-file and --insecure-no-client-auth: choose one")
+    if args.dra and not args.client_ca_file:
+        raise SystemExit("qgpu webhook serve: --dra without --client-ca-file: /mutate-dra creates ResourceClaimTemplates "
+                         "and /validate-claim reserves quota, so only kube-apiserver (a client certificate the CA "
+                         "signed) may call them; --insecure-no-client-auth does not cover them")
+    if not args.client_ca_file and not args.insecure_no_client_auth:
+        raise SystemExit("qgpu webhook serve: --client-ca-file missing: the webhook answers only kube-apiserver's client "
+                         "certificate (its admission configuration); --insecure-no-client-auth serves /validate and "
+                         "/mutate to any caller instead")
+
+
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
+    _check_auth(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.insecure_no_client_auth:
+        logging.getLogger(__name__).warning(
+            "--insecure-no-client-auth: /validate and /mutate answer any caller that reaches the port, not only kube-apiserver")
     dra = None
     dra_only = (args.dra_card_memory_mib, args.kubeconfig, args.quota_ledger_namespace, args.claim_reservation_seconds)
     if not args.dra and any(v not in (None, []) for v in dra_only):
@@ -121,9 +177,10 @@ def run(args: argparse.Namespace) -> int:
         claim_quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
                                  default_memory_mib=dra_config.limits.max_card_memory_mib)
     server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra, claim_quota),
-                        args.tls_cert_file, args.tls_private_key_file)
+                        args.tls_cert_file, args.tls_private_key_file, limits=WEBHOOK_LIMITS, client_ca_file=args.client_ca_file)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
-    logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d", args.address, server.port)
+    logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d (%s)", args.address, server.port,
+                                     "client certificates required" if server.client_auth else "no client authentication")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -204,7 +204,7 @@ def test_without_a_client_certificate_no_verb_answers(mtls):
     server, ca, _ = mtls
     for path, body in (("/filter", filter_body(pod("p"))), ("/bind", bind_body(pod("p"), "a"))):
         status, doc = _post(_client(server, ca), path, body)
-        assert status == 401 and "client certificate signed by the extender's client CA is required" in doc["Error"]
+        assert status == 401 and "client certificate signed by the server's client CA (--client-ca-file) is required" in doc["Error"]
     conn = _client(server, ca)
     conn.request("GET", "/metrics")
     assert conn.getresponse().status == 401

@@ -141,9 +141,32 @@ class ControlPlane:
                                      hosts=("127.0.0.1", "localhost", "kubernetes", "kubernetes.default",
                                             "kubernetes.default.svc", "10.96.0.1"))
         self.sa = service_account_keys(self.pki_dir)
+        # The client certificate kube-apiserver presents to admission webhooks (its admission
+        # configuration), signed by a CA of the webhook's own: `qgpu webhook serve --client-ca-file`.
+        self.webhook_client_ca = CertificateAuthority(self.pki_dir / "webhook-client", "qgpu-webhook-client-ca")
+        self.webhook_client = self.webhook_client_ca.issue("kube-apiserver", "kube-apiserver", client=True)
+        self.admission_config = self._write_admission_config()
         self.admin_kubeconfig = self._write_yaml("admin.kubeconfig", kubeconfig(self.server, self.ca.cert_path, self.admin, "admin"))
         self.scheduler_kubeconfig = self._write_yaml(
             "scheduler.kubeconfig", kubeconfig(self.server, self.ca.cert_path, self.scheduler_client, "kube-scheduler"))
+
+    def _write_admission_config(self) -> Path:
+        """AdmissionConfiguration for both webhook admission plugins, naming a kubeconfig whose
+        user ``*`` (every webhook: the tests' webhooks listen on ports chosen at run time) presents
+        :attr:`webhook_client`. The roles name the webhook's own host instead (admission-*.j2)."""
+        users = self._write_yaml("admission-webhooks.kubeconfig", {
+            "apiVersion": "v1", "kind": "Config",
+            "users": [{"name": "*", "user": {"client-certificate": str(self.webhook_client.cert),
+                                             "client-key": str(self.webhook_client.key)}}]})
+        plugin = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration", "kubeConfigFile": str(users)}
+        return self._write_yaml("admission.yaml", {
+            "apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration",
+            "plugins": [{"name": "ValidatingAdmissionWebhook", "configuration": plugin},
+                        {"name": "MutatingAdmissionWebhook", "configuration": plugin}]})
+
+    def webhook_auth_args(self) -> list[str]:
+        """`qgpu webhook serve` flags that accept this apiserver's admission client certificate."""
+        return ["--client-ca-file", str(self.webhook_client_ca.cert_path)]
 
     # -- lifecycle --------------------------------------------------------------------------------
 
@@ -216,6 +239,7 @@ class ControlPlane:
             # ServiceAccount insists on, and nothing would lift the not-ready taint that
             # TaintNodesByCondition puts on every new node.
             "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
+            f"--admission-control-config-file={self.admission_config}",
             "--allow-privileged=true",
             "--enable-priority-and-fairness=false",
             "--max-requests-inflight=2000", "--max-mutating-requests-inflight=1000",

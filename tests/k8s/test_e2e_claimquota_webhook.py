@@ -87,7 +87,8 @@ def hook(cluster) -> Iterator[Hook]:
     server = QgpuServer("qgpu-webhook-claim-quota", [
         "webhook", "serve", "--address", "127.0.0.1", "--port", str(port), "--tls-cert-file", str(pair.cert),
         "--tls-private-key-file", str(pair.key), "--dra", "--kubeconfig", str(cp.admin_kubeconfig),
-        "--quota-ledger-namespace", ledger_ns, "--claim-reservation-seconds", "30"], cp.workdir, port, "https", cp.ca.cert_path)
+        "--quota-ledger-namespace", ledger_ns, "--claim-reservation-seconds", "30", *cp.webhook_auth_args()],
+        cp.workdir, port, "https", cp.ca.cert_path, client_cert=cp.webhook_client)
     server.start(ready_path="/healthz")
     api = client.AdmissionregistrationV1Api(cluster.api_client)
     selector = {LABEL: uuid.uuid4().hex[:8]}
@@ -278,7 +279,7 @@ def test_two_webhook_processes_behind_one_address_never_pass_the_hard_limit(hook
     second = QgpuServer("qgpu-webhook-claim-quota-2", [
         "webhook", "serve", "--address", "127.0.0.1", "--port", str(port), "--tls-cert-file", str(pair.cert),
         "--tls-private-key-file", str(pair.key), "--dra", "--kubeconfig", str(cp.admin_kubeconfig),
-        "--quota-ledger-namespace", hook.ledger_ns], cp.workdir, port, "https", cp.ca.cert_path)
+        "--quota-ledger-namespace", hook.ledger_ns, *cp.webhook_auth_args()], cp.workdir, port, "https", cp.ca.cert_path)
     second.start(ready_path="/healthz")
     proxy = RoundRobin([hook.port, port])
     selector = {LABEL: uuid.uuid4().hex[:8]}

@@ -25,7 +25,8 @@ def webhook(cluster) -> Iterator[str]:
     port = free_port()
     server = QgpuServer("qgpu-webhook", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
                                          "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
-                                         "--scheduler-name", "qgpu-scheduler"], cp.workdir, port, "https", cp.ca.cert_path)
+                                         "--scheduler-name", "qgpu-scheduler", *cp.webhook_auth_args()],
+                        cp.workdir, port, "https", cp.ca.cert_path, client_cert=cp.webhook_client)
     server.start(ready_path="/healthz")
     api = client.AdmissionregistrationV1Api(cluster.api_client)
     ca_bundle = base64.b64encode(cp.ca.pem).decode()

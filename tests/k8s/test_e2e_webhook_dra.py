@@ -55,7 +55,8 @@ def hook(cluster) -> Iterator[Hook]:
     server = QgpuServer("qgpu-webhook-dra", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
                                              "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
                                              "--scheduler-name", "qgpu-scheduler", "--dra", "--dra-card-memory-mib", "15360",
-                                             "--kubeconfig", str(cp.admin_kubeconfig)], cp.workdir, port, "https", cp.ca.cert_path)
+                                             "--kubeconfig", str(cp.admin_kubeconfig), *cp.webhook_auth_args()],
+                        cp.workdir, port, "https", cp.ca.cert_path, client_cert=cp.webhook_client)
     server.start(ready_path="/healthz")
     api = client.AdmissionregistrationV1Api(cluster.api_client)
     ca_bundle = base64.b64encode(cp.ca.pem).decode()

@@ -41,7 +41,8 @@ def rendered_configurations(ca_bundle: str) -> list[dict[str, Any]]:
     env.filters["bool"] = lambda value: value is True or str(value).strip().lower() in ("yes", "on", "1", "true", "y", "t")
     role_vars = yaml.safe_load((REPO / "roles/qgpu_webhook/vars/main.yml").read_text())
     variables = {**defaults, **role_vars, "qgpu_webhook_dra": False, "qgpu_webhook_namespace": "kube-system", "qgpu_webhook_image": "qgpu:test",
-                 "qgpu_webhook_ca_bundle": ca_bundle, "qgpu_webhook_tls_crt": "", "qgpu_webhook_tls_key": ""}
+                 "qgpu_webhook_ca_bundle": ca_bundle, "qgpu_webhook_tls_crt": "", "qgpu_webhook_tls_key": "",
+                 "qgpu_webhook_client_ca": ""}
     text = env.get_template("qgpu-webhook.yaml.j2").render(ansible_managed="test", **variables)
     return [d for d in yaml.safe_load_all(text) if d and d["kind"] in CONFIG_KINDS]
 
@@ -111,7 +112,8 @@ def webhook_up(cluster) -> Iterator[str]:
     port = free_port()
     server = QgpuServer("qgpu-webhook-match", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
                                                "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
-                                               "--scheduler-name", "qgpu-scheduler"], cp.workdir, port, "https", cp.ca.cert_path)
+                                               "--scheduler-name", "qgpu-scheduler", *cp.webhook_auth_args()],
+                        cp.workdir, port, "https", cp.ca.cert_path, client_cert=cp.webhook_client)
     server.start(ready_path="/healthz")
     label = {"qgpu-match": "up"}
     created = register(cluster, server.url, label)

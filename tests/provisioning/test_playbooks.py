@@ -9,7 +9,7 @@ import pytest
 from ansible_tools import BIN, run_tool
 
 PLAYBOOKS = ["site.yml", "playbooks/site.yml", "playbooks/gpu-nodes.yml", "playbooks/node-pools.yml", "playbooks/standalone.yml",
-             "playbooks/cluster.yml", "playbooks/control-plane.yml", "playbooks/node-pool-rollout.yml",
+             "playbooks/apiserver-admission.yml", "playbooks/cluster.yml", "playbooks/control-plane.yml", "playbooks/node-pool-rollout.yml",
              "playbooks/reapply-scheduler-extender.yml", "playbooks/teardown.yml"]
 
 

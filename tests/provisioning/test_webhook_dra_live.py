@@ -103,10 +103,11 @@ def live(cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Live]:
             created.append((kind, meta["name"]))
         sa_config = _sa_kubeconfig(cluster, ns, tmp / "sa.kubeconfig")
         (container,) = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"]
-        args = [a for a in container["args"] if not a.startswith(("--port", "--address", "--tls-"))]
+        args = [a for a in container["args"] if not a.startswith(("--port", "--address", "--tls-", "--client-ca-file"))]
         server = QgpuServer("qgpu-webhook-dra-live", ["webhook", "serve", "--address", "127.0.0.1", "--port", str(port),
                                                       "--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key),
-                                                      *args, "--kubeconfig", str(sa_config)], cp.workdir, port, "https", cp.ca.cert_path)
+                                                      *args, "--kubeconfig", str(sa_config), *cp.webhook_auth_args()],
+                            cp.workdir, port, "https", cp.ca.cert_path)
         server.start(ready_path="/healthz")
         for doc in docs:
             if doc["kind"] == "MutatingWebhookConfiguration":

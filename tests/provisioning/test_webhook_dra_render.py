@@ -5,6 +5,7 @@ holding its account to qgpu's names; with device-plugin pools only, nothing of t
 
 from __future__ import annotations
 
+import base64
 import json
 from pathlib import Path
 from typing import Any
@@ -145,3 +146,41 @@ def test_the_dra_webhook_reaches_the_apiserver_where_the_node_does(tmp_path: Pat
 def test_the_device_plugin_webhook_needs_no_apiserver_address(tmp_path: Path) -> None:
     docs = render(tmp_path / "dp", "device-plugin", qgpu_kube_apiserver_host="127.0.0.1")
     assert "env" not in container(docs)
+
+
+def _secret(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    return one(docs, "Secret", "qgpu-webhook-tls")
+
+
+def test_the_webhook_answers_only_the_apiservers_client_certificate(dra_docs, device_plugin_docs):
+    """Both pool modes: --client-ca-file names the client CA carried in the TLS Secret (issue 21 §2)."""
+    for docs in (dra_docs, device_plugin_docs):
+        args = container(docs)["args"]
+        assert "--client-ca-file=/etc/qgpu/tls/client-ca.crt" in args and "--insecure-no-client-auth" not in args
+        ca = base64.b64decode(_secret(docs)["data"]["client-ca.crt"]).decode()
+        assert ca.startswith("-----BEGIN CERTIFICATE-----")
+        assert ca != base64.b64decode(_secret(docs)["data"]["tls.crt"]).decode()
+
+
+def test_the_opt_out_serves_validate_and_mutate_without_client_certificates(tmp_path):
+    docs = render(tmp_path / "optout", "device-plugin", qgpu_webhook_client_auth=False)
+    args = container(docs)["args"]
+    assert "--insecure-no-client-auth" in args and not [a for a in args if a.startswith("--client-ca-file")]
+    assert "client-ca.crt" not in _secret(docs)["data"]
+
+
+def test_the_opt_out_is_refused_with_dra_pools(tmp_path):
+    (tmp_path / "refused").mkdir()
+    inventory = tmp_path / "refused/hosts.yml"
+    inventory.write_text(yaml.safe_dump({"all": {
+        "hosts": {"localhost": {"ansible_connection": "local"}},
+        "children": {"qgpu_gpu_nodes": {"hosts": {"gpu-1": {"qgpu_pool_mode": "dra"}}}}}}))
+    playbook = tmp_path / "refused/render.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "name": "Render the webhook", "hosts": "localhost", "gather_facts": False,
+        "vars": {"ansible_python_interpreter": "{{ ansible_playbook_python }}", "qgpu_root_prefix": str(tmp_path / "root")},
+        "tasks": [{"name": "Render", "ansible.builtin.include_role": {"name": "qgpu_webhook"},
+                   "vars": {"qgpu_webhook_apply": False, "qgpu_webhook_client_auth": False}}]}]))
+    run = ansible_playbook("-i", str(inventory), str(playbook))
+    assert run.returncode != 0
+    assert "qgpu_webhook_client_auth=false with DRA pools" in run.output

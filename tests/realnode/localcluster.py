@@ -272,6 +272,25 @@ class LocalCluster:
         self.ca.issue("kubelet-serving", f"system:node:{NODE}", server=True, hosts=("127.0.0.1", NODE))
         service_account_keys(self.pki)
 
+    def _webhook_client(self) -> Path:
+        """The client certificate kube-apiserver presents to the qgpu webhook, signed by a CA of the
+        webhook's own (the role's --client-ca-file, qgpu_webhook_client_ca_pem), and the admission
+        configuration naming it for the webhook's URL host only; what kube_apiserver_admission
+        writes on a kubeadm master. Returns the configuration file."""
+        directory = self.pki / "webhook-client"
+        if not (directory / "ca.crt").exists():
+            CertificateAuthority(directory, common_name="qgpu-local-webhook-client-ca", days=CERT_DAYS).issue(
+                "kube-apiserver", "kube-apiserver-qgpu-webhook-client", client=True)
+        users = self.dir / "admission-webhooks.kubeconfig"
+        users.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "Config", "users": [{
+            "name": f"127.0.0.1:{self.port('webhook')}",
+            "user": {"client-certificate": str(directory / "kube-apiserver.crt"), "client-key": str(directory / "kube-apiserver.key")}}]}))
+        plugin = {"apiVersion": "apiserver.config.k8s.io/v1", "kind": "WebhookAdmissionConfiguration", "kubeConfigFile": str(users)}
+        config = self.dir / "admission.yaml"
+        config.write_text(yaml.safe_dump({"apiVersion": "apiserver.config.k8s.io/v1", "kind": "AdmissionConfiguration", "plugins": [
+            {"name": "ValidatingAdmissionWebhook", "configuration": plugin}, {"name": "MutatingAdmissionWebhook", "configuration": plugin}]}))
+        return config
+
     def _pair(self, name: str) -> KeyPair:
         return KeyPair(self.pki / f"{name}.crt", self.pki / f"{name}.key")
 
@@ -308,6 +327,7 @@ class LocalCluster:
             return
         self.log(f"kube-apiserver: starting on {self.server}")
         p = self.pki
+        admission = self._webhook_client()
         self._spawn("kube-apiserver", [
             str(self.k8s_bin / "kube-apiserver"),
             f"--etcd-servers=http://127.0.0.1:{self.port('etcd')}",
@@ -326,6 +346,7 @@ class LocalCluster:
             f"--kubelet-certificate-authority={p / 'ca.crt'}",
             # The kubernetes Service cannot point at loopback; pods reach the apiserver at 127.0.0.1.
             "--endpoint-reconciler-type=none",
+            f"--admission-control-config-file={admission}",
             "--allow-privileged=true", "--profiling=false", "--v=1"])
         ctx = self._admin_context()
         self._wait("kube-apiserver", lambda: self._https_ok(f"{self.server}/readyz", ctx), timeout)
@@ -603,6 +624,7 @@ class LocalCluster:
     # ---- facts for ansible -------------------------------------------------------------------
     def inventory_vars(self) -> dict[str, Any]:
         """Everything inventories/local-cluster needs that only exists once the cluster is up."""
+        self._webhook_client()  # idempotent: the CA the webhook's --client-ca-file names
         return {
             "qgpu_kubeconfig": str(self.admin_kubeconfig),
             "qgpu_local_cluster_dir": str(self.dir),
@@ -615,6 +637,7 @@ class LocalCluster:
             "qgpu_local_cluster_scheduler_port": self.port("scheduler"),
             "qgpu_local_cluster_extender_port": self.port("extender"),
             "qgpu_local_cluster_webhook_port": self.port("webhook"),
+            "qgpu_local_cluster_webhook_client_ca_pem": (self.pki / "webhook-client" / "ca.crt").read_text(),
             "qgpu_local_cluster_metrics_port": self.port("manager-metrics"),
             "qgpu_local_cluster_kubelet_root": str(self.dir / "host" / "kubelet"),
             **(self._dra_vars() if self.dra else {}),

@@ -62,5 +62,9 @@ def test_structure_mutated_reviews_are_mutated_or_refused(doc):
     answer("/mutate", doc)
 
 
-def test_review_bodies_are_limited_to_two_objects_of_the_apiservers_largest():
-    assert ROUTES.body_limits == {"/validate": 8 * 1024 * 1024, "/mutate": 8 * 1024 * 1024}
+def test_review_bodies_are_limited_to_one_object_of_the_apiservers_largest():
+    """CREATE-only webhooks get one object (oldObject is null): 3 MiB and an envelope."""
+    cap = 3 * 1024 * 1024 + 64 * 1024
+    assert ROUTES.body_limits == {"/validate": cap, "/mutate": cap}
+    assert ROUTES.token_limits == {"/validate": 256 * 1024, "/mutate": 256 * 1024}
+    assert ROUTES.open_paths == frozenset({"/healthz", "/readyz"})

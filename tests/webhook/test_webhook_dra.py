@@ -386,7 +386,7 @@ def test_structure_mutated_reviews_are_converted_or_refused(doc):
 def test_the_dra_route_exists_only_with_dra():
     assert "/mutate-dra" not in cli.routes(WebhookConfig()).post
     assert "/validate-claim" not in cli.routes(WebhookConfig()).post
-    assert DRA_ROUTES.body_limits["/mutate-dra"] == 8 * 1024 * 1024
+    assert DRA_ROUTES.body_limits["/mutate-dra"] == 3 * 1024 * 1024 + 64 * 1024
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -400,4 +400,4 @@ def test_bad_dra_flags_are_refused_before_serving(argv, message):
     from qgpu_runtime.cli import main
 
     with pytest.raises(SystemExit, match=message):
-        main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", *argv])
+        main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", "--client-ca-file", "ca.crt", *argv])
