@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
+from tests.recordkeys import write_keys
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTBIN = ROOT / "scripts" / "k8s-testbin"
@@ -382,9 +383,10 @@ def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = 
     one kube-scheduler presents. Without: plain HTTP on loopback (``--insecure-plain-http``), for
     tests that are not about the transport."""
     port = port or free_port()
+    signing_key, _ = write_keys(cp.workdir / "record-keys")  # the tests' key, as the roles mount theirs
     argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
-            "--filter-result", filter_result, *extra_args]
+            "--filter-result", filter_result, "--record-signing-key", str(signing_key), *extra_args]
     if not tls:
         return QgpuServer(name, [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
     ca = extender_ca(cp)
