@@ -27,6 +27,8 @@ import yaml
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
 from tests.recordkeys import write_keys
 
+ADMIN_USER = "qgpu-test-admin"  # the username of the admin kubeconfig (and of the session's extender)
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTBIN = ROOT / "scripts" / "k8s-testbin"
 
@@ -136,7 +138,7 @@ class ControlPlane:
         self.ca = CertificateAuthority(self.pki_dir)
         self.apiserver_port = free_port()
         self.server = f"https://127.0.0.1:{self.apiserver_port}"
-        self.admin = self.ca.issue("admin", "qgpu-test-admin", organization="system:masters", client=True)
+        self.admin = self.ca.issue("admin", ADMIN_USER, organization="system:masters", client=True)
         self.scheduler_client = self.ca.issue("scheduler", "system:kube-scheduler", client=True)
         self.serving = self.ca.issue("apiserver", "kube-apiserver", server=True,
                                      hosts=("127.0.0.1", "localhost", "kubernetes", "kubernetes.default",
