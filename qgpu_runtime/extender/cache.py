@@ -264,7 +264,7 @@ class AllocationCache:
     def apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
         entry, refusal = _entry(pod, self.verifier)
         with self.lock:
-            self._note_untrusted(entry.key, None if event == "DELETED" else refusal)
+            self._note_untrusted(entry.key, None if event == "DELETED" or entry.terminal else refusal)
             state = self.state()
             old = self._pods.entry(entry.key)
             if event == "DELETED" or entry.terminal or entry.node_name:

@@ -34,6 +34,21 @@ def test_self_written_records_book_nothing_and_another_pod_still_fits():
     assert c.expire(NOW) == []  # nothing booked, nothing for the extender to delete on a tenant's pod
 
 
+def test_the_untrusted_records_of_live_pods_are_a_metric():
+    from qgpu_runtime.extender.app import ExtenderApp
+    from qgpu_runtime.model.requests import DEFAULT_LIMITS
+
+    c = cache()
+    app = ExtenderApp(c, None, DEFAULT_LIMITS)
+    c.replace_pods([_takes_every_card("x"), _takes_every_card("y")])
+    app.refresh_gauges()
+    assert app.metrics.registry.get_sample_value("qgpu_extender_untrusted_records") == 2
+    c.apply_pod("DELETED", _takes_every_card("x"))
+    c.apply_pod("MODIFIED", {**_takes_every_card("y"), "status": {"phase": "Failed"}})
+    app.refresh_gauges()
+    assert app.metrics.registry.get_sample_value("qgpu_extender_untrusted_records") == 0
+
+
 def test_a_record_signed_with_another_key_books_nothing():
     c = cache()
     c.apply_pod("ADDED", sign_pod(_takes_every_card("x"), OTHER_SIGNER))
