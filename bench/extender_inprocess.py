@@ -27,6 +27,7 @@ from qgpu_runtime.extender.cache import AllocationCache  # noqa: E402
 from qgpu_runtime.model.requests import DEFAULT_LIMITS  # noqa: E402
 from qgpu_runtime.placement.policies import make_policy  # noqa: E402
 from tests.extender.test_kube_cache import node, pod  # noqa: E402
+from tests.recordkeys import VERIFIER
 
 WARM_UP = 20
 
@@ -38,7 +39,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.nodes < 1 or args.pods < 1:
         parser.error("--nodes and --pods must be >= 1")
-    cache = AllocationCache(make_policy("binpack"), "binpack", max_holds=args.pods + WARM_UP)
+    cache = AllocationCache(make_policy("binpack"), "binpack", max_holds=args.pods + WARM_UP, verifier=VERIFIER)
     cache.replace_nodes([node(f"node-{i:05d}", n_cards=8) for i in range(args.nodes)])
     cache.replace_pods([])
     app = ExtenderApp(cache, None, DEFAULT_LIMITS)

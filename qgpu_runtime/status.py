@@ -18,6 +18,7 @@ class WorkloadShare:
     core_milli: int
     memory_mib: int
     klass: str = "normal"
+    unverified: bool = False  # its record's signature failed (qgpu status --record-verify-key): counts nowhere
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,8 @@ def render_table(nodes: Sequence[NodeStatus]) -> str:
             rows.append((node.name, node.policy, "-", "-", "-", "-", "-", "no GPUs"))
         for card in node.cards:
             workloads = ", ".join(
-                f"{w.name}({w.core_milli / 10:g}%/{w.memory_mib}MiB{'' if w.klass == 'normal' else ','+w.klass})"
+                f"{w.name}({w.core_milli / 10:g}%/{w.memory_mib}MiB{'' if w.klass == 'normal' else ','+w.klass}"
+                f"{',UNVERIFIED' if w.unverified else ''})"
                 for w in card.workloads
             )
             rows.append((

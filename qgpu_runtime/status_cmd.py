@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Sequence
 from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.contract.record import RecordError, parse_record
+from qgpu_runtime.contract.signature import RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
 from qgpu_runtime.contract.store import SchemaError, read_status
 from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source.add_argument("--standalone-db", type=Path, metavar="PATH",
                         help="read a standalone host's (or a node's) store instead of a cluster")
     parser.add_argument("--node", action="append", default=[], help="only these nodes (repeatable)")
+    parser.add_argument("--record-verify-key", type=Path, metavar="FILE",
+                        help="the extender's Ed25519 public key (PEM): records it did not sign are listed as "
+                             "UNVERIFIED and count in no card's allocation (without it records are shown unchecked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,9 +43,12 @@ def run(args: argparse.Namespace) -> int:
         else:
             from qgpu_runtime.node.kube_client import KubePodSource
 
+            verifier = None
+            if args.record_verify_key:
+                verifier = RecordVerifier.from_pem(args.record_verify_key.read_bytes(), f"--record-verify-key {args.record_verify_key}")
             api = KubePodSource(args.kubeconfig)
-            nodes = cluster_status(api.list_nodes(), api.list_pods())
-    except (StatusSourceError, PodSourceError, OSError) as exc:
+            nodes = cluster_status(api.list_nodes(), api.list_pods(), verifier)
+    except (StatusSourceError, PodSourceError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
     if args.node:
@@ -85,11 +92,18 @@ def read_store_status(path: Path) -> NodeStatus:
 
 
 def _card(index: int, uuid: str, model: str, memory: int, work: list[WorkloadShare]) -> CardStatus:
-    return CardStatus(index, uuid, model, memory, sum(w.core_milli for w in work), sum(w.memory_mib for w in work), tuple(work))
+    counted = [w for w in work if not w.unverified]
+    return CardStatus(index, uuid, model, memory, sum(w.core_milli for w in counted), sum(w.memory_mib for w in counted),
+                      tuple(work))
 
 
-def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]) -> list[NodeStatus]:
-    """Pure: nodes' card annotations + live pods' allocation records -> one NodeStatus per node."""
+def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]],
+                   verifier: RecordVerifier | None = None) -> list[NodeStatus]:
+    """Pure: nodes' card annotations + live pods' allocation records -> one NodeStatus per node.
+
+    With ``verifier`` (the extender's public key) a record it did not sign for its pod is listed,
+    marked unverified, and counted in no card's allocation: that is how the extender and the node
+    manager treat it. Without, records are shown as written."""
     known: dict[str, tuple[str, dict[int, tuple[str, str, int]]]] = {}
     for node in nodes:
         meta = node.get("metadata") or {}
@@ -109,15 +123,21 @@ def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
         raw = (meta.get("annotations") or {}).get(ALLOCATION)
         if raw is None or finished(pod):
             continue
+        unverified = False
         try:
             record = parse_record(raw)
+            if verifier is not None:
+                trusted_record(pod, verifier)
+        except UntrustedRecord:
+            unverified = True
         except RecordError:
             continue
         several = len(record.containers) > 1
         for c in record.containers:
             name = f"{meta.get('namespace', 'default')}/{meta.get('name', '')}" + (f"/{c.name}" if several else "")
             for s in c.shares:
-                work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass.value))
+                work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass.value,
+                                                                                  unverified))
                 seen_cards.setdefault(record.node, {})[s.index] = s.uuid
     out = []
     for node in sorted(set(known) | set(seen_cards)):

@@ -12,10 +12,13 @@ from __future__ import annotations
 from typing import Final
 
 # --- pods: written by the extender at bind, read by the node manager and `qgpu status` -----------
+# A tenant may write none of these (the roles' ValidatingAdmissionPolicy qgpu-pod-annotations).
 ALLOCATION: Final = "qgpu.io/allocation"
 """The allocation record (contract/record.py, docs/annotations.md)."""
 BIND_TIME: Final = "qgpu.io/bind-time"
 """Epoch nanoseconds of the bind; the device plugin serves pods in this order."""
+ALLOCATION_SIGNATURE: Final = "qgpu.io/allocation-signature"
+"""The extender's Ed25519 signature over pod UID, node, record and bind-time (contract/signature.py)."""
 ASSIGNED: Final = "qgpu.io/assigned"
 """JSON list of container names the device plugin already served (written by the node manager)."""
 
@@ -90,7 +93,7 @@ def finished(pod: dict) -> bool:
 
 
 SHARED: Final = frozenset({
-    ALLOCATION, BIND_TIME, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
+    ALLOCATION, BIND_TIME, ALLOCATION_SIGNATURE, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
     POOL_MODE_LABEL, COMMITMENTS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

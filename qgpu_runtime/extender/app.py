@@ -53,6 +53,7 @@ class ExtenderMetrics:
     holds: Gauge
     refused: Counter
     commitment_conflicts: Counter
+    untrusted_records: Gauge
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -77,6 +78,9 @@ class ExtenderMetrics:
             commitment_conflicts=Counter("qgpu_extender_commitment_conflicts",
                                          "Node commitment writes refused by the apiserver (409), each followed by a "
                                          "fresh decision", registry=registry),
+            untrusted_records=Gauge("qgpu_extender_untrusted_records",
+                                    "Live pods whose allocation record the extender's key did not sign for them "
+                                    "(written by a tenant or edited); they book nothing", registry=registry),
         )
 
 
@@ -236,3 +240,4 @@ class ExtenderApp:
             self.metrics.nodes.set(state.node_count)
             self.metrics.bookings.set(len(state.bookings))
         self.metrics.holds.set(self.cache.holds())
+        self.metrics.untrusted_records.set(len(self.cache.untrusted()))

@@ -34,7 +34,9 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_annotations
+from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
+from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
+from qgpu_runtime.contract.signature import RecordSigner, signed_annotations
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
@@ -71,11 +73,16 @@ class Binder:
                  clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, commitments: LeaseCommitments | None = None,
                  commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9,
-                 on_conflict: Callable[[], None] = lambda: None):
+                 on_conflict: Callable[[], None] = lambda: None, *, signer: RecordSigner):
         """``commitments`` None: binds are safe only against the binds of this process (one active
-        extender); with it, against every binder that writes the same Leases."""
+        extender); with it, against every binder that writes the same Leases. ``signer``: the key
+        every record is signed with; the cache must verify with its public half, or this extender
+        would not book its own binds."""
         if commit_attempts < 1:
             raise ValueError(f"commit_attempts={commit_attempts}: must be >= 1")
+        if signer.verifier.pem() != cache.verifier.pem():
+            raise ValueError("record signing key: its public key is not the one the cache verifies records with")
+        self.signer = signer
         self.commitments = commitments
         self.commit_attempts = commit_attempts
         self.commitment_grace_ns = commitment_grace_ns
@@ -175,7 +182,8 @@ class Binder:
                 now = self.clock_ns()
                 record = self._reserve(pod, request, node, now)
         try:
-            self._create_binding(namespace, name, meta.get("uid", ""), node, record_annotations(record, now))
+            self._create_binding(namespace, name, meta.get("uid", ""), node,
+                                 signed_annotations(record, now, str(meta.get("uid") or ""), self.signer))
         except AlreadyBound as done:
             self.cache.unreserve(pod)
             if (done.pod.get("spec") or {}).get("nodeName") != node:
@@ -328,8 +336,9 @@ class Binder:
             {"op": "test", "path": f"/metadata/annotations/{_escape(ALLOCATION)}", "value": raw_record},
             {"op": "remove", "path": f"/metadata/annotations/{_escape(ALLOCATION)}"},
         ]
-        if BIND_TIME in annotations:
-            ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(BIND_TIME)}"})
+        for name_ in (BIND_TIME, ALLOCATION_SIGNATURE):
+            if name_ in annotations:
+                ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(name_)}"})
         with_backoff(lambda: drain(self.api.patch_namespaced_pod(
             name, namespace, ops, _content_type="application/json-patch+json",
             _preload_content=False, _request_timeout=self.timeout)), attempts=self.attempts)

@@ -26,6 +26,11 @@ authorized (and hold cards) at once; a filter past that is refused with :class:`
 caller, however many filters it sends, holds more than that many pods' worth of cards, and each
 pod holds at most one node's.
 
+Only records the extender signed for their pod are booked (contract/signature.py): a pod's annotations
+are its owner's to write, so a record without a valid signature, or signed for another pod, node or
+bind-time, books nothing and is reported (``problems``, the log). An assumed record whose bind-time
+lies beyond now + ``assume_ttl_ns`` (another replica's clock far ahead) is expired at once.
+
 The cache also keeps the full API object of every unbound live pod (by UID), as the watch delivers
 it: the extender takes a pod's requests from there, not from the scheduler's request body.
 
@@ -48,6 +53,7 @@ import numpy as np
 
 from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
+from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
 from qgpu_runtime.extender.memo import FilterMemo, NeverFits
 from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra_pool, node_spec, refused_spec
 from qgpu_runtime.extender.podstate import BindAuthorization, NodeNameSet, PodEntry, PodStates
@@ -93,10 +99,20 @@ def pod_key(pod: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
 
 
-def _entry(pod: Mapping[str, Any]) -> PodEntry:
+def _entry(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry, str | None]:
+    """The pod as the cache keeps it, and why its record is not believed (None: no record, or a
+    signed one). An unbelieved record is left out of the entry: the pod books nothing."""
     meta = pod.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     record_raw = annotations.get(ALLOCATION)
+    refusal = None
+    if record_raw is not None:
+        try:
+            trusted_record(pod, verifier)
+        except UntrustedRecord as exc:
+            refusal, record_raw = str(exc), None
+        except RecordError:
+            pass  # malformed: _sync_booking reports it and books nothing
     try:
         bind_time: int | None = int(annotations.get(BIND_TIME, ""))
     except ValueError:
@@ -117,17 +133,19 @@ def _entry(pod: Mapping[str, Any]) -> PodEntry:
         terminal=(pod.get("status") or {}).get("phase") in TERMINAL_PHASES,
         cpu_milli=cpu,
         memory_mib=mem,
-    )
+    ), refusal
 
 
 class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
     def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9,
-                 max_holds: int = DEFAULT_MAX_HOLDS):
+                 max_holds: int = DEFAULT_MAX_HOLDS, *, verifier: RecordVerifier):
         if max_holds < 1:
             raise ValueError(f"max_holds={max_holds}: must be >= 1")
         self.max_holds = max_holds
+        self.verifier = verifier  # the extender's own public key: only records it signed are booked
+        self._untrusted: dict[str, str] = {}  # pod key -> the refusal last reported (one report per change)
         self.policy = policy
         self.policy_name = policy_name
         self.limits = limits
@@ -250,8 +268,9 @@ class AllocationCache:
     # -- pod events ----------------------------------------------------------------------------
 
     def apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
-        entry = _entry(pod)
+        entry, refusal = _entry(pod, self.verifier)
         with self.lock:
+            self._note_untrusted(entry.key, None if event == "DELETED" or entry.terminal else refusal)
             state = self.state()
             old = self._pods.entry(entry.key)
             if event == "DELETED" or entry.terminal or entry.node_name:
@@ -285,6 +304,18 @@ class AllocationCache:
                     return  # an event from before our own write: our booking stands
                 self._pods.unpin(entry.key)
             self._sync_booking(state, entry)
+
+    def _note_untrusted(self, key: str, refusal: str | None) -> None:
+        if refusal is None:
+            self._untrusted.pop(key, None)
+        elif self._untrusted.get(key) != refusal:
+            self._untrusted[key] = refusal
+            self._problem(f"pod {key}: allocation record not trusted, booked nowhere: {refusal}")
+
+    def untrusted(self) -> dict[str, str]:
+        """Pods whose records are refused as not qgpu's, with the reason (a copy)."""
+        with self.lock:
+            return dict(self._untrusted)
 
     def _forget_uid(self, uid: str) -> None:
         if not uid:
@@ -633,8 +664,8 @@ class AllocationCache:
             for entry in self._pods.entries():
                 if entry.node_name or entry.record_raw is None or self._pods.pinned(entry.key) is not None:
                     continue
-                if entry.bind_time_ns is not None and now_ns - entry.bind_time_ns < self.assume_ttl_ns:
-                    continue
+                if entry.bind_time_ns is not None and -self.assume_ttl_ns <= now_ns - entry.bind_time_ns < self.assume_ttl_ns:
+                    continue  # in flight; a bind-time beyond now + the timeout is a clock far ahead: expired now
                 self._release(state, entry.key)
                 self._pods.mark_stale(entry.key, entry.record_raw)
                 ns, name = entry.key.split("/", 1)

@@ -20,6 +20,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
 from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
@@ -72,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(watches ResourceSlices, ResourceClaims and ResourceClaimTemplates: needs list and "
                             "watch on them); configure kube-scheduler with a prioritize-only extender entry for "
                             "them (docs/dra.md)")
+    serve.add_argument("--record-signing-key", metavar="FILE", default=None,
+                       help="Ed25519 private key (PEM) the extender signs every allocation record with; node "
+                            "managers and the cache believe only records it signed (required)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -111,15 +115,32 @@ def _check(args: argparse.Namespace) -> None:
     if args.node_commitments and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
         raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
                          "namespace name (lowercase letters, digits and '-', at most 63 characters)")
+    if not args.record_signing_key:
+        raise SystemExit("qgpu extender serve: --record-signing-key missing: the extender signs every allocation record "
+                         "it writes (Ed25519, PEM private key; the qgpu_scheduler role mounts it from the "
+                         "qgpu-record-signing-key Secret), and believes no record it did not sign")
+
+
+def load_signing_key(path: str) -> RecordSigner:
+    try:
+        with open(path, "rb") as f:
+            pem = f.read()
+    except OSError as exc:
+        raise SystemExit(f"qgpu extender serve: --record-signing-key {path}: cannot read it ({exc.strerror})") from None
+    try:
+        return RecordSigner.from_pem(pem, f"--record-signing-key {path}")
+    except SigningKeyError as exc:
+        raise SystemExit(f"qgpu extender serve: {exc}") from None
 
 
 def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     from kubernetes import client
 
+    signer = load_signing_key(args.record_signing_key)
     connection = api_client(args.kubeconfig)
     api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
-                            max_holds=args.max_holds)
+                            max_holds=args.max_holds, verifier=signer.verifier)
     commitments = (LeaseCommitments(client.CoordinationV1Api(connection), args.commitment_namespace)
                    if args.node_commitments else None)
     # A commitment outlives its bind in flight by the assume timeout: by then the Binding (and its
@@ -127,7 +148,7 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     metrics = ExtenderMetrics.create()
     binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
                     commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9),
-                    on_conflict=metrics.commitment_conflicts.inc)
+                    on_conflict=metrics.commitment_conflicts.inc, signer=signer)
     pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
     dra = DraView(DEFAULT_LIMITS, cache.node_specs) if args.dra_prioritize else None
     app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods, dra=dra)

@@ -80,10 +80,15 @@ class Allocator:
                 raise AllocateRefused(f"cannot read the pods of node {self.config.node}: {exc}") from exc
             served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
             try:
-                m = matching.match(self.config.node, kind.name, len(device_ids), pods, served)
+                m = matching.match(self.config.node, kind.name, len(device_ids), pods, served, self.config.record_verifier)
+            except matching.NoMatch as exc:
+                self._report_untrusted(kind.name, exc.untrusted)
+                raise AllocateRefused(str(exc)) from exc
+            self._report_untrusted(kind.name, m.untrusted)
+            try:
                 grant = build_grant(m, self.cards, self.policy().value, self.config.state_dir,
                                     self.config.pass_device_specs)
-            except (matching.NoMatch, GrantError) as exc:
+            except GrantError as exc:
                 raise AllocateRefused(str(exc)) from exc
             sick = [s.index for s in m.share.shares if s.index in bad]
             if sick:
@@ -107,6 +112,13 @@ class Allocator:
                  m.container, [s.index for s in m.share.shares])
         return grant
 
+    def _report_untrusted(self, resource: str, untrusted: tuple[str, ...]) -> None:
+        """Records refused as not qgpu's: a tenant wrote them, or they were edited. Logged and
+        counted on every Allocate that saw them; they grant nothing and book nothing."""
+        for why in untrusted:
+            self.metrics.untrusted_records.labels(resource).inc()
+            log.warning("Allocate %s: allocation record refused, nothing granted: %s", resource, why)
+
     def preferred(self, kind: ResourceKind, available: list[str], must: list[str], size: int) -> list[str]:
         """Steer kubelet to device IDs on the cards the predicted container's record names."""
         cards: list[int] = []
@@ -114,7 +126,7 @@ class Allocator:
             with self.lock:
                 pods = self.pods.pods_on_node(self.config.node)
                 served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
-            m = matching.match(self.config.node, kind.name, size, pods, served)
+            m = matching.match(self.config.node, kind.name, size, pods, served, self.config.record_verifier)
             cards = [s.index for s in m.share.shares]
         except matching.NoMatch:
             pass  # Allocate will refuse with the reason; any devices do for the preference

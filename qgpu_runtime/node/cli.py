@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
 
 if TYPE_CHECKING:
+    from qgpu_runtime.contract.signature import RecordVerifier
     from qgpu_runtime.node.manager import NodeManager
 
 
@@ -56,7 +57,28 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
                        help="with --dra: the DRA socket is <dir>/gpu.qgpu.io/dra.sock")
     serve.add_argument("--plugins-registry-dir", type=Path, default=Path("/var/lib/kubelet/plugins_registry"),
                        help="with --dra: kubelet's plugin watcher folder (registration socket gpu.qgpu.io-reg.sock)")
+    serve.add_argument("--record-verify-key", type=Path, metavar="FILE",
+                       help="the extender's Ed25519 public key (PEM): Allocate believes only allocation records it "
+                            "signed. Required when pods come from the API and device plugins are served")
     serve.add_argument("--log-level", default="INFO")
+
+
+def load_verify_key(path: Path | None, needed: bool) -> RecordVerifier | None:
+    """The public key of --record-verify-key; raises ValueError naming the flag when it is needed and
+    missing or unreadable. Why required: without it a tenant's own annotations would be believed."""
+    from qgpu_runtime.contract.signature import RecordVerifier
+
+    if path is None:
+        if needed:
+            raise ValueError("--record-verify-key is required: the node manager believes an allocation record only "
+                             "when the extender's signature verifies with this public key (PEM); the "
+                             "qgpu_manager role mounts it from the qgpu-record-verify-key ConfigMap")
+        return None
+    try:
+        pem = path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"--record-verify-key {path}: cannot read it ({exc.strerror})") from None
+    return RecordVerifier.from_pem(pem, f"--record-verify-key {path}")
 
 
 def _start(manager: NodeManager, stop: threading.Event, log: logging.Logger) -> int | None:
@@ -100,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
             memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
             dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
-            plugins_registry_dir=args.plugins_registry_dir)
+            plugins_registry_dir=args.plugins_registry_dir,
+            record_verifier=load_verify_key(args.record_verify_key, needed=not args.pods_file and not args.dra))
         backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
         store = Store(args.dbfile)
     except (ValueError, BackendError, StoreError) as exc:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
 from qgpu_runtime.node.allocator import Allocator
@@ -73,6 +74,9 @@ class ManagerConfig:
     cdi_dir: Path = Path("/var/run/cdi")
     kubelet_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
+    # The extender's public key (--record-verify-key): Allocate believes only records it signed.
+    # None only with --pods-file (the host's operator writes that file) or --dra (no records).
+    record_verifier: RecordVerifier | None = None
 
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:

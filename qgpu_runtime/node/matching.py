@@ -4,7 +4,10 @@ Kubelet's Allocate names devices, never the pod. Kubelet admits one pod at a tim
 pod, allocates containers in spec order and one resource after another for each container. So:
 
 1. Candidates are pods bound to this node (``spec.nodeName``), not terminating, in phase Pending,
-   whose ``qgpu.io/allocation`` record names this node.
+   whose ``qgpu.io/allocation`` record names this node, carries the extender's signature for this
+   pod (contract/signature.py) and grants no more than the pod's own resources ask for
+   (node/recordcheck.py). A pod's annotations are its owner's to write: a record that fails either
+   check grants nothing, and the refusal is reported (``Match.untrusted``, ``NoMatch.untrusted``).
 2. A pod's *next* container for resource R is its first container, in spec order, that lists R
    in its limits (or requests) and that the store has not yet served R for. The pod is a candidate
    only if that container asks for exactly as many units of R as kubelet sent device IDs.
@@ -24,7 +27,7 @@ kubelet shows it to the user as UnexpectedAdmissionError.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract.names import ALLOCATION, PENDING, phase
@@ -36,7 +39,9 @@ from qgpu_runtime.contract.record import (
     bind_time,
     parse_record,
 )
-from qgpu_runtime.model.requests import parse_quantity
+from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
+from qgpu_runtime.model.requests import RequestError, parse_pod, parse_quantity
+from qgpu_runtime.node.recordcheck import SHAPE_LIMITS, record_refusal
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class Match:
     share: ContainerPlacement
     in_flight: bool
     pod_obj: Mapping[str, Any]
+    untrusted: tuple[str, ...] = ()  # other pods' records refused as not qgpu's (signature, shape)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -59,6 +65,10 @@ class Match:
 
 class NoMatch(LookupError):
     """No pending pod fits the call; ``str()`` explains, pod by pod."""
+
+    def __init__(self, message: str, untrusted: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.untrusted = untrusted
 
 
 # A plain count of at most this many ASCII digits is read directly; anything else (full-width
@@ -100,11 +110,17 @@ def match(
     device_count: int,
     pods: Iterable[Mapping[str, Any]],
     served: set[tuple[str, str, str]],
+    verifier: RecordVerifier | None,
 ) -> Match:
-    """Apply the rule above. ``served`` holds (pod uid, container, resource) already allocated."""
+    """Apply the rule above. ``served`` holds (pod uid, container, resource) already allocated.
+
+    ``verifier``: the extender's public key. None only where the pods come from a file the host's
+    operator writes (``--pods-file``): there no tenant writes annotations and records are not signed.
+    """
     served_containers = {(uid, c) for uid, c, _ in served}
     candidates: list[tuple[tuple, Match]] = []
     refused: list[str] = []
+    untrusted: list[str] = []
     for pod in pods:
         meta = _meta(pod)
         spec = pod.get("spec") or {}
@@ -117,12 +133,21 @@ def match(
         if phase(pod) != PENDING:
             continue
         try:
-            record = parse_record(raw)
+            record = parse_record(raw) if verifier is None else trusted_record(pod, verifier)
+        except UntrustedRecord as exc:
+            untrusted.append(f"{label}: {exc}")
+            continue
         except RecordError as exc:
             refused.append(f"{label}: {exc}")
             continue
+        if record is None:
+            continue
         if record.node != node:
             refused.append(f"{label}: record is for node {record.node!r}")
+            continue
+        why = _shape_refusal(pod, record, node)
+        if why:
+            untrusted.append(f"{label}: {why}")
             continue
         uid = str(meta.get("uid", ""))
         nxt = _next_container(spec, record, resource, uid, served)
@@ -139,12 +164,23 @@ def match(
         bt = bind_time(pod)
         rank = (0 if in_flight else 1, bt is None, bt or 0, meta.get("namespace", ""), meta.get("name", ""))
         candidates.append((rank, Match(str(meta.get("namespace", "default")), str(meta.get("name", "")), uid, name,
-                                       record, share, in_flight, pod)))
+                                       record, share, in_flight, pod, tuple(untrusted))))
     if not candidates:
-        why = "; ".join(refused) if refused else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
-        raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}")
+        reasons = [*refused, *(f"{u} (record not trusted, nothing granted)" for u in untrusted)]
+        why = "; ".join(reasons) if reasons else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
+        raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}", tuple(untrusted))
     candidates.sort(key=lambda c: c[0])
-    return candidates[0][1]
+    best = candidates[0][1]
+    return best if best.untrusted == tuple(untrusted) else replace(best, untrusted=tuple(untrusted))
+
+
+def _shape_refusal(pod: Mapping[str, Any], record: AllocationRecord, node: str) -> str | None:
+    """Why the record grants more than the pod's own resources ask for (node/recordcheck.py)."""
+    try:
+        request = parse_pod(pod, SHAPE_LIMITS)
+    except RequestError as exc:
+        return f"the pod's own GPU requests do not parse ({exc}), so no record can be checked against them"
+    return record_refusal(record, request, node)
 
 
 def _next_container(

@@ -248,6 +248,7 @@ class ManagerMetrics:
     isolation: IsolationCollector
     holds: Counter
     tick_errors: Counter
+    untrusted_records: Counter
 
     @classmethod
     def create(cls, node: str) -> "ManagerMetrics":
@@ -268,4 +269,8 @@ class ManagerMetrics:
                         registry=registry)
         tick_errors = Counter("qgpu_isolation_tick_errors_total", "isolation loop ticks that failed (logged; the loop goes on)",
                               registry=registry)
-        return cls(registry, collector, allocations, seconds, mismatches, isolation, holds, tick_errors)
+        untrusted = Counter("qgpu_untrusted_records_total",
+                            "allocation records Allocate refused as not qgpu's (unsigned, signed for another pod, node "
+                            "or bind-time, or granting more than the pod asks for); they grant nothing",
+                            ["resource"], registry=registry)
+        return cls(registry, collector, allocations, seconds, mismatches, isolation, holds, tick_errors, untrusted)

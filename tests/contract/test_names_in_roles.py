@@ -51,3 +51,13 @@ def test_the_xgn_taint_the_role_applies_is_the_one_the_webhook_tolerates():
 def test_the_check_would_catch_a_misspelt_label(tmp_path):
     assert NAME.findall("labels: {qgpu.io/gpu-modle: x}") == ["qgpu.io/gpu-modle"]
     assert "qgpu.io/gpu-modle" not in names.SHARED
+
+
+def test_the_pod_annotation_policy_leaves_open_only_what_users_and_pod_templates_write():
+    """qgpu-pod-annotations (roles/qgpu_scheduler): every qgpu.io/ pod annotation qgpu acts on is
+    closed to tenants; what users write themselves and the roles' pod-template checksums (written
+    by the DaemonSet and Deployment controllers) stay open, or qgpu's own pods could not start."""
+    defaults = yaml.safe_load((ROOT / "roles/qgpu_scheduler/defaults/main.yml").read_text())
+    open_ = set(defaults["qgpu_scheduler_open_pod_annotations"])
+    assert open_ == {names.LABEL_GPU_MODEL, names.GPU_MODE, *names.POD_TEMPLATE_ANNOTATIONS}
+    assert not open_ & {names.ALLOCATION, names.BIND_TIME, names.ALLOCATION_SIGNATURE, names.ASSIGNED}

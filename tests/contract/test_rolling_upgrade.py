@@ -102,3 +102,28 @@ def test_a_record_of_an_unknown_version_is_refused_naming_the_versions_read():
     doc["version"] = 2
     with pytest.raises(RecordError, match=r"version=2: this qgpu reads versions 1"):
         parse_record(json.dumps(doc))
+
+
+# --- the record signature (issue 21): a new annotation, optional to old readers ---------------------
+
+def test_a_signed_bind_writes_what_the_previous_extender_wrote_plus_the_signature():
+    from qgpu_runtime.contract.signature import signed_annotations
+    from tests.recordkeys import SIGNER
+
+    notes = signed_annotations(_placement().record("frag", BIND_NS), BIND_NS, "pod-uid", SIGNER)
+    assert set(notes) == {*WRITTEN["pod_annotations"], names.ALLOCATION_SIGNATURE}
+    assert {k: v for k, v in notes.items() if k != names.ALLOCATION_SIGNATURE} == WRITTEN["pod_annotations"]
+    old = old_node.parse_record(notes[names.ALLOCATION])  # the previous node manager ignores the signature
+    assert (old.node, old.policy) == ("gpu-node-1", "frag")
+
+
+def test_a_record_the_previous_extender_wrote_is_read_but_not_trusted_by_this_release():
+    """Why the upgrade goes extender first (docs/annotations.md): an unsigned record keeps its
+    meaning for the codec but grants and books nothing in this release's readers."""
+    from qgpu_runtime.contract.signature import UntrustedRecord, trusted_record
+    from tests.recordkeys import VERIFIER
+
+    pod = {"metadata": {"uid": "pod-uid", "annotations": WRITTEN["pod_annotations"]}, "spec": {"nodeName": "gpu-node-1"}}
+    assert Placement.of_record(parse_record(WRITTEN["pod_annotations"][names.ALLOCATION])) == _placement()
+    with pytest.raises(UntrustedRecord, match="allocation-signature is missing"):
+        trusted_record(pod, VERIFIER)

@@ -18,6 +18,7 @@ from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
 from tests.extender.test_kube_cache import cache, pod
+from tests.recordkeys import SIGNER
 
 
 def api_at(url: str) -> client.CoreV1Api:
@@ -73,7 +74,7 @@ def test_refused_connections_are_retried_then_reported_and_the_cards_released(fi
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: connections are refused
-    binder = Binder(api_at(f"http://127.0.0.1:{port}"), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 0.5))
+    binder = Binder(api_at(f"http://127.0.0.1:{port}"), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 0.5), signer=SIGNER)
     with pytest.raises(BindError, match="pod ns/p: binding to a failed, cards released"):
         binder.bind("ns", "p", "uid-p", "a")
     assert c.booking("ns/p") is None
@@ -83,7 +84,7 @@ def test_server_errors_are_retried_with_backoff_and_the_message_is_passed_on(fil
     c, p = filtered
     server = Answering(503)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2))
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2), signer=SIGNER)
         with pytest.raises(BindError, match=r"503 etcd is sad"):
             binder.bind("ns", "p", "uid-p", "a")
         assert server.requests == 3
@@ -96,7 +97,7 @@ def test_client_errors_are_not_retried(filtered):
     c, p = filtered
     server = Answering(403)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2))
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2), signer=SIGNER)
         with pytest.raises(BindError, match="403"):
             binder.bind("ns", "p", "uid-p", "a")
         assert server.requests == 1
@@ -110,7 +111,7 @@ def test_an_apiserver_that_never_answers_times_out(filtered):
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # accepts connections (the kernel does) and never says a word
     try:
-        binder = Binder(api_at(f"http://127.0.0.1:{silent.getsockname()[1]}"), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 0.5))
+        binder = Binder(api_at(f"http://127.0.0.1:{silent.getsockname()[1]}"), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 0.5), signer=SIGNER)
         started = time.monotonic()
         with pytest.raises(BindError, match="pod ns/p"):
             binder.bind("ns", "p", "uid-p", "a")
@@ -124,7 +125,7 @@ def test_unknown_pod_is_a_clear_error():
     c = cache()
     server = Answering(404)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 2))
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 2), signer=SIGNER)
         with pytest.raises(BindError, match="pod ns/ghost: cannot read it \\(404"):
             binder.bind("ns", "ghost", "", "a")
     finally:

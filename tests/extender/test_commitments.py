@@ -15,6 +15,7 @@ from qgpu_runtime.placement.commitments import (
     stale,
 )
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
+from tests.recordkeys import SIGNER, VERIFIER
 
 CAPACITY = {0: 16384, 1: 16384}  # two 16 GiB cards
 
@@ -138,8 +139,8 @@ def test_the_extender_refuses_to_bind_before_its_caches_are_synced():
     from qgpu_runtime.model.requests import DEFAULT_LIMITS
     from qgpu_runtime.placement.policies import make_policy
 
-    cache = AllocationCache(make_policy("binpack"), "binpack")
-    app = ExtenderApp(cache, Binder(client.CoreV1Api(client.ApiClient()), cache, DEFAULT_LIMITS), DEFAULT_LIMITS)
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
+    app = ExtenderApp(cache, Binder(client.CoreV1Api(client.ApiClient()), cache, DEFAULT_LIMITS, signer=SIGNER), DEFAULT_LIMITS)
     body = b'{"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "a"}'
     status, doc = app.handle("bind", body)
     assert status == 200 and "not synced yet" in doc["Error"]

@@ -15,6 +15,7 @@ from qgpu_runtime.extender.dra import Ask, DemandError, DraView, claim_asks, cla
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, PodRequest
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.placement.state import CardSpec
+from tests.recordkeys import VERIFIER
 
 NO_GPU = PodRequest("ns", "p")
 
@@ -174,7 +175,7 @@ def test_a_slice_seen_after_its_claims_books_them() -> None:
 # -- the extender verb ---------------------------------------------------------------------------
 
 def test_prioritize_scores_a_dra_pod_and_leaves_others_at_zero() -> None:
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([])
     the_pod = pod("mine")
     cache.replace_pods([the_pod])
@@ -194,7 +195,7 @@ def test_prioritize_scores_a_dra_pod_and_leaves_others_at_zero() -> None:
 def test_dra_prioritize_scores_claim_pods_only() -> None:
     """The verb of kube-scheduler's entry without managedResources (every pod reaches it): a claim
     pod is scored as by prioritize, a dialect pod gets 0 (the main entry scores it, once)."""
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([])
     the_pod = pod("mine")
     dialect = pod()

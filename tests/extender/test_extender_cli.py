@@ -9,6 +9,7 @@ from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node, pod
+from tests.recordkeys import VERIFIER, write_keys
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -26,6 +27,10 @@ from tests.extender.test_kube_cache import node, pod
      "--max-holds 0: must be >= 1"),
     (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--assume-timeout", "0"],
      "--assume-timeout 0.0: must be > 0 seconds"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1"],
+     "--record-signing-key missing: the extender signs every allocation record"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--record-signing-key", "/nonexistent/k"],
+     "--record-signing-key /nonexistent/k: cannot read it"),
     (["webhook", "serve", "--port", "70000", "--tls-cert-file", "a", "--tls-private-key-file", "b"], "--port 70000"),
 ])
 def test_bad_flags_are_refused_with_the_rule(argv, message):
@@ -41,7 +46,7 @@ def test_unknown_priority_is_refused_by_the_parser(capsys):
 
 def test_every_priority_the_cli_offers_places_and_scores():
     for policy in ("binpack", "spread", "frag"):
-        c = AllocationCache(make_policy(policy), policy)
+        c = AllocationCache(make_policy(policy), policy, verifier=VERIFIER)
         c.replace_nodes([node("a"), node("b")])
         c.replace_pods([])
         p = pod("p")
@@ -56,7 +61,7 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
     from qgpu_runtime.extender.app import ExtenderApp
     from qgpu_runtime.model.requests import DEFAULT_LIMITS
 
-    c = AllocationCache(make_policy("binpack"), "binpack")
+    c = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     c.replace_nodes([node("a"), node("b"), node("tiny", n_cards=1, memory_mib=2048)])
     p = pod("p", core=30, memory=4)
     c.replace_pods([p])  # the watch delivered it: the extender trusts its cache, not the body
@@ -82,8 +87,9 @@ def served_extender(tmp_path):
         "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
     parser = argparse.ArgumentParser()
     extender_cli.add_arguments(parser)
+    private_key, _ = write_keys(kubeconfig.parent / "keys")
     args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
-                              "--insecure-plain-http"])
+                              "--insecure-plain-http", "--record-signing-key", str(private_key)])
     args.port = 0  # any free port
     server, _, _ = extender_cli.build(args)
     server.start()

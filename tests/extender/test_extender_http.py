@@ -26,10 +26,11 @@ from qgpu_runtime.webhook import cli as webhook_cli
 from qgpu_runtime.webhook.admission import WebhookConfig
 from tests.extender.test_kube_cache import node
 from tests.k8s.pki import CertificateAuthority
+from tests.recordkeys import VERIFIER
 
 
 def _app() -> ExtenderApp:
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([node("a"), node("b", n_cards=1)])
     cache.replace_pods([])
     return ExtenderApp(cache, None, DEFAULT_LIMITS)

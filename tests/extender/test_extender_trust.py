@@ -18,10 +18,11 @@ from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.serving import JsonServer, Routes
 from tests.extender.test_kube_cache import SEC, node, pod
 from tests.k8s.pki import CertificateAuthority
+from tests.recordkeys import VERIFIER
 
 
 def app_with(*pods: dict, max_holds: int = 1000, ttl_s: int = 60) -> ExtenderApp:
-    cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=ttl_s * SEC, max_holds=max_holds)
+    cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=ttl_s * SEC, max_holds=max_holds, verifier=VERIFIER)
     cache.replace_nodes([node("a"), node("b")])
     cache.replace_pods(list(pods))  # what the watch delivered: the pods the apiserver has
     return ExtenderApp(cache, None, DEFAULT_LIMITS)

@@ -8,12 +8,12 @@ import json
 import pytest
 
 from qgpu_runtime.contract.inventory import cards_annotation
-from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.placement.state import CardSpec
+from tests.recordkeys import VERIFIER, sign_pod, signed
 
 SEC = 10**9
 
@@ -35,7 +35,7 @@ def pod(name: str, core: int = 30, memory: int = 8, uid: str | None = None, node
 
 
 def cache(ttl_s: int = 60, policy: str = "binpack") -> AllocationCache:
-    c = AllocationCache(make_policy(policy), policy, assume_ttl_ns=ttl_s * SEC)
+    c = AllocationCache(make_policy(policy), policy, assume_ttl_ns=ttl_s * SEC, verifier=VERIFIER)
     c.replace_nodes([node("a"), node("b")])
     c.replace_pods([])
     return c
@@ -44,7 +44,7 @@ def cache(ttl_s: int = 60, policy: str = "binpack") -> AllocationCache:
 def bind_locally(c: AllocationCache, p: dict, node_name: str, now: int) -> dict:
     """What Binder does to the cache, plus the pod as the watch would then show it."""
     rec = c.reserve(p, parse_pod(p), node_name, now)
-    return {**p, "metadata": {**p["metadata"], "annotations": record_annotations(rec, now)},
+    return {**p, "metadata": {**p["metadata"], "annotations": signed(rec, now, p["metadata"]["uid"])},
             "spec": {**p["spec"], "nodeName": node_name}}
 
 
@@ -193,7 +193,7 @@ def test_new_node_keeps_existing_bookings_and_late_nodes_pick_up_records():
         "qgpu.io/allocation": json.dumps({"version": 1, "node": "late", "policy": "binpack", "class": "normal", "time": "t",
                                           "containers": [{"name": "c", "cards": [{"index": 0, "uuid": "GPU-late-0", "core_milli": 300, "memory_mib": 8192}]}]})}},
               "spec": {**pod("q")["spec"], "nodeName": "late"}}
-    c.apply_pod("ADDED", orphan)
+    c.apply_pod("ADDED", sign_pod(orphan))
     assert c.booking("ns/q") is None
     c.apply_node("ADDED", node("late"))
     assert c.booking("ns/p").node == "a"
@@ -226,7 +226,7 @@ def test_a_record_that_collides_with_a_filter_hold_is_booked_and_the_hold_yields
     """A filter answered before the caches synced held card capacity that records (arriving in the
     pod list) already book. The records must win, or the cache counts less than is bound and filter
     keeps offering a full node (whose binds the node commitments then refuse for ever)."""
-    c = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=60 * SEC)
+    c = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=60 * SEC, verifier=VERIFIER)
     c.replace_nodes([node("a", n_cards=1)])
     early = pod("early", core=80, memory=4)
     c.filter(early, parse_pod(early), ["a"], 1)  # a hold on card 0 of a, before any pod was listed

@@ -14,6 +14,7 @@ from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node
 from tests.jsonmutation import mutations
+from tests.recordkeys import VERIFIER
 
 POD = {
     "metadata": {"name": "p", "namespace": "ns", "uid": "u-1", "labels": {"app": "x"},
@@ -33,7 +34,7 @@ BY_NODES = {"Pod": POD, "Nodes": {"items": [{"metadata": {"name": "a"}}, {"metad
 
 @pytest.fixture(scope="module")
 def app() -> ExtenderApp:
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([node("a"), node("b", n_cards=1)])
     cache.replace_pods([])
     return ExtenderApp(cache, None, DEFAULT_LIMITS)

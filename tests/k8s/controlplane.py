@@ -25,6 +25,9 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
+from tests.recordkeys import write_keys
+
+ADMIN_USER = "qgpu-test-admin"  # the username of the admin kubeconfig (and of the session's extender)
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTBIN = ROOT / "scripts" / "k8s-testbin"
@@ -135,7 +138,7 @@ class ControlPlane:
         self.ca = CertificateAuthority(self.pki_dir)
         self.apiserver_port = free_port()
         self.server = f"https://127.0.0.1:{self.apiserver_port}"
-        self.admin = self.ca.issue("admin", "qgpu-test-admin", organization="system:masters", client=True)
+        self.admin = self.ca.issue("admin", ADMIN_USER, organization="system:masters", client=True)
         self.scheduler_client = self.ca.issue("scheduler", "system:kube-scheduler", client=True)
         self.serving = self.ca.issue("apiserver", "kube-apiserver", server=True,
                                      hosts=("127.0.0.1", "localhost", "kubernetes", "kubernetes.default",
@@ -406,9 +409,10 @@ def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = 
     one kube-scheduler presents. Without: plain HTTP on loopback (``--insecure-plain-http``), for
     tests that are not about the transport."""
     port = port or free_port()
+    signing_key, _ = write_keys(cp.workdir / "record-keys")  # the tests' key, as the roles mount theirs
     argv = ["extender", "serve", "--address", "127.0.0.1", "--port", str(port), "--priority", priority,
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
-            "--filter-result", filter_result, *extra_args]
+            "--filter-result", filter_result, "--record-signing-key", str(signing_key), *extra_args]
     if not tls:
         return QgpuServer(name, [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
     ca = extender_ca(cp)

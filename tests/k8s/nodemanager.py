@@ -20,13 +20,13 @@ from typing import Any, Mapping
 import yaml
 from kubernetes import client
 
-from qgpu_runtime.contract.record import record_annotations
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.k8s.controlplane import ROOT
 from tests.node.testkubelet import TestKubelet
+from tests.recordkeys import signed, write_keys
 
 # No preexec_fn here (controlplane.py's way to tie children to the test process): this process runs
 # gRPC threads (the test kubelet), and a child that runs Python between fork and exec can abort in
@@ -57,10 +57,11 @@ def bind_with_record(api: client.CoreV1Api, namespace: str, pod: str, node: str,
                      cards: list[tuple[int, str, int, int]], bind_time_ns: int, container: str = "c0") -> None:
     """Bind as qgpu's extender does: one pods/binding POST whose annotations carry the record."""
     placement = Placement(node, (ContainerPlacement(container, tuple(CardShare(*c) for c in cards)),), AppClass.NORMAL)
-    notes = record_annotations(placement.record("binpack", bind_time_ns), bind_time_ns)
+    uid = api.read_namespaced_pod(pod, namespace).metadata.uid
+    notes = signed(placement.record("binpack", bind_time_ns), bind_time_ns, uid)  # signed as the extender signs
     body = client.V1Binding(metadata=client.V1ObjectMeta(name=pod, namespace=namespace, annotations=notes),
                             target=client.V1ObjectReference(api_version="v1", kind="Node", name=node))
-    api.create_namespaced_binding(namespace, body, _preload_content=False)
+    api.create_namespaced_pod_binding(pod, namespace, body, _preload_content=False)  # pods/binding, as the extender
 
 
 @dataclass
@@ -103,6 +104,7 @@ class ManagedNode:
                 "--state-dir", str(self.root / "state"), "--resources", ",".join(self.resources),
                 "--sample-interval", "0.5", "--metrics-port", "-1", "--no-device-specs", "--log-level", "INFO",
                 "--isolation-policy", "fixed-share",  # as the DaemonSet passes it; the label path: test_e2e_node_isolation
+                "--record-verify-key", str(write_keys(self.root / "keys")[1]),
                 *self.dra_args(), *self.extra_args]
 
     @property

@@ -17,6 +17,7 @@ from kubernetes import client
 
 from tests.k8s.conftest import Cluster
 from tests.k8s.controlplane import ROOT, kubeconfig
+from tests.polling import poll
 
 
 def role_defaults(role: str) -> dict[str, Any]:
@@ -103,3 +104,46 @@ def unbind(cluster: Cluster, name: str) -> None:
     rbac = client.RbacAuthorizationV1Api(cluster.api_client)
     rbac.delete_cluster_role_binding(name)
     rbac.delete_cluster_role(name)
+
+
+def edit_user(cluster: Cluster, namespace: str, path: Path) -> client.CoreV1Api:
+    """A tenant: a new user ``tenant-<namespace>`` holding the built-in ``edit`` ClusterRole in
+    ``namespace`` only (what a team gets for its namespace), its kubeconfig written to ``path``."""
+    from kubernetes import config
+
+    user = f"tenant-{namespace}"
+    rbac = client.RbacAuthorizationV1Api(cluster.api_client)
+    rbac.create_namespaced_role_binding(namespace, {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": user},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": _edit_role(rbac)},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
+    cp = cluster.cp
+    path.write_text(yaml.safe_dump(kubeconfig(cp.server, cp.ca.cert_path, cp.ca.issue(user, user, client=True), user)))
+    review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+        "user": user, "resourceAttributes": {"namespace": namespace, "verb": "create", "resource": "pods"}}}
+    authz = client.AuthorizationV1Api(cluster.api_client)
+    poll(lambda: authz.create_subject_access_review(review).status.allowed, timeout=30,
+         what=f"the RBAC authorizer to see {user}'s RoleBinding")
+    return client.CoreV1Api(config.new_client_from_config(config_file=str(path)))
+
+
+EDIT = "qgpu-test-edit"
+
+
+def _edit_role(rbac: client.RbacAuthorizationV1Api) -> str:
+    """The built-in ``edit`` ClusterRole as kube-controller-manager's aggregation controller fills
+    it (the rules of every ClusterRole labelled ``aggregate-to-edit``). The test control plane runs
+    no controller-manager, so the apiserver's own ``edit`` stays empty; this copy is what ``edit``
+    grants in a real cluster."""
+    try:
+        rbac.read_cluster_role(EDIT)
+        return EDIT
+    except client.exceptions.ApiException as exc:
+        if exc.status != 404:
+            raise
+    parts = rbac.list_cluster_role(label_selector="rbac.authorization.k8s.io/aggregate-to-edit=true").items
+    rules = [client.ApiClient().sanitize_for_serialization(rule) for part in parts for rule in part.rules or []]
+    assert any("pods" in (r.get("resources") or []) and "create" in r["verbs"] for r in rules), rules
+    rbac.create_cluster_role({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                              "metadata": {"name": EDIT}, "rules": rules})
+    return EDIT

@@ -18,6 +18,7 @@ from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, read_pod, record
+from tests.recordkeys import SIGNER, VERIFIER
 
 PODS = 12
 
@@ -29,11 +30,11 @@ def test_sequential_binds_share_one_apiserver_connection(cluster, ns, label, com
     node = f"{ns}-conn-{int(commitments)}"
     gpu_node(cluster.api, node, cards(4, node=node), label)
     api = client.CoreV1Api(api_client(str(cluster.cp.admin_kubeconfig)))
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([client.ApiClient().sanitize_for_serialization(cluster.api.read_node(node))])
     cache.replace_pods([])
     store = LeaseCommitments(client.CoordinationV1Api(api.api_client), ns) if commitments else None
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
     uids = {}
     for i in range(PODS):
         # a scheduler name nobody serves: only this test binds these pods

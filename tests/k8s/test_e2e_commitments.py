@@ -20,6 +20,7 @@ from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.commitments import CardUse, Commitment
 from qgpu_runtime.placement.policies import make_policy
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, read_pod, record
+from tests.recordkeys import SIGNER, VERIFIER
 
 LIMITS = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 4}
 
@@ -46,7 +47,7 @@ class RivalAfterRead(LeaseCommitments):
 def setup(cluster, ns, label, node: str, n_cards: int = 2) -> tuple[client.CoreV1Api, AllocationCache, client.CoordinationV1Api]:
     gpu_node(cluster.api, node, cards(n_cards, memory_mib=16384, node=node), label)
     connection = api_client(str(cluster.cp.admin_kubeconfig))
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([client.ApiClient().sanitize_for_serialization(cluster.api.read_node(node))])
     cache.replace_pods([])
     return client.CoreV1Api(connection), cache, client.CoordinationV1Api(connection)
@@ -62,7 +63,7 @@ def test_a_bind_that_loses_the_lease_race_decides_again_around_the_winner(cluste
     api, cache, coordination = setup(cluster, ns, label, node)
     rival = Commitment("rival-uid", "other/rival", time.time_ns(), (CardUse(0, 800, 8192),))
     store = RivalAfterRead(coordination, ns, rival)
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
     uid = pending_pod(cluster, ns, label, "p")
     binder.bind(ns, "p", uid, node)
     assert binder.conflicts == 1 and store.reads == 2  # lost once, decided again on the rival's Lease
@@ -81,7 +82,7 @@ def test_a_bind_onto_cards_another_binder_committed_fails_cleanly(cluster, ns, l
     seen = store.read(node)
     store.write(seen, seen.commitments.with_pod(
         Commitment("rival-uid", "other/rival", time.time_ns(), (CardUse(0, 1000, 16384, exclusive=True),))))
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
     uid = pending_pod(cluster, ns, label, "p")
     with pytest.raises(BindError, match=f"node {node} cannot take it"):
         binder.bind(ns, "p", uid, node)
@@ -99,7 +100,7 @@ def test_a_rewrite_prunes_stale_entries_and_keeps_fresh_ones(cluster, ns, label)
     old = Commitment("old-uid", "other/old", time.time_ns() - 120 * 10**9, (CardUse(0, 500, 4096),))
     fresh = Commitment("fresh-uid", "other/fresh", time.time_ns(), (CardUse(0, 500, 4096),))
     store.write(seen, seen.commitments.with_pod(old).with_pod(fresh))
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, commitment_grace_ns=60 * 10**9)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, commitment_grace_ns=60 * 10**9, signer=SIGNER)
     uid = pending_pod(cluster, ns, label, "p")
     binder.bind(ns, "p", uid, node)
     assert set(store.read(node).commitments.pods) == {"fresh-uid", uid}  # a binder gone for 2 min: its entry went
@@ -112,7 +113,7 @@ def test_binds_in_a_row_read_the_lease_once_and_a_rival_write_between_them_is_ca
     node = f"{ns}-row"
     api, cache, coordination = setup(cluster, ns, label, node, n_cards=2)
     store = LeaseCommitments(coordination, ns)
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
     uids = [pending_pod(cluster, ns, label, f"p{i}") for i in range(3)]
     binder.bind(ns, "p0", uids[0], node)
     binder.bind(ns, "p1", uids[1], node)
@@ -137,7 +138,7 @@ def test_a_lease_deleted_behind_the_store_is_written_again_with_what_it_knew(clu
     node = f"{ns}-gone"
     api, cache, coordination = setup(cluster, ns, label, node)
     store = LeaseCommitments(coordination, ns)
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
     uids = [pending_pod(cluster, ns, label, f"p{i}") for i in range(2)]
     binder.bind(ns, "p0", uids[0], node)
     coordination.delete_namespaced_lease(lease_name(node), ns)

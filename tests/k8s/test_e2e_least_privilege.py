@@ -22,6 +22,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
+from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
 from qgpu_runtime.contract.names import INVENTORY as ANNOTATION_CARDS
 from qgpu_runtime.contract.names import LABEL_GPU_COUNT as LABEL_COUNT
 from qgpu_runtime.contract.names import LABEL_GPU_MEMORY as LABEL_MEMORY
@@ -31,7 +32,7 @@ from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
-from tests.k8s.rbac import render_template
+from tests.k8s.rbac import edit_user, render_template
 
 PAUSE = "registry.k8s.io/pause:3.10"
 CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
@@ -55,7 +56,8 @@ class Identities:
     def apply_templates(self) -> None:
         dynamic = DynamicClient(self.cluster.api_client)
         docs = (render_template("qgpu-manager.yaml.j2", qgpu_manager_namespace=self.ns, qgpu_manager_profiles=[])
-                + render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_namespace=self.ns))
+                + render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_namespace=self.ns,
+                                  qgpu_scheduler_manager_namespace=self.ns))  # kube-system in production
         for doc in docs:
             if doc["kind"] in ("DaemonSet", "Deployment"):
                 continue  # the workloads themselves: these tests act with their identities directly
@@ -169,6 +171,8 @@ def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
                                      dry_run="All", _content_type=MERGE),
         lambda: w.extender.patch_namespaced_pod(w.gpu_pod_here["metadata"]["name"], w.ns,
                                                 metadata_patch(labels={"probe": "x"}), dry_run="All", _content_type=MERGE),
+        lambda: w.api.patch_namespaced_pod(w.gpu_pod_here["metadata"]["name"], w.ns,  # qgpu-pod-annotations
+                                           metadata_patch(annotations={BIND_TIME: "1"}), dry_run="All", _content_type=MERGE),
     ]
     for probe in probes:
         while True:
@@ -305,6 +309,64 @@ def test_extender_binding_may_carry_only_qgpu_annotations(world):
     assert bound.spec.node_name == world.node_b and bound.metadata.annotations[ALLOCATION] == "{}"
 
 
+# ---- a tenant (issue 21): nothing it writes is qgpu state ----------------------------------------
+
+def tenant_pod(name_: str, annotations: dict[str, str] | None = None, node: str | None = None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"schedulerName": "qgpu-test-nobody", "automountServiceAccountToken": False,
+                            "tolerations": [{"operator": "Exists"}], "containers": [{"name": "c", "image": PAUSE}]}
+    if node:
+        spec["nodeName"] = node
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name_, "annotations": annotations or {}}, "spec": spec}
+
+
+@pytest.fixture(scope="module")
+def tenant(world: Identities, tmp_path_factory: pytest.TempPathFactory) -> tuple[client.CoreV1Api, str]:
+    """A user with the built-in `edit` role in a namespace of its own, and that namespace."""
+    namespace = world.cluster.namespace()
+    return edit_user(world.cluster, namespace, tmp_path_factory.mktemp("tenant") / "kubeconfig"), namespace
+
+
+def _create_as_tenant(world: Identities, tenant: tuple[client.CoreV1Api, str], doc: dict[str, Any]) -> None:
+    api, namespace = tenant
+    api.create_namespaced_pod(namespace, doc, _preload_content=False)
+    world.created_pods.append((namespace, doc["metadata"]["name"]))
+
+
+@pytest.mark.parametrize("annotation", [ALLOCATION, BIND_TIME, ALLOCATION_SIGNATURE, ASSIGNED, "qgpu.io/anything-new"])
+def test_a_tenant_cannot_create_a_pod_carrying_qgpu_state(world, tenant, annotation):
+    """The attack of issue 21: a pod created with spec.nodeName and its own allocation record."""
+    doc = tenant_pod(f"forged-{uuid.uuid4().hex[:6]}", {annotation: "9000000000000000000"}, node=world.node_b)
+    message = refusal(lambda: _create_as_tenant(world, tenant, doc))
+    assert f"annotation {annotation} set, changed or removed by tenant-" in message, message
+    assert "rule: qgpu.io/ annotations on pods are qgpu state" in message, message
+
+
+def test_a_tenant_still_writes_the_annotations_meant_for_users(world, tenant):
+    _create_as_tenant(world, tenant, tenant_pod(f"models-{uuid.uuid4().hex[:6]}", {"qgpu.io/gpu-model": "V100|T4"}))
+
+
+def test_a_tenant_cannot_add_change_or_remove_qgpu_state_on_its_own_pod(world, tenant):
+    api, namespace = tenant
+    pod = f"mine-{uuid.uuid4().hex[:6]}"
+    _create_as_tenant(world, tenant, tenant_pod(pod))
+    added = refusal(lambda: api.patch_namespaced_pod(pod, namespace, metadata_patch(annotations={BIND_TIME: "1"}),
+                                                     _content_type=MERGE))
+    assert f"annotation {BIND_TIME} set, changed or removed" in added, added
+    # the extender binds it with a record (its own write passes) ...
+    body = client.V1Binding(metadata=client.V1ObjectMeta(name=pod, namespace=namespace, annotations={ALLOCATION: "{}"}),
+                            target=client.V1ObjectReference(api_version="v1", kind="Node", name=world.node_b))
+    world.extender.create_namespaced_pod_binding(pod, namespace, body, _preload_content=False)
+    # ... and the tenant can neither change nor remove that record
+    changed = refusal(lambda: api.patch_namespaced_pod(pod, namespace, metadata_patch(annotations={ALLOCATION: "[]"}),
+                                                       _content_type=MERGE))
+    removed = refusal(lambda: api.patch_namespaced_pod(pod, namespace, metadata_patch(annotations={ALLOCATION: None}),
+                                                       _content_type=MERGE))
+    assert f"annotation {ALLOCATION} set, changed or removed" in changed and ALLOCATION in removed, (changed, removed)
+    # its other edits are its own business
+    api.patch_namespaced_pod(pod, namespace, metadata_patch(labels={"team": "a"}, annotations={"example.com/x": "y"}),
+                             _content_type=MERGE)
+
+
 # ---- the real components, doing their real work with their bound tokens ---------------------------
 
 def token_kubeconfig(world: Identities, token: str, path) -> str:
@@ -328,7 +390,8 @@ def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_toke
         limits = {"tke.cloud.tencent.com/qgpu-core": 20, "tke.cloud.tencent.com/qgpu-memory": 2}
         world.api.create_namespaced_pod(world.ns, gpu_pod("served", limits, scheduler_name="qgpu-test-nobody"))
         world.created_pods.append((world.ns, "served"))
-        bind_with_record(world.api, world.ns, "served", node.name, [(0, node.cards[0].uuid, 200, 2048)], time.time_ns())
+        # as the extender: no one else may write qgpu.io/ annotations (qgpu-pod-annotations)
+        bind_with_record(world.extender, world.ns, "served", node.name, [(0, node.cards[0].uuid, 200, 2048)], time.time_ns())
         node.start(kubeconfig=kubeconfig)
         wait_for("the manager's labels on its node",
                  lambda: read_node(world.api, node.name)["metadata"].get("labels", {}).get(LABEL_COUNT) == "1")

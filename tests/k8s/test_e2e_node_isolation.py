@@ -22,6 +22,7 @@ from qgpu_runtime.node.manager import ManagerConfig, NodeManager
 from qgpu_runtime.node.resources import parse_resources
 from qgpu_runtime.node.store import Grant, Share, Store
 from tests.k8s.kubeobjects import cards, events_for, gpu_node, wait_for
+from tests.recordkeys import VERIFIER
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "node"))
 from simnode import AdvancingSampler, FakeProc, SimKernel, cgroupfs  # noqa: E402
@@ -36,7 +37,7 @@ CID = "e" * 64
 def manager(cluster, tmp: Path, node: str, gpus, kernel, override: str | None = None) -> NodeManager:
     config = ManagerConfig(node=node, resources=parse_resources(RESOURCE), plugin_dir=tmp / "dp",
                            pod_resources_socket=tmp / "pr.sock", state_dir=tmp / "state", isolation_policy=override,
-                           pod_refresh_s=0.0, proc_root=tmp / "proc", isolation_refresh_s=0.1, label_node=False)
+                           pod_refresh_s=0.0, proc_root=tmp / "proc", isolation_refresh_s=0.1, label_node=False, record_verifier=VERIFIER)
     return NodeManager(config, SimulatedBackend(build_cards(parse_spec("1xT4-16G"), node), None), Store(tmp / "meta.db"),
                        KubePodSource(str(cluster.cp.admin_kubeconfig)),
                        isolation=lambda r: (AdvancingSampler(gpus, r.owner), SignalActuator(r.groups, killpg=kernel.killpg)))

@@ -187,14 +187,16 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
     node.kubelet.admit(read_pod(cluster.api, ns, "train"))
     kubeconfig_arg = ["--kubeconfig", str(cluster.cp.admin_kubeconfig), "--node", node.name]
 
-    out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", *kubeconfig_arg, "--json"])
+    verify = ["--record-verify-key", str(node.root / "keys" / "record-verify.pub")]  # the key the manager runs with
+    out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", *kubeconfig_arg, *verify, "--json"])
     assert out.returncode == 0, out.stderr
     (status,) = json.loads(out.stdout)["nodes"]
     assert (status["name"], status["policy"]) == (node.name, "fixed-share")
     assert [(c["index"], c["uuid"], c["model"], c["memory_mib"]) for c in status["cards"]] == [
         (c.index, c.uuid, "T4", 16384) for c in cards]
     assert status["cards"][0]["workloads"] == [] and status["cards"][0]["core_allocated_milli"] == 0
-    assert status["cards"][1]["workloads"] == [{"name": f"{ns}/train", "core_milli": 300, "memory_mib": 5120, "klass": "normal"}]
+    assert status["cards"][1]["workloads"] == [{"name": f"{ns}/train", "core_milli": 300, "memory_mib": 5120, "klass": "normal",
+                                                "unverified": False}]
     assert (status["cards"][1]["core_allocated_milli"], status["cards"][1]["memory_allocated_mib"]) == (300, 5120)
 
     table = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", *kubeconfig_arg])

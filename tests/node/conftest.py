@@ -21,6 +21,7 @@ from qgpu_runtime.node.manager import ManagerConfig, NodeManager  # noqa: E402
 from qgpu_runtime.node.pods import FilePodSource  # noqa: E402
 from qgpu_runtime.node.resources import DEFAULT_RESOURCES, parse_resources  # noqa: E402
 from qgpu_runtime.node.store import Store  # noqa: E402
+from tests.recordkeys import VERIFIER
 
 NODE = "gpu-node-1"
 RESOURCES = ",".join(DEFAULT_RESOURCES)  # what `qgpu-node serve` serves without --resources
@@ -73,7 +74,7 @@ def node(short_tmp):
     config = ManagerConfig(node=NODE, resources=parse_resources(RESOURCES), plugin_dir=plugin_dir,
                            pod_resources_socket=root / "pod-resources" / "kubelet.sock", state_dir=root / "state",
                            sample_interval_s=0.2, watch_interval_s=0.1, pod_refresh_s=0.0,
-                           isolation_policy="fixed-share")
+                           isolation_policy="fixed-share", record_verifier=VERIFIER)
     manager = NodeManager(config, backend, store, FilePodSource(pods_file))
     manager.start()
     kubelet.wait_for(lambda: len(kubelet.plugins) == len(DEFAULT_RESOURCES) and all(p.devices for p in kubelet.plugins.values()))

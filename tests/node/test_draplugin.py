@@ -26,6 +26,7 @@ from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.pods import FilePodSource
 from qgpu_runtime.node.reconciler import Reconciler
 from qgpu_runtime.node.store import Grant, Share, Store
+from tests.recordkeys import VERIFIER
 
 NODE = "gpu-node-1"
 CARDS = {c.index: c for c in build_cards(parse_spec("2xT4-16G"), NODE)}
@@ -306,7 +307,7 @@ def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(ro
     config = ManagerConfig(node=NODE, resources=parse_resources(",".join(DEFAULT_RESOURCES)), plugin_dir=root / "dp",
                            pod_resources_socket=root / "none.sock", state_dir=root / "state", label_node=False,
                            isolation_policy="fixed-share", dra=True, cdi_dir=root / "cdi",
-                           kubelet_plugins_dir=root / "plugins", plugins_registry_dir=root / "registry")
+                           kubelet_plugins_dir=root / "plugins", plugins_registry_dir=root / "registry", record_verifier=VERIFIER)
     from tests.node.test_draslices import FakeSlices
 
     slices = FakeSlices()

@@ -18,6 +18,7 @@ from qgpu_runtime.node.publisher import NodePublisher
 from qgpu_runtime.node.reconciler import Reconciler
 from qgpu_runtime.node.resources import CATALOG
 from qgpu_runtime.node.store import Store
+from tests.recordkeys import VERIFIER
 
 NODE = "gpu-node-1"
 CORE = CATALOG["tke.cloud.tencent.com/qgpu-core"]
@@ -48,7 +49,7 @@ class Pods:
 
 @pytest.fixture()
 def parts(tmp_path):
-    config = ManagerConfig(NODE, (CORE,), plugin_dir=tmp_path / "plugins", state_dir=tmp_path / "state")
+    config = ManagerConfig(NODE, (CORE,), plugin_dir=tmp_path / "plugins", state_dir=tmp_path / "state", record_verifier=VERIFIER)
     store = Store(tmp_path / "meta.db")
     store.sync_cards(list(CARDS.values()))
     health = CardHealth(CARDS)

@@ -117,6 +117,22 @@ def test_allocate_without_any_record_is_refused(node):
     assert "no pending pod on this node carries a qgpu.io/allocation record" in err.value.details()
 
 
+@pytest.mark.parametrize("signed", [False, True], ids=["tenant-written", "signed-but-larger-than-asked"])
+def test_a_tenant_s_own_record_taking_a_whole_card_grants_nothing_and_books_nothing(node, signed):
+    """Issue 21: a pod asking for 10% and 1 GiB, created with spec.nodeName and its own record
+    granting card 0 whole, got QGPU_CORE_MILLI=1000 and QGPU_MEMORY_MIB=16384 and was booked."""
+    greedy = pod("greedy", "gpu-node-1", [("main", qgpu(10, 1), [(0, node.uuid(0), 1000, 16384)])], signed=signed)
+    node.set_pods([greedy])
+    with pytest.raises(grpc.RpcError) as err:
+        node.kubelet.admit(greedy)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "record not trusted, nothing granted" in err.value.details()
+    assert node.store.grants() == [] and node.store.shares() == []
+    refused = [node.manager.metrics.registry.get_sample_value("qgpu_untrusted_records_total", {"resource": r}) or 0
+               for r in (CORE, MEM)]  # the test kubelet allocates a container's resources in random order
+    assert sum(refused) == 1
+
+
 def test_t9k_percent_request_gets_t9k_variables(node):
     p = pod("t9k", "gpu-node-1", [("main", {T9K_PCT: "25"}, [(0, node.uuid(0), 0, 4096)])])
     node.set_pods([p])
@@ -210,7 +226,7 @@ def test_node_labels_and_annotations_describe_the_cards(node):
 def test_concurrent_allocates_serve_every_pending_pod_exactly_once(node):
     from concurrent.futures import ThreadPoolExecutor
 
-    pods = [pod(f"c{i:02d}", "gpu-node-1", [("main", {CORE: "5"}, [(i % 2, node.uuid(i % 2), 50, 1024)])], bind_time=i + 1)
+    pods = [pod(f"c{i:02d}", "gpu-node-1", [("main", qgpu(5, 1), [(i % 2, node.uuid(i % 2), 50, 1024)])], bind_time=i + 1)
             for i in range(16)]
     node.set_pods(pods)
     batches = [[f"qgpu-core-{i % 2}-{5 * (i // 2) + k}" for k in range(5)] for i in range(16)]

@@ -45,6 +45,18 @@ def test_manager_refuses_to_start_with_a_bad_option(tmp_path, caplog):
     assert "'2xT4' is not a card spec" in caplog.text
 
 
+def test_a_device_plugin_manager_reading_the_api_refuses_to_start_without_the_record_verify_key(tmp_path, caplog):
+    """Without the extender's public key it would have to believe records a tenant wrote."""
+    assert main(["manager", "serve", "--nodename", "n", "--dbfile", str(tmp_path / "m.db"), "--gpu-backend", "simulated",
+                 "--simulated-gpus", "1xT4-16G", "--kubeconfig", str(tmp_path / "none")]) == 2
+    assert "--record-verify-key is required" in caplog.text
+    (tmp_path / "bad.pub").write_text("not a key")
+    assert main(["manager", "serve", "--nodename", "n", "--dbfile", str(tmp_path / "m.db"), "--gpu-backend", "simulated",
+                 "--simulated-gpus", "1xT4-16G", "--kubeconfig", str(tmp_path / "none"),
+                 "--record-verify-key", str(tmp_path / "bad.pub")]) == 2
+    assert "bad.pub: not a PEM public key" in caplog.text
+
+
 HAS_GPU = shutil.which("nvidia-smi") is not None
 
 

@@ -35,6 +35,7 @@ from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.pods import FilePodSource
 from qgpu_runtime.node.resources import parse_resources
 from qgpu_runtime.node.store import Grant, Share, Store
+from tests.recordkeys import VERIFIER
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "isolation"))
 from helpers import make_backend  # noqa: E402  (tests/isolation/helpers.py)
@@ -328,7 +329,7 @@ def manager_on(root: Path, label: str | None, override: str | None, gpus, kernel
         pods_file.with_suffix(".node.json").write_text(json.dumps({"metadata": {"name": NODE, "labels": {POLICY_LABEL: label}}}))
     config = ManagerConfig(node=NODE, resources=parse_resources(RESOURCE), plugin_dir=root / "dp",
                            pod_resources_socket=root / "pr.sock", state_dir=root / "state", isolation_policy=override,
-                           sample_interval_s=0.2, pod_refresh_s=0.0, proc_root=root / "proc", isolation_refresh_s=0.1)
+                           sample_interval_s=0.2, pod_refresh_s=0.0, proc_root=root / "proc", isolation_refresh_s=0.1, record_verifier=VERIFIER)
     backend = SimulatedBackend(build_cards(parse_spec("1xT4-16G"), NODE), None)
     return NodeManager(config, backend, Store(root / "meta.db"), FilePodSource(pods_file),
                        isolation=lambda r: (AdvancingSampler(gpus, r.owner), SignalActuator(r.groups, killpg=kernel.killpg)))

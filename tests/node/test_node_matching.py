@@ -10,6 +10,7 @@ from podfactory import pod, qgpu
 from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.node.matching import NoMatch, match, preferred_devices
 from qgpu_runtime.node.resources import card_of_device
+from tests.recordkeys import OTHER_SIGNER, VERIFIER, sign_pod
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
@@ -22,25 +23,25 @@ def one(name, core=30, mem=5, card=0, **kw):
 
 def test_oldest_bind_time_wins_among_same_size_pods():
     pods = [one("c", bind_time=30), one("a", bind_time=10), one("b", bind_time=20)]
-    assert match(N, CORE, 30, pods, set()).pod == "a"
+    assert match(N, CORE, 30, pods, set(), VERIFIER).pod == "a"
 
 
 def test_served_containers_are_skipped_so_the_next_pod_is_chosen():
     a, b = one("a", bind_time=10), one("b", bind_time=20)
     served = {(a["metadata"]["uid"], "main", CORE)}
-    assert match(N, CORE, 30, [a, b], served).pod == "b"
+    assert match(N, CORE, 30, [a, b], served, VERIFIER).pod == "b"
 
 
 def test_in_flight_container_beats_an_older_pod():
     a, b = one("a", bind_time=10, mem=5), one("b", bind_time=20, mem=5)
     served = {(b["metadata"]["uid"], "main", CORE)}
-    m = match(N, MEM, 5, [a, b], served)
+    m = match(N, MEM, 5, [a, b], served, VERIFIER)
     assert (m.pod, m.in_flight) == ("b", True)
 
 
 def test_size_must_equal_the_containers_quantity():
     pods = [one("a", core=30, bind_time=1), one("b", core=40, bind_time=2)]
-    assert match(N, CORE, 40, pods, set()).pod == "b"
+    assert match(N, CORE, 40, pods, set(), VERIFIER).pod == "b"
 
 
 def test_pods_without_bind_time_come_last_then_by_name():
@@ -48,7 +49,7 @@ def test_pods_without_bind_time_come_last_then_by_name():
     order = []
     served: set = set()
     for _ in range(3):
-        m = match(N, CORE, 30, pods, served)
+        m = match(N, CORE, 30, pods, served, VERIFIER)
         order.append(m.pod)
         served.add((m.pod_uid, m.container, CORE))
     assert order == ["y", "x", "z"]
@@ -60,8 +61,8 @@ def test_running_deleted_and_foreign_pods_are_not_candidates():
     deleting["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
     elsewhere = one("far", bind_time=3, record_node="n2")
     with pytest.raises(NoMatch) as err:
-        match(N, CORE, 30, [running, deleting, elsewhere], set())
-    assert "default/far: record is for node 'n2'" in str(err.value)
+        match(N, CORE, 30, [running, deleting, elsewhere], set(), VERIFIER)
+    assert "default/far: qgpu.io/allocation: node='n2' but the pod is bound to 'n1'" in str(err.value)
 
 
 def test_unknown_record_version_is_named():
@@ -69,8 +70,9 @@ def test_unknown_record_version_is_named():
     rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
     rec["version"] = 7
     p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
+    sign_pod(p)
     with pytest.raises(NoMatch, match="version=7: this qgpu reads versions 1"):
-        match(N, CORE, 30, [p], set())
+        match(N, CORE, 30, [p], set(), VERIFIER)
 
 
 def test_preferred_devices_spread_over_the_predicted_cards_after_must_include():
@@ -108,7 +110,7 @@ def test_admission_in_bind_order_gives_every_container_its_own_record(shapes, rn
         for c in p["spec"]["containers"]:
             for resource in (CORE, MEM):
                 size = int(c["resources"]["limits"][resource])
-                m = match(N, resource, size, listed, served)
+                m = match(N, resource, size, listed, served, VERIFIER)
                 assert (m.pod, m.container) == (p["metadata"]["name"], c["name"])
                 served.add((m.pod_uid, m.container, resource))
 
@@ -145,7 +147,68 @@ def test_the_device_plugin_refuses_every_record_the_extender_refuses(change, fie
     rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
     change(rec)
     p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
+    sign_pod(p)
     with pytest.raises(RecordError):
         parse_record(p["metadata"]["annotations"]["qgpu.io/allocation"])  # the extender's verdict
     with pytest.raises(NoMatch, match=field):
-        match(N, CORE, 30, [p], set())
+        match(N, CORE, 30, [p], set(), VERIFIER)
+
+
+# --- a pod's annotations are its owner's: only records the extender signed, no larger than asked --
+
+def _tenant_takes_card_0_whole(**kw) -> dict:
+    """The attack of issue 21: a pod asking for 10% of a card and 1 GiB, created with spec.nodeName
+    and its own record granting card 0 whole."""
+    return pod("greedy", N, [("main", qgpu(10, 1), [(0, "GPU-0", 1000, 16384)])], **kw)
+
+
+def test_an_unsigned_record_grants_nothing_and_says_why():
+    with pytest.raises(NoMatch) as err:
+        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), VERIFIER)
+    assert "qgpu.io/allocation-signature is missing" in str(err.value)
+    assert "record not trusted, nothing granted" in str(err.value)
+    assert len(err.value.untrusted) == 1
+
+
+def test_a_record_signed_with_another_key_grants_nothing():
+    p = sign_pod(_tenant_takes_card_0_whole(signed=False), OTHER_SIGNER)
+    with pytest.raises(NoMatch, match="signed with another key"):
+        match(N, CORE, 10, [p], set(), VERIFIER)
+
+
+def test_a_signed_record_granting_more_than_the_pod_asks_for_grants_nothing():
+    """Defence in depth: even a record the extender's key signed (a leaked key, a bug) may grant no
+    more than the pod's own resources ask for."""
+    with pytest.raises(NoMatch, match=r"core_milli=1000, the container asks for 100: a record may grant at most what is asked"):
+        match(N, CORE, 10, [_tenant_takes_card_0_whole()], set(), VERIFIER)
+
+
+def test_an_untrusted_record_does_not_hide_a_trusted_one_but_is_reported():
+    honest = one("honest", core=10, mem=1, bind_time=5)
+    m = match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False, bind_time=1), honest], set(), VERIFIER)
+    assert m.pod == "honest" and len(m.untrusted) == 1 and "default/greedy" in m.untrusted[0]
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda r: r["containers"][0]["cards"].append({"index": 1, "uuid": "GPU-1", "core_milli": 100, "memory_mib": 1024}),
+     r"grants 2 card\(s\), the container asks for 1"),
+    (lambda r: r["containers"][0]["cards"][0].update(memory_mib=2048), r"memory_mib=2048, the container asks for 1024"),
+    (lambda r: r["containers"].append({"name": "sidecar", "cards": [{"index": 1, "uuid": "GPU-1", "core_milli": 100,
+                                                                      "memory_mib": 1024}]}), r"container 'sidecar'.*asks for no GPU"),
+    (lambda r: r.update({"class": "online"}), r"class='online' but the pod asks for class 'normal'"),
+])
+def test_a_record_inconsistent_with_the_pod_s_requests_grants_nothing(change, message):
+    p = one("v", core=10, mem=1, bind_time=1)
+    rec = json.loads(p["metadata"]["annotations"]["qgpu.io/allocation"])
+    change(rec)
+    p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
+    sign_pod(p)
+    with pytest.raises(NoMatch, match=message):
+        match(N, CORE, 10, [p], set(), VERIFIER)
+
+
+def test_without_a_verifier_pods_file_records_are_read_unsigned():
+    """--pods-file: the host's operator writes the file, no tenant; the shape check still holds."""
+    assert match(N, CORE, 30, [one("a", signed=False)], set(), None).pod == "a"
+    with pytest.raises(NoMatch, match="a record may grant at most what is asked"):
+        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), None)

@@ -37,6 +37,22 @@ def test_cluster_status_shows_nodes_known_only_from_records():
     assert (status.name, status.cards[0].model, status.cards[0].uuid) == ("bare", "?", "GPU-x")
 
 
+def test_with_the_verify_key_unsigned_records_are_marked_and_counted_nowhere():
+    from qgpu_runtime.status import render_table
+    from tests.recordkeys import VERIFIER
+
+    n1, cards = node_obj("n1")
+    pods = [pod("honest", "n1", [("main", qgpu(30, 5), [(0, cards[0].uuid, 300, 5120)])]),
+            pod("forged", "n1", [("main", qgpu(10, 1), [(0, cards[0].uuid, 1000, 16384)])], signed=False)]
+    (status,) = cluster_status([n1], pods, VERIFIER)
+    c0 = status.cards[0]
+    assert (c0.core_allocated_milli, c0.memory_allocated_mib) == (300, 5120)
+    assert [(w.name, w.unverified) for w in c0.workloads] == [("default/honest", False), ("default/forged", True)]
+    assert "default/forged(100%/16384MiB,UNVERIFIED)" in render_table([status])
+    (unchecked,) = cluster_status([n1], pods)
+    assert unchecked.cards[0].core_allocated_milli == 1300  # without the key: shown as written
+
+
 def write_store(path):
     s = Store(path)
     cards = build_cards(parse_spec("1xV100-32G"), "host")
@@ -52,7 +68,8 @@ def test_status_json_from_a_store_file(tmp_path, capsys):
     assert main(["status", "--standalone-db", str(tmp_path / "meta.db"), "--json"]) == 0
     (n,) = json.loads(capsys.readouterr().out)["nodes"]
     assert (n["name"], n["policy"]) == ("host", "burst-share")
-    assert n["cards"][0]["workloads"] == [{"name": "train", "core_milli": 300, "memory_mib": 4096, "klass": "offline"}]
+    assert n["cards"][0]["workloads"] == [{"name": "train", "core_milli": 300, "memory_mib": 4096, "klass": "offline",
+                                           "unverified": False}]
 
 
 def test_kubectl_plugin_table_from_a_store_file(tmp_path, capsys):

@@ -42,7 +42,7 @@ from qgpu_runtime.contract import dra, names
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
-from tests.k8s.controlplane import extender_server
+from tests.k8s.controlplane import ADMIN_USER, extender_server
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, patched, read_pod
 from tests.k8s.test_e2e_dra_prioritize import place_one_by_one
 
@@ -88,6 +88,9 @@ def write_inventory(path: Path, cluster: Cluster, root: Path) -> None:
         "qgpu_manager_wait": False,
         "qgpu_scheduler_wait": False,
         "qgpu_webhook_wait": False,
+        # The session's extender binds as the cluster admin, not as qgpu-scheduler's ServiceAccount:
+        # let it write the allocation record past qgpu-pod-annotations.
+        "qgpu_scheduler_extra_pod_annotation_writers": [ADMIN_USER],
     }, sort_keys=False))
     for pool, (_, group_vars) in POOLS.items():
         (path / "group_vars" / f"{pool}.yml").write_text(yaml.safe_dump(group_vars, sort_keys=False))

@@ -41,6 +41,7 @@ from qgpu_runtime.node.kube_client import KubePodSource
 from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
+from tests.k8s.controlplane import ADMIN_USER
 from tests.k8s.kubeobjects import (
     bound,
     cards,
@@ -131,6 +132,9 @@ def write_inventory(path: Path, cluster: Cluster, root: Path, pools: dict[str, l
         "qgpu_manager_wait": False,
         "qgpu_scheduler_wait": False,
         "qgpu_webhook_wait": False,
+        # The session's extender binds as the cluster admin, not as qgpu-scheduler's ServiceAccount:
+        # let it write the allocation record past qgpu-pod-annotations.
+        "qgpu_scheduler_extra_pod_annotation_writers": [ADMIN_USER],
     }, sort_keys=False))
     for pool in pools:  # the example's pool settings, verbatim
         shutil.copy(EXAMPLE / "group_vars" / f"{pool}.yml", path / "group_vars" / f"{pool}.yml")

@@ -41,6 +41,7 @@ from test_rollout import (
 
 from qgpu_runtime.contract import dra, names
 from tests.k8s.conftest import Cluster
+from tests.k8s.controlplane import ADMIN_USER
 from tests.k8s.kubeobjects import cards, gpu_node
 
 pytestmark = pytest.mark.slow
@@ -181,6 +182,9 @@ def make_pool(cluster: Cluster, work: Path) -> Fleet:
         "qgpu_manager_wait": False,
         "qgpu_scheduler_wait": False,
         "qgpu_webhook_wait": False,
+        # The session's extender binds as the cluster admin, not as qgpu-scheduler's ServiceAccount:
+        # let it write the allocation record past qgpu-pod-annotations.
+        "qgpu_scheduler_extra_pod_annotation_writers": [ADMIN_USER],
     })
     (inventory / "group_vars" / "all.yml").write_text(yaml.safe_dump(all_vars, sort_keys=False))
     (inventory / "host_vars" / "localhost.yml").write_text(yaml.safe_dump({"qgpu_root_prefix": str(work / "roots" / "api")}))

@@ -97,7 +97,8 @@ def test_the_extender_serves_https_and_asks_for_client_certificates(issued):
     assert {"--tls-cert-file=/etc/qgpu/tls/tls.crt", "--tls-private-key-file=/etc/qgpu/tls/tls.key",
             "--client-ca-file=/etc/qgpu/tls/ca.crt", "--max-holds=1000"} <= set(container["args"])
     assert "--insecure-plain-http" not in container["args"]
-    assert pod["spec"]["volumes"] == [{"name": "tls", "secret": {"secretName": "qgpu-scheduler-tls"}}]
+    assert pod["spec"]["volumes"] == [{"name": "record-key", "secret": {"secretName": "qgpu-record-signing-key"}},
+                                      {"name": "tls", "secret": {"secretName": "qgpu-scheduler-tls"}}]
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert len(pod["metadata"]["annotations"]["qgpu.io/tls-checksum"]) == 64
 
@@ -105,9 +106,31 @@ def test_the_extender_serves_https_and_asks_for_client_certificates(issued):
 def test_a_second_run_changes_nothing_and_keeps_the_certificates(issued):
     sandbox, _ = issued
     serials = {name: cert(sandbox, name).serial_number for name in ("ca", "tls", "kube-scheduler")}
+    record_key = (sandbox / PKI / "record-signing.key").read_bytes()
     again = run(sandbox)
     assert again.returncode == 0 and again.recap_changed() == 0, again.output[-4000:]
     assert {name: cert(sandbox, name).serial_number for name in serials} == serials
+    assert (sandbox / PKI / "record-signing.key").read_bytes() == record_key  # never regenerated
+
+
+def test_the_record_signing_key_is_ed25519_private_and_signs_what_its_public_half_verifies(issued):
+    """The pair the extender signs allocation records with (--record-signing-key) and the node
+    managers verify them with (--record-verify-key): loadable by qgpu's own codec."""
+    from qgpu_runtime.contract.signature import RecordSigner, RecordVerifier
+
+    sandbox, first = issued
+    signer = RecordSigner.from_pem((sandbox / PKI / "record-signing.key").read_bytes())
+    verifier = RecordVerifier.from_pem((sandbox / PKI / "record-verify.pub").read_bytes())
+    verifier.verify("uid", "node", "{}", "1", signer.sign("uid", "node", "{}", "1"))
+    assert stat.S_IMODE((sandbox / PKI / "record-signing.key").stat().st_mode) == 0o600
+    raw = signer.private_key.private_bytes(serialization.Encoding.Raw, serialization.PrivateFormat.Raw,
+                                           serialization.NoEncryption())
+    pem_body = "".join((sandbox / PKI / "record-signing.key").read_text().splitlines()[1:-1])
+    rendered = (sandbox / "etc/qgpu/manifests/qgpu-scheduler.yaml").read_text()
+    for secret in (raw.hex(), base64.b64encode(raw).decode(), pem_body):
+        assert secret not in first.output and secret not in rendered
+    (daemonset,) = [d for d in manifest(sandbox) if d["kind"] == "DaemonSet"]
+    assert "--record-signing-key=/etc/qgpu/record-key/record-signing.key" in daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
 
 
 def test_certificates_expiring_within_the_renewal_window_are_reissued(tmp_path):
@@ -151,4 +174,5 @@ def test_plain_http_on_loopback_when_asked_for(tmp_path):
     (container,) = daemonset["spec"]["template"]["spec"]["containers"]
     assert "--insecure-plain-http" in container["args"] and "--address=127.0.0.1" in container["args"]
     assert not any(a.startswith("--tls-") or a.startswith("--client-ca") for a in container["args"])
-    assert not (tmp_path / PKI).exists()
+    # no certificate is issued; the record signing pair is made whatever the transport
+    assert sorted(p.name for p in (tmp_path / PKI).iterdir()) == ["record-signing.key", "record-verify.pub"]

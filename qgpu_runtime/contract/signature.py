@@ -1,0 +1,147 @@
+"""The allocation record's signature (annotation ``qgpu.io/allocation-signature``): sign, verify.
+
+Why: a pod's annotations are written by the pod's owner, a tenant with ``edit`` in its namespace,
+at create and at update. Without proof of origin a tenant could create a pod with ``spec.nodeName``
+set and its own ``qgpu.io/allocation`` granting a whole card, and the device plugin would serve it;
+or park unscheduled pods whose records book every card of a node in the extender's cache. So the
+extender signs every record it writes with an Ed25519 key only it holds, and every reader (the
+device plugin's Allocate matching, the extender's cache rebuild, ``qgpu status``) believes a record
+only when the signature verifies with the public key.
+
+What is signed: the pod's UID (a record copied to another pod fails), the node of the Binding, the
+record's JSON exactly as stored and the bind-time annotation exactly as stored (so neither can be
+edited, and a bind-time far in the future cannot keep an assumed record alive). The message is a
+JSON array with a domain tag, so no two different inputs share a message.
+
+Rolling upgrades: the signature is a new annotation beside the record; readers of earlier releases
+ignore it (docs/annotations.md, "Versions"). Pure: keys come in as PEM bytes; nothing here reads
+files or talks to the API.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME
+from qgpu_runtime.contract.record import AllocationRecord, RecordError, annotations, parse_record
+
+__all__ = ["ALLOCATION_SIGNATURE", "SigningKeyError", "RecordSigner", "RecordVerifier", "UntrustedRecord", "signed_annotations",
+           "trusted_record"]
+
+SIGNATURE_PREFIX = "ed25519.v1."
+"""Scheme and version of the value; a later scheme gets another prefix and readers name what they read."""
+_DOMAIN = "qgpu.io/allocation-signature/v1"
+_MAX_SIGNATURE_CHARS = 128  # an Ed25519 signature is 64 bytes, 86 characters of base64url
+
+
+class UntrustedRecord(RecordError):
+    """A record qgpu cannot prove it wrote; the message names the annotation, the value and the rule."""
+
+
+class SigningKeyError(ValueError):
+    """A signing or verification key that cannot be used; the message names the key and the rule."""
+
+
+def _message(pod_uid: str, node: str, record_raw: str, bind_time_raw: str) -> bytes:
+    return json.dumps([_DOMAIN, pod_uid, node, record_raw, bind_time_raw], separators=(",", ":")).encode()
+
+
+@dataclass(frozen=True)
+class RecordVerifier:
+    """The extender's public key: believes what the extender signed and nothing else."""
+
+    public_key: Ed25519PublicKey
+
+    @classmethod
+    def from_pem(cls, pem: bytes, source: str = "public key") -> RecordVerifier:
+        try:
+            key = serialization.load_pem_public_key(pem)
+        except (ValueError, TypeError) as exc:
+            raise SigningKeyError(f"{source}: not a PEM public key ({exc})") from None
+        if not isinstance(key, Ed25519PublicKey):
+            raise SigningKeyError(f"{source}: a {type(key).__name__} key; record signatures need an Ed25519 public key")
+        return cls(key)
+
+    def verify(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str, signature: str) -> None:
+        """Raises :class:`UntrustedRecord` unless ``signature`` is the extender's over exactly these."""
+        if not signature.startswith(SIGNATURE_PREFIX) or len(signature) > _MAX_SIGNATURE_CHARS:
+            raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}={signature[:40]!r}: not a signature this qgpu reads "
+                                  f"(expected {SIGNATURE_PREFIX}<base64url Ed25519 signature>)")
+        try:
+            raw = base64.urlsafe_b64decode(signature[len(SIGNATURE_PREFIX):] + "==")
+        except (binascii.Error, ValueError):
+            raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}: not base64url") from None
+        try:
+            self.public_key.verify(raw, _message(pod_uid, node, record_raw, bind_time_raw))
+        except InvalidSignature:
+            raise UntrustedRecord(
+                f"{ALLOCATION_SIGNATURE}: does not verify for pod uid {pod_uid!r} on node {node!r} with this record and "
+                f"{BIND_TIME}={bind_time_raw!r}: a record is believed only as the extender signed it for this pod "
+                "(edited, copied from another pod, or signed with another key)") from None
+
+    def pem(self) -> bytes:
+        return self.public_key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+@dataclass(frozen=True)
+class RecordSigner:
+    """The extender's private key. Only the extender holds it (the roles mount it nowhere else)."""
+
+    private_key: Ed25519PrivateKey
+
+    @classmethod
+    def from_pem(cls, pem: bytes, source: str = "private key") -> RecordSigner:
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
+        except (ValueError, TypeError) as exc:
+            raise SigningKeyError(f"{source}: not an unencrypted PEM private key ({exc})") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise SigningKeyError(f"{source}: a {type(key).__name__} key; record signatures need an Ed25519 private key")
+        return cls(key)
+
+    @property
+    def verifier(self) -> RecordVerifier:
+        return RecordVerifier(self.private_key.public_key())
+
+    def sign(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str) -> str:
+        raw = self.private_key.sign(_message(pod_uid, node, record_raw, bind_time_raw))
+        return SIGNATURE_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def signed_annotations(record: AllocationRecord, epoch_ns: int, pod_uid: str, signer: RecordSigner) -> dict[str, str]:
+    """The annotations one bind writes, in one request: record, bind-time and their signature."""
+    record_raw, bind_time_raw = record.to_json(), str(epoch_ns)
+    return {ALLOCATION: record_raw, BIND_TIME: bind_time_raw,
+            ALLOCATION_SIGNATURE: signer.sign(pod_uid, record.node, record_raw, bind_time_raw)}
+
+
+def trusted_record(pod: Mapping[str, Any], verifier: RecordVerifier) -> AllocationRecord | None:
+    """The pod's record if qgpu wrote it for this pod; None when it carries none.
+
+    Raises :class:`RecordError` for a malformed record and :class:`UntrustedRecord` for one that is
+    unsigned, signed for another pod, node or bind-time, or bound to a node other than its own.
+    """
+    notes = annotations(pod)
+    raw = notes.get(ALLOCATION)
+    if raw is None:
+        return None
+    signature = notes.get(ALLOCATION_SIGNATURE)
+    if not isinstance(signature, str) or not signature:
+        raise UntrustedRecord(f"{ALLOCATION_SIGNATURE} is missing: a {ALLOCATION} record is believed only when the "
+                              "extender signed it (a pod's own annotations are its owner's to write)")
+    record = parse_record(raw)
+    bound_to = (pod.get("spec") or {}).get("nodeName")
+    if bound_to and bound_to != record.node:
+        raise UntrustedRecord(f"{ALLOCATION}: node={record.node!r} but the pod is bound to {bound_to!r}: a record is "
+                              "believed only on the node it names")
+    uid = str((pod.get("metadata") or {}).get("uid") or "")
+    verifier.verify(uid, record.node, raw, str(notes.get(BIND_TIME, "")), signature)
+    return record

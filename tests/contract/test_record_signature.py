@@ -1,0 +1,123 @@
+"""The allocation record's signature (contract/signature.py): only what the extender signed for
+this pod, node, record and bind-time is believed."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME
+from qgpu_runtime.contract.record import RecordError
+from qgpu_runtime.contract.signature import RecordSigner, RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
+from qgpu_runtime.model.requests import AppClass
+from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
+from tests.recordkeys import OTHER_SIGNER, SIGNER, VERIFIER, private_pem, signed
+
+UID = "6b1f0d3e-0000-4000-8000-000000000001"
+BIND_NS = 1_732_000_000_000_000_000
+
+
+def _pod(uid: str = UID, node: str | None = "gpu-node-1") -> dict:
+    record = Placement("gpu-node-1", (ContainerPlacement("c", (CardShare(0, "GPU-a", 300, 4096),)),),
+                       AppClass.NORMAL).record("binpack", BIND_NS)
+    return {"metadata": {"name": "p", "namespace": "ns", "uid": uid, "annotations": signed(record, BIND_NS, uid)},
+            "spec": {"nodeName": node} if node else {}}
+
+
+def test_a_record_the_extender_signed_for_this_pod_is_believed():
+    record = trusted_record(_pod(), VERIFIER)
+    assert record is not None and record.node == "gpu-node-1" and record.containers[0].shares[0].core_milli == 300
+
+
+def test_an_unbound_pod_s_signed_record_is_believed_for_the_node_it_names():
+    assert trusted_record(_pod(node=None), VERIFIER) is not None
+
+
+def test_a_pod_without_a_record_has_none():
+    assert trusted_record({"metadata": {"uid": UID, "annotations": {}}}, VERIFIER) is None
+
+
+def test_a_missing_signature_is_refused_by_name():
+    pod = _pod()
+    del pod["metadata"]["annotations"][ALLOCATION_SIGNATURE]
+    with pytest.raises(UntrustedRecord, match="qgpu.io/allocation-signature is missing"):
+        trusted_record(pod, VERIFIER)
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(lambda d: d["containers"][0]["cards"][0].update(core_milli=1000), id="core share"),
+    pytest.param(lambda d: d["containers"][0]["cards"][0].update(memory_mib=32768), id="memory"),
+    pytest.param(lambda d: d["containers"][0]["cards"][0].update(index=1), id="card index"),
+    pytest.param(lambda d: d.update(policy="spread"), id="policy"),
+])
+def test_a_tampered_record_field_is_refused(tamper):
+    pod = _pod()
+    doc = json.loads(pod["metadata"]["annotations"][ALLOCATION])
+    tamper(doc)
+    pod["metadata"]["annotations"][ALLOCATION] = json.dumps(doc, separators=(",", ":"))
+    with pytest.raises(UntrustedRecord, match="does not verify for pod uid"):
+        trusted_record(pod, VERIFIER)
+
+
+def test_a_tampered_bind_time_is_refused():
+    pod = _pod()
+    pod["metadata"]["annotations"][BIND_TIME] = str(9 * 10**18)
+    with pytest.raises(UntrustedRecord, match="bind-time='9000000000000000000'"):
+        trusted_record(pod, VERIFIER)
+
+
+def test_a_record_copied_onto_another_pod_is_refused():
+    pod = _pod()
+    other = copy.deepcopy(pod)
+    other["metadata"]["uid"] = "6b1f0d3e-0000-4000-8000-000000000002"
+    with pytest.raises(UntrustedRecord, match="6b1f0d3e-0000-4000-8000-000000000002"):
+        trusted_record(other, VERIFIER)
+
+
+def test_a_record_for_another_node_than_the_pod_is_bound_to_is_refused():
+    pod = _pod()
+    pod["spec"]["nodeName"] = "gpu-node-2"
+    with pytest.raises(UntrustedRecord, match="bound to 'gpu-node-2'"):
+        trusted_record(pod, VERIFIER)
+
+
+def test_a_record_signed_with_another_key_is_refused():
+    pod = _pod()
+    notes = pod["metadata"]["annotations"]
+    notes[ALLOCATION_SIGNATURE] = OTHER_SIGNER.sign(UID, "gpu-node-1", notes[ALLOCATION], notes[BIND_TIME])
+    with pytest.raises(UntrustedRecord, match="signed with another key"):
+        trusted_record(pod, VERIFIER)
+
+
+@pytest.mark.parametrize("value", ["", "ed25519.v1.", "ed25519.v1.!!!!", "rsa.v1.AAAA", "ed25519.v1." + "A" * 500])
+def test_a_garbled_signature_is_refused(value):
+    pod = _pod()
+    pod["metadata"]["annotations"][ALLOCATION_SIGNATURE] = value
+    with pytest.raises(UntrustedRecord):
+        trusted_record(pod, VERIFIER)
+
+
+def test_a_malformed_record_is_a_record_error_even_when_signed():
+    pod = _pod()
+    notes = pod["metadata"]["annotations"]
+    notes[ALLOCATION] = "{}"
+    notes[ALLOCATION_SIGNATURE] = SIGNER.sign(UID, "gpu-node-1", "{}", notes[BIND_TIME])
+    with pytest.raises(RecordError, match="version=None"):
+        trusted_record(pod, VERIFIER)
+
+
+def test_keys_load_from_pem_and_refuse_other_kinds():
+    assert RecordSigner.from_pem(private_pem()).verifier.pem() == VERIFIER.pem()
+    assert RecordVerifier.from_pem(VERIFIER.pem()).pem() == VERIFIER.pem()
+    with pytest.raises(SigningKeyError, match="record.pub: not a PEM public key"):
+        RecordVerifier.from_pem(b"garbage", "record.pub")
+    with pytest.raises(SigningKeyError, match="not an unencrypted PEM private key"):
+        RecordSigner.from_pem(VERIFIER.pem())
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    other = ec.generate_private_key(ec.SECP256R1()).public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    with pytest.raises(SigningKeyError, match="need an Ed25519 public key"):
+        RecordVerifier.from_pem(other)
