@@ -7,6 +7,7 @@ The same against the real kube-apiserver: tests/k8s/test_e2e_webhook_auth.py.
 
 from __future__ import annotations
 
+import dataclasses
 import http.client
 import json
 import socket
@@ -200,9 +201,21 @@ def test_eight_authenticated_8_mib_bodies_are_refused_on_their_content_length(se
     assert server.stats.refused_too_large == 8 and server.stats.body_bytes_peak == 0
 
 
-def test_concurrent_bodies_at_the_cap_hold_at_most_the_budget(server, pki, effects):
+def test_concurrent_bodies_at_the_cap_hold_at_most_the_budget(pki, effects):
     """Sixteen max-size reviews at once: the body bytes held never pass the budget (8 bodies), and
-    every caller gets an answer (200 after decoding, or 503 to retry), none a dropped connection."""
+    every caller gets an answer (200 after decoding, or 503 to retry), none a dropped connection.
+    The memory limits are the webhook's own; only the deadlines are relaxed, because here the 16
+    senders share one process (and its GIL) with the server, so on a loaded machine a sender can
+    fall below ``min_body_rate`` and be closed, which is the deadline's job, not this test's."""
+    limits = dataclasses.replace(LIMITS, header_timeout_s=120.0, body_timeout_s=120.0, busy_wait_s=120.0)
+    server = start(cli.routes(WebhookConfig(), (DraConfig(card_memory_mib=(15360,)), effects.ensure), effects.check), pki, limits)
+    try:
+        _sixteen_at_the_cap(server, pki)
+    finally:
+        server.stop()
+
+
+def _sixteen_at_the_cap(server: JsonServer, pki: Pki) -> None:
     padding = CAP - len(review(GPU_POD)) - 64
     big = json.loads(review(GPU_POD))
     big["request"]["object"]["metadata"]["annotations"] = {"pad": "x" * padding}
