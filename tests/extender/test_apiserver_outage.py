@@ -18,6 +18,7 @@ from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node, pod
+from tests.recordkeys import SIGNER, VERIFIER
 
 
 def _closed_port() -> int:
@@ -32,11 +33,11 @@ def app() -> ExtenderApp:
     configuration.host = f"https://127.0.0.1:{_closed_port()}"
     configuration.retries = 0
     api = client.CoreV1Api(client.ApiClient(configuration))
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([node("a"), node("b")])
     cache.replace_pods([])
     cache.synced.set()
-    binder = Binder(api, cache, DEFAULT_LIMITS, attempts=2)
+    binder = Binder(api, cache, DEFAULT_LIMITS, attempts=2, signer=SIGNER)
     return ExtenderApp(cache, binder, DEFAULT_LIMITS, pods=TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists))
 
 

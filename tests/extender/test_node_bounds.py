@@ -16,6 +16,7 @@ from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from tests.extender.test_kube_cache import node, pod
+from tests.recordkeys import VERIFIER
 
 
 def _raw_node(name: str, raw: str, cpu: str = "32") -> dict:
@@ -43,7 +44,7 @@ def _filter(app: ExtenderApp, names: list[str]) -> tuple[int, dict]:
 @pytest.mark.parametrize("case", sorted(HOSTILE))
 def test_a_hostile_node_is_refused_with_its_reason_and_others_still_get_decisions(case: str) -> None:
     hostile, words = HOSTILE[case]
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([node("a"), hostile, node("b", n_cards=1)])
     cache.replace_pods([pod("p")])
     app = ExtenderApp(cache, None, DEFAULT_LIMITS)
@@ -57,7 +58,7 @@ def test_a_hostile_node_is_refused_with_its_reason_and_others_still_get_decision
 
 
 def test_a_node_that_fixes_its_inventory_is_placed_again() -> None:
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([HOSTILE["memory 2**64"][0]])
     cache.replace_pods([pod("p")])
     app = ExtenderApp(cache, None, DEFAULT_LIMITS)
@@ -67,7 +68,7 @@ def test_a_node_that_fixes_its_inventory_is_placed_again() -> None:
 
 
 def test_the_cache_keeps_at_most_the_card_bound_per_node() -> None:
-    cache = AllocationCache(make_policy("binpack"), "binpack")
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([node("a"), HOSTILE["3,500 cards"][0]])
     state = cache.state()
     assert state.max_cards <= MAX_CARDS and int(state.n_cards.sum()) == 2
