@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable, Mapping
 import yaml
 
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
+from tests.tiers import CONTROLPLANE, refuse_in_fast_tier
 
 ROOT = Path(__file__).resolve().parents[2]
 TESTBIN = ROOT / "scripts" / "k8s-testbin"
@@ -176,6 +177,7 @@ class ControlPlane:
         raise ControlPlaneError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
 
     def start(self, timeout: float = 120.0) -> None:
+        refuse_in_fast_tier("starts a control plane (etcd, kube-apiserver)", CONTROLPLANE)
         self._start_etcd(timeout)
         self._start_apiserver(timeout)
 
