@@ -80,10 +80,11 @@ def tier_markers(item: pytest.Item) -> list[str]:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        markers = tier_markers(item)
-        for name in markers:
+        for name in tier_markers(item):
             item.add_marker(name)
-        if markers and item.get_closest_marker("slow") is None:
+        # A tier marker set by hand counts as much as one found here.
+        needs = [name for name in (tiers.CONTROLPLANE, tiers.REALNODE, tiers.ANSIBLE) if item.get_closest_marker(name)]
+        if needs and item.get_closest_marker("slow") is None:
             item.add_marker("slow")
     if config.getoption("fast"):
         deselected = [item for item in items if item.get_closest_marker("slow") is not None]
