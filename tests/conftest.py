@@ -48,7 +48,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 
 def _is_runner(obj: Any) -> bool:
-    return inspect.isfunction(obj) and obj.__module__ == "ansible_tools" and obj.__name__ in ANSIBLE_RUNNERS
+    """A runner of ansible_tools, imported as ``ansible_tools`` (tests/provisioning) or by its full name."""
+    return inspect.isfunction(obj) and obj.__module__.rpartition(".")[2] == "ansible_tools" and obj.__name__ in ANSIBLE_RUNNERS
 
 
 _ansible_modules: dict[str, bool] = {}
@@ -59,7 +60,7 @@ def _runs_ansible(module: ModuleType) -> bool:
     holds one (test_webhook_dra_live's ``render`` from test_webhook_dra_render)."""
     if module.__name__ not in _ansible_modules:
         namespaces = [vars(module)] + [obj.__globals__ for obj in vars(module).values()
-                                       if inspect.isfunction(obj) and obj.__module__ not in (module.__name__, "ansible_tools")]
+                                       if inspect.isfunction(obj) and obj.__module__ != module.__name__ and not _is_runner(obj)]
         _ansible_modules[module.__name__] = any(_is_runner(obj) for names in namespaces for obj in names.values())
     return _ansible_modules[module.__name__]
 
