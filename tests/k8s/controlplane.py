@@ -26,6 +26,7 @@ import yaml
 
 from tests.k8s.pki import CertificateAuthority, KeyPair, service_account_keys
 from tests.recordkeys import write_keys
+from tests.tiers import CONTROLPLANE, refuse_in_fast_tier
 
 ADMIN_USER = "qgpu-test-admin"  # the username of the admin kubeconfig (and of the session's extender)
 
@@ -202,6 +203,7 @@ class ControlPlane:
         raise ControlPlaneError(f"{proc.name} not ready after {timeout:.0f}s:\n{proc.tail()}")
 
     def start(self, timeout: float = 120.0) -> None:
+        refuse_in_fast_tier("starts a control plane (etcd, kube-apiserver)", CONTROLPLANE)
         self._start_etcd(timeout)
         self._start_apiserver(timeout)
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.tiers import ANSIBLE, refuse_in_fast_tier
+
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 ROLES = sorted(p.parent.parent.parent.name for p in (REPO / "roles").glob("*/molecule/default/molecule.yml"))
@@ -44,6 +46,7 @@ def tool_env(**extra: str) -> dict[str, str]:
 
 
 def run_tool(argv: list[str], cwd: Path = REPO, timeout: int = 600, **env: str) -> Run:
+    refuse_in_fast_tier(f"runs {Path(argv[0]).name}", ANSIBLE)
     proc = subprocess.run(argv, cwd=cwd, env=tool_env(**env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout, check=False)
     return Run(proc.returncode, proc.stdout)

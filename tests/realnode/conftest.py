@@ -17,7 +17,8 @@ import yaml
 
 from tests.realnode.localcluster import KUBELET_SYSCTLS, ROOT, LocalCluster
 
-pytestmark = pytest.mark.slow
+# No `pytestmark` here: pytest reads it from test modules only. tests/conftest.py marks every test
+# of this directory `realnode` (and `slow`).
 
 
 def _run(*argv: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -12,7 +12,10 @@ from qgpu_runtime.sim.trace import load_nodes, load_pods
 from tests.tracedata import openb_trace_dir
 
 TRACE = openb_trace_dir()
-pytestmark = pytest.mark.skipif(TRACE is None, reason="the openb trace is not beside the checkout (set QGPU_TRACE_DIR)")
+# `slow` by hand (docs/testing.md#the-tiers): these replays need nothing but Python, yet take
+# about 75 s of CPU together, close to half of the fast tier; the README's command runs them.
+pytestmark = [pytest.mark.skipif(TRACE is None, reason="the openb trace is not beside the checkout (set QGPU_TRACE_DIR)"),
+              pytest.mark.slow]
 
 # The cut: seed 42 of the documented 10-seed run, replayed only until the arrived demand passes
 # 101 % of capacity instead of 130 %. One seed's replay is deterministic, and the shorter run is
