@@ -34,13 +34,14 @@ from typing import Any, Callable
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record, record_annotations
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.retry import with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
-from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale
+from qgpu_runtime.placement.commitments import Commitment, CommitmentError, observed, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
 from qgpu_runtime.placement.state import Placement, StateError
 
@@ -71,14 +72,18 @@ class Binder:
                  clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, commitments: LeaseCommitments | None = None,
                  commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9,
-                 on_conflict: Callable[[], None] = lambda: None):
+                 on_conflict: Callable[[], None] = lambda: None, monotonic_ns: Callable[[], int] = time.monotonic_ns):
         """``commitments`` None: binds are safe only against the binds of this process (one active
-        extender); with it, against every binder that writes the same Leases."""
+        extender); with it, against every binder that writes the same Leases. A Lease entry of a pod
+        not bound here is pruned once this binder has watched it for ``commitment_grace_ns`` by
+        ``monotonic_ns`` (contract/observed.py), whatever its writer's clock stamped on it."""
         if commit_attempts < 1:
             raise ValueError(f"commit_attempts={commit_attempts}: must be >= 1")
         self.commitments = commitments
         self.commit_attempts = commit_attempts
         self.commitment_grace_ns = commitment_grace_ns
+        self.monotonic_ns = monotonic_ns
+        self._seen = FirstSeen()  # node -> when this binder first saw each entry of its Lease
         self.conflicts = 0  # lost Lease writes, each followed by a fresh decision
         self.on_conflict = on_conflict
         self.api = api
@@ -192,7 +197,8 @@ class Binder:
                 snapshot = self._read_commitments(key, node)
                 now = self.clock_ns()
                 held = snapshot.commitments
-                held = held.without(stale(held, self.cache.fates(held.pods, node), now, self.commitment_grace_ns))
+                ages = self._seen.ages(node, observed(held), self.monotonic_ns())
+                held = held.without(stale(held, self.cache.fates(held.pods, node), ages, self.commitment_grace_ns))
                 record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
                 mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
                 # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
