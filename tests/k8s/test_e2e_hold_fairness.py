@@ -54,7 +54,12 @@ def test_pods_stuck_in_prebind_do_not_keep_another_namespaces_pod_out(cluster, l
 
         wait_for("the three pods of team A past filter and waiting in PreBind", all_in_prebind, timeout=60)
         cluster.api.create_namespaced_pod(team_b, gpu_pod("q", LIMITS, selector=label))
-        pod = bound(cluster.api, team_b, "q", timeout=60)
+        try:
+            pod = bound(cluster.api, team_b, "q", timeout=60)
+        except AssertionError as exc:
+            scheduler = cluster.cp.processes.get("kube-scheduler")
+            raise AssertionError(f"{exc}\n--- extender ---\n{cluster.extender.process.tail(60) if cluster.extender.process else ''}"
+                                 f"\n--- kube-scheduler ---\n{scheduler.tail(60) if scheduler else ''}") from None
         assert pod["spec"]["nodeName"] == node
         assert not any(read_pod(cluster.api, team_a, f"stuck-{i}")["spec"].get("nodeName") for i in range(3))
     finally:

@@ -57,7 +57,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "inventories" / "example"
 POOLS = ("qgpu_pool_training", "qgpu_pool_inference", "qgpu_pool_mixed")
-NAMESPACE = "kube-system"  # as in inventories/example
+NAMESPACE = "qgpu-system"  # as in inventories/example (the roles create it)
 POLICIES = ("best-effort", "fixed-share", "burst-share")
 XGN_TAINT = pool_xgn_taint()
 # The xgn taint of earlier releases, which no webhook-mutated pod tolerates: a run must remove it.
