@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,9 @@ def role_defaults(role: str, part: str = "defaults") -> dict[str, Any]:
     for key, value in (raw or {}).items():
         if isinstance(value, str) and "{{" in value:
             try:
-                value = yaml.safe_load(lenient.from_string(value).render(groups={}, hostvars={})) or ""
+                with warnings.catch_warnings():  # Ansible's own escapes ('^127\\.') in vars the templates never use
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    value = yaml.safe_load(lenient.from_string(value).render(groups={}, hostvars={})) or ""
             except jinja2.TemplateError:
                 continue
         out[key] = value
