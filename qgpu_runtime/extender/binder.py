@@ -35,6 +35,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
+from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordSigner, signed_annotations
 from qgpu_runtime.extender.cache import AllocationCache, Expired
@@ -42,7 +43,7 @@ from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitmen
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
-from qgpu_runtime.placement.commitments import Commitment, CommitmentError, over_commitment, stale
+from qgpu_runtime.placement.commitments import Commitment, CommitmentError, observed, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
 from qgpu_runtime.placement.state import Placement, StateError
 
@@ -73,11 +74,14 @@ class Binder:
                  clock_ns: Callable[[], int] = time.time_ns, attempts: int = 5,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, commitments: LeaseCommitments | None = None,
                  commit_attempts: int = 8, commitment_grace_ns: int = 60 * 10**9,
-                 on_conflict: Callable[[], None] = lambda: None, *, signer: RecordSigner):
+                 on_conflict: Callable[[], None] = lambda: None, monotonic_ns: Callable[[], int] = time.monotonic_ns,
+                 *, signer: RecordSigner):
         """``commitments`` None: binds are safe only against the binds of this process (one active
-        extender); with it, against every binder that writes the same Leases. ``signer``: the key
-        every record is signed with; the cache must verify with its public half, or this extender
-        would not book its own binds."""
+        extender); with it, against every binder that writes the same Leases. A Lease entry of a pod
+        not bound here is pruned once this binder has watched it for ``commitment_grace_ns`` by
+        ``monotonic_ns`` (contract/observed.py), whatever its writer's clock stamped on it.
+        ``signer``: the key every record is signed with; the cache must verify with its public half,
+        or this extender would not book its own binds."""
         if commit_attempts < 1:
             raise ValueError(f"commit_attempts={commit_attempts}: must be >= 1")
         if signer.verifier.pem() != cache.verifier.pem():
@@ -86,6 +90,8 @@ class Binder:
         self.commitments = commitments
         self.commit_attempts = commit_attempts
         self.commitment_grace_ns = commitment_grace_ns
+        self.monotonic_ns = monotonic_ns
+        self._seen = FirstSeen()  # node -> when this binder first saw each entry of its Lease
         self.conflicts = 0  # lost Lease writes, each followed by a fresh decision
         self.on_conflict = on_conflict
         self.api = api
@@ -219,7 +225,8 @@ class Binder:
                 snapshot = self._read_commitments(key, node)
                 now = self.clock_ns()
                 held = snapshot.commitments
-                held = held.without(stale(held, self.cache.fates(held.pods, node), now, self.commitment_grace_ns))
+                ages = self._seen.ages(node, observed(held), self.monotonic_ns())
+                held = held.without(stale(held, self.cache.fates(held.pods, node), ages, self.commitment_grace_ns))
                 record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
                 mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
                 # Records first: for a bound pod the record on it is the truth, and a Lease entry of the

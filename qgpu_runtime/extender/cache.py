@@ -67,6 +67,12 @@ log = logging.getLogger(__name__)
 TERMINAL_PHASES = FINISHED_PHASES
 SEEN_PODS = 4096
 DEFAULT_MAX_HOLDS = 1000
+
+
+def default_holds_per_namespace(max_holds: int) -> int:
+    """Half of ``max_holds``, rounded up: one namespace's pods stuck before their bind leave the
+    other half to everyone else (podstate.py, ``PodStates.room_for``)."""
+    return (max_holds + 1) // 2
 GONE_PODS = 4096
 PHANTOM = "commitment:"  # booking keys of other binders' commitments, present only inside reserve()
 UNKNOWN_NODE = "node unknown to qgpu (not in the extender's node cache)"
@@ -140,12 +146,17 @@ class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
     def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9,
-                 max_holds: int = DEFAULT_MAX_HOLDS, *, verifier: RecordVerifier):
+                 max_holds: int = DEFAULT_MAX_HOLDS, max_holds_per_namespace: int | None = None, *, verifier: RecordVerifier):
         if max_holds < 1:
             raise ValueError(f"max_holds={max_holds}: must be >= 1")
+        per_namespace = default_holds_per_namespace(max_holds) if max_holds_per_namespace is None else max_holds_per_namespace
+        if per_namespace < 1:
+            raise ValueError(f"max_holds_per_namespace={per_namespace}: must be >= 1")
         self.max_holds = max_holds
         self.verifier = verifier  # the extender's own public key: only records it signed are booked
         self._untrusted: dict[str, str] = {}  # pod key -> the refusal last reported (one report per change)
+        self.max_holds_per_namespace = per_namespace
+        self.hold_evictions = 0  # holds taken from the busiest namespace for another's pod (podstate.py)
         self.policy = policy
         self.policy_name = policy_name
         self.limits = limits
@@ -396,9 +407,17 @@ class AllocationCache:
             return self._unbound.get(uid)
 
     def _check_hold_room(self, key: str) -> None:
-        if self._pods.authorization(key) is None and self._pods.authorized_count() >= self.max_holds:
-            raise HoldLimit(f"{self._pods.authorized_count()} pods already hold cards and await their bind (at most "
-                            f"{self.max_holds}, --max-holds); pod {key} is refused until some are bound or expire")
+        if self._pods.authorization(key) is not None:
+            return
+        room = self._pods.room_for(key, self.max_holds, self.max_holds_per_namespace)
+        if room.refusal is not None:
+            raise HoldLimit(room.refusal)
+        if room.evict is not None:
+            log.warning("pod %s: its hold goes to pod %s of a namespace holding fewer (--max-holds %d reached); "
+                        "its bind is refused and kube-scheduler schedules it again", room.evict, key, self.max_holds)
+            self._release(self.state(), room.evict)
+            self._pods.deauthorize(room.evict)
+            self.hold_evictions += 1
 
     def authorize(self, pod: Mapping[str, Any], names: list[str], now_ns: int) -> None:
         """Let ``pod`` be bound to one of ``names`` (a filter that holds no cards: a pod asking

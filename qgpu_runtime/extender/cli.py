@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="serve plain HTTP without client authentication; refused unless --address is loopback")
     serve.add_argument("--max-holds", type=int, default=DEFAULT_MAX_HOLDS,
                        help=f"at most this many pods hold cards between filter and bind (default {DEFAULT_MAX_HOLDS})")
+    serve.add_argument("--max-holds-per-namespace", type=int, default=None, metavar="N",
+                       help="at most this many of them from one namespace (default: half of --max-holds, rounded up); "
+                            "at --max-holds, a pod of a namespace holding fewer takes the oldest hold of the one holding most")
     serve.add_argument("--assume-timeout", type=float, default=60.0,
                        help="seconds an allocation record may wait for its Binding before it is released (default 60)")
     serve.add_argument("--filter-result", choices=("all", "best"), default="all",
@@ -66,8 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="commit each bind through a per-node Lease that the apiserver arbitrates, so two "
                             "extenders or schedulers never over-commit a card (default on; off only with one "
                             "active extender, e.g. under leader election)")
-    serve.add_argument("--commitment-namespace", default="kube-system",
-                       help="namespace of the per-node commitment Leases qgpu-node.<node> (default kube-system)")
+    serve.add_argument("--commitment-namespace", default="qgpu-system",
+                       help="namespace of the per-node commitment Leases qgpu-node.<node> (default qgpu-system)")
     serve.add_argument("--dra-prioritize", action=argparse.BooleanOptionalAction, default=False,
                        help="also score pods whose GPUs come through ResourceClaims of qgpu's DeviceClasses "
                             "(watches ResourceSlices, ResourceClaims and ResourceClaimTemplates: needs list and "
@@ -110,6 +113,9 @@ def _check(args: argparse.Namespace) -> None:
                              "--client-ca-file); plain HTTP needs --insecure-plain-http and a loopback --address")
     if args.max_holds < 1:
         raise SystemExit(f"qgpu extender serve: --max-holds {args.max_holds}: must be >= 1")
+    if args.max_holds_per_namespace is not None and not 1 <= args.max_holds_per_namespace <= args.max_holds:
+        raise SystemExit(f"qgpu extender serve: --max-holds-per-namespace {args.max_holds_per_namespace}: must be within "
+                         f"1..--max-holds ({args.max_holds})")
     if args.assume_timeout <= 0:
         raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
     if args.node_commitments and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
@@ -140,7 +146,7 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     connection = api_client(args.kubeconfig)
     api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
-                            max_holds=args.max_holds, verifier=signer.verifier)
+                            max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier)
     commitments = (LeaseCommitments(client.CoordinationV1Api(connection), args.commitment_namespace)
                    if args.node_commitments else None)
     # A commitment outlives its bind in flight by the assume timeout: by then the Binding (and its

@@ -8,9 +8,17 @@ For one pod key the extender remembers up to five things, each with its own life
 - ``stale``: a record known dead (expired, or given up by the scheduler), never booked again.
 
 They used to be five dicts keyed by pod, which every path had to keep in step. ``PodStates`` keeps
-one ``PodState`` per key, drops it once nothing is left in it, and counts the authorized pods so
-the hold cap is checked in O(1) on filter's hot path. Not thread-safe on its own: the cache's lock
-guards it.
+one ``PodState`` per key, drops it once nothing is left in it, and counts the authorized pods, in
+all and per namespace, so the hold caps are checked in O(1) on filter's hot path. Not thread-safe
+on its own: the cache's lock guards it.
+
+Holds are shared fairly between namespaces (issue 21 §5): pods that filter passed and that never
+reach their bind (stuck in kube-scheduler's PreBind, say) keep their holds until the assume timeout,
+and three of them once filled ``--max-holds`` and kept another namespace's pod out for 74 s. So no
+namespace holds more than its share (``--max-holds-per-namespace``), and when all holds are taken,
+a pod of a namespace holding fewer takes the oldest hold of the namespace holding most
+(:meth:`PodStates.room_for`); the evicted pod's bind is then refused like any bind filter did not
+allow, and kube-scheduler schedules it again.
 """
 
 from __future__ import annotations
@@ -77,6 +85,20 @@ class BindAuthorization:
     since_ns: int
 
 
+def namespace_of(key: str) -> str:
+    """The namespace of a pod key ``namespace/name``."""
+    return key.split("/", 1)[0]
+
+
+@dataclass(frozen=True)
+class HoldRoom:
+    """Whether a pod not yet authorized may take a hold: ``refusal`` says why not (None: it may),
+    ``evict`` names the pod whose hold it takes first (None: there is room)."""
+
+    refusal: str | None = None
+    evict: str | None = None
+
+
 @dataclass
 class PodState:
     key: str
@@ -97,6 +119,7 @@ class PodStates:
     def __init__(self) -> None:
         self._by_key: dict[str, PodState] = {}
         self._authorized = 0
+        self._per_namespace: dict[str, int] = {}  # authorized pods by namespace, none at 0
         self._held: set[str] = set()  # keys with held_since, so holds are found without a full scan
 
     def get(self, key: str) -> PodState | None:
@@ -157,6 +180,8 @@ class PodStates:
         state = self._of(key)
         if state.authorization is None:
             self._authorized += 1
+            namespace = namespace_of(key)
+            self._per_namespace[namespace] = self._per_namespace.get(namespace, 0) + 1
         state.authorization = allowed
 
     def deauthorize(self, key: str) -> None:
@@ -164,10 +189,51 @@ class PodStates:
         if state is not None and state.authorization is not None:
             state.authorization = None
             self._authorized -= 1
+            namespace = namespace_of(key)
+            left = self._per_namespace.get(namespace, 0) - 1
+            if left > 0:
+                self._per_namespace[namespace] = left
+            else:
+                self._per_namespace.pop(namespace, None)
             self._tidy(state)
 
     def authorized_count(self) -> int:
         return self._authorized
+
+    def authorized_in(self, namespace: str) -> int:
+        return self._per_namespace.get(namespace, 0)
+
+    def room_for(self, key: str, max_holds: int, per_namespace: int) -> HoldRoom:
+        """May pod ``key`` (not authorized yet) take a hold? Its namespace below ``per_namespace``,
+        and either fewer than ``max_holds`` in all, or a namespace holding at least two more than
+        its own would then hold, whose oldest hold not being bound right now it takes over. O(1)
+        below the caps; at ``max_holds``, one pass over the namespaces and the busiest one's pods."""
+        namespace = namespace_of(key)
+        mine = self.authorized_in(namespace)
+        full = self._authorized >= max_holds
+        if mine >= per_namespace and not full:
+            return HoldRoom(refusal=(
+                f"namespace {namespace!r} already has {mine} pods holding cards that await their bind (at most "
+                f"{per_namespace} per namespace, --max-holds-per-namespace); pod {key} is refused until some of "
+                f"them are bound or expire"))
+        if not full:
+            return HoldRoom()
+        busiest, most = max(self._per_namespace.items(), key=lambda item: (item[1], item[0]))
+        if most > mine + 1 and mine < per_namespace:
+            victim = self._oldest_unpinned(busiest)
+            if victim is not None:
+                return HoldRoom(evict=victim)
+        return HoldRoom(refusal=(
+            f"{self._authorized} pods already hold cards and await their bind (at most {max_holds}, --max-holds; "
+            f"namespace {namespace!r} holds {mine}, the most any namespace holds is {most}); pod {key} is refused "
+            f"until some are bound or expire"))
+
+    def _oldest_unpinned(self, namespace: str) -> str | None:
+        """The pod of ``namespace`` authorized longest ago whose bind is not in flight."""
+        prefix = namespace + "/"
+        candidates = [(s.authorization.since_ns, s.key) for s in self._by_key.values()
+                      if s.authorization is not None and s.pinned is None and s.key.startswith(prefix)]
+        return min(candidates)[1] if candidates else None
 
     def authorizations(self) -> list[tuple[str, BindAuthorization]]:
         return [(s.key, s.authorization) for s in list(self._by_key.values()) if s.authorization is not None]

@@ -6,7 +6,9 @@ both bind onto it. The cure is one object per node that the apiserver arbitrates
 re-checks its chosen cards against it, and writes it back with a resourceVersion precondition, so of
 two binds deciding on the same state only one write succeeds and the other re-decides on fresh state.
 The object's I/O lives in :mod:`qgpu_runtime.extender.commitments`; this module is the pure part: the
-document format, the fit check and pruning. No I/O, no clock (times come in as arguments).
+document format, the fit check and pruning. No I/O, no clock (times come in as arguments). ``since_ns``
+is the writer's wall clock, for people and earlier releases; pruning goes by how long the pruning
+binder itself has seen an entry (contract/observed.py), since binders' clocks disagree.
 
 Document (annotation ``qgpu.io/commitments`` of the node's Lease), compact JSON::
 
@@ -203,19 +205,29 @@ class PodFate(Enum):
     UNKNOWN = "not seen"
 
 
-def stale(commitments: NodeCommitments, fates: Mapping[str, PodFate], now_ns: int, grace_ns: int) -> list[str]:
+def observed(commitments: NodeCommitments) -> dict[str, tuple[int, tuple[CardUse, ...]]]:
+    """What identifies each version of an entry, for :class:`~qgpu_runtime.contract.observed.FirstSeen`:
+    an entry written again (new cards, a new stamp) is a new entry."""
+    return {uid: (c.since_ns, c.cards) for uid, c in commitments.pods.items()}
+
+
+def stale(commitments: NodeCommitments, fates: Mapping[str, PodFate], ages_ns: Mapping[str, int | float],
+          grace_ns: int) -> list[str]:
     """UIDs whose entries can go when the document is rewritten.
 
     A pod deleted, finished or bound to another node no longer holds these cards. A pod not bound
-    here (yet) keeps its entry for ``grace_ns``: its binder may be between the Lease write and the
-    Binding, or this binder's watch may lag the other's. After that the bind failed or the record
-    on the bound pod (which every binder's cache counts) has taken over.
+    here (yet) keeps its entry until this binder has itself watched the entry for ``grace_ns``
+    (``ages_ns``, by its own monotonic clock; an entry with no age was just seen): its binder may be
+    between the Lease write and the Binding, or this binder's watch may lag the other's. After that
+    the bind failed or the record on the bound pod (which every binder's cache counts) has taken over.
+    The entry's ``since_ns`` is its writer's wall clock and decides nothing here: a writer whose clock
+    runs ahead would stamp entries nobody ever prunes, one behind entries pruned on sight.
     """
     out = []
-    for uid, c in commitments.pods.items():
+    for uid in commitments.pods:
         fate = fates.get(uid, PodFate.UNKNOWN)
         if fate in (PodFate.GONE, PodFate.BOUND_ELSEWHERE):
             out.append(uid)
-        elif fate is not PodFate.BOUND_HERE and now_ns - c.since_ns >= grace_ns:
+        elif fate is not PodFate.BOUND_HERE and ages_ns.get(uid, 0) >= grace_ns:
             out.append(uid)
     return sorted(out)

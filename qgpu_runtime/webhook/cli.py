@@ -33,7 +33,7 @@ from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 from qgpu_runtime.webhook.templates import TemplateWriter
 
 ClaimCheck = Callable[[dict[str, Any]], Verdict]
-DEFAULT_LEDGER_NAMESPACE = "kube-system"
+DEFAULT_LEDGER_NAMESPACE = "qgpu-system"
 DEFAULT_RESERVATION_S = 30.0
 
 
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--kubeconfig", default=None, help="with --dra: kubeconfig file (default: in-cluster service account)")
     serve.add_argument("--quota-ledger-namespace", default=None, metavar="NAMESPACE",
                        help="with --dra: namespace of the claim-quota ledger Leases qgpu-claim-quota.<namespace>, the "
-                            "webhook's own (default kube-system)")
+                            "webhook's own (default qgpu-system)")
     serve.add_argument("--claim-reservation-seconds", type=float, default=None, metavar="SECONDS",
                        help="with --dra: how long an admitted claim not yet stored counts against the quota (default 30)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))

@@ -9,7 +9,10 @@ before it changed loses the write (409), reads again and sees the first.
 
 The real claims stay the source of truth: a reservation counts only while its claim is not yet
 among the listed claims and it has not expired, so a claim that never appeared (refused by a later
-admission step, or its CREATE failed) stops counting after the TTL. Pure: text in, entries out.
+admission step, or its CREATE failed) stops counting after the TTL. Expiry is measured by each
+replica's own clock from when it first saw the entry (contract/observed.py); ``expires`` is still
+written, as the writer's wall clock sees it, for webhooks of earlier releases. Pure: text in,
+entries out.
 """
 
 from __future__ import annotations
@@ -78,10 +81,21 @@ def encode_ledger(entries: Mapping[str, Reservation]) -> str:
         separators=(",", ":"))
 
 
-def pending(entries: Mapping[str, Reservation], now: float, visible: Collection[str]) -> dict[str, Reservation]:
-    """The reservations that still count: not expired, and their claim not yet among ``visible``
-    (once it is, the claim itself counts; keeping the entry would count it twice)."""
-    return {claim: r for claim, r in entries.items() if r.expires > now and claim not in visible}
+def stamps(entries: Mapping[str, Reservation]) -> dict[str, tuple[int, int, float]]:
+    """What identifies each version of an entry, for :class:`~qgpu_runtime.contract.observed.FirstSeen`:
+    a claim reserved again (a retried CREATE) is a new entry."""
+    return {claim: (r.core_milli, r.memory_mib, r.expires) for claim, r in entries.items()}
+
+
+def pending(entries: Mapping[str, Reservation], ages: Mapping[str, float], ttl: float,
+            visible: Collection[str]) -> dict[str, Reservation]:
+    """The reservations that still count: watched by this replica for less than ``ttl`` (``ages``,
+    by its own clock: an entry it has no age for was just seen), and their claim not yet among
+    ``visible`` (once it is, the claim itself counts; keeping the entry would count it twice).
+
+    The entry's ``expires`` is not compared with this replica's wall clock: the writer's clock may
+    run ahead or behind (contract/observed.py), and a fast reader would erase its peers' entries."""
+    return {claim: r for claim, r in entries.items() if ages.get(claim, 0.0) < ttl and claim not in visible}
 
 
 def reserved_usage(entries: Mapping[str, Reservation]) -> Usage:

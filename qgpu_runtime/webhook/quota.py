@@ -30,6 +30,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, CLAIM_RESERVATIONS
+from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.kube.client import api_error, drain, raw_json
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.webhook.claimquota import (
@@ -41,7 +42,16 @@ from qgpu_runtime.webhook.claimquota import (
     is_claim_create,
     new_claim,
 )
-from qgpu_runtime.webhook.ledger import MAX_ENTRIES, LedgerError, Reservation, encode_ledger, parse_ledger, pending, reserved_usage
+from qgpu_runtime.webhook.ledger import (
+    MAX_ENTRIES,
+    LedgerError,
+    Reservation,
+    encode_ledger,
+    parse_ledger,
+    pending,
+    reserved_usage,
+    stamps,
+)
 
 log = logging.getLogger(__name__)
 _UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)  # refused, reset, timed out
@@ -126,6 +136,8 @@ class ClaimQuota:
         self.clock = clock
         self.monotonic = monotonic
         self.locks = _NamespaceLocks()
+        # when this replica first saw each ledger entry, by ``monotonic``: what expiry is measured by
+        self.seen = FirstSeen()
         self.conflicts = 0  # lost ledger writes, each followed by a fresh check
 
     def __call__(self, request: Mapping[str, Any]) -> Verdict:
@@ -167,8 +179,8 @@ class ClaimQuota:
             claims = self._list("ResourceClaims", lambda t: self.resource.list_namespaced_resource_claim(
                 namespace, _preload_content=False, _request_timeout=t), namespace, deadline)
             visible = {str((c.get("metadata") or {}).get("name")) for c in claims}
-            now = self.clock()
-            counting = pending(ledger.entries, now, visible)
+            ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
+            counting = pending(ledger.entries, ages, self.ttl, visible)
             counting.pop(key, None)  # a retried CREATE of the same claim is not charged twice
             allowed, message = claim_admission(request, claims, quotas, self.default_memory_mib, reserved_usage(counting))
             if not allowed:
@@ -177,7 +189,8 @@ class ClaimQuota:
                 return Verdict(True)  # nothing will be stored, so nothing is reserved (sideEffects: NoneOnDryRun)
             if len(counting) >= MAX_ENTRIES:
                 raise QuotaUnavailable(f"{len(counting)} claims of the namespace are admitted and not yet stored")
-            counting[key] = Reservation(asked.core_milli, asked.memory_mib, now + self.ttl)
+            # ``expires`` by this replica's wall clock, for earlier releases' readers only
+            counting[key] = Reservation(asked.core_milli, asked.memory_mib, self.clock() + self.ttl)
             try:
                 self._write_ledger(namespace, ledger, counting, deadline)
                 return Verdict(True)

@@ -15,13 +15,17 @@ import pytest
 
 from qgpu_runtime.contract import names
 from qgpu_runtime.contract.inventory import InventoryCard, encode_inventory, parse_inventory
+from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import RecordError, bind_time, parse_record, record_annotations
 from qgpu_runtime.extender.nodes import node_spec
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.node.nodeinfo import node_metadata
+from qgpu_runtime.placement.commitments import CardUse, Commitment, NodeCommitments, parse_commitments
 from qgpu_runtime.placement.state import CardShare, CardSpec, ContainerPlacement, Placement
+from qgpu_runtime.webhook.ledger import Reservation, encode_ledger, parse_ledger, pending, stamps
 from tests.contract.previous_release import extender_inventory as old_extender
+from tests.contract.previous_release import lease_documents as old
 from tests.contract.previous_release import node_record as old_node
 
 WRITTEN = json.loads((Path(__file__).parent / "previous_release" / "written.json").read_text())
@@ -127,3 +131,41 @@ def test_a_record_the_previous_extender_wrote_is_read_but_not_trusted_by_this_re
     assert Placement.of_record(parse_record(WRITTEN["pod_annotations"][names.ALLOCATION])) == _placement()
     with pytest.raises(UntrustedRecord, match="allocation-signature is missing"):
         trusted_record(pod, VERIFIER)
+
+
+# --- the Lease documents: claim-quota ledger and node commitments (issue 21 §6) -------------------
+# Expiry moved from the writer's stamp to each reader's own clock; the documents did not change.
+
+LEDGER_BEFORE = ('{"version":1,"reservations":{"team-a-claim":{"core":600,"memory":1024,"expires":1732000030.5}}}')
+COMMITMENTS_BEFORE = ('{"version":1,"node":"gpu-node-1","pods":{"uid-1":{"pod":"ns/p","since_ns":1732000000000000000,'
+                      '"cards":[{"index":0,"core_milli":300,"memory_mib":4096,"exclusive":false}]}}}')
+
+
+def test_a_ledger_written_before_is_read_alike_and_its_entries_count_until_watched_for_the_ttl():
+    entries = parse_ledger(LEDGER_BEFORE)
+    assert entries == {"team-a-claim": Reservation(600, 1024, 1732000030.5)}
+    seen = FirstSeen()
+    assert set(pending(entries, seen.ages("team-a", stamps(entries), 0.0), 30.0, ())) == {"team-a-claim"}
+    assert pending(entries, seen.ages("team-a", stamps(entries), 30.0), 30.0, ()) == {}
+
+
+def test_the_previous_webhook_reads_the_ledger_this_one_writes_and_counts_it_until_expires():
+    written = encode_ledger({"c": Reservation(600, 1024, 1000.0 + 30.0)})  # ClaimQuota: its wall clock + TTL
+    entries = old.parse_ledger(written)
+    assert entries == {"c": old.Reservation(600, 1024, 1030.0)}
+    assert set(old.pending(entries, 1000.0, ())) == {"c"} and old.pending(entries, 1030.0, ()) == {}
+
+
+def test_commitments_written_before_are_read_alike():
+    assert parse_commitments(COMMITMENTS_BEFORE, "gpu-node-1") == NodeCommitments("gpu-node-1", {
+        "uid-1": Commitment("uid-1", "ns/p", 1732000000000000000, (CardUse(0, 300, 4096, False),))})
+
+
+def test_the_previous_extender_reads_the_commitments_this_one_writes():
+    doc = NodeCommitments("gpu-node-1", {"uid-1": Commitment("uid-1", "ns/p", 1732000000000000000,
+                                                             (CardUse(0, 300, 4096), CardUse(1, 1000, 16384, True)))})
+    read = old.parse_commitments(doc.to_json(), "gpu-node-1")
+    assert read == old.NodeCommitments("gpu-node-1", {"uid-1": old.Commitment(
+        "uid-1", "ns/p", 1732000000000000000, (old.CardUse(0, 300, 4096, False), old.CardUse(1, 1000, 16384, True)))})
+    assert doc.to_json() == COMMITMENTS_BEFORE.replace('}]}}}', '},{"index":1,"core_milli":1000,"memory_mib":16384,'
+                                                                 '"exclusive":true}]}}}')

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.placement.commitments import (
     CardUse,
     Commitment,
     CommitmentError,
     NodeCommitments,
     PodFate,
+    observed,
     over_commitment,
     parse_commitments,
     stale,
@@ -116,15 +118,36 @@ def test_a_card_the_node_does_not_have_is_refused():
 def test_gone_and_elsewhere_pods_are_pruned_at_once_pending_ones_after_the_grace():
     doc = NodeCommitments("n", {c.uid: c for c in [
         use("gone", (0, 1, 1), since=1000), use("moved", (0, 1, 1), since=1000), use("here", (0, 1, 1), since=0),
-        use("young", (0, 1, 1), since=900), use("old", (0, 1, 1), since=0), use("unseen-old", (0, 1, 1), since=0)]})
+        use("young", (0, 1, 1), since=900), use("old", (0, 1, 1), since=0), use("unseen-old", (0, 1, 1), since=0),
+        use("just-seen", (0, 1, 1), since=0)]})
     fates = {"gone": PodFate.GONE, "moved": PodFate.BOUND_ELSEWHERE, "here": PodFate.BOUND_HERE,
              "young": PodFate.PENDING, "old": PodFate.PENDING}
-    assert stale(doc, fates, now_ns=1000, grace_ns=500) == ["gone", "moved", "old", "unseen-old"]
+    ages = {"gone": 0, "moved": 0, "here": 10**12, "young": 100, "old": 500, "unseen-old": 600}
+    assert stale(doc, fates, ages, grace_ns=500) == ["gone", "moved", "old", "unseen-old"]
 
 
 def test_a_bound_pod_keeps_its_entry_however_old():
     doc = NodeCommitments("n", {"a": use("a", (0, 1, 1), since=0)})
-    assert stale(doc, {"a": PodFate.BOUND_HERE}, now_ns=10**18, grace_ns=1) == []
+    assert stale(doc, {"a": PodFate.BOUND_HERE}, {"a": 10**18}, grace_ns=1) == []
+
+
+def test_the_writers_stamp_decides_nothing_only_how_long_this_binder_watched_the_entry():
+    """Issue 21 §6: an entry stamped in the future (its writer's clock ahead) was never pruned, and
+    one stamped long ago (a clock behind) was pruned on sight."""
+    doc = NodeCommitments("n", {"future": use("future", (0, 1, 1), since=2**62), "past": use("past", (0, 1, 1), since=0)})
+    seen = FirstSeen()
+    assert stale(doc, {}, seen.ages("n", observed(doc), 0), grace_ns=60) == []
+    assert stale(doc, {}, seen.ages("n", observed(doc), 59), grace_ns=60) == []
+    assert stale(doc, {}, seen.ages("n", observed(doc), 60), grace_ns=60) == ["future", "past"]
+
+
+def test_an_entry_written_again_is_watched_afresh():
+    seen = FirstSeen()
+    first = NodeCommitments("n", {"a": use("a", (0, 1, 1), since=5)})
+    seen.ages("n", observed(first), 0)
+    again = NodeCommitments("n", {"a": use("a", (0, 2, 2), since=5)})
+    assert seen.ages("n", observed(again), 100) == {"a": 0}
+    assert seen.ages("n", observed(again), 160) == {"a": 60}
 
 
 def test_the_extender_refuses_to_bind_before_its_caches_are_synced():

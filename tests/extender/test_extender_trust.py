@@ -21,8 +21,9 @@ from tests.k8s.pki import CertificateAuthority
 from tests.recordkeys import VERIFIER
 
 
-def app_with(*pods: dict, max_holds: int = 1000, ttl_s: int = 60) -> ExtenderApp:
-    cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=ttl_s * SEC, max_holds=max_holds, verifier=VERIFIER)
+def app_with(*pods: dict, max_holds: int = 1000, ttl_s: int = 60, per_namespace: int | None = None) -> ExtenderApp:
+    cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=ttl_s * SEC, max_holds=max_holds,
+                            max_holds_per_namespace=per_namespace, verifier=VERIFIER)
     cache.replace_nodes([node("a"), node("b")])
     cache.replace_pods(list(pods))  # what the watch delivered: the pods the apiserver has
     return ExtenderApp(cache, None, DEFAULT_LIMITS)
@@ -129,11 +130,11 @@ def test_a_bind_filter_passed_goes_on_to_the_binder():
 
 def test_holds_are_bounded_in_total_and_refused_with_the_rule():
     pods = [pod(f"p{i}", core=100, memory=0) for i in range(3)]
-    app = app_with(*pods, max_holds=2)
+    app = app_with(*pods, max_holds=2, per_namespace=2)
     for p in pods[:2]:
         assert app.handle("filter", filter_body(p))[1]["Error"] == ""
     doc = app.handle("filter", filter_body(pods[2]))[1]
-    assert "2 pods already hold cards and await their bind (at most 2, --max-holds)" in doc["Error"]
+    assert "2 pods already hold cards and await their bind (at most 2, --max-holds; namespace 'ns' holds 2" in doc["Error"]
     assert app.cache.holds() == 2 and app.cache.booking("ns/p2") is None
     # filtering a pod that holds already replaces its hold: one per pod
     assert app.handle("filter", filter_body(pods[0]))[1]["Error"] == ""

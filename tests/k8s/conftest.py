@@ -17,6 +17,8 @@ from kubernetes import client, config
 from tests.k8s.controlplane import ControlPlane, QgpuServer, extender_server, testbin_dir
 from tests.k8s.kubeobjects import MANAGED_RESOURCES
 
+QGPU_NAMESPACE = "qgpu-system"  # the roles' qgpu_namespace and the extender's default --commitment-namespace
+
 
 class Cluster:
     """The running control plane plus the extender the scheduler calls."""
@@ -50,6 +52,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     extender = None
     try:
         cp.start()
+        # qgpu's own namespace, as the roles create it: the extender's default --commitment-namespace
+        admin = config.new_client_from_config(config_file=str(cp.admin_kubeconfig))
+        client.CoreV1Api(admin).create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": QGPU_NAMESPACE}})
         extender = extender_server(cp)
         extender.start()
         c = Cluster(cp, extender)

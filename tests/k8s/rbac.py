@@ -7,7 +7,9 @@ to it.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +22,11 @@ from tests.k8s.controlplane import ROOT, kubeconfig
 from tests.polling import poll
 
 
-def role_defaults(role: str) -> dict[str, Any]:
-    """``roles/<role>/defaults/main.yml`` with the inventory-wide fallbacks resolved as a bare
+def role_defaults(role: str, part: str = "defaults") -> dict[str, Any]:
+    """``roles/<role>/<part>/main.yml`` with the inventory-wide fallbacks resolved as a bare
     inventory resolves them (``{{ qgpu_image | default('...') }}`` -> the default); values that need
     Ansible itself (``role_path``) are left out."""
-    path = ROOT / "roles" / role / "defaults" / "main.yml"
+    path = ROOT / "roles" / role / part / "main.yml"
     raw = yaml.safe_load(path.read_text()) if path.exists() else {}
     lenient = jinja2.Environment()
     # what the inventory-derived defaults use (qgpu_scheduler_dra_prioritize): a bare inventory has no GPU nodes
@@ -34,7 +36,9 @@ def role_defaults(role: str) -> dict[str, Any]:
     for key, value in (raw or {}).items():
         if isinstance(value, str) and "{{" in value:
             try:
-                value = yaml.safe_load(lenient.from_string(value).render(groups={}, hostvars={})) or ""
+                with warnings.catch_warnings():  # Ansible's own escapes ('^127\\.') in vars the templates never use
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    value = yaml.safe_load(lenient.from_string(value).render(groups={}, hostvars={})) or ""
             except jinja2.TemplateError:
                 continue
         out[key] = value
@@ -49,7 +53,10 @@ def render_template(template: str, **variables: Any) -> list[dict[str, Any]]:
     env.filters["to_json"] = json.dumps
     env.filters["combine"] = lambda a, b: {**a, **b}
     env.filters["bool"] = lambda v: v is True or str(v).strip().lower() in ("yes", "on", "1", "true", "y", "t")
-    values = {**role_defaults(template.split(".")[0].replace("-", "_")), **variables}
+    env.filters["hash"] = lambda text, algorithm: hashlib.new(algorithm, str(text).encode()).hexdigest()
+    role = template.split(".")[0].replace("-", "_")
+    # the role's fixed vars (vars/main.yml: names the template shares with the runtime) as well
+    values = {**role_defaults(role), **role_defaults(role, "vars"), **variables}
     text = env.get_template(template).render(ansible_managed="test", **values)
     return [d for d in yaml.safe_load_all(text) if d]
 

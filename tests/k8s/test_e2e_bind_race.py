@@ -36,7 +36,7 @@ SLOTS = NODES * CARDS_PER_NODE * PODS_PER_CARD  # 18
 PODS = 3 * SLOTS
 CARD_MIB = 16384
 LIMITS = {"tke.cloud.tencent.com/qgpu-core": 30, "tke.cloud.tencent.com/qgpu-memory": 5}
-COMMITMENT_NAMESPACE = "kube-system"  # the extender's default --commitment-namespace
+COMMITMENT_NAMESPACE = "qgpu-system"  # the extender's default --commitment-namespace (tests/k8s/conftest.py makes it)
 
 
 def _settled(api: client.CoreV1Api, ns: str, quiet_s: float = 4.0):

@@ -92,18 +92,49 @@ def test_a_bind_onto_cards_another_binder_committed_fails_cleanly(cluster, ns, l
     assert cache.booking(f"{ns}/p") is None
 
 
-def test_a_rewrite_prunes_stale_entries_and_keeps_fresh_ones(cluster, ns, label):
+def test_a_rewrite_prunes_entries_this_binder_watched_past_the_grace_and_keeps_fresh_ones(cluster, ns, label):
+    """An entry of a pod that never bound goes once this binder has itself seen it for the grace
+    (its own monotonic clock), however its writer stamped it; one it saw later stays."""
     node = f"{ns}-prune"
     api, cache, coordination = setup(cluster, ns, label, node)
+    rival = LeaseCommitments(coordination, ns)
+    seen = rival.read(node)
+    rival.write(seen, seen.commitments.with_pod(
+        Commitment("old-uid", "other/old", time.time_ns() - 120 * 10**9, (CardUse(0, 300, 4096),))))
+    ticks = [0]
     store = LeaseCommitments(coordination, ns)
-    seen = store.read(node)
-    old = Commitment("old-uid", "other/old", time.time_ns() - 120 * 10**9, (CardUse(0, 500, 4096),))
-    fresh = Commitment("fresh-uid", "other/fresh", time.time_ns(), (CardUse(0, 500, 4096),))
-    store.write(seen, seen.commitments.with_pod(old).with_pod(fresh))
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, commitment_grace_ns=60 * 10**9, signer=SIGNER)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, commitment_grace_ns=60 * 10**9,
+                    monotonic_ns=lambda: ticks[0], signer=SIGNER)
+    uids = [pending_pod(cluster, ns, label, f"p{i}") for i in range(2)]
+    binder.bind(ns, "p0", uids[0], node)  # first sight of old-uid: stamped 2 min ago, kept all the same
+    assert set(store.read_fresh(node).commitments.pods) == {"old-uid", uids[0]}
+    seen = rival.read_fresh(node)
+    rival.write(seen, seen.commitments.with_pod(
+        Commitment("fresh-uid", "other/fresh", time.time_ns(), (CardUse(0, 300, 4096),))))
+    ticks[0] = 60 * 10**9
+    binder.bind(ns, "p1", uids[1], node)
+    assert set(store.read_fresh(node).commitments.pods) == {"fresh-uid", *uids}
+
+
+def test_an_entry_stamped_in_the_future_is_pruned_after_the_grace_like_any_other(cluster, ns, label):
+    """Issue 21 §6: a binder whose clock ran ahead stamped an entry holding both cards of a node; its
+    pod never bound. The entry never aged by the reader's wall clock, so the empty node refused pods."""
+    node = f"{ns}-future"
+    api, cache, coordination = setup(cluster, ns, label, node, n_cards=2)
+    rival = LeaseCommitments(coordination, ns)
+    seen = rival.read(node)
+    ahead = time.time_ns() + 365 * 24 * 3600 * 10**9
+    rival.write(seen, seen.commitments.with_pod(Commitment(
+        "ghost-uid", "other/ghost", ahead, (CardUse(0, 1000, 16384, exclusive=True), CardUse(1, 1000, 16384, exclusive=True)))))
+    ticks = [0]
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=LeaseCommitments(coordination, ns),
+                    commitment_grace_ns=60 * 10**9, monotonic_ns=lambda: ticks[0], signer=SIGNER)
     uid = pending_pod(cluster, ns, label, "p")
+    with pytest.raises(BindError, match=f"node {node} cannot take it"):
+        binder.bind(ns, "p", uid, node)  # just seen: it counts, as a fresh commitment must
+    ticks[0] = 60 * 10**9
     binder.bind(ns, "p", uid, node)
-    assert set(store.read(node).commitments.pods) == {"fresh-uid", uid}  # a binder gone for 2 min: its entry went
+    assert read_pod(cluster.api, ns, "p")["spec"]["nodeName"] == node
 
 
 def test_binds_in_a_row_read_the_lease_once_and_a_rival_write_between_them_is_caught(cluster, ns, label):

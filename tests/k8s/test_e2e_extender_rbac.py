@@ -12,6 +12,7 @@ from pathlib import Path
 
 import yaml
 
+from tests.k8s.conftest import QGPU_NAMESPACE
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, record
 from tests.k8s.rbac import bind_roles, kubeconfig_bound_to, template_cluster_role, template_roles, unbind, unbind_roles
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_extender_binds_with_exactly_the_clusterrole_of_its_template(tmp_path, cluster, ns, label):
     defaults = yaml.safe_load((ROOT / "roles" / "qgpu_scheduler" / "defaults" / "main.yml").read_text())
-    variables = {**defaults, "qgpu_scheduler_namespace": "kube-system", "qgpu_scheduler_image": "qgpu:test"}
+    variables = {**defaults, "qgpu_scheduler_namespace": QGPU_NAMESPACE, "qgpu_scheduler_image": "qgpu:test"}
     role = template_cluster_role("qgpu-scheduler.yaml.j2", **variables)
     # node commitments (on by default): the Lease Role of the same template, in the extender's namespace
     lease_roles = template_roles("qgpu-scheduler.yaml.j2", **variables)

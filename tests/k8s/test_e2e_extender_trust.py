@@ -116,11 +116,11 @@ def test_a_forged_filter_body_cannot_set_a_real_pods_record(cluster, ns, label):
 
 
 def test_fake_filters_cannot_reserve_every_card(cluster, ns, label):
-    """A second extender (plain HTTP on loopback, --max-holds 2) against the same apiserver, so the
+    """A second extender (plain HTTP on loopback, --max-holds 2, all of them for one namespace) against the same apiserver, so the
     session's scheduler is undisturbed."""
     node = f"{ns}-a"
     gpu_node(cluster.api, node, cards(2, node=node), label)
-    second = extender_server(cluster.cp, tls=False, extra_args=("--max-holds", "2"))
+    second = extender_server(cluster.cp, tls=False, extra_args=("--max-holds", "2", "--max-holds-per-namespace", "2"))
     second.start()
     try:
         # invented pods (the issue's four fake filters, each asking for every card) hold nothing

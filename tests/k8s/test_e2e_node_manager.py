@@ -274,7 +274,7 @@ def test_manager_with_a_missing_kubeconfig_exits_naming_it(tmp_path, managed):
 # ---- RBAC: the ClusterRole the deployment template grants is enough, and no more is used -----------
 
 def test_manager_works_with_exactly_the_clusterrole_of_its_template(tmp_path, cluster, ns, managed):
-    role = template_cluster_role("qgpu-manager.yaml.j2", qgpu_manager_namespace="kube-system",
+    role = template_cluster_role("qgpu-manager.yaml.j2", qgpu_manager_namespace="qgpu-system",
                                  qgpu_manager_isolation_policies=[])
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
                              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},

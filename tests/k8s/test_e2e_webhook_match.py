@@ -40,7 +40,7 @@ def rendered_configurations(ca_bundle: str) -> list[dict[str, Any]]:
     env.filters["hash"] = lambda text, algorithm: hashlib.new(algorithm, str(text).encode()).hexdigest()
     env.filters["bool"] = lambda value: value is True or str(value).strip().lower() in ("yes", "on", "1", "true", "y", "t")
     role_vars = yaml.safe_load((REPO / "roles/qgpu_webhook/vars/main.yml").read_text())
-    variables = {**defaults, **role_vars, "qgpu_webhook_dra": False, "qgpu_webhook_namespace": "kube-system", "qgpu_webhook_image": "qgpu:test",
+    variables = {**defaults, **role_vars, "qgpu_webhook_dra": False, "qgpu_webhook_namespace": "qgpu-system", "qgpu_webhook_image": "qgpu:test",
                  "qgpu_webhook_ca_bundle": ca_bundle, "qgpu_webhook_tls_crt": "", "qgpu_webhook_tls_key": "",
                  "qgpu_webhook_client_ca": ""}
     text = env.get_template("qgpu-webhook.yaml.j2").render(ansible_managed="test", **variables)

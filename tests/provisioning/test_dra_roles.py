@@ -232,7 +232,7 @@ def test_the_dra_manager_may_publish_slices_and_read_claims_nothing_more(mixed_m
     base = by_kind(mixed_modes, "ClusterRole")["qgpu-manager"]
     assert not [r for r in base["rules"] if r["apiGroups"] == ["resource.k8s.io"]]
     binding = by_kind(mixed_modes, "ClusterRoleBinding")["qgpu-manager-dra"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-manager-dra", "namespace": "kube-system"}]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-manager-dra", "namespace": "qgpu-system"}]
 
 
 def test_the_admission_policy_holds_slice_writes_to_the_managers_node(mixed_modes: list[dict[str, Any]]) -> None:
@@ -240,7 +240,7 @@ def test_the_admission_policy_holds_slice_writes_to_the_managers_node(mixed_mode
     rules = policy["matchConstraints"]["resourceRules"]
     assert {"apiGroups": ["resource.k8s.io"], "apiVersions": ["*"], "operations": ["CREATE", "UPDATE", "DELETE"],
             "resources": ["resourceslices"]} in rules
-    assert "system:serviceaccount:kube-system:qgpu-manager-dra" in policy["matchConditions"][0]["expression"]
+    assert "system:serviceaccount:qgpu-system:qgpu-manager-dra" in policy["matchConditions"][0]["expression"]
     expressions = " ".join(v["expression"] for v in policy["validations"])
     assert "variables.sliceNodes.all(n, n == variables.node)" in expressions
     assert 'variables.sliceDriver == "gpu.qgpu.io"' in expressions

@@ -58,7 +58,7 @@ pytestmark = pytest.mark.slow
 
 EXAMPLE = REPO / "inventories" / "example"
 POOLS = ("qgpu_pool_training", "qgpu_pool_inference", "qgpu_pool_mixed")
-NAMESPACE = "kube-system"  # as in inventories/example
+NAMESPACE = "qgpu-system"  # as in inventories/example (the roles create it)
 POLICIES = ("best-effort", "fixed-share", "burst-share")
 XGN_TAINT = pool_xgn_taint()
 # The xgn taint of earlier releases, which no webhook-mutated pod tolerates: a run must remove it.
@@ -151,6 +151,7 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     first_training = pools["qgpu_pool_training"][0]
     cluster.api.patch_node(first_training, {"metadata": {"labels": dict([FOREIGN_LABEL])},
                                             "spec": {"taints": [FOREIGN_TAINT, RETIRED_XGN_TAINT]}})
+    seed_an_earlier_release_in_kube_system(cluster)
     write_inventory(work / "inventory", cluster, work / "root", pools)
     first = run_kube_plays(work / "inventory")
     assert first.returncode == 0, first.output[-6000:]
@@ -163,6 +164,38 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     delete_webhook_configurations(cluster)
     assert teardown.returncode == 0, teardown.output[-4000:]
     assert left == [], "teardown.yml left these behind"
+
+
+# What a release that ran qgpu in kube-system left there (issue 21 §3), and a Lease that is not qgpu's.
+OLD_NAMESPACE = "kube-system"
+OLD_QGPU = [("apps/v1", "DaemonSet", "qgpu-scheduler"), ("v1", "ServiceAccount", "qgpu-webhook"),
+            ("coordination.k8s.io/v1", "Lease", "qgpu-node.old-node"),
+            ("coordination.k8s.io/v1", "Lease", "qgpu-claim-quota.old-team")]
+NOT_QGPUS = "kube-scheduler-of-someone-else"
+
+
+def seed_an_earlier_release_in_kube_system(cluster: Cluster) -> None:
+    qgpu = {"app.kubernetes.io/part-of": "qgpu", "app.kubernetes.io/managed-by": "ansible"}
+    dynamic = DynamicClient(cluster.api_client)
+    docs = [
+        {"apiVersion": "apps/v1", "kind": "DaemonSet",
+         "metadata": {"name": "qgpu-scheduler", "labels": {**qgpu, "app.kubernetes.io/name": "qgpu-scheduler"}},
+         "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "qgpu-scheduler"}},
+                  "template": {"metadata": {"labels": {"app.kubernetes.io/name": "qgpu-scheduler"}},
+                               "spec": {"containers": [{"name": "extender", "image": "registry.example.com/qgpu:old"}]}}}},
+        {"apiVersion": "v1", "kind": "ServiceAccount",
+         "metadata": {"name": "qgpu-webhook", "labels": {**qgpu, "app.kubernetes.io/name": "qgpu-webhook"}}},
+        {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "qgpu-node.old-node", "labels": {
+            "app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "node-commitments"}}, "spec": {}},
+        {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": "qgpu-claim-quota.old-team", "labels": {
+            "app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}}, "spec": {}},
+        # someone else's Lease, even carrying qgpu's labels: its name is not qgpu's, so it stays
+        {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": {"name": NOT_QGPUS, "labels": {
+            "app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "node-commitments"}},
+         "spec": {"holderIdentity": "someone-else"}},
+    ]
+    for doc in docs:
+        dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"]).create(body=doc, namespace=OLD_NAMESPACE)
 
 
 def delete_webhook_configurations(cluster: Cluster) -> None:
@@ -586,3 +619,22 @@ def bound_or_reason(cluster: Cluster, namespace: str, pod: str) -> str:
         return str(bound(cluster.api, namespace, pod, timeout=30)["spec"]["nodeName"])
     except AssertionError:
         return "; ".join(e["message"] for e in events_for(cluster.api, namespace, pod)) or "pending, no event"
+
+
+# -- the namespace, and the upgrade from kube-system ---------------------------------------------------
+
+
+def test_the_roles_create_qgpus_namespace(site: Site) -> None:
+    namespace = site.cluster.api.read_namespace(NAMESPACE)
+    assert (namespace.metadata.labels or {}).get("app.kubernetes.io/part-of") == "qgpu"
+
+
+def test_the_run_deleted_what_the_earlier_release_left_in_kube_system_and_nothing_else(site: Site) -> None:
+    left = [f"{kind}/{name}" for api_version, kind, name in OLD_QGPU
+            if live_object(site.cluster, {"apiVersion": api_version, "kind": kind,
+                                          "metadata": {"name": name, "namespace": OLD_NAMESPACE}})]
+    assert left == []
+    foreign = live_object(site.cluster, {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                                         "metadata": {"name": NOT_QGPUS, "namespace": OLD_NAMESPACE}})
+    assert foreign is not None and foreign["spec"]["holderIdentity"] == "someone-else"
+    client.CoordinationV1Api(site.cluster.api_client).delete_namespaced_lease(NOT_QGPUS, OLD_NAMESPACE)

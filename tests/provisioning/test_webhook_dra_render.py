@@ -76,7 +76,7 @@ def test_device_plugin_pools_only_keep_the_webhook_without_api_access(device_plu
 def test_a_dra_pool_runs_the_webhook_with_dra_and_its_flags(dra_docs):
     args = container(dra_docs)["args"]
     assert args[-5:] == ["--dra", "--dra-card-memory-mib=15360", "--dra-card-memory-mib=32768",
-                         "--quota-ledger-namespace=kube-system", "--claim-reservation-seconds=30"]
+                         "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30"]
     assert one(dra_docs, "ServiceAccount")["automountServiceAccountToken"] is True
     assert one(dra_docs, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
 
@@ -87,10 +87,10 @@ def test_the_dra_rbac_is_exactly_what_the_webhook_calls(dra_docs):
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list"]},
         {"apiGroups": [""], "resources": ["resourcequotas"], "verbs": ["list"]}]
     role = one(dra_docs, "Role", "qgpu-webhook-claim-quota-ledger")
-    assert role["metadata"]["namespace"] == "kube-system"
+    assert role["metadata"]["namespace"] == "qgpu-system"
     assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
     for kind, name in (("ClusterRoleBinding", "qgpu-webhook-dra"), ("RoleBinding", "qgpu-webhook-claim-quota-ledger")):
-        assert one(dra_docs, kind, name)["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-webhook", "namespace": "kube-system"}]
+        assert one(dra_docs, kind, name)["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-webhook", "namespace": "qgpu-system"}]
 
 
 def test_dra_namespaces_get_mutate_dra_and_mutate_skips_them(dra_docs):
@@ -121,7 +121,7 @@ def test_the_claim_quota_entry_fails_closed_on_claim_creates_of_qgpu_classes(dra
 def test_the_admission_policy_holds_the_webhook_to_qgpus_names(dra_docs):
     policy = one(dra_docs, "ValidatingAdmissionPolicy", "qgpu-webhook-own-names")
     assert policy["spec"]["matchConditions"] == [
-        {"name": "is-the-webhook", "expression": "request.userInfo.username == 'system:serviceaccount:kube-system:qgpu-webhook'"}]
+        {"name": "is-the-webhook", "expression": "request.userInfo.username == 'system:serviceaccount:qgpu-system:qgpu-webhook'"}]
     expressions = " ".join(v["expression"] for v in policy["spec"]["validations"])
     assert f"request.name.startsWith('{CLAIM_PREFIX}')" in expressions
     assert f"request.name.startsWith('{CLAIM_QUOTA_LEASE_PREFIX}')" in expressions

@@ -58,6 +58,7 @@ from tests.realnode.images import kube_scheduler_ref  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 NODE = "localhost"
+QGPU_NAMESPACE = "qgpu-system"  # inventories/local-cluster: qgpu_namespace, where the roles put qgpu
 KUBELET_SYSCTLS = ("vm.overcommit_memory", "kernel.panic", "kernel.panic_on_oops")
 CGROUP_V1 = Path("/sys/fs/cgroup")
 SIMULATED_CONTROL = "/var/lib/qgpu/simulated-control.json"  # as the manager pod sees it

@@ -10,14 +10,14 @@ import yaml
 
 from tests.realnode import kube
 from tests.realnode.conftest import site_yml
-from tests.realnode.localcluster import LocalCluster
+from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
 
 COMPONENTS = ("qgpu-manager", "qgpu-scheduler", "qgpu-webhook")
 
 
 def qgpu_pods(cluster: LocalCluster) -> list[dict]:
     api = kube.core(cluster)
-    out = api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/part-of=qgpu")
+    out = api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/part-of=qgpu")
     return [api.api_client.sanitize_for_serialization(p) for p in out.items]
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.realnode import kube
-from tests.realnode.localcluster import LocalCluster
+from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
 
 ALLOC_MODE = "sched.tensorstack.dev/node-alloc-mode"
 PRINT = ("env | grep -E '^(NVIDIA_VISIBLE_DEVICES|QGPU_|T9K_GPU_)' | sort; echo '--- quota'; "
@@ -33,7 +33,7 @@ def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, st
 
 
 def cluster_image(cluster: LocalCluster) -> str:
-    (ds,) = kube.apps(cluster).list_namespaced_daemon_set("kube-system", label_selector="app.kubernetes.io/name=qgpu-scheduler").items
+    (ds,) = kube.apps(cluster).list_namespaced_daemon_set(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-scheduler").items
     return str(ds.spec.template.spec.containers[0].image)
 
 

@@ -22,7 +22,7 @@ from qgpu_runtime.node.store import Store
 from tests.polling import poll
 from tests.realnode import kube
 from tests.realnode.conftest import running_cluster
-from tests.realnode.localcluster import NODE, LocalCluster
+from tests.realnode.localcluster import NODE, QGPU_NAMESPACE, LocalCluster
 from tests.realnode.test_e2e_isolation import host_pid
 
 pytestmark = pytest.mark.slow
@@ -67,7 +67,7 @@ def read_slice(cluster: LocalCluster) -> dict[str, Any] | None:
 
 def manager_pod(cluster: LocalCluster) -> dict[str, Any]:
     api = kube.core(cluster)
-    (pod,) = api.list_namespaced_pod("kube-system", label_selector=MANAGER).items
+    (pod,) = api.list_namespaced_pod(QGPU_NAMESPACE, label_selector=MANAGER).items
     return dict(api.api_client.sanitize_for_serialization(pod))
 
 
@@ -278,7 +278,7 @@ GPU_MODE = "qgpu.io/gpu-mode"
 
 def webhook_converts(cluster: LocalCluster) -> bool:
     """Whether site.yml runs the webhook with --dra (the roles do once a pool is in DRA mode)."""
-    (ds,) = kube.apps(cluster).list_namespaced_daemon_set("kube-system", label_selector="app.kubernetes.io/name=qgpu-webhook").items
+    (ds,) = kube.apps(cluster).list_namespaced_daemon_set(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-webhook").items
     container = ds.spec.template.spec.containers[0]
     return "--dra" in [*(container.command or []), *(container.args or [])]
 

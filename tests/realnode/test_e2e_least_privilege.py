@@ -14,7 +14,7 @@ from kubernetes.dynamic import DynamicClient
 
 from tests.polling import poll
 from tests.realnode import kube
-from tests.realnode.localcluster import NODE, LocalCluster
+from tests.realnode.localcluster import NODE, QGPU_NAMESPACE, LocalCluster
 from tests.realnode.test_e2e_isolation import host_pid
 
 MERGE = "application/merge-patch+json"
@@ -22,7 +22,7 @@ MERGE = "application/merge-patch+json"
 
 def manager_pod(cluster: LocalCluster) -> dict:
     api = kube.core(cluster)
-    (pod,) = api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/name=qgpu-manager").items
+    (pod,) = api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items
     return api.api_client.sanitize_for_serialization(pod)
 
 
@@ -70,9 +70,9 @@ def test_managers_own_token_cannot_lift_a_taint_or_change_an_image(local_cluster
         assert "spec changed" in message, message
     finally:
         api.patch_node(NODE, {"spec": {"taints": taints}})
-    webhook = api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/name=qgpu-webhook").items[0]
+    webhook = api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-webhook").items[0]
     patch = {"spec": {"containers": [{"name": "webhook", "image": "evil.example/miner:1"}]}}
-    message = refused(lambda: manager.patch_namespaced_pod(webhook.metadata.name, "kube-system", patch, dry_run="All"))
+    message = refused(lambda: manager.patch_namespaced_pod(webhook.metadata.name, QGPU_NAMESPACE, patch, dry_run="All"))
     assert "spec changed" in message, message
 
 

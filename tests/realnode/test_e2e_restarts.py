@@ -14,7 +14,7 @@ from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from qgpu_runtime.node.store import Store
 from tests.polling import poll
 from tests.realnode import kube
-from tests.realnode.localcluster import LocalCluster
+from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
 from tests.realnode.test_e2e_dialects import cluster_image, delete
 from tests.realnode.test_e2e_isolation import host_pid
 
@@ -34,7 +34,7 @@ def gpu_pod(cluster: LocalCluster, ns: str, name: str, core: str = "40", memory:
 
 def manager_pod(cluster: LocalCluster) -> dict:
     api = kube.core(cluster)
-    (pod,) = api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/name=qgpu-manager").items
+    (pod,) = api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items
     return api.api_client.sanitize_for_serialization(pod)
 
 
@@ -42,7 +42,7 @@ def registered(api: client.CoreV1Api, manager: str) -> int:
     """How often the manager has logged a registration with the kubelet (-1 while its log cannot
     be read: the apiserver reads it from the kubelet, which may be restarting)."""
     try:
-        text = kube.logs(api, "kube-system", manager, container="manager")
+        text = kube.logs(api, QGPU_NAMESPACE, manager, container="manager")
     except client.ApiException:
         return -1
     return len(re.findall(r"registered .+ with kubelet", text))
@@ -122,21 +122,21 @@ def test_a_pod_deleted_while_the_manager_is_down_is_released_when_it_is_back(loc
     apps = kube.apps(local_cluster)
     # One DaemonSet per isolation policy: the one whose pod runs here.
     owner = manager_pod(local_cluster)["metadata"]["ownerReferences"][0]["name"]
-    ds = apps.read_namespaced_daemon_set(owner, "kube-system")
+    ds = apps.read_namespaced_daemon_set(owner, QGPU_NAMESPACE)
     selector = dict(ds.spec.template.spec.node_selector or {})
     # The manager leaves the node (its DaemonSet no longer matches it) ...
-    apps.patch_namespaced_daemon_set(ds.metadata.name, "kube-system",
+    apps.patch_namespaced_daemon_set(ds.metadata.name, QGPU_NAMESPACE,
                                      {"spec": {"template": {"spec": {"nodeSelector": {**selector, "qgpu.io/parked": "yes"}}}}})
     api = kube.core(local_cluster)
-    poll(lambda: not api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/name=qgpu-manager").items,
+    poll(lambda: not api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items,
          timeout=60, what="the manager pod gone")
     api.delete_namespaced_pod("doomed", ns, grace_period_seconds=0)
     kube.wait_gone(api, ns, "doomed")
     # ... and comes back: its start-up reconciliation releases the deleted pod's share.
-    apps.patch_namespaced_daemon_set(ds.metadata.name, "kube-system",
+    apps.patch_namespaced_daemon_set(ds.metadata.name, QGPU_NAMESPACE,
                                      {"spec": {"template": {"spec": {"nodeSelector": {**selector, "qgpu.io/parked": None}}}}})
     poll(lambda: manager_pod(local_cluster)["status"].get("phase") == "Running" if
-         api.list_namespaced_pod("kube-system", label_selector="app.kubernetes.io/name=qgpu-manager").items else False,
+         api.list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items else False,
          timeout=90, what="the manager pod running again")
     poll(lambda: not any(uid == doomed["metadata"]["uid"] for uid, _ in store_shares(local_cluster)), timeout=60,
          what="the deleted pod's share released from the node's store")

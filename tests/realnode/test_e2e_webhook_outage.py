@@ -9,7 +9,7 @@ from kubernetes import client
 
 from tests.polling import poll
 from tests.realnode import kube
-from tests.realnode.localcluster import LocalCluster
+from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
 from tests.realnode.test_e2e_dialects import cluster_image
 
 SELECTOR = "app.kubernetes.io/name=qgpu-webhook"
@@ -21,17 +21,17 @@ ns = kube.namespace_fixture("outage")
 def park_webhook(cluster: LocalCluster, parked: bool) -> None:
     """Take the webhook's pods off the node (or back): its workload no longer matches the node."""
     apps = kube.apps(cluster)
-    workloads = apps.list_namespaced_daemon_set("kube-system", label_selector=SELECTOR).items
+    workloads = apps.list_namespaced_daemon_set(QGPU_NAMESPACE, label_selector=SELECTOR).items
     for ds in workloads:
         selector = {"qgpu.io/parked": "yes" if parked else None}
-        apps.patch_namespaced_daemon_set(ds.metadata.name, "kube-system",
+        apps.patch_namespaced_daemon_set(ds.metadata.name, QGPU_NAMESPACE,
                                          {"spec": {"template": {"spec": {"nodeSelector": selector}}}})
     api = kube.core(cluster)
     if parked:
-        poll(lambda: not api.list_namespaced_pod("kube-system", label_selector=SELECTOR).items, timeout=60,
+        poll(lambda: not api.list_namespaced_pod(QGPU_NAMESPACE, label_selector=SELECTOR).items, timeout=60,
              what="the webhook pods gone")
     else:
-        poll(lambda: [p for p in api.list_namespaced_pod("kube-system", label_selector=SELECTOR).items
+        poll(lambda: [p for p in api.list_namespaced_pod(QGPU_NAMESPACE, label_selector=SELECTOR).items
                       if any(c.type == "Ready" and c.status == "True" for c in (p.status.conditions or []))],
              timeout=90, what="a webhook pod ready")
 

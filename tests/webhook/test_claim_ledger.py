@@ -6,7 +6,7 @@ import pytest
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA, Usage, claim_admission
-from qgpu_runtime.webhook.ledger import LedgerError, Reservation, encode_ledger, parse_ledger, pending, reserved_usage
+from qgpu_runtime.webhook.ledger import LedgerError, Reservation, encode_ledger, parse_ledger, pending, reserved_usage, stamps
 
 
 def test_the_ledger_round_trips():
@@ -32,10 +32,25 @@ def test_an_unreadable_ledger_is_an_error_naming_the_field(raw, words):
     assert words in str(e.value)
 
 
-def test_a_reservation_counts_until_it_expires_or_its_claim_is_visible():
-    entries = {"early": Reservation(100, 1, 50.0), "stored": Reservation(200, 2, 150.0), "new": Reservation(400, 4, 150.0)}
-    assert pending(entries, 100.0, {"stored"}) == {"new": Reservation(400, 4, 150.0)}
-    assert reserved_usage(entries) == Usage(700, 7)
+def test_a_reservation_counts_until_this_replica_watched_it_for_the_ttl_or_its_claim_is_visible():
+    entries = {"early": Reservation(100, 1, 50.0), "stored": Reservation(200, 2, 150.0), "new": Reservation(400, 4, 150.0),
+               "unseen": Reservation(800, 8, 0.0)}
+    ages = {"early": 30.0, "stored": 1.0, "new": 29.9}
+    # "unseen" has no age here: just seen, it counts, whatever its writer's stamp says
+    assert pending(entries, ages, 30.0, {"stored"}) == {"new": Reservation(400, 4, 150.0), "unseen": Reservation(800, 8, 0.0)}
+    assert reserved_usage(entries) == Usage(1500, 15)
+
+
+def test_the_writers_stamp_does_not_decide_expiry():
+    """A stamp far in the past (a writer whose clock runs behind) or far in the future (one ahead)
+    neither ends nor extends an entry: only the reader's own watching does (contract/observed.py)."""
+    entries = {"past": Reservation(1, 1, -1e12), "future": Reservation(1, 1, 1e12)}
+    assert set(pending(entries, {"past": 0.0, "future": 0.0}, 30.0, ())) == {"past", "future"}
+    assert pending(entries, {"past": 30.0, "future": 30.0}, 30.0, ()) == {}
+
+
+def test_a_claim_reserved_again_is_a_new_entry():
+    assert stamps({"a": Reservation(1, 2, 3.0)}) != stamps({"a": Reservation(1, 2, 4.0)})
 
 
 def test_reservations_count_as_used_in_the_verdict():

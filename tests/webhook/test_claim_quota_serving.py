@@ -96,8 +96,11 @@ class FakeApi:
         return parse_ledger(self.lease["metadata"]["annotations"][CLAIM_RESERVATIONS]) if self.lease else {}
 
 
-def guard(api: FakeApi, now: list[float] | None = None, **kwargs: Any) -> ClaimQuota:
+def guard(api: FakeApi, now: list[float] | None = None, ticks: list[float] | None = None, **kwargs: Any) -> ClaimQuota:
+    """A webhook replica: ``now`` its wall clock, ``ticks`` its monotonic clock (the real one if None)."""
     clock = now if now is not None else [1000.0]
+    if ticks is not None:
+        kwargs["monotonic"] = lambda: ticks[0]
     quota = ClaimQuota(client.ApiClient(), "qgpu", clock=lambda: clock[0], **kwargs)
     quota.core = quota.resource = quota.leases = api  # type: ignore[assignment]
     return quota
@@ -115,14 +118,42 @@ def test_an_admission_reserves_what_the_claim_asks_until_it_is_visible():
     assert set(api.reservations()) == {"c"}
 
 
-def test_a_reservation_whose_claim_never_appeared_stops_counting_when_it_expires():
+def test_a_reservation_whose_claim_never_appeared_stops_counting_once_this_replica_watched_it_for_the_ttl():
     api = FakeApi()
-    now = [1000.0]
-    assert guard(api, now)(review("lost", 800)).allowed
-    assert not guard(api, now)(review("b", 800)).allowed
-    now[0] = 1031.0
-    assert guard(api, now)(review("b", 800)).allowed
+    ticks = [5.0]
+    replica = guard(api, ticks=ticks)
+    assert replica(review("lost", 800)).allowed
+    assert not replica(review("b", 800)).allowed  # first seen by this replica at tick 5
+    ticks[0] = 34.9
+    assert not replica(review("b", 800)).allowed
+    ticks[0] = 35.0
+    assert replica(review("b", 800)).allowed
     assert set(api.reservations()) == {"b"}
+
+
+def test_a_replica_whose_clock_runs_ahead_neither_erases_nor_over_admits():
+    """Issue 21 §6: a replica 45 s ahead judged its peers' reservations (stamped 30 s ahead of their
+    own clock) expired, erased them from the ledger and admitted 1,200 of a 1,000 quota."""
+    api = FakeApi(hard_core=1000)
+    on_time, ahead = guard(api, now=[1000.0], ticks=[0.0]), guard(api, now=[1045.0], ticks=[0.0])
+    assert on_time(review("a", 600)) == Verdict(True)
+    verdict = ahead(review("b", 600))
+    assert not verdict.allowed and "used 600 + requested 600 > hard 1000" in verdict.message
+    assert ahead(review("c", 400)) == Verdict(True)
+    assert set(api.reservations()) == {"a", "c"}  # the peer's reservation survives the fast replica's write
+    assert not on_time(review("d", 1)).allowed
+
+
+def test_a_reservation_stamped_far_in_the_future_expires_like_any_other():
+    api = FakeApi(hard_core=1000)
+    api.lease = {"metadata": {"resourceVersion": "1", "annotations": {
+        CLAIM_RESERVATIONS: encode_ledger({"future": Reservation(900, 1024, 1e12)})}}}
+    ticks = [0.0]
+    replica = guard(api, ticks=ticks)
+    assert not replica(review("a", 600)).allowed
+    ticks[0] = 30.0
+    assert replica(review("a", 600)).allowed
+    assert set(api.reservations()) == {"a"}
 
 
 def test_no_qgpu_quota_or_nothing_asked_of_qgpu_costs_one_list_and_writes_nothing():
