@@ -13,7 +13,7 @@ from tests.k8s.rbac import render_template
 
 ROOT = Path(__file__).resolve().parents[2]
 WEBHOOK = {"qgpu_webhook_dra": True, "qgpu_webhook_image": "qgpu:test", "qgpu_webhook_ca_bundle": "",
-           "qgpu_webhook_tls_crt": "", "qgpu_webhook_tls_key": ""}
+           "qgpu_webhook_tls_crt": "", "qgpu_webhook_tls_key": "", "qgpu_webhook_client_ca": ""}
 
 
 def by_name(docs: list[dict], kind: str) -> dict[str, dict]:
