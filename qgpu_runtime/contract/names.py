@@ -70,9 +70,11 @@ a pod annotated ``device-plugin`` there keeps its resources (docs/dra.md)."""
 GPU_MODE_DRA: Final = "dra"
 GPU_MODE_DEVICE_PLUGIN: Final = "device-plugin"
 POD_TEMPLATE_ANNOTATIONS: Final = frozenset({
-    "qgpu.io/scheduler-config-checksum", "qgpu.io/tls-checksum", "qgpu.io/tls-sha256",
-    "qgpu.io/device-resources"})
-"""Annotations only the roles write on their own objects, to roll pods when config changes."""
+    "qgpu.io/scheduler-config-checksum", "qgpu.io/admission-config-checksum", "qgpu.io/tls-checksum",
+    "qgpu.io/tls-sha256", "qgpu.io/device-resources"})
+"""Annotations only the roles write on their own objects, to roll pods when config changes. Two sit
+on the masters' static pods (kube-scheduler's, kube-apiserver's), whose mirror pods the kubelet
+creates: the pod-annotation policy must leave them open or it refuses those mirror pods."""
 
 # --- pod phases ---------------------------------------------------------------------------------
 PENDING: Final = "Pending"
