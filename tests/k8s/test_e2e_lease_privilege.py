@@ -52,7 +52,7 @@ class Deployed:
         docs = (render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_namespace=self.ns)
                 + render_template("qgpu-webhook.yaml.j2", qgpu_webhook_namespace=self.ns, qgpu_webhook_dra=True,
                                   qgpu_webhook_image="qgpu:test", qgpu_webhook_ca_bundle="", qgpu_webhook_tls_crt="",
-                                  qgpu_webhook_tls_key=""))
+                                  qgpu_webhook_tls_key="", qgpu_webhook_client_ca=""))
         for doc in docs:
             if doc["kind"] in ("DaemonSet", "Deployment", "Secret", "Service") or "WebhookConfiguration" in doc["kind"]:
                 continue  # the workloads and their serving: these tests act with the identities directly
