@@ -44,6 +44,10 @@ def test_the_package_keeps_its_layers(tree: Path):
     ("qgpu_runtime.kube.client", "import qgpu_runtime.node.metrics  # noqa", "qgpu_runtime.kube is not allowed to import qgpu_runtime.node"),
     ("qgpu_runtime.placement.engine", "import sqlite3  # noqa", "qgpu_runtime.placement is not allowed to import sqlite3"),
     ("qgpu_runtime.isolation.control", "import pynvml  # noqa", "qgpu_runtime.isolation is not allowed to import pynvml"),
+    ("qgpu_runtime.isolation.control", "import qgpu_runtime.isolation.engine  # noqa", "No cycles are allowed in qgpu_runtime.isolation"),
+    ("qgpu_runtime.isolation.memory", "import sqlite3  # noqa", "qgpu_runtime.isolation.memory is not allowed to import sqlite3"),
+    ("qgpu_runtime.isolation.engine", "import kubernetes  # noqa", "qgpu_runtime.isolation.engine is not allowed to import kubernetes"),
+    ("qgpu_runtime.isolation.control", "import grpc  # noqa", "qgpu_runtime.isolation.control is not allowed to import grpc"),
 ])
 def test_a_forbidden_import_fails_the_contracts(tree: Path, module: str, line: str, broken: str):
     _add_import(tree, module, line)
