@@ -315,7 +315,6 @@ class QuotaUsage:
         return self.core_milli if resource == CORE_QUOTA else self.memory_mib
 
 
-@dataclass(frozen=True)
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
