@@ -158,7 +158,7 @@ def test_a_malformed_allocation_is_refused_naming_the_field(node, resource, ns):
     allocate(resource, ns, "train", consumed={"core": "300", "memory": "4Gi"})
     error = node.kubelet.prepare((ns, uid, "train"))[uid].error
     assert f"ResourceClaim {ns}/train: status.allocation.devices.results[0]" in error
-    assert "consumedCapacity.memory '4Gi' is not allowed" in error
+    assert "consumedCapacity.memory='4Gi': must be a non-negative whole number" in error
     assert node.store.shares() == [] and node.spec(uid) is None
 
 
