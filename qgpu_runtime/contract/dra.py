@@ -1,12 +1,13 @@
-"""The DRA vocabulary: qgpu's driver, device and capacity names, the slice devices it publishes and
-the decoder of what kube-scheduler allocated (resource.k8s.io/v1, consumable capacity).
+"""The DRA vocabulary and the ResourceSlice, both directions: qgpu's driver, class, device and
+capacity names, the one rule its capacities are read by, the slice devices the node publishes and
+their decoder (resource.k8s.io/v1, consumable capacity).
 
 Producers and consumers, all of them qgpu:
 - the node manager publishes one ResourceSlice pool per node with one device per card
-  (``slice_device``);
+  (``slice_device``, node/draslices.py); the extender's DRA view reads them back (``read_slice``);
 - the roles render the DeviceClasses whose CEL selectors name ``DRIVER`` and the attributes below;
-- the webhook writes claims whose ``capacity.requests`` use ``CORE``/``MEMORY``;
-- the kubelet plugin reads the claim's allocation (``claim_shares``) and books it in the node store.
+- the webhook writes claims whose ``capacity.requests`` use ``CORE``/``MEMORY``; every reader of a
+  claim decodes it with contract/draclaim.py.
 
 Units are qgpu's own, so that a claim reads like the allocation record: ``core`` in thousandths of
 a card, ``memory`` in MiB (plain integers, not byte quantities), ``pods`` one per allocation so a
@@ -23,6 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final, Iterable, Protocol
 
+from qgpu_runtime.contract.inventory import MAX_ID_CHARS, MAX_INDEX, MAX_MEMORY_MIB
+from qgpu_runtime.model.quantity import QUANTITY_LIMIT, QuantityError, parse_quantity
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, MIB_PER_GIB, CardLimits
 
 API_VERSION: Final = "resource.k8s.io/v1"
@@ -32,6 +35,7 @@ SHARED_CLASS: Final = "shared.gpu.qgpu.io"
 """DeviceClass of a share of one card (claims ask ``capacity.requests``)."""
 WHOLE_CLASS: Final = "whole.gpu.qgpu.io"
 """DeviceClass of whole cards (claims ask no capacity: the defaults are the whole card)."""
+QGPU_CLASSES: Final = frozenset({SHARED_CLASS, WHOLE_CLASS})
 
 CORE: Final = "core"
 MEMORY: Final = "memory"
@@ -47,10 +51,41 @@ ATTR_MEMORY_MIB: Final = "memoryMiB"
 ATTR_POLICY: Final = "isolationPolicy"
 
 _DEVICE = re.compile(r"^gpu-(0|[1-9][0-9]{0,3})$")
+_SHOWN = 40
+CAPACITY_RULE: Final = ("must be a non-negative whole number in qgpu's units (core in thousandths of a card, memory in MiB): "
+                        "4000 or 4k, no fraction, sign or binary suffix (Ki, Mi, Gi)")
 
 
-class DraClaimError(ValueError):
-    """A claim's allocation cannot be served; the message names the claim, field, value and rule."""
+def shown(value: Any) -> str:
+    """``value`` for a message, cut to a readable length (a megabyte of digits must not come back)."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
+
+
+def capacity_number(where: str, value: Any, error: type[ValueError] = ValueError) -> int:
+    """A capacity in qgpu's units, as a claim, a slice or kube-scheduler's allocation carries it:
+    the one rule every reader of a DRA object applies (raises ``error`` naming ``where``, the value
+    and :data:`CAPACITY_RULE`).
+
+    kube-apiserver serves quantities in canonical form (``"1000"`` comes back ``"1k"``), so decimal
+    suffixes and exponents are read, with model/quantity.py's bounded parser (at most 2^63-1); a
+    JSON integer counts like its text. Binary suffixes are refused: ``64Gi`` of a quantity counted
+    in MiB is a mistake, not an amount."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise error(f"{where}={shown(value)}: {CAPACITY_RULE}")
+    if isinstance(value, str) and value.endswith("i"):
+        raise error(f"{where}={shown(value)}: {CAPACITY_RULE}")
+    try:
+        number = parse_quantity(str(value)) if isinstance(value, str) else None
+    except QuantityError as exc:
+        raise error(f"{where}={shown(value)}: {CAPACITY_RULE} ({exc.rule})") from None
+    if number is None:  # a JSON integer
+        if not 0 <= value <= QUANTITY_LIMIT:
+            raise error(f"{where}={shown(value)}: {CAPACITY_RULE}")
+        return value
+    if number < 0 or number != number.to_integral_value():
+        raise error(f"{where}={shown(value)}: {CAPACITY_RULE}")
+    return int(number)
 
 
 class _Card(Protocol):
@@ -110,31 +145,6 @@ def slice_device(card: _Card, policy: str, limits: CardLimits = DEFAULT_LIMITS) 
     }
 
 
-@dataclass(frozen=True)
-class ClaimShare:
-    """One device result of a claim allocated to qgpu: which card and how much of it."""
-
-    request: str
-    pool: str
-    device: str
-    card_index: int
-    core_milli: int
-    memory_mib: int
-    share_id: str
-
-
-_DECIMAL_SUFFIX: Final = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9}
-_INT_QUANTITY: Final = re.compile(r"([0-9]{1,9})(k|M|G)?")
-
-
-def capacity_integer(value: Any) -> int | None:
-    """A capacity as qgpu writes it (a plain integer) or as the apiserver gives it back: it stores
-    ``1000`` as ``1k`` (apimachinery's Quantity drops trailing zeros into a decimal suffix), so a
-    whole card's ``core`` comes back from the API as ``1k``. None for anything else."""
-    m = _INT_QUANTITY.fullmatch(str(value))
-    return int(m.group(1)) * _DECIMAL_SUFFIX[m.group(2) or ""] if m else None
-
-
 def consumed_core(requested: int) -> int:
     """The ``core`` the allocator consumes for a request of ``requested``, by the slice's
     requestPolicy (:func:`slice_device`): rounded up to a step, within one step and a whole card."""
@@ -148,53 +158,83 @@ def consumed_memory(requested_mib: int, limits: CardLimits = DEFAULT_LIMITS) -> 
     return max(low, low + -(-(requested_mib - low) // MIB_PER_GIB) * MIB_PER_GIB)
 
 
-def _int_quantity(where: str, field: str, value: Any) -> int:
-    number = capacity_integer(value)
-    if number is None:
-        raise DraClaimError(f"{where}: {field} {value!r} is not allowed: qgpu capacities are plain integers "
-                            "(core in thousandths of a card, memory in MiB)")
-    return number
+# ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler and the extender read it) ---
+UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
+"""Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
+to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
+device. Its value is the reason, cut to a label value."""
+SLICE_CONTENT: Final = f"{DRIVER}/content"
+"""Annotation on the slice: a digest of the spec qgpu wrote, so an unchanged node writes nothing
+(the apiserver rewrites quantities, e.g. ``1000`` reads back as ``1k``, so specs are not compared)."""
 
 
-def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
-    """The qgpu results of ``claim``'s allocation on ``node``, validated; other drivers' are skipped.
+@dataclass(frozen=True)
+class SliceCard:
+    """One device of a qgpu ResourceSlice, read back: the card it stands for. ``memory_mib`` is the
+    device's ``memory`` capacity (what claims can consume: whole GiB), not the card's ``memoryMiB``."""
 
-    Raises DraClaimError for an unallocated claim, a result in another node's pool, a device name
-    qgpu never published, or a consumed capacity that is missing, not an integer or out of range.
-    """
-    meta = claim.get("metadata") or {}
-    where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
-    alloc = (claim.get("status") or {}).get("allocation")
-    if not alloc:
-        raise DraClaimError(f"{where}: status.allocation is missing: the claim is not allocated yet")
-    results = ((alloc.get("devices") or {}).get("results")) or []
-    shares: list[ClaimShare] = []
-    for i, r in enumerate(results):
-        if r.get("driver") != DRIVER:
-            continue
-        at = f"{where}: status.allocation.devices.results[{i}]"
-        pool, device = str(r.get("pool") or ""), str(r.get("device") or "")
-        if pool != pool_name(node):
-            raise DraClaimError(f"{at}.pool {pool!r} is not allowed: this node's pool is {pool_name(node)!r}")
+    device: str
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    policy: str
+
+
+@dataclass(frozen=True)
+class SliceCards:
+    """A qgpu ResourceSlice, read back: its node, its cards in the order the slice lists them (the
+    allocator's first-fit order), and why each device that is not a card was left out."""
+
+    node: str
+    cards: tuple[SliceCard, ...]
+    dropped: tuple[str, ...] = ()
+
+
+def _attribute(attrs: Any, name: str, kind: str) -> Any:
+    value = attrs.get(name) if isinstance(attrs, dict) else None
+    return value.get(kind) if isinstance(value, dict) else None
+
+
+def _slice_card(device: Any) -> SliceCard:
+    """One device as a card; ValueError naming the field for one that is not a card qgpu published
+    within the inventory's bounds (contract/inventory.py)."""
+    if not isinstance(device, dict):
+        raise ValueError(f"device {shown(device)}: must be an object")
+    name = str(device.get("name"))
+    attrs = device.get("attributes")
+    index = _attribute(attrs, ATTR_INDEX, "int")
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index <= MAX_INDEX:
+        raise ValueError(f"device {name!r}: attributes.{ATTR_INDEX}.int={shown(index)}: must be an integer 0..{MAX_INDEX}")
+    capacity = device.get("capacity") if isinstance(device.get("capacity"), dict) else {}
+    memory_value = capacity.get(MEMORY).get("value") if isinstance(capacity.get(MEMORY), dict) else None
+    memory = capacity_number(f"device {name!r}: capacity.{MEMORY}.value", memory_value)
+    if not 0 < memory <= MAX_MEMORY_MIB:
+        raise ValueError(f"device {name!r}: capacity.{MEMORY}.value={shown(memory_value)}: must be 1..{MAX_MEMORY_MIB} MiB")
+    return SliceCard(name, index, str(_attribute(attrs, ATTR_UUID, "string") or "")[:MAX_ID_CHARS],
+                     str(_attribute(attrs, ATTR_MODEL, "string") or "")[:MAX_ID_CHARS],
+                     memory, str(_attribute(attrs, ATTR_POLICY, "string") or "")[:MAX_ID_CHARS])
+
+
+def read_slice(slice_: Any) -> SliceCards | None:
+    """The cards of one of qgpu's ResourceSlices (:func:`slice_device` wrote its devices); None for
+    another driver's slice or one without a node.
+
+    A slice is written by its node, so it is read as a node's inventory is: a device whose index or
+    memory is missing or out of bounds is left out (``dropped`` says why), never the whole slice.
+    Whether repeated indices or too many devices leave the node out is the reader's call."""
+    spec = slice_.get("spec") if isinstance(slice_, dict) else None
+    if not isinstance(spec, dict) or spec.get("driver") != DRIVER or not spec.get("nodeName"):
+        return None
+    cards: list[SliceCard] = []
+    dropped: list[str] = []
+    devices = spec.get("devices")
+    for device in devices if isinstance(devices, list) else []:
         try:
-            index = card_index(device)
-        except ValueError as e:
-            raise DraClaimError(f"{at}.device: {e}") from None
-        consumed = r.get("consumedCapacity")
-        if not isinstance(consumed, dict):
-            raise DraClaimError(f"{at}.consumedCapacity is missing: qgpu shares need consumable capacity "
-                                "(feature gate DRAConsumableCapacity on kube-apiserver, kube-scheduler and kubelet)")
-        if CORE not in consumed or MEMORY not in consumed:
-            raise DraClaimError(f"{at}.consumedCapacity {consumed!r} is not allowed: it must name {CORE!r} and {MEMORY!r}")
-        core = _int_quantity(at, f"consumedCapacity.{CORE}", consumed[CORE])
-        memory = _int_quantity(at, f"consumedCapacity.{MEMORY}", consumed[MEMORY])
-        if not CORE_STEP <= core <= CORE_MILLI_PER_CARD:
-            raise DraClaimError(f"{at}.consumedCapacity.{CORE} {core} is not allowed: must be {CORE_STEP}..{CORE_MILLI_PER_CARD}")
-        if memory < 1:
-            raise DraClaimError(f"{at}.consumedCapacity.{MEMORY} {memory} is not allowed: must be >= 1 MiB")
-        shares.append(ClaimShare(request=str(r.get("request") or ""), pool=pool, device=device, card_index=index,
-                                 core_milli=core, memory_mib=memory, share_id=str(r.get("shareID") or "")))
-    return shares
+            cards.append(_slice_card(device))
+        except ValueError as exc:
+            dropped.append(str(exc))
+    return SliceCards(str(spec["nodeName"]), tuple(cards), tuple(dropped))
 
 
 def device_class_selector(shared: bool) -> str:
@@ -217,100 +257,6 @@ def device_classes(whole_extended_resource: str | None = "nvidia.com/gpu") -> li
          "spec": {"selectors": [{"cel": {"expression": device_class_selector(True)}}]}},
         {"apiVersion": API_VERSION, "kind": "DeviceClass", "metadata": {"name": WHOLE_CLASS}, "spec": whole_spec},
     ]
-
-
-# ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler reads it) -------------
-UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
-"""Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
-to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
-device. Its value is the reason, cut to a label value."""
-SLICE_CONTENT: Final = f"{DRIVER}/content"
-"""Annotation on the slice: a digest of the spec qgpu wrote, so an unchanged node writes nothing
-(the apiserver rewrites quantities, e.g. ``1000`` reads back as ``1k``, so specs are not compared)."""
-
-
-# --- what the webhook writes into claims and the kubelet plugin reads back ----------------------
-CONFIG_API_VERSION: Final = "gpu.qgpu.io/v1alpha1"
-CONFIG_KIND: Final = "ShareConfig"
-"""The opaque configuration of a claim's requests (``config[].opaque.parameters``): what the
-scheduler need not know but the node must, i.e. qGPU's co-location class and whether the share's
-core may be exceeded when the card is idle (``qgpu-core-greedy``)."""
-
-
-def share_config(app_class: str, greedy: bool) -> dict[str, Any]:
-    """The opaque parameters of a share: ``app_class`` online, offline or normal."""
-    if app_class not in ("online", "offline", "normal"):
-        raise ValueError(f"appClass {app_class!r} is not allowed: must be online, offline or normal")
-    return {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "appClass": app_class, "greedy": bool(greedy)}
-
-
-def read_share_config(parameters: Any) -> tuple[str, bool]:
-    """(appClass, greedy) of opaque parameters written by :func:`share_config`; DraClaimError otherwise."""
-    if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION or parameters.get("kind") != CONFIG_KIND:
-        raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: expected apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}")
-    app_class, greedy = parameters.get("appClass", "normal"), parameters.get("greedy", False)
-    if app_class not in ("online", "offline", "normal") or not isinstance(greedy, bool):
-        raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: appClass online|offline|normal, greedy a boolean")
-    return app_class, greedy
-
-
-@dataclass(frozen=True)
-class ShareSettings:
-    """What a claim's opaque config says of one request: its co-location class and greedy flag.
-
-    Greedy carries nothing beyond the class on the node: an offline pod's ``qgpu-core-greedy`` is
-    its ``core`` share, as in the device-plugin path (the record holds the core and the class)."""
-
-    app_class: str = "normal"
-    greedy: bool = False
-
-
-NORMAL_SHARE: Final = ShareSettings()
-
-
-def _config_applies(names: list[str], request: str) -> bool:
-    """A config entry names requests; none means all of them. A subrequest's result (``gpu/t4``,
-    from ``firstAvailable``) is governed by a config naming its parent request (``gpu``)."""
-    return not names or any(request == n or request.startswith(f"{n}/") for n in names)
-
-
-def claim_share_settings(claim: dict[str, Any], requests: Iterable[str]) -> dict[str, ShareSettings]:
-    """The ShareSettings of each of ``requests`` (result request names) from the claim's opaque
-    configs for qgpu's driver, defaulting to normal.
-
-    The allocation's copy (``status.allocation.devices.config``, written by kube-scheduler with the
-    class's configs first) is read when present, else the claim's ``spec.devices.config``; later
-    entries override earlier ones for the requests they name, as in DRA. Other drivers' entries
-    are skipped. Raises DraClaimError naming the field for a malformed entry of qgpu's driver.
-    """
-    meta = claim.get("metadata") or {}
-    where = f"ResourceClaim {meta.get('namespace', '?')}/{meta.get('name', '?')}"
-    allocated = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("config")
-    field, entries = "status.allocation.devices.config", allocated
-    if not allocated:
-        field, entries = "spec.devices.config", ((claim.get("spec") or {}).get("devices") or {}).get("config")
-    wanted = list(dict.fromkeys(requests))
-    out = {r: NORMAL_SHARE for r in wanted}
-    if entries is None:
-        return out
-    if not isinstance(entries, list):
-        raise DraClaimError(f"{where}: {field} {entries!r} is not allowed: must be a list")
-    for i, entry in enumerate(entries):
-        at = f"{where}: {field}[{i}]"
-        opaque = entry.get("opaque") if isinstance(entry, dict) else None
-        if not isinstance(opaque, dict) or opaque.get("driver") != DRIVER:
-            continue
-        names = entry.get("requests") or []
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise DraClaimError(f"{at}.requests {names!r} is not allowed: must be a list of request names")
-        try:
-            app_class, greedy = read_share_config(opaque.get("parameters"))
-        except DraClaimError as exc:
-            raise DraClaimError(f"{at}.opaque.parameters: {exc}") from None
-        for r in wanted:
-            if _config_applies(names, r):
-                out[r] = ShareSettings(app_class, greedy)
-    return out
 
 
 def _cel_string(text: str) -> str:

@@ -35,24 +35,13 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.contract.dra import (
-    CORE,
-    DRIVER,
-    MEMORY,
-    SHARED_CLASS,
-    WHOLE_CLASS,
-    DraClaimError,
-    capacity_integer,
-    claim_shares,
-    consumed_core,
-    consumed_memory,
-)
-from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_ID_CHARS, MAX_INDEX, MAX_MEMORY_MIB
+from qgpu_runtime.contract.dra import consumed_core, consumed_memory, read_slice
+from qgpu_runtime.contract.draclaim import DraClaimError, allocated_pools, describe, pool_shares, spec_requests
+from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
 
-QGPU_CLASSES = frozenset({SHARED_CLASS, WHOLE_CLASS})
 MAX_ASKS = 64
 """Devices one pod may ask through qgpu's classes before the view stops scoring it (a bound on the
 per-call work, far above any card count a node has)."""
@@ -83,80 +72,49 @@ class DemandError(ValueError):
     """A claim's request qgpu cannot read; the pod is scored 0 everywhere (no preference)."""
 
 
-def _integer(field: str, value: Any, unit: str) -> int:
-    number = capacity_integer(value)
-    if number is None:
-        raise DemandError(f"capacity {field} {value!r}: must be an integer ({unit})")
-    return number
-
-
-def _core(value: Any) -> int:
-    return consumed_core(_integer(CORE, value, "thousandths of a card"))
-
-
-def _memory(value: Any, limits: CardLimits) -> int:
-    return consumed_memory(_integer(MEMORY, value, "MiB"), limits)
-
-
-def claim_asks(spec: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> list[Ask]:
-    """The devices a ResourceClaim spec asks of qgpu's classes (others' requests are skipped).
+def claim_asks(spec: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS, where: str = "spec") -> list[Ask]:
+    """The devices a ResourceClaim spec asks of qgpu's classes (others' requests are skipped),
+    decoded by contract/draclaim.py; ``where`` names the spec in the DemandError of one that does
+    not decode.
 
     ``exactly`` requests and the first qgpu subrequest of a ``firstAvailable`` list (the allocator
     tries that first). A request without capacity asks the defaults: the whole card.
     """
+    try:
+        requests = spec_requests(spec, where)
+    except DraClaimError as exc:
+        raise DemandError(str(exc)) from None
     asks: list[Ask] = []
-    for request in ((spec.get("devices") or {}).get("requests") or []):
-        exact = request.get("exactly")
-        if exact is None:
-            exact = next((s for s in request.get("firstAvailable") or [] if s.get("deviceClassName") in QGPU_CLASSES), None)
-        if not exact or exact.get("deviceClassName") not in QGPU_CLASSES:
-            continue
-        if (exact.get("allocationMode") or "ExactCount") != "ExactCount":
-            raise DemandError(f"request {request.get('name')!r}: allocationMode {exact.get('allocationMode')!r} is not scored")
-        count = int(exact.get("count") or 1)
-        wanted = (exact.get("capacity") or {}).get("requests") or {}
-        core = _core(wanted[CORE]) if CORE in wanted else None
-        memory = _memory(wanted[MEMORY], limits) if MEMORY in wanted else None
-        asks.extend([Ask(core, memory)] * count)
+    for request in requests:
+        first = request.alternatives[0]
+        if first.count is None:
+            raise DemandError(f"request {request.name!r}: allocationMode 'All' is not scored")
+        core = None if first.core is None else consumed_core(first.core)
+        # Above the largest card an ask fits nowhere whatever its size; the cap keeps it in int64.
+        memory = None if first.memory is None else min(consumed_memory(first.memory, limits), MAX_MEMORY_MIB + 1)
+        asks.extend([Ask(core, memory)] * first.count)
         if len(asks) > MAX_ASKS:
             raise DemandError(f"more than {MAX_ASKS} devices asked")
     return asks
 
 
 def slice_cards(slice_: Mapping[str, Any]) -> tuple[str, list[tuple[str, CardSpec]]] | None:
-    """(node, [(device name, card)]) of one of qgpu's ResourceSlices; None for another driver's.
-    A card's ``memory_mib`` is the slice's ``memory`` capacity (what claims can consume)."""
-    spec = slice_.get("spec") or {}
-    if spec.get("driver") != DRIVER or not spec.get("nodeName"):
+    """(node, [(device name, card)]) of one of qgpu's ResourceSlices (contract.dra.read_slice);
+    None for another driver's. A card's ``memory_mib`` is the slice's ``memory`` capacity (what
+    claims can consume); devices out of the inventory's bounds are left out."""
+    read = read_slice(slice_)
+    if read is None:
         return None
-    out = []
-    for device in spec.get("devices") or []:
-        attrs = device.get("attributes") or {}
-        capacity = device.get("capacity") or {}
-        try:
-            index = int((attrs.get("index") or {}).get("int"))
-            memory = int(str((capacity.get(MEMORY) or {}).get("value")))
-        except (TypeError, ValueError):
-            continue
-        if not (0 <= index <= MAX_INDEX and 0 < memory <= MAX_MEMORY_MIB):
-            continue  # out of the inventory's bounds: not a card (contract/inventory.py)
-        out.append((str(device.get("name")), CardSpec(index, str((attrs.get("uuid") or {}).get("string") or "")[:MAX_ID_CHARS],
-                                                       str((attrs.get("model") or {}).get("string") or "")[:MAX_ID_CHARS],
-                                                       memory)))
-    return str(spec["nodeName"]), out
+    return read.node, [(c.device, CardSpec(c.index, c.uuid, c.model, c.memory_mib)) for c in read.cards]
 
 
 def claim_usage(claim: Mapping[str, Any]) -> list[Usage]:
     """What an allocated claim consumes on qgpu's devices ([] when unallocated or not qgpu's);
-    results that do not decode (contract.dra.claim_shares refuses them) count as nothing."""
-    alloc = dict((claim.get("status") or {}).get("allocation") or {})
-    devices = dict(alloc.get("devices") or {})
-    results = devices.get("results") or []
+    a pool whose results do not decode (contract.draclaim.claim_shares refuses them) counts as nothing."""
     out: list[Usage] = []
-    for pool in sorted({str(r.get("pool") or "") for r in results if r.get("driver") == DRIVER}):  # a pool is a node
-        one_pool = {**devices, "results": [r for r in results if r.get("driver") == DRIVER and r.get("pool") == pool]}
+    for pool in allocated_pools(claim):  # a pool is a node
         try:
-            shares = claim_shares({**claim, "status": {"allocation": {**alloc, "devices": one_pool}}}, pool)
+            shares = pool_shares(claim, pool)
         except DraClaimError:
             continue
         out.extend(Usage(pool, s.device, s.core_milli, s.memory_mib) for s in shares)
@@ -217,7 +175,7 @@ class DraView:
                 self._set_usage(uid, [])
                 return
             try:
-                asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits)
+                asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits, f"{describe(obj)}: spec")
             except (DemandError, TypeError, ValueError) as exc:
                 asks = DemandError(str(exc))
             if asks:
@@ -241,7 +199,8 @@ class DraView:
                 self._template_asks.pop(key, None)
                 return
             try:
-                asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits)
+                asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits,
+                                                          f"{describe(obj, 'ResourceClaimTemplate')}: spec.spec")
             except (DemandError, TypeError, ValueError) as exc:
                 asks = DemandError(str(exc))
             if asks:

@@ -43,7 +43,8 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 import grpc
 
 from qgpu_runtime import protos
-from qgpu_runtime.contract.dra import DRIVER, ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares, device_name, pool_name
+from qgpu_runtime.contract.dra import DRIVER, device_name, pool_name
+from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, ShareSettings, claim_share_settings, claim_shares
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import AppClass

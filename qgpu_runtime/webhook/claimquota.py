@@ -33,21 +33,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Iterable, Mapping
 
-from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, SHARED_CLASS, WHOLE_CLASS
-from qgpu_runtime.model.quantity import QUANTITY_LIMIT, QuantityError, parse_quantity
+from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, capacity_number, shown
+from qgpu_runtime.contract.draclaim import DeviceAsk, DraClaimError, claim_requests, qgpu_request_count
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS
 
 CORE_QUOTA: Final = f"{DRIVER}/{CORE}"
 """ResourceQuota resource name of the GPU core a namespace's claims may ask (thousandths of a card)."""
 MEMORY_QUOTA: Final = f"{DRIVER}/{MEMORY}"
 """ResourceQuota resource name of the GPU memory a namespace's claims may ask (MiB)."""
-QGPU_CLASSES: Final = frozenset({SHARED_CLASS, WHOLE_CLASS})
 UNITS: Final = {CORE_QUOTA: "thousandths of a card", MEMORY_QUOTA: "MiB"}
-
-# A claim's allocation holds at most 32 devices (AllocationResultsMaxSize, pkg/apis/resource of
-# v1.37): a larger count can never be allocated, so it is refused rather than charged.
-_MAX_COUNT = 32
-_SHOWN = 40
 
 
 class ClaimQuotaError(ValueError):
@@ -83,96 +77,38 @@ class Refusal:
                 f"{self.hard} ({UNITS[self.resource]})")
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN else f"{text[:_SHOWN]}... ({len(text)} characters)"
-
-
-def _whole_number(where: str, value: Any) -> int:
-    """A non-negative whole number in qgpu's units, written as kube-apiserver serves quantities.
-
-    The apiserver canonicalises what it stores: ``"1000"`` comes back as ``"1k"``, so decimal
-    suffixes and exponents must be read (``model/quantity.py``, bounded work, at most 2^63-1).
-    Binary suffixes are refused: ``64Gi`` of a quantity counted in MiB is a mistake, not a limit."""
-    rule = ("must be a non-negative whole number in qgpu's units (core in thousandths of a card, memory in MiB): "
-            "4000 or 4k, no fraction, sign or binary suffix (Ki, Mi, Gi)")
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
-    if isinstance(value, str) and value.endswith("i"):
-        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
-    try:
-        number = parse_quantity(str(value)) if isinstance(value, str) else None
-    except QuantityError as exc:
-        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule} ({exc.rule})") from None
-    if number is None:  # a JSON integer
-        if not 0 <= value <= QUANTITY_LIMIT:
-            raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
-        return value
-    if number < 0 or number != number.to_integral_value():
-        raise ClaimQuotaError(f"{where}={_shown(value)}: {rule}")
-    return int(number)
-
-
 def _name(obj: Mapping[str, Any]) -> tuple[str, str]:
     meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
     return str(meta.get("namespace") or ""), str(meta.get("name") or meta.get("generateName") or "?")
 
 
-def _request_usage(where: str, request: Mapping[str, Any], default_memory_mib: int) -> Usage:
-    """What one device request of a qgpu class asks, all its devices together."""
-    mode = request.get("allocationMode") or "ExactCount"
-    if mode == "All":
-        # Every matching card of the node (a T9k whole-node pod): how many is known only after
-        # allocation, so the charge is the most a node may have, as the memory default is.
-        count = DEFAULT_LIMITS.max_cards_per_node
-    elif mode == "ExactCount":
-        count = request.get("count", 1)
-        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= _MAX_COUNT:
-            raise ClaimQuotaError(f"{where}.count={_shown(count)}: must be an integer 1..{_MAX_COUNT}")
-    else:
-        raise ClaimQuotaError(f"{where}.allocationMode={_shown(mode)}: must be ExactCount or All")
-    capacity = request.get("capacity") or {}
-    asked = capacity.get("requests") if isinstance(capacity, dict) else None
-    if asked is None:
-        asked = {}
-    if not isinstance(capacity, dict) or not isinstance(asked, dict):
-        raise ClaimQuotaError(f"{where}.capacity={_shown(capacity)}: must be an object with a 'requests' object")
-    core = _whole_number(f"{where}.capacity.requests.{CORE}", asked[CORE]) if CORE in asked else CORE_MILLI_PER_CARD
-    memory = _whole_number(f"{where}.capacity.requests.{MEMORY}", asked[MEMORY]) if MEMORY in asked else default_memory_mib
+def _charge(ask: DeviceAsk, default_memory_mib: int) -> Usage:
+    """What one decoded device request of a qgpu class asks, all its devices together."""
+    # allocationMode All (a T9k whole-node pod): every matching card of the node, known only after
+    # allocation, so the charge is the most a node may have, as the memory default is.
+    count = DEFAULT_LIMITS.max_cards_per_node if ask.count is None else ask.count
+    core = CORE_MILLI_PER_CARD if ask.core is None else ask.core
+    memory = default_memory_mib if ask.memory is None else ask.memory
     return Usage(core * count, memory * count)
 
 
 def claim_usage(claim: Mapping[str, Any], default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> Usage:
     """GPU core and memory ``claim`` asks of qgpu's classes; requests of other classes count nothing.
+    A prioritized list (``firstAvailable``) is charged its largest qgpu alternative.
 
-    Raises ClaimQuotaError, naming the field, for a qgpu request that cannot be charged."""
-    namespace, name = _name(claim)
-    spec = claim.get("spec")
-    devices = spec.get("devices") if isinstance(spec, dict) else None
-    requests = devices.get("requests") if isinstance(devices, dict) else None
-    if requests is None:
-        return Usage()
-    if not isinstance(requests, list):
-        raise ClaimQuotaError(f"ResourceClaim {namespace}/{name}: spec.devices.requests={_shown(requests)}: must be a list")
+    Raises ClaimQuotaError, naming the field, for a qgpu request that does not decode
+    (contract/draclaim.py)."""
+    try:
+        requests = claim_requests(claim)
+    except DraClaimError as exc:
+        raise ClaimQuotaError(str(exc)) from None
     total = Usage()
-    for i, request in enumerate(requests):
-        where = f"ResourceClaim {namespace}/{name}: spec.devices.requests[{i}]"
-        if not isinstance(request, dict):
-            raise ClaimQuotaError(f"{where}={_shown(request)}: must be an object")
-        if "firstAvailable" in request:
-            alternatives = request["firstAvailable"]
-            if not isinstance(alternatives, list):
-                raise ClaimQuotaError(f"{where}.firstAvailable={_shown(alternatives)}: must be a list")
-            charged = Usage()
-            for j, sub in enumerate(alternatives):
-                if isinstance(sub, dict) and sub.get("deviceClassName") in QGPU_CLASSES:
-                    u = _request_usage(f"{where}.firstAvailable[{j}]", sub, default_memory_mib)
-                    charged = Usage(max(charged.core_milli, u.core_milli), max(charged.memory_mib, u.memory_mib))
-            total += charged
-            continue
-        exactly = request.get("exactly", request)  # resource.k8s.io/v1 nests it; v1beta1 did not
-        if isinstance(exactly, dict) and exactly.get("deviceClassName") in QGPU_CLASSES:
-            total += _request_usage(where + (".exactly" if "exactly" in request else ""), exactly, default_memory_mib)
+    for request in requests:
+        charged = Usage()
+        for ask in request.alternatives:
+            u = _charge(ask, default_memory_mib)
+            charged = Usage(max(charged.core_milli, u.core_milli), max(charged.memory_mib, u.memory_mib))
+        total += charged
     return total
 
 
@@ -190,7 +126,8 @@ def quota_limits(quotas: Iterable[Mapping[str, Any]]) -> list[tuple[str, str, in
         hard = _hard(quota)
         for resource in (CORE_QUOTA, MEMORY_QUOTA):
             if resource in hard:
-                limits.append((name, resource, _whole_number(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource])))
+                limits.append((name, resource, capacity_number(f"ResourceQuota {name}: spec.hard[{resource!r}]", hard[resource],
+                                                              ClaimQuotaError)))
     return limits
 
 
@@ -220,29 +157,13 @@ def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]],
         try:
             used += claim_usage(other, default_memory_mib)
         except ClaimQuotaError:
-            used += _whole_cards(other, default_memory_mib)
+            n = qgpu_request_count(other)  # a whole card per qgpu request, its count unknown: one
+            used += Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
     refusals = []
     for quota, resource, hard in limits:
         if used.of(resource) + asked.of(resource) > hard and asked.of(resource) > 0:
             refusals.append(Refusal(namespace, quota, resource, used.of(resource), asked.of(resource), hard))
     return refusals
-
-
-def _whole_cards(claim: Mapping[str, Any], default_memory_mib: int) -> Usage:
-    """A whole card per qgpu request of an unreadable existing claim (its count unknown: one)."""
-    spec = claim.get("spec") if isinstance(claim.get("spec"), dict) else {}
-    devices = spec.get("devices") if isinstance(spec.get("devices"), dict) else {}
-    requests = devices.get("requests") if isinstance(devices.get("requests"), list) else []
-    n = 0
-    for request in requests:
-        if not isinstance(request, dict):
-            continue
-        exactly = request.get("exactly", request)
-        classes = [exactly.get("deviceClassName")] if isinstance(exactly, dict) else []
-        if isinstance(request.get("firstAvailable"), list):
-            classes += [s.get("deviceClassName") for s in request["firstAvailable"] if isinstance(s, dict)]
-        n += any(c in QGPU_CLASSES for c in classes)
-    return Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
 
 
 def is_claim_create(request: Mapping[str, Any]) -> bool:
@@ -276,7 +197,7 @@ def claim_admission(request: Mapping[str, Any], existing: Iterable[Mapping[str, 
         return True, ""
     claim = new_claim(request)
     if claim is None:
-        return False, f"qgpu: AdmissionReview.request.object={_shown(request.get('object'))}: must be a ResourceClaim object"
+        return False, f"qgpu: AdmissionReview.request.object={shown(request.get('object'))}: must be a ResourceClaim object"
     try:
         refusals = check_claim(claim, existing, quotas, default_memory_mib, reserved)
     except ClaimQuotaError as exc:

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, MIXED_LABEL
 from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import (
@@ -126,7 +126,7 @@ def _percent_memory(card_mib: int, pct: int, limits: CardLimits) -> int:
 
 def _capacity(core_milli: int, memory_mib: int) -> dict[str, Any]:
     # A share of no core (online, T9k percent) takes the smallest step: DRA has no zero request.
-    return {"requests": {dra.CORE: str(max(core_milli, dra.CORE_STEP)), dra.MEMORY: str(memory_mib)}}
+    return draclaim.capacity_requests(max(core_milli, dra.CORE_STEP), memory_mib)
 
 
 def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -> ClaimTemplate:
@@ -168,7 +168,7 @@ def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -
         spec["devices"]["constraints"] = constraints
     if pod.klass is not AppClass.NORMAL:
         spec["devices"]["config"] = [{"requests": [REQUEST_NAME], "opaque": {
-            "driver": dra.DRIVER, "parameters": dra.share_config(pod.klass.value, greedy=pod.klass is AppClass.OFFLINE)}}]
+            "driver": dra.DRIVER, "parameters": draclaim.share_config(pod.klass.value, greedy=pod.klass is AppClass.OFFLINE)}}]
         name += f"-{pod.klass.value}"
     return ClaimTemplate(name, spec)
 

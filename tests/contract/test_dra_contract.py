@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import CardLimits
 
@@ -41,8 +41,8 @@ def test_odd_memory_rounds_down_to_whole_gib():
 
 def test_claim_shares_decodes_this_drivers_results_only():
     other = {"request": "nic", "driver": "net.example.com", "pool": "p", "device": "d"}
-    shares = dra.claim_shares(_claim([other, _result()]), "node-a")
-    assert shares == [dra.ClaimShare("gpu", "node-a", "gpu-1", 1, 300, 4096, "abc")]
+    shares = draclaim.claim_shares(_claim([other, _result()]), "node-a")
+    assert shares == [draclaim.ClaimShare("gpu", "node-a", "gpu-1", 1, 300, 4096, "abc")]
 
 
 @pytest.mark.parametrize("result, words", [
@@ -51,28 +51,28 @@ def test_claim_shares_decodes_this_drivers_results_only():
     (_result(device="gpu-01"), "not a qgpu device"),
     (_result(consumedCapacity=None), "DRAConsumableCapacity"),
     (_result(consumedCapacity={"core": "300"}), "must name"),
-    (_result(consumedCapacity={"core": "300", "memory": "4Gi"}), "plain integers"),
-    (_result(consumedCapacity={"core": "30%", "memory": "1"}), "plain integers"),
+    (_result(consumedCapacity={"core": "300", "memory": "4Gi"}), "consumedCapacity.memory='4Gi': must be a non-negative whole number"),
+    (_result(consumedCapacity={"core": "30%", "memory": "1"}), "consumedCapacity.core='30%': must be a non-negative whole number"),
     (_result(consumedCapacity={"core": "3k", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "0", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "1001", "memory": "1"}), "must be 10..1000"),
     (_result(consumedCapacity={"core": "10", "memory": "0"}), ">= 1 MiB"),
 ])
 def test_claim_shares_refuses_with_the_field_and_rule(result, words):
-    with pytest.raises(dra.DraClaimError, match="ResourceClaim ns/c") as e:
-        dra.claim_shares(_claim([result]), "node-a")
+    with pytest.raises(draclaim.DraClaimError, match="ResourceClaim ns/c") as e:
+        draclaim.claim_shares(_claim([result]), "node-a")
     assert words in str(e.value)
 
 
 def test_claim_shares_reads_the_apiservers_canonical_quantities():
     """kube-apiserver stores 1000 as "1k" and 128000 as "128k": a whole card comes back that way."""
-    (share,) = dra.claim_shares(_claim([_result(consumedCapacity={"core": "1k", "memory": "128k"})]), "node-a")
+    (share,) = draclaim.claim_shares(_claim([_result(consumedCapacity={"core": "1k", "memory": "128k"})]), "node-a")
     assert (share.core_milli, share.memory_mib) == (1000, 128000)
 
 
 def test_unallocated_claim_is_refused():
-    with pytest.raises(dra.DraClaimError, match="not allocated"):
-        dra.claim_shares(_claim([], allocated=False), "node-a")
+    with pytest.raises(draclaim.DraClaimError, match="not allocated"):
+        draclaim.claim_shares(_claim([], allocated=False), "node-a")
 
 
 def test_device_names_round_trip():
@@ -88,13 +88,13 @@ def test_device_classes_select_this_driver():
 
 
 def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
-    assert dra.read_share_config(dra.share_config("offline", True)) == ("offline", True)
+    assert draclaim.read_share_config(draclaim.share_config("offline", True)) == ("offline", True)
     with pytest.raises(ValueError, match="appClass"):
-        dra.share_config("batch", False)
-    with pytest.raises(dra.DraClaimError, match="ShareConfig"):
-        dra.read_share_config({"apiVersion": "other/v1", "kind": "ShareConfig"})
-    with pytest.raises(dra.DraClaimError, match="greedy a boolean"):
-        dra.read_share_config({**dra.share_config("online", False), "greedy": "yes"})
+        draclaim.share_config("batch", False)
+    with pytest.raises(draclaim.DraClaimError, match="ShareConfig"):
+        draclaim.read_share_config({"apiVersion": "other/v1", "kind": "ShareConfig"})
+    with pytest.raises(draclaim.DraClaimError, match="greedy a boolean"):
+        draclaim.read_share_config({**draclaim.share_config("online", False), "greedy": "yes"})
 
 
 def _claim_with(config: list, where: str = "spec") -> dict:
@@ -107,27 +107,27 @@ def _claim_with(config: list, where: str = "spec") -> dict:
 
 
 def test_the_kubelet_plugin_reads_the_share_config_the_webhook_writes_per_request():
-    written = [{"requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("offline", True)}}]
-    settings = dra.claim_share_settings(_claim_with(written), ["gpu", "other"])
-    assert settings == {"gpu": dra.ShareSettings("offline", True), "other": dra.NORMAL_SHARE}
-    assert dra.claim_share_settings(_claim_with([]), ["gpu"]) == {"gpu": dra.NORMAL_SHARE}
+    written = [{"requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": draclaim.share_config("offline", True)}}]
+    settings = draclaim.claim_share_settings(_claim_with(written), ["gpu", "other"])
+    assert settings == {"gpu": draclaim.ShareSettings("offline", True), "other": draclaim.NORMAL_SHARE}
+    assert draclaim.claim_share_settings(_claim_with([]), ["gpu"]) == {"gpu": draclaim.NORMAL_SHARE}
 
 
 def test_later_configs_override_earlier_ones_and_the_allocation_copy_is_read_first():
-    entries = [{"source": "FromClass", "requests": [], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("online", False)}},
-               {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": dra.share_config("offline", True)}}]
-    assert dra.claim_share_settings(_claim_with(entries, "status"), ["gpu", "b"]) == \
-        {"gpu": dra.ShareSettings("offline", True), "b": dra.ShareSettings("online", False)}
+    entries = [{"source": "FromClass", "requests": [], "opaque": {"driver": dra.DRIVER, "parameters": draclaim.share_config("online", False)}},
+               {"source": "FromClaim", "requests": ["gpu"], "opaque": {"driver": dra.DRIVER, "parameters": draclaim.share_config("offline", True)}}]
+    assert draclaim.claim_share_settings(_claim_with(entries, "status"), ["gpu", "b"]) == \
+        {"gpu": draclaim.ShareSettings("offline", True), "b": draclaim.ShareSettings("online", False)}
 
 
 def test_a_malformed_share_config_names_the_claim_and_the_field():
     bad = [{"opaque": {"driver": "x.example.com", "parameters": {}}},
-           {"requests": [], "opaque": {"driver": dra.DRIVER, "parameters": {"apiVersion": dra.CONFIG_API_VERSION, "kind": dra.CONFIG_KIND,
+           {"requests": [], "opaque": {"driver": dra.DRIVER, "parameters": {"apiVersion": draclaim.CONFIG_API_VERSION, "kind": draclaim.CONFIG_KIND,
                                                                           "appClass": "batch"}}}]
-    with pytest.raises(dra.DraClaimError, match=r"^ResourceClaim ns/c: status.allocation.devices.config\[1\].opaque.parameters: "):
-        dra.claim_share_settings(_claim_with(bad, "status"), ["gpu"])
-    with pytest.raises(dra.DraClaimError, match=r"spec.devices.config 'x' is not allowed: must be a list"):
-        dra.claim_share_settings(_claim_with("x"), ["gpu"])  # type: ignore[arg-type]
+    with pytest.raises(draclaim.DraClaimError, match=r"^ResourceClaim ns/c: status.allocation.devices.config\[1\].opaque.parameters: "):
+        draclaim.claim_share_settings(_claim_with(bad, "status"), ["gpu"])
+    with pytest.raises(draclaim.DraClaimError, match=r"spec.devices.config 'x' is not allowed: must be a list"):
+        draclaim.claim_share_settings(_claim_with("x"), ["gpu"])  # type: ignore[arg-type]
 
 
 def test_selectors_name_the_drivers_attributes():
@@ -155,7 +155,15 @@ def test_the_rounding_the_extender_scores_with_is_the_slice_request_policy(limit
 
 
 @pytest.mark.parametrize("value,number", [("0", 0), ("250", 250), ("1k", 1000), ("32768", 32768), ("2M", 2 * 10**6),
-                                          (40, 40), ("1.5k", None), ("-1", None), ("1Ki", None), ("", None),
-                                          ("1234567890", None), (None, None)])
-def test_capacity_integer_reads_plain_and_canonical_integers_only(value, number):
-    assert dra.capacity_integer(value) == number
+                                          (40, 40), ("1.5k", 1500), ("1234567890", 1234567890), ("5T", 5 * 10**12),
+                                          ("-1", None), ("1Ki", None), ("", None), ("500m", None), ("1" * 20, None),
+                                          (True, None), (1.0, None), (None, None)])
+def test_capacity_number_reads_every_form_the_apiserver_serves_of_a_whole_number(value, number):
+    """The one rule of every DRA reader (it replaced capacity_integer, which read only up to nine
+    digits and k, M, G): whole numbers in qgpu's units up to 2^63-1, decimal suffixes and exponents
+    as the apiserver canonicalises them; fractions, signs, binary suffixes and other types refused."""
+    if number is None:
+        with pytest.raises(ValueError, match=r"^capacity=.*: must be a non-negative whole number in qgpu's units"):
+            dra.capacity_number("capacity", value)
+    else:
+        assert dra.capacity_number("capacity", value) == number

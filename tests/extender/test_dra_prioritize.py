@@ -88,7 +88,7 @@ def test_first_available_takes_the_first_qgpu_subrequest() -> None:
 
 
 def test_a_byte_quantity_is_not_a_qgpu_capacity() -> None:
-    with pytest.raises(DemandError, match="memory '4Gi'"):
+    with pytest.raises(DemandError, match="capacity.requests.memory='4Gi'"):
         claim_asks(claim("c", memory="4Gi")["spec"])  # type: ignore[arg-type]
 
 

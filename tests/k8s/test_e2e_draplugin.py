@@ -158,7 +158,7 @@ def test_a_malformed_allocation_is_refused_naming_the_field(node, resource, ns):
     allocate(resource, ns, "train", consumed={"core": "300", "memory": "4Gi"})
     error = node.kubelet.prepare((ns, uid, "train"))[uid].error
     assert f"ResourceClaim {ns}/train: status.allocation.devices.results[0]" in error
-    assert "consumedCapacity.memory '4Gi' is not allowed" in error
+    assert "consumedCapacity.memory='4Gi': must be a non-negative whole number" in error
     assert node.store.shares() == [] and node.spec(uid) is None
 
 
@@ -203,7 +203,7 @@ def test_the_share_config_and_reserved_pod_reach_the_store_and_the_isolation_ten
     """A claim with the webhook's opaque ShareConfig, reserved for a real pod through the status
     subresource: the store carries the class and the pod, and the isolation loop's tenant for
     that pod's container holds the claim's share as offline work."""
-    from qgpu_runtime.contract.dra import share_config
+    from qgpu_runtime.contract.draclaim import share_config
     from qgpu_runtime.node.tenants import tenants_of
 
     body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "batch", "namespace": ns},

@@ -16,7 +16,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.kube.client import api_client
@@ -142,7 +142,7 @@ def test_offline_pod_carries_class_and_greedy_in_the_opaque_config(hook):
                       annotations={"tke.cloud.tencent.com/app-class": "offline", "qgpu.io/gpu-model": "Tesla T4"})
     template = hook.template(_claim_template(pod))
     devices = template["spec"]["spec"]["devices"]
-    assert dra.read_share_config(devices["config"][0]["opaque"]["parameters"]) == ("offline", True)
+    assert draclaim.read_share_config(devices["config"][0]["opaque"]["parameters"]) == ("offline", True)
     assert devices["requests"][0]["exactly"]["selectors"] == [{"cel": {"expression": 'device.attributes["gpu.qgpu.io"].model in ["Tesla T4"]'}}]
     assert pod["spec"]["nodeSelector"] == {"mixed-qgpu-enable": "enable"}
 
@@ -258,7 +258,7 @@ def _place(hook: Hook, pool: Pool, name: str, resources: dict, annotations: dict
     hook.cluster.api.create_namespaced_pod(pool.ns, pod)
 
 
-def _shares(hook: Hook, pool: Pool, name: str) -> list[dra.ClaimShare]:
+def _shares(hook: Hook, pool: Pool, name: str) -> list[draclaim.ClaimShare]:
     def bound() -> dict | None:
         pod = read_pod(hook.cluster.api, pool.ns, name)
         return pod if pod["spec"].get("nodeName") else None
@@ -267,7 +267,7 @@ def _shares(hook: Hook, pool: Pool, name: str) -> list[dra.ClaimShare]:
     assert pod["spec"]["nodeName"] == pool.node
     (status,) = pod["status"]["resourceClaimStatuses"]
     claim = json.loads(hook.resource.read_namespaced_resource_claim(status["resourceClaimName"], pool.ns, _preload_content=False).data)
-    return dra.claim_shares(claim, pool.node)
+    return draclaim.claim_shares(claim, pool.node)
 
 
 def test_converted_pods_are_allocated_the_capacity_they_asked(hook, pool):
@@ -294,7 +294,7 @@ def test_nvidia_gpu_is_a_whole_card_through_the_classes_extended_resource_name(h
     assert pod["spec"]["nodeName"] == pool.node and not pod["spec"].get("resourceClaims")
     name = pod["status"]["extendedResourceClaimStatus"]["resourceClaimName"]
     claim = json.loads(hook.resource.read_namespaced_resource_claim(name, pool.ns, _preload_content=False).data)
-    (share,) = dra.claim_shares(claim, pool.node)
+    (share,) = draclaim.claim_shares(claim, pool.node)
     assert (share.core_milli, share.memory_mib) == (1000, 15360)
 
 

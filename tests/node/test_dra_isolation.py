@@ -22,7 +22,7 @@ import pytest
 from podfactory import pod as dp_pod
 from podfactory import write_pods
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import draclaim
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
@@ -108,7 +108,7 @@ class DraWorld:
                    "reservedFor": reserved_for or []}}
         if klass is not None:
             obj["spec"]["devices"]["config"] = [{"requests": ["gpu"], "opaque": {
-                "driver": DRIVER, "parameters": dra.share_config(klass, greedy=klass == "offline")}}]
+                "driver": DRIVER, "parameters": draclaim.share_config(klass, greedy=klass == "offline")}}]
         self.claims.objects[(NS, name)] = obj
         self.preparer.prepare(NS, uid, name)
         return uid

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from drakubelet import Kubelet
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
@@ -206,8 +206,8 @@ def test_a_crash_between_booking_and_spec_is_repaired_by_the_next_prepare(plugin
 
 
 @pytest.mark.parametrize("consumed, field", [
-    ({"core": "30%", "memory": "4096"}, "consumedCapacity.core '30%' is not allowed"),
-    ({"core": "300", "memory": "4Gi"}, "consumedCapacity.memory '4Gi' is not allowed"),
+    ({"core": "30%", "memory": "4096"}, "consumedCapacity.core='30%': must be a non-negative whole number"),
+    ({"core": "300", "memory": "4Gi"}, "consumedCapacity.memory='4Gi': must be a non-negative whole number"),
     ({"core": "300"}, "consumedCapacity {'core': '300'} is not allowed: it must name 'core' and 'memory'"),
     (None, "consumedCapacity is missing"),
 ])
@@ -363,7 +363,7 @@ def _opaque(parameters, requests=("gpu",), driver: str = DRIVER) -> dict:
 
 @pytest.mark.parametrize("where", ["spec", "status"])
 def test_the_class_of_the_claims_share_config_is_booked_and_set_in_the_cdi_env(plugin, claims, where):
-    claims.add(_configured("uid-1", _opaque(dra.share_config("offline", True)), where=where))
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("offline", True)), where=where))
     assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
     assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["offline"]
     (device,) = _spec(plugin, "uid-1")["devices"]
@@ -372,8 +372,8 @@ def test_the_class_of_the_claims_share_config_is_booked_and_set_in_the_cdi_env(p
 
 
 def test_the_allocations_copy_of_the_config_wins_over_the_spec(plugin, claims):
-    obj = _configured("uid-1", _opaque(dra.share_config("online", False)), where="status")
-    obj["spec"]["devices"]["config"] = [_opaque(dra.share_config("offline", True))]
+    obj = _configured("uid-1", _opaque(draclaim.share_config("online", False)), where="status")
+    obj["spec"]["devices"]["config"] = [_opaque(draclaim.share_config("offline", True))]
     claims.add(obj)
     plugin.kubelet.prepare(("team-a", "uid-1", "train"))
     assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["online"]
@@ -382,7 +382,7 @@ def test_the_allocations_copy_of_the_config_wins_over_the_spec(plugin, claims):
 def test_a_config_applies_to_the_requests_it_names_and_other_drivers_configs_are_skipped(plugin, claims):
     results = [{"request": r, "driver": DRIVER, "pool": NODE, "device": d,
                 "consumedCapacity": {"core": "300", "memory": "4096"}} for r, d in (("a", "gpu-0"), ("b", "gpu-1"))]
-    claims.add(_configured("uid-1", _opaque(dra.share_config("offline", True), requests=["a"]),
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("offline", True), requests=["a"]),
                            _opaque({"anything": 1}, requests=[], driver="other.example.com"), results=results))
     assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
     assert {s.container: s.klass for s in _claim_shares(plugin, "uid-1")} == {"a": "offline", "b": "normal"}
@@ -393,7 +393,7 @@ def test_a_config_applies_to_the_requests_it_names_and_other_drivers_configs_are
 def test_a_config_without_requests_applies_to_every_request_and_subrequests_follow_their_parent(plugin, claims):
     results = [{"request": "gpu/t4", "driver": DRIVER, "pool": NODE, "device": "gpu-0",
                 "consumedCapacity": {"core": "300", "memory": "4096"}}]
-    claims.add(_configured("uid-1", _opaque(dra.share_config("online", False), requests=[]), results=results))
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("online", False), requests=[]), results=results))
     plugin.kubelet.prepare(("team-a", "uid-1", "train"))
     assert [s.klass for s in _claim_shares(plugin, "uid-1")] == ["online"]
 
@@ -416,7 +416,7 @@ def test_a_malformed_share_config_refuses_the_claim_naming_the_field(plugin, cla
 
 
 def test_a_config_whose_requests_are_not_a_list_is_refused_naming_the_field(plugin, claims):
-    claims.add(_configured("uid-1", {"requests": "gpu", "opaque": {"driver": DRIVER, "parameters": dra.share_config("normal", False)}}))
+    claims.add(_configured("uid-1", {"requests": "gpu", "opaque": {"driver": DRIVER, "parameters": draclaim.share_config("normal", False)}}))
     error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
     assert "spec.devices.config[0].requests 'gpu' is not allowed" in error
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from ansible_tools import ansible_playbook
 
+from qgpu_runtime.contract.dra import QGPU_CLASSES
 from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX
-from qgpu_runtime.webhook.claimquota import QGPU_CLASSES
 from qgpu_runtime.webhook.dra import CLAIM_PREFIX
 
 

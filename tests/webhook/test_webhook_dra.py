@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from qgpu_runtime.contract import dra
+from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.model.requests import RequestError, parse_pod
 from qgpu_runtime.webhook import cli
 from qgpu_runtime.webhook.admission import XGN_TOLERATION, WebhookConfig, mutate
@@ -218,7 +218,7 @@ def test_offline_pod_is_greedy_with_its_core_as_the_share():
                                  nodeSelector={"zone": "a"}))
     spec = templates["qgpu-c400-m2048-x1-offline"]
     assert spec["devices"]["config"][0]["opaque"]["parameters"]["greedy"] is True
-    assert dra.read_share_config(spec["devices"]["config"][0]["opaque"]["parameters"]) == ("offline", True)
+    assert draclaim.read_share_config(spec["devices"]["config"][0]["opaque"]["parameters"]) == ("offline", True)
     assert out["spec"]["nodeSelector"] == {"zone": "a", "mixed-qgpu-enable": "enable"}
     assert out["spec"]["containers"][0]["resources"]["limits"] == {}
 
