@@ -226,13 +226,13 @@ class Binder:
                 now = self.clock_ns()
                 held = snapshot.commitments
                 ages = self._seen.ages(node, observed(held), self.monotonic_ns())
-                held = held.without(stale(held, self.cache.fates(held.pods, node), ages, self.commitment_grace_ns))
-                record = self._reserve(pod, request, node, now, self.cache.foreign_commitments(held, uid))
+                held = held.without(stale(held, self.cache.committed.fates(held.pods, node), ages, self.commitment_grace_ns))
+                record = self._reserve(pod, request, node, now, self.cache.committed.foreign_commitments(held, uid))
                 mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
                 # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
                 # same UID (another binder's guess for it, overwritten by its loser) is not counted.
-                problems = over_commitment(self.cache.card_capacity(node),
-                                           [*self.cache.booked_on(node, key), *held.pods.values()], mine)
+                problems = over_commitment(self.cache.committed.card_capacity(node),
+                                           [*self.cache.committed.booked_on(node, key), *held.pods.values()], mine)
                 if problems:
                     self.cache.unreserve(pod)
                     raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
