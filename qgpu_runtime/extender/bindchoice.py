@@ -1,0 +1,164 @@
+"""Choose and book the cards of a bind so that no other bind can take the same capacity.
+
+Under a per-node lock (binds of this process to one node queue here, not at the apiserver) the
+cache picks the cards and books them. Without node commitments that is all: binds are safe against
+this process's binds only (one active extender). With them, the choice is made safe against every
+binder writing the same Leases: read the node's commitment Lease, prune the entries of pods gone,
+bound elsewhere or watched past the grace, choose around what others committed, check the choice,
+and write the Lease back on the resourceVersion it was read at; a 409 means another binder won the
+race, so the booking is undone and the decision made again on fresh state (bounded attempts).
+After a failed Binding, :meth:`BindChoice.withdraw` takes our entry out of the Lease again, and
+:meth:`BindChoice.correct` makes a pod bound here by another binder count as its record says.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from typing import Any, Callable
+
+from qgpu_runtime.contract.observed import FirstSeen
+from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, RecordError, parse_record
+from qgpu_runtime.extender.bindresult import BindError, short
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
+from qgpu_runtime.placement.commitments import Commitment, CommitmentError, observed, over_commitment, stale
+from qgpu_runtime.placement.engine import Unschedulable
+from qgpu_runtime.placement.state import Placement, StateError
+
+log = logging.getLogger("qgpu_runtime.extender.binder")  # the binder's log, as before the split
+
+
+class BindChoice:
+    """The cards of each bind, decided under the node's lock and, with ``commitments``, its Lease."""
+
+    def __init__(self, cache: AllocationCache, commitments: LeaseCommitments | None, clock_ns: Callable[[], int],
+                 commit_attempts: int, commitment_grace_ns: int, on_conflict: Callable[[], None],
+                 monotonic_ns: Callable[[], int]) -> None:
+        self.cache = cache
+        self.commitments = commitments
+        self.clock_ns = clock_ns
+        self.commit_attempts = commit_attempts
+        self.commitment_grace_ns = commitment_grace_ns
+        self.on_conflict = on_conflict
+        self.monotonic_ns = monotonic_ns
+        self.conflicts = 0  # lost Lease writes, each followed by a fresh decision
+        self._seen = FirstSeen()  # node -> when this binder first saw each entry of its Lease
+        self._node_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
+        self._locks_guard = threading.Lock()
+
+    def _node_lock(self, node: str) -> threading.Lock:
+        with self._locks_guard:
+            return self._node_locks[node]
+
+    def choose(self, pod: dict[str, Any], request: Any, node: str) -> tuple[AllocationRecord, int]:
+        """Book the pod's cards on ``node``: its record and the time it was chosen at."""
+        if self.commitments is not None:
+            return self._reserve_committed(pod, request, node)
+        with self._node_lock(node):
+            now = self.clock_ns()
+            return self._reserve(pod, request, node, now), now
+
+    def _reserve(self, pod: dict[str, Any], request: Any, node: str, now: int,
+                 others: dict[str, Placement] | None = None) -> AllocationRecord:
+        try:
+            return self.cache.reserve(pod, request, node, now, others)
+        except (Unschedulable, StateError) as exc:
+            meta = pod["metadata"]
+            reason = exc.reasons.get(node, str(exc)) if isinstance(exc, Unschedulable) else str(exc)
+            raise BindError(f"pod {meta.get('namespace') or 'default'}/{meta['name']}: node {node} cannot take it: "
+                            f"{reason}") from exc
+
+    def _reserve_committed(self, pod: dict[str, Any], request: Any, node: str) -> tuple[AllocationRecord, int]:
+        """Decide and commit through the node's Lease: read it, choose cards around what every
+        binder committed, check the choice, write the Lease back on the resourceVersion it was read
+        at. A 409 means another binder committed meanwhile: decide again on what it wrote."""
+        assert self.commitments is not None
+        committed = self.cache.committed
+        meta = pod["metadata"]
+        key, uid = f"{meta.get('namespace') or 'default'}/{meta['name']}", str(meta.get("uid", ""))
+        for _ in range(self.commit_attempts):
+            with self._node_lock(node):  # binds of this process to one node queue here, not at the apiserver
+                snapshot = self._read_commitments(key, node)
+                now = self.clock_ns()
+                held = snapshot.commitments
+                ages = self._seen.ages(node, observed(held), self.monotonic_ns())
+                held = held.without(stale(held, committed.fates(held.pods, node), ages, self.commitment_grace_ns))
+                record = self._reserve(pod, request, node, now, committed.foreign_commitments(held, uid))
+                mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
+                # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
+                # same UID (another binder's guess for it, overwritten by its loser) is not counted.
+                problems = over_commitment(committed.card_capacity(node),
+                                           [*committed.booked_on(node, key), *held.pods.values()], mine)
+                if problems:
+                    self.cache.unreserve(pod)
+                    raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
+                                    f"{'; '.join(problems)}")
+                try:
+                    self.commitments.write(snapshot, held.with_pod(mine))
+                except CommitmentConflict:
+                    self.cache.unreserve(pod)
+                    self.conflicts += 1
+                    self.on_conflict()
+                    continue
+                except Exception as exc:
+                    self.cache.unreserve(pod)
+                    raise BindError(f"pod {key}: cannot write the commitment of node {node}: {short(exc)}") from exc
+                return record, now
+        raise BindError(f"pod {key}: node {node}'s commitments changed under {self.commit_attempts} attempts in a row "
+                        f"(other binders are busy on it); not bound, the scheduler will retry")
+
+    def _read_commitments(self, key: str, node: str) -> Snapshot:
+        assert self.commitments is not None
+        try:
+            return self.commitments.read(node)
+        except CommitmentError as exc:
+            raise BindError(f"pod {key}: node {node}: its commitment Lease is unreadable: {exc}") from exc
+        except Exception as exc:
+            raise BindError(f"pod {key}: cannot read the commitments of node {node}: {short(exc)}") from exc
+
+    def correct(self, node: str, pod: dict[str, Any]) -> None:
+        """Best effort: make the pod's entry in the node's Lease what its record says."""
+        meta = pod.get("metadata") or {}
+        uid, raw = str(meta.get("uid") or ""), (meta.get("annotations") or {}).get(ALLOCATION)
+        if self.commitments is None or not uid or not raw:
+            return
+        try:
+            placement = Placement.of_record(parse_record(raw))
+        except RecordError:
+            return
+        for _ in range(3):
+            try:
+                snapshot = self.commitments.read(node)
+                entry = snapshot.commitments.pods.get(uid)
+                key = f"{meta.get('namespace') or 'default'}/{meta.get('name')}"
+                truth = Commitment.of(uid, key, placement, entry.since_ns if entry else self.clock_ns())
+                if entry == truth:
+                    return
+                self.commitments.write(snapshot, snapshot.commitments.with_pod(truth))
+                return
+            except CommitmentConflict:
+                continue
+            except Exception as exc:  # noqa: BLE001 - the record still counts in every cache
+                log.info("node %s: could not correct the commitment of pod uid %s: %s", node, uid, short(exc))
+                return
+
+    def withdraw(self, node: str, uid: str) -> None:
+        """Best effort after a failed Binding: take our entry out of the node's Lease. Should this
+        fail, the entry is pruned by the next bind on the node once its pod is seen elsewhere or gone,
+        or after the grace."""
+        if self.commitments is None or not uid:
+            return
+        for _ in range(3):
+            try:
+                snapshot = self.commitments.read(node)
+                if uid not in snapshot.commitments.pods:
+                    return
+                self.commitments.write(snapshot, snapshot.commitments.without([uid]))
+                return
+            except CommitmentConflict:
+                continue
+            except Exception as exc:  # noqa: BLE001 - pruning covers it
+                log.info("node %s: could not withdraw the commitment of pod uid %s: %s", node, uid, short(exc))
+                return

@@ -1,0 +1,72 @@
+"""The extender's mirror of the nodes: each node's spec as its inventory gives it, which nodes are
+of a DRA pool, and which nodes' data was refused and why (extender/nodes.py decodes them).
+
+Fed by node watch events through the cache; not thread-safe on its own: the cache's lock guards it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, node_spec, refused_spec
+from qgpu_runtime.placement.state import NodeSpec
+
+
+def node_name(node: Mapping[str, Any]) -> str:
+    return str((node.get("metadata") or {}).get("name") or "")
+
+
+class NodeView:
+    """NodeSpec by node name, the DRA-pool nodes and the refused nodes' reasons."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        self._specs: dict[str, NodeSpec] = {}
+        self.dra_pool: set[str] = set()  # nodes of DRA pools (extender/nodes.py dra_pool)
+        self._invalid: dict[str, str] = {}  # node -> why its data was refused (extender/nodes.py)
+        self._report = report
+
+    def apply(self, event: str, node: Mapping[str, Any]) -> bool:
+        """Take one node event; True when a node left or its spec changed (the state is rebuilt)."""
+        name = node_name(node)
+        if event == "DELETED":
+            self.dra_pool.discard(name)
+            self._invalid.pop(name, None)
+            return self._specs.pop(name, None) is not None
+        try:
+            spec = node_spec(node)
+            self._invalid.pop(name, None)
+        except NodeInventoryError as exc:
+            # The node's own data is out of bounds: it takes nothing, and filter says why.
+            if self._invalid.get(name) != str(exc):
+                self._report(str(exc))
+            self._invalid[name] = str(exc)
+            spec = refused_spec(node)
+        if dra_pool(spec):
+            self.dra_pool.add(name)
+        else:
+            self.dra_pool.discard(name)
+        if self._specs.get(name) != spec:
+            self._specs[name] = spec
+            return True
+        return False
+
+    def spec(self, name: str) -> NodeSpec | None:
+        return self._specs.get(name)
+
+    def specs(self) -> dict[str, NodeSpec]:
+        """Every known node's spec by name (a copy, in the order the nodes arrived)."""
+        return dict(self._specs)
+
+    def sorted_specs(self) -> list[NodeSpec]:
+        return [self._specs[n] for n in sorted(self._specs)]
+
+    def names(self) -> list[str]:
+        return sorted(self._specs)
+
+    def name_invalid(self, failed: dict[str, str], unresolvable: dict[str, str]) -> None:
+        """Nodes whose data was refused fail with that reason (not "no GPUs"), as unresolvable:
+        preemption on them cannot help until their manager publishes a valid inventory."""
+        for name, why in self._invalid.items():
+            if name in failed or name in unresolvable:
+                failed.pop(name, None)
+                unresolvable[name] = f"qgpu refused this node's data: {why}"

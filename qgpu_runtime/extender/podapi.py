@@ -1,0 +1,101 @@
+"""The binder's reads and writes of pods at the apiserver.
+
+Read a pod (transient errors retried with backoff), or learn that it does not exist (the trust
+check's fallback, extender/trust.py); create the Binding that carries the allocation record (a 409
+means the pod is bound already: :class:`~.bindresult.AlreadyBound` with the pod as it is now);
+remove an unbound pod's record only while it is still exactly the one the expiry loop saw.
+Every answer the extender does not need is still read to the end (``kube.client.drain``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes import client
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
+from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME
+from qgpu_runtime.extender.bindresult import AlreadyBound, short
+from qgpu_runtime.kube.client import drain, raw_json
+from qgpu_runtime.kube.retry import is_transient, with_backoff
+
+
+def _escape(annotation: str) -> str:
+    return annotation.replace("~", "~0").replace("/", "~1")
+
+
+class PodApi:
+    """Pod reads, the Binding and the record's removal, each retried ``attempts`` times."""
+
+    def __init__(self, api: client.CoreV1Api, timeout: tuple[float, float], attempts: int) -> None:
+        self.api = api
+        self.timeout = timeout
+        self.attempts = attempts
+
+    def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return raw_json(with_backoff(
+            lambda: self.api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout),
+            attempts=self.attempts))
+
+    def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""
+        from qgpu_runtime.extender.trust import PodUnavailable, UntrustedPod
+
+        try:
+            return self.read_pod(namespace, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            error = PodUnavailable if is_transient(exc) else UntrustedPod
+            raise error(f"pod {namespace}/{name}: cannot read it from the apiserver ({short(exc)})") from exc
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            raise PodUnavailable(f"pod {namespace}/{name}: the apiserver cannot be reached to read it "
+                                 f"({short(exc)}); retry when it answers") from exc
+
+    def create_binding(self, namespace: str, name: str, uid: str, node: str, annotations: dict[str, str]) -> None:
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if uid:
+            metadata["uid"] = uid  # precondition: a replaced pod of the same name is not bound
+        if annotations:
+            metadata["annotations"] = annotations  # copied onto the pod with spec.nodeName, atomically
+        body = client.V1Binding(metadata=client.V1ObjectMeta(**metadata),
+                                target=client.V1ObjectReference(api_version="v1", kind="Node", name=node))
+
+        def attempt() -> None:
+            try:
+                drain(self.api.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
+                                                            _request_timeout=self.timeout))
+            except ApiException as exc:
+                if exc.status == 409:
+                    # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
+                    raise AlreadyBound(self.read_pod(namespace, name)) from exc
+                raise
+
+        with_backoff(attempt, attempts=self.attempts)
+
+    def remove_record(self, namespace: str, name: str, raw_record: str, uid: str = "") -> None:
+        """Delete an unbound pod's record only if it is still exactly ``raw_record`` (JSON-patch test).
+
+        qgpu's own binds never leave such records; they come from interrupted writers of older
+        versions or other tools, and are cleaned up by the expiry loop.
+        """
+        pod = self.read_pod(namespace, name)
+        meta = pod.get("metadata") or {}
+        annotations = meta.get("annotations") or {}
+        if annotations.get(ALLOCATION) != raw_record or (uid and meta.get("uid") != uid):
+            return
+        if (pod.get("spec") or {}).get("nodeName"):
+            return  # bound after all: the record is live
+        ops: list[dict[str, Any]] = [
+            {"op": "test", "path": f"/metadata/annotations/{_escape(ALLOCATION)}", "value": raw_record},
+            {"op": "remove", "path": f"/metadata/annotations/{_escape(ALLOCATION)}"},
+        ]
+        for name_ in (BIND_TIME, ALLOCATION_SIGNATURE):
+            if name_ in annotations:
+                ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(name_)}"})
+        with_backoff(lambda: drain(self.api.patch_namespaced_pod(
+            name, namespace, ops, _content_type="application/json-patch+json",
+            _preload_content=False, _request_timeout=self.timeout)), attempts=self.attempts)

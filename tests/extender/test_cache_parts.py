@@ -1,0 +1,128 @@
+"""The parts of the extender's cache that have logic of their own (issue 24 §2): the per-node
+index of bookings answers what a scan of every booking answered, in the same order; releasing a
+booking ends its hold while setting it aside does not; the node view says when the state must be
+rebuilt; an untrusted record is reported once per change; the pod mirror stays bounded."""
+
+from __future__ import annotations
+
+import random
+
+from qgpu_runtime.extender import podmirror
+from qgpu_runtime.extender.committed import PHANTOM
+from qgpu_runtime.extender.nodeview import NodeView
+from qgpu_runtime.extender.podmirror import PodMirror
+from qgpu_runtime.extender.recordtrust import UntrustedRecords
+from qgpu_runtime.model.requests import parse_pod
+from qgpu_runtime.placement import engine
+from qgpu_runtime.placement.commitments import Commitment
+from tests.extender.test_kube_cache import SEC, bind_locally, cache, node, pod
+
+
+def _scanned(c, node_name: str, except_key: str = "") -> list[Commitment]:
+    """booked_on as it was before the index: every booking in the cluster, in the state's order."""
+    with c.lock:
+        out = []
+        for key, placement in c.state().bookings.items():
+            if placement.node != node_name or key == except_key or c._pods.held(key) or key.startswith(PHANTOM):
+                continue
+            entry = c._pods.entry(key)
+            out.append(Commitment.of(entry.uid if entry and entry.uid else key, key, placement, 0))
+        return out
+
+
+def test_booked_on_answers_what_a_scan_of_every_booking_answered():
+    rng = random.Random(24)
+    c = cache(ttl_s=5)
+    c.replace_nodes([node(n, n_cards=2) for n in "abcd"])
+    now = SEC
+    pods: dict[str, dict] = {}
+    for step in range(400):
+        now += rng.randrange(SEC // 2)
+        name = f"p{rng.randrange(40)}"
+        p = pods.get(name) or pod(name, core=rng.choice((10, 25, 50)), memory=rng.choice((1, 4, 8)))
+        action = rng.randrange(8)
+        try:
+            if action == 0:
+                c.filter(p, parse_pod(p), list("abcd"), now_ns=now)
+            elif action == 1:
+                pods[name] = bind_locally(c, p, rng.choice("abcd"), now)
+            elif action == 2 and name in pods:
+                c.apply_pod("MODIFIED", pods[name])  # the watch delivers our record
+            elif action == 3:
+                c.unreserve(p)
+            elif action == 4:
+                c.apply_pod("DELETED", p)
+                pods.pop(name, None)
+            elif action == 5:
+                c.expire(now)
+            elif action == 6:
+                c.prioritize(p, parse_pod(p), list("abcd"))
+            elif step % 50 == 7:
+                c.replace_nodes([node(n, n_cards=2) for n in rng.sample("abcde", 4)])
+        except engine.Unschedulable:
+            pass
+        for n in "abcde":
+            for except_key in ("", f"ns/{name}"):
+                assert c.committed.booked_on(n, except_key) == _scanned(c, n, except_key), (step, n)
+
+
+def test_release_ends_the_hold_and_bumps_the_version_set_aside_does_neither():
+    c = cache()
+    x = pod("x")
+    c.reserve(x, parse_pod(x), "a", 1)
+    state, booked, pods = c.state(), c._booked, c._pods
+    placement = c.booking("ns/x")
+    assert placement is not None and booked.keys_on("a") == ["ns/x"]
+    pods.hold("ns/x", 1)
+    version = booked.version
+    assert booked.set_aside(state, "ns/x") == placement
+    assert pods.held("ns/x") and booked.version == version and booked.keys_on("a") == []
+    booked.commit(state, "ns/x", placement)
+    assert booked.keys_on("a") == ["ns/x"] and booked.version == version + 1
+    assert booked.release(state, "ns/x") == placement
+    assert not pods.held("ns/x") and booked.version == version + 2 and booked.keys_on("a") == []
+
+
+def test_a_rebuild_indexes_the_bookings_it_replays():
+    c = cache()
+    p = bind_locally(c, pod("p"), "a", 1)
+    c.apply_pod("MODIFIED", p)
+    c.replace_nodes([node("a"), node("b"), node("c")])  # the node set changed: the state is rebuilt
+    assert c.booking("ns/p") is not None and c._booked.keys_on("a") == ["ns/p"]
+    assert [b.pod for b in c.committed.booked_on("a")] == ["ns/p"]
+
+
+def test_the_node_view_says_when_the_state_must_be_rebuilt():
+    problems: list[str] = []
+    view = NodeView(problems.append)
+    assert view.apply("ADDED", node("a")) is True
+    assert view.apply("MODIFIED", node("a")) is False  # same spec: the state stands
+    assert view.apply("MODIFIED", node("a", n_cards=3)) is True
+    assert view.apply("DELETED", {"metadata": {"name": "a"}}) is True
+    assert view.apply("DELETED", {"metadata": {"name": "a"}}) is False
+    assert view.names() == [] and problems == []
+
+
+def test_an_untrusted_record_is_reported_once_per_change():
+    problems: list[str] = []
+    records = UntrustedRecords(problems.append)
+    records.note("ns/p", "unsigned")
+    records.note("ns/p", "unsigned")
+    records.note("ns/p", "signed for another pod")
+    assert len(problems) == 2 and records.copy() == {"ns/p": "signed for another pod"}
+    records.note("ns/p", None)
+    assert records.copy() == {}
+
+
+def test_the_pod_mirror_keeps_a_bounded_number_of_seen_and_gone_pods(monkeypatch):
+    monkeypatch.setattr(podmirror, "SEEN_PODS", 3)
+    monkeypatch.setattr(podmirror, "GONE_PODS", 2)
+    mirror = PodMirror()
+    for i in range(5):
+        mirror.saw(f"u{i}", {"metadata": {"uid": f"u{i}"}})
+        mirror.link(f"u{i}", f"ns/p{i}")
+    assert [mirror.seen(f"u{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    for i in range(3):
+        mirror.forget(f"u{i}")
+    assert [mirror.gone(f"u{i}") for i in range(3)] == [False, True, True]
+    assert mirror.key_of("u0") is None and mirror.key_of("u3") == "ns/p3"
