@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
+from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 
 if TYPE_CHECKING:
     from qgpu_runtime.contract.signature import RecordVerifier
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
         log.error("--nodename is required (or set NODE_NAME)")
         return 2
     from qgpu_runtime.gpu import BackendError, open_backend
+    from qgpu_runtime.node.deviceplugin.resources import parse_resources
     from qgpu_runtime.node.manager import ManagerConfig, NodeManager
     from qgpu_runtime.node.pods import PodSourceError
-    from qgpu_runtime.node.resources import parse_resources
     from qgpu_runtime.node.store import Store, StoreError
 
     try:

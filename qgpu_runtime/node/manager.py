@@ -31,9 +31,13 @@ from typing import Callable
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
-from qgpu_runtime.node.allocator import Allocator
 from qgpu_runtime.node.containers import ContainerResolver
-from qgpu_runtime.node.draslices import SliceApi, SlicePublisher
+from qgpu_runtime.node.deviceplugin.allocator import Allocator
+from qgpu_runtime.node.deviceplugin.devices import wait_devices
+from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind
+from qgpu_runtime.node.deviceplugin.response import ContainerGrant
+from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -42,9 +46,6 @@ from qgpu_runtime.node.pods import PodSource, PodSourceError
 from qgpu_runtime.node.publisher import MetricsSampler, NodePublisher, PodCache
 from qgpu_runtime.node.reconcile import Plan
 from qgpu_runtime.node.reconciler import Reconciler
-from qgpu_runtime.node.registration import KubeletRegistration
-from qgpu_runtime.node.resources import ResourceKind
-from qgpu_runtime.node.response import ContainerGrant
 from qgpu_runtime.node.store import Store
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class NodeManager:
         self.pod_cache = PodCache(config, pods)
         self.sampler = MetricsSampler(config, self.cards, self.health, backend, store, self.pod_cache, self.metrics)
         if config.dra:
-            from qgpu_runtime.node.draplugin import dra_plugin
+            from qgpu_runtime.node.dra.plugin import dra_plugin
 
             self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health)
         else:
@@ -252,7 +253,7 @@ class NodeManager:
 
     # ---- DeviceService (node/devices.py), and what tests and benchmarks drive directly ---------
     def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:
-        return self.health.wait_devices(kind, seen, timeout_s)
+        return wait_devices(self.health, kind, seen, timeout_s)
 
     def allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
         return self.allocator.allocate(kind, device_ids)

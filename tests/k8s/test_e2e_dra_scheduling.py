@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from qgpu_runtime.contract import dra
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.node.draslices import SlicePublisher
+from qgpu_runtime.node.dra.slices import SlicePublisher
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.kube_client import KubePodSource, KubeSlices
 from tests.k8s.kubeobjects import PAUSE, wait_for

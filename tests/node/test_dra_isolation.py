@@ -29,7 +29,8 @@ from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
 from qgpu_runtime.node.containers import ContainerResolver
-from qgpu_runtime.node.draplugin import ClaimPreparer, DraSettings
+from qgpu_runtime.node.dra.preparer import ClaimPreparer
+from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.enforcer import NodeIsolation
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.pods import FilePodSource

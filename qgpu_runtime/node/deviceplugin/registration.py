@@ -12,9 +12,9 @@ import logging
 import os
 from pathlib import Path
 
-from qgpu_runtime.node.devices import DeviceService
-from qgpu_runtime.node.plugin import PluginServer
-from qgpu_runtime.node.resources import ResourceKind
+from qgpu_runtime.node.deviceplugin.devices import DeviceService
+from qgpu_runtime.node.deviceplugin.plugin import PluginServer
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
 

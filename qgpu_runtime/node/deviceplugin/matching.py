@@ -41,7 +41,7 @@ from qgpu_runtime.contract.record import (
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
 from qgpu_runtime.model.requests import RequestError, parse_pod, parse_quantity
-from qgpu_runtime.node.recordcheck import SHAPE_LIMITS, record_refusal
+from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
 
 @dataclass(frozen=True)
