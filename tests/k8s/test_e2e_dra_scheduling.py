@@ -1,6 +1,6 @@
 """qgpu as a DRA driver, the scheduler half, against the real kube-apiserver and kube-scheduler
 (v1.37.2, DRAConsumableCapacity on by default there): the node's ResourceSlice as
-node/draslices.py publishes it, qgpu's DeviceClasses, and ResourceClaims with
+node/dra/slices.py publishes it, qgpu's DeviceClasses, and ResourceClaims with
 ``capacity.requests`` that kube-scheduler allocates by itself, no extender involved.
 
 Each test has its own Node (no kubelet: pods bind to it and stay Pending) with a publisher

@@ -1,6 +1,6 @@
 """Shares booked through DRA are enforced like the device plugin's: one isolation engine, two doors.
 
-The DRA kubelet plugin's own preparer (node/draplugin.py) books each ResourceClaim — with the
+The DRA kubelet plugin's own preparer (node/dra/plugin.py) books each ResourceClaim — with the
 class of its opaque ShareConfig and the pods of its ``status.reservedFor`` — in a real store; the
 node's isolation loop (node/enforcer.py) runs over a fake /proc with each process's cgroup,
 simulated cards with contention physics, and a kernel stand-in that turns process-group signals

@@ -1,4 +1,4 @@
-"""The DRA kubelet plugin (node/draplugin.py) over its real unix sockets, with a test gRPC client
+"""The DRA kubelet plugin (node/dra/plugin.py) over its real unix sockets, with a test gRPC client
 standing in for kubelet: registration, prepare and unprepare, idempotency, restarts, refusals.
 
 Claims come from a dict standing in for the apiserver (tests/k8s/test_e2e_draplugin.py reads them

@@ -1,4 +1,4 @@
-"""The node's ResourceSlice publisher (node/draslices.py) against an in-memory ResourceSlice API
+"""The node's ResourceSlice publisher (node/dra/slices.py) against an in-memory ResourceSlice API
 that behaves like the apiserver where the publisher's decisions depend on it: resourceVersions and
 conflicts, quantities read back in canonical form, watches that wake on every change."""
 

@@ -1,4 +1,4 @@
-"""The node manager's parts on their own seams (node/allocator.py, node/health.py,
+"""The node manager's parts on their own seams (node/deviceplugin/allocator.py, node/health.py,
 node/reconciler.py, node/publisher.py): each built from a real store and a pod list, without a
 NodeManager, gRPC or a kubelet."""
 

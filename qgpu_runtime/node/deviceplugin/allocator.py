@@ -1,7 +1,7 @@
 """Allocate, GetPreferredAllocation and PreStartContainer: the device plugin's decisions.
 
 Allocate is serialised by ``lock``: kubelet admits one pod at a time anyway, and the matching rule
-(node/matching.py) needs a consistent view of what was already served. The reconciler takes the
+(node/deviceplugin/matching.py) needs a consistent view of what was already served. The reconciler takes the
 same lock while it releases the shares of deleted pods, so a pod created meanwhile is never
 released. The grant is durable in the store before kubelet hears back.
 """

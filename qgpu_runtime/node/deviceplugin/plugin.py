@@ -20,7 +20,7 @@ from qgpu_runtime.node.deviceplugin.devices import AllocateRefused, DeviceServic
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.streams import StreamSlots, server_pool
 
-log = logging.getLogger("qgpu_runtime.node.plugin")  # moved from node/plugin.py; operators grep its log lines by logger
+log = logging.getLogger("qgpu_runtime.node.plugin")  # moved from node/deviceplugin/plugin.py; operators grep its log lines by logger
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 

@@ -1,6 +1,6 @@
 """The device-plugin servers and their registration with kubelet.
 
-One gRPC server per served resource (node/plugin.py). kubelet restarts re-create its socket and
+One gRPC server per served resource (node/deviceplugin/plugin.py). kubelet restarts re-create its socket and
 forget every plugin, so ``check_kubelet`` (called by the manager's watcher every
 ``watch_interval_s``) serves again and re-registers when the socket's inode changed or one of our
 sockets vanished.
