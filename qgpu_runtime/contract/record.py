@@ -19,18 +19,18 @@ from __future__ import annotations
 
 import datetime
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from qgpu_runtime.contract.names import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.jsondoc import load_json
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest
 
 WRITE_VERSION = 1
 READ_VERSIONS = (1,)
 
-__all__ = ["ALLOCATION", "ASSIGNED", "BIND_TIME", "AllocationRecord", "CardShare", "ContainerPlacement",
-           "RecordError", "parse_record", "record_annotations", "assigned", "bind_time", "annotations"]
+__all__ = ["ALLOCATION", "ASSIGNED", "BIND_TIME", "AllocationRecord", "CardShare", "ContainerDialect",
+           "ContainerPlacement", "RecordError", "parse_record", "record_annotations", "assigned", "bind_time", "annotations"]
 
 
 class RecordError(ValueError):
@@ -48,12 +48,40 @@ class CardShare:
 
 
 @dataclass(frozen=True)
+class ContainerDialect:
+    """How one container asked for its cards: the request dialect (``model.requests.Dialect``'s
+    values: qgpu, vcuda, t9k, nvidia) and, for T9k, which of its three requests. Optional in the
+    record (docs/annotations.md): the node builds the T9k environment from it without reading the
+    pod spec again; records of releases before it carry none."""
+
+    dialect: str
+    memory_pct: int | None = None  # T9k nvidia-gpu-percent: the percent of the card's memory asked
+    whole_node: bool = False  # T9k nvidia-gpu-node
+
+    @classmethod
+    def of_request(cls, request: ContainerRequest) -> ContainerDialect:
+        return cls(request.dialect.value, request.memory_pct, request.whole_node)
+
+    def to_doc(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {"dialect": self.dialect}
+        if self.memory_pct is not None:
+            doc["memory_pct"] = self.memory_pct
+        if self.whole_node:
+            doc["whole_node"] = True
+        return doc
+
+
+@dataclass(frozen=True)
 class ContainerPlacement:
-    """One container's cards; ``exclusive`` when it holds every card it names whole."""
+    """One container's cards; ``exclusive`` when it holds every card it names whole.
+
+    ``dialect`` says how the container asked; it is no part of the booking, so two placements of
+    the same cards are equal whether or not one of them carries it."""
 
     name: str
     shares: tuple[CardShare, ...]
     exclusive: bool = False
+    dialect: ContainerDialect | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -76,7 +104,7 @@ class AllocationRecord:
             "containers": [
                 {"name": c.name, "cards": [
                     {"index": s.index, "uuid": s.uuid, "core_milli": s.core_milli, "memory_mib": s.memory_mib}
-                    for s in c.shares]}
+                    for s in c.shares], **(c.dialect.to_doc() if c.dialect is not None else {})}
                 for c in self.containers
             ],
         }
@@ -133,7 +161,8 @@ def parse_record(raw: str) -> AllocationRecord:
                                   f"index and memory must be >= 0, core_milli within 0..{CORE_MILLI_PER_CARD}")
             shares.append(CardShare(index, str(_field(card, "uuid", str, where)), core, memory))
         exclusive = bool(shares) and all(s.core_milli == CORE_MILLI_PER_CARD for s in shares)
-        containers.append(ContainerPlacement(str(_field(c, "name", str, f"containers[{i}].")), tuple(shares), exclusive))
+        containers.append(ContainerPlacement(str(_field(c, "name", str, f"containers[{i}].")), tuple(shares), exclusive,
+                                             _dialect(c, f"containers[{i}].")))
     return AllocationRecord(
         node=_field(doc, "node", str, ""),
         policy=_field(doc, "policy", str, ""),
@@ -141,6 +170,21 @@ def parse_record(raw: str) -> AllocationRecord:
         time=_field(doc, "time", str, ""),
         containers=tuple(containers),
     )
+
+
+def _dialect(doc: Mapping[str, Any], where: str) -> ContainerDialect | None:
+    """A container's optional ``dialect`` (with ``memory_pct`` and ``whole_node``); None when an
+    older extender wrote the record. Present but mistyped is refused like any other field."""
+    if "dialect" not in doc:
+        return None
+    dialect = _field(doc, "dialect", str, where)
+    pct = _field(doc, "memory_pct", int, where) if "memory_pct" in doc else None
+    if pct is not None and not 0 <= pct <= 100:
+        raise RecordError(f"{ALLOCATION}: {where}memory_pct={pct}: must be within 0..100")
+    whole = doc.get("whole_node", False)
+    if not isinstance(whole, bool):
+        raise RecordError(f"{ALLOCATION}: {where}whole_node={whole!r}: wrong type, expected bool")
+    return ContainerDialect(dialect, pct, whole)
 
 
 def annotations(pod: Mapping[str, Any]) -> Mapping[str, str]:

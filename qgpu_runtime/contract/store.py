@@ -58,7 +58,7 @@ _TABLES_V1 = (
         id INTEGER PRIMARY KEY AUTOINCREMENT, time REAL NOT NULL, job TEXT NOT NULL, card INTEGER NOT NULL,
         reason TEXT NOT NULL, message TEXT NOT NULL)""",
     # Added after 0.1.0, without a version bump because it is a table only (the rule above): the
-    # ResourceClaims the DRA kubelet plugin prepared (node/draplugin.py). Their card shares are
+    # ResourceClaims the DRA kubelet plugin prepared (node/dra/preparer.py). Their card shares are
     # ordinary ``shares`` rows whose workload_id is the claim's UID, so every reader of version 1
     # sees them; this table adds what kubelet is answered again on a repeated prepare (``devices``,
     # JSON) and the CDI spec file to remove. 0.1.0 refuses any version but "1", so a bump here

@@ -5,7 +5,7 @@ Every caller that holds a pod (webhook, extender, `qgpu validate`, `qgpu run`) g
 Two callers hold no pod and build no second parser: the simulator makes :class:`PodRequest` values
 straight from trace rows, which are canonical already (sim/trace.py); the device plugin takes each
 container's shares from the allocation record, which the extender derived from ``parse_pod``, and
-only checks kubelet's device count against one resource quantity (node/matching.py).
+only checks kubelet's device count against one resource quantity (node/deviceplugin/matching.py).
 The module is pure: it reads dicts shaped like the Kubernetes API's JSON and raises
 :class:`RequestError`; it never talks to a cluster.
 """

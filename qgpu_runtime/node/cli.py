@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
+from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 
 if TYPE_CHECKING:
     from qgpu_runtime.contract.signature import RecordVerifier
@@ -100,78 +100,36 @@ def _start(manager: NodeManager, stop: threading.Event, log: logging.Logger) -> 
     return 0
 
 
+class _Exit(Exception):
+    """A start-up step failed; it logged why, and the command exits with ``code``."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 def run(args: argparse.Namespace) -> int:
+    """Configure, open the GPUs and the store, connect to the pods, start, serve until SIGTERM."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("qgpu.manager")
     if not args.nodename:
         log.error("--nodename is required (or set NODE_NAME)")
         return 2
-    from qgpu_runtime.gpu import BackendError, open_backend
-    from qgpu_runtime.node.manager import ManagerConfig, NodeManager
-    from qgpu_runtime.node.pods import PodSourceError
-    from qgpu_runtime.node.resources import parse_resources
-    from qgpu_runtime.node.store import Store, StoreError
-
     try:
-        config = ManagerConfig(
-            node=args.nodename, resources=parse_resources(args.resources), plugin_dir=args.device_plugin_dir,
-            pod_resources_socket=args.pod_resources_socket, state_dir=args.state_dir,
-            isolation_policy=args.isolation_policy, pass_device_specs=not args.no_device_specs,
-            sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
-            # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
-            isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
-            memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
-            dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
-            plugins_registry_dir=args.plugins_registry_dir,
-            record_verifier=load_verify_key(args.record_verify_key, needed=not args.pods_file and not args.dra))
-        backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
-        store = Store(args.dbfile)
-    except (ValueError, BackendError, StoreError) as exc:
-        log.error("%s", exc)
-        return 2
-    slice_api = None
-    if args.pods_file:
-        if args.dra:
-            log.error("--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API: it cannot run with --pods-file")
-            store.close()
-            return 2
-        from qgpu_runtime.node.pods import FilePodSource
+        config, backend, store = _open(args, log)
+        pods, slice_api = _pod_source(args, store, log)
+    except _Exit as exc:
+        return exc.code
+    from qgpu_runtime.node.manager import NodeManager
 
-        pods = FilePodSource(args.pods_file)
-    else:
-        from qgpu_runtime.node.kube_client import KubePodSource
-
-        try:
-            pods = KubePodSource(args.kubeconfig)
-        except PodSourceError as exc:
-            log.error("%s", exc)
-            store.close()
-            return 2
-        log.info("reading pods of node %s from the Kubernetes API at %s", args.nodename, pods.server)
-        if args.dra:
-            from qgpu_runtime.node.kube_client import KubeSlices
-
-            slice_api = KubeSlices(pods)
-    isolation = None
-    if not args.no_isolation:
-        from qgpu_runtime.node.enforcer import default_backend
-
-        isolation = default_backend(backend)
-    manager = NodeManager(config, backend, store, pods, isolation=isolation, slice_api=slice_api)
-    stop = threading.Event()
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    manager = NodeManager(config, backend, store, pods, isolation=_isolation(args, backend), slice_api=slice_api)
+    stop = _stop_on_signals()
     code = _start(manager, stop, log)
     if code is not None:
         manager.stop()
         store.close()
         return code
-    if args.metrics_port >= 0:
-        from prometheus_client import start_http_server
-
-        server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
-        log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
+    _serve_metrics(args, manager, log)
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
              "DRA driver gpu.qgpu.io" if config.dra else ", ".join(k.name for k in config.resources))
     # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
@@ -182,3 +140,89 @@ def run(args: argparse.Namespace) -> int:
     manager.stop()
     store.close()
     return 0
+
+
+def _config(args: argparse.Namespace):
+    """The manager's settings from the flags; ValueError names a bad one."""
+    from qgpu_runtime.node.deviceplugin.resources import parse_resources
+    from qgpu_runtime.node.manager import ManagerConfig
+
+    return ManagerConfig(
+        node=args.nodename, resources=parse_resources(args.resources), plugin_dir=args.device_plugin_dir,
+        pod_resources_socket=args.pod_resources_socket, state_dir=args.state_dir,
+        isolation_policy=args.isolation_policy, pass_device_specs=not args.no_device_specs,
+        sample_interval_s=args.sample_interval, label_node=not args.no_node_labels, proc_root=args.proc_root,
+        # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
+        isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
+        memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
+        dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
+        plugins_registry_dir=args.plugins_registry_dir,
+        record_verifier=load_verify_key(args.record_verify_key, needed=not args.pods_file and not args.dra))
+
+
+def _open(args: argparse.Namespace, log: logging.Logger):
+    """(config, GPU backend, store), in that order; a failure exits 2."""
+    from qgpu_runtime.gpu import BackendError, open_backend
+    from qgpu_runtime.node.store import Store, StoreError
+
+    try:
+        config = _config(args)
+        backend = open_backend(args.gpu_backend, args.simulated_gpus, seed=args.nodename)
+        return config, backend, Store(args.dbfile)
+    except (ValueError, BackendError, StoreError) as exc:
+        log.error("%s", exc)
+        raise _Exit(2) from None
+
+
+def _pod_source(args: argparse.Namespace, store, log: logging.Logger):
+    """(pods, the ResourceSlice API with --dra): the pods file, or the Kubernetes API; a failure
+    closes the store and exits 2."""
+    if args.pods_file:
+        if args.dra:
+            log.error("--dra reads ResourceClaims and publishes ResourceSlices through the Kubernetes API: it cannot run with --pods-file")
+            store.close()
+            raise _Exit(2)
+        from qgpu_runtime.node.pods import FilePodSource
+
+        return FilePodSource(args.pods_file), None
+    from qgpu_runtime.node.kube_client import KubePodSource
+    from qgpu_runtime.node.pods import PodSourceError
+
+    try:
+        pods = KubePodSource(args.kubeconfig)
+    except PodSourceError as exc:
+        log.error("%s", exc)
+        store.close()
+        raise _Exit(2) from None
+    log.info("reading pods of node %s from the Kubernetes API at %s", args.nodename, pods.server)
+    if not args.dra:
+        return pods, None
+    from qgpu_runtime.node.kube_client import KubeSlices
+
+    return pods, KubeSlices(pods)
+
+
+def _isolation(args: argparse.Namespace, backend):
+    """The isolation backend, None with --no-isolation."""
+    if args.no_isolation:
+        return None
+    from qgpu_runtime.node.enforcer import default_backend
+
+    return default_backend(backend)
+
+
+def _stop_on_signals() -> threading.Event:
+    """Set by SIGTERM and SIGINT; SIGUSR1 dumps every thread's stack to stderr."""
+    stop = threading.Event()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1` dumps every thread's stack to stderr
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return stop
+
+
+def _serve_metrics(args: argparse.Namespace, manager: NodeManager, log: logging.Logger) -> None:
+    if args.metrics_port >= 0:
+        from prometheus_client import start_http_server
+
+        server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
+        log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)

@@ -1,9 +1,10 @@
 """Card health on the node: which cards are unhealthy and why, and the device-list version.
 
-kubelet's ListAndWatch (one stream per served resource) blocks in ``wait_devices`` until the
-version moves, so a card marked unhealthy reaches every stream at once. Unhealthy is sticky until
-the manager restarts: a card that raised a fatal XID needs a reset before it is used again. The DRA
-plugin's ``NodeWatchResources`` streams wait in ``wait_change`` the same way.
+Both doors' health streams wait in ``wait_change`` until the version moves, so a card marked
+unhealthy reaches every stream at once: the device plugin's ListAndWatch through its per-kind view
+(node/deviceplugin/devices.py ``wait_devices``), the DRA plugin's ``NodeWatchResources``
+(node/dra/health.py). Unhealthy is sticky until the manager restarts: a card that raised a fatal
+XID needs a reset before it is used again. This module knows cards, never a door's device names.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import threading
 from typing import Mapping
 
 from qgpu_runtime.gpu.types import CardInfo
-from qgpu_runtime.node.resources import ResourceKind
 
 
 class CardHealth:
@@ -37,13 +37,9 @@ class CardHealth:
         with self._changed:
             return dict(self._unhealthy)
 
-    def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:
-        """(health version, [(device ID, healthy)]); blocks up to ``timeout_s`` while unchanged."""
-        with self._changed:
-            if seen == self._version and not self._closed:
-                self._changed.wait(timeout_s)
-            version, bad = self._version, set(self._unhealthy)
-        return version, [(d, not bad.intersection(cards)) for d, cards in kind.advertised(self._cards.values()).items()]
+    @property
+    def cards(self) -> Mapping[int, CardInfo]:
+        return self._cards
 
     def wait_change(self, seen: int, timeout_s: float) -> tuple[int, dict[int, str], bool]:
         """(health version, unhealthy cards, closed); blocks up to ``timeout_s`` while the version

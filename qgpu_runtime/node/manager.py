@@ -1,16 +1,16 @@
 """The node manager: GPUs, device plugins, allocation store, health, metrics — wired together.
 
 Each job has its own component, built here with its dependencies passed in:
-- ``Allocator`` (node/allocator.py): Allocate, GetPreferredAllocation, PreStartContainer;
+- ``Allocator`` (node/deviceplugin/allocator.py): Allocate, GetPreferredAllocation, PreStartContainer;
 - ``CardHealth`` (node/health.py): unhealthy cards and the device-list version ListAndWatch waits on;
-- ``KubeletRegistration`` (node/registration.py): the gRPC servers and their registration; with
-  ``dra``, ``DraKubeletPlugin`` (node/draplugin.py) in its place, the DRA kubelet plugin;
+- ``KubeletRegistration`` (node/deviceplugin/registration.py): the gRPC servers and their registration; with
+  ``dra``, ``DraKubeletPlugin`` (node/dra/plugin.py) in its place, the DRA kubelet plugin;
 - ``Reconciler`` (node/reconciler.py): the store against the node's pods, at start and while running;
 - ``NodePublisher``, ``PodCache``, ``MetricsSampler`` (node/publisher.py): node labels and metrics;
 - ``NodeIsolation`` (node/enforcer.py): the node's policy enforced on its containers every tick.
 
 The device-plugin servicer talks to the manager through the ``DeviceService`` Protocol
-(node/devices.py), which the manager satisfies by handing each call to its health or allocator
+(node/deviceplugin/devices.py), which the manager satisfies by handing each call to its health or allocator
 component; one object to hand out keeps the plugin servers unaware of how the node is split.
 
 Threads: one gRPC server per resource (kubelet calls in), a health watcher (NVML/XID events), a
@@ -31,9 +31,13 @@ from typing import Callable
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
-from qgpu_runtime.node.allocator import Allocator
 from qgpu_runtime.node.containers import ContainerResolver
-from qgpu_runtime.node.draslices import SliceApi, SlicePublisher
+from qgpu_runtime.node.deviceplugin.allocator import Allocator
+from qgpu_runtime.node.deviceplugin.devices import wait_devices
+from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind
+from qgpu_runtime.node.deviceplugin.response import ContainerGrant
+from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -42,9 +46,6 @@ from qgpu_runtime.node.pods import PodSource, PodSourceError
 from qgpu_runtime.node.publisher import MetricsSampler, NodePublisher, PodCache
 from qgpu_runtime.node.reconcile import Plan
 from qgpu_runtime.node.reconciler import Reconciler
-from qgpu_runtime.node.registration import KubeletRegistration
-from qgpu_runtime.node.resources import ResourceKind
-from qgpu_runtime.node.response import ContainerGrant
 from qgpu_runtime.node.store import Store
 
 log = logging.getLogger(__name__)
@@ -70,7 +71,7 @@ class ManagerConfig:
     isolation_refresh_s: float = 1.0
     memory_tolerance_mib: int = 0
     api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
-    dra: bool = False  # serve the DRA kubelet plugin (node/draplugin.py) instead of device plugins
+    dra: bool = False  # serve the DRA kubelet plugin (node/dra/plugin.py) instead of device plugins
     cdi_dir: Path = Path("/var/run/cdi")
     kubelet_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
@@ -102,7 +103,7 @@ class NodeManager:
                  clock_ns: Callable[[], int] = time.time_ns, isolation: IsolationBackend | None = None,
                  slice_api: SliceApi | None = None) -> None:
         """``isolation`` None: device plugin, store and metrics only (nothing is throttled);
-        ``slice_api``: where ``config.dra`` publishes the node's ResourceSlice (node/draslices.py)."""
+        ``slice_api``: where ``config.dra`` publishes the node's ResourceSlice (node/dra/slices.py)."""
         self.config = config
         self.backend = backend
         self.store = store
@@ -117,7 +118,7 @@ class NodeManager:
         self.pod_cache = PodCache(config, pods)
         self.sampler = MetricsSampler(config, self.cards, self.health, backend, store, self.pod_cache, self.metrics)
         if config.dra:
-            from qgpu_runtime.node.draplugin import dra_plugin
+            from qgpu_runtime.node.dra.plugin import dra_plugin
 
             self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health)
         else:
@@ -250,9 +251,9 @@ class NodeManager:
         if self.slices is not None:
             self.slices.publish()
 
-    # ---- DeviceService (node/devices.py), and what tests and benchmarks drive directly ---------
+    # ---- DeviceService (node/deviceplugin/devices.py), and what tests and benchmarks drive directly ---------
     def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:
-        return self.health.wait_devices(kind, seen, timeout_s)
+        return wait_devices(self.health, kind, seen, timeout_s)
 
     def allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
         return self.allocator.allocate(kind, device_ids)

@@ -63,7 +63,7 @@ class PreparedClaim:
     claim_uid: str
     namespace: str
     name: str
-    devices: tuple[dict, ...]  # the answered devices, as JSON objects (node/draplugin.py)
+    devices: tuple[dict, ...]  # the answered devices, as JSON objects (node/dra/plugin.py)
     cdi_spec: str
     created_ns: int
     pods: tuple[ReservedPod, ...] = ()  # its status.reservedFor pods at prepare (table claim_pods)

@@ -28,6 +28,7 @@ from enum import Enum
 
 import numpy as np
 
+from qgpu_runtime.contract.record import ContainerDialect
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, PodRequest
 from qgpu_runtime.placement.policies import Policy, SharedCandidates
 from qgpu_runtime.placement.state import ALLOC_MODES, CardShare, ClusterState, ContainerPlacement, Placement
@@ -321,7 +322,8 @@ def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.n
 
 def _placement(state: ClusterState, req: PodRequest, row: int, slots: list[list[int]]) -> Placement:
     containers = tuple(
-        ContainerPlacement(c.name, _shares_for(state, row, c, s), exclusive=c.exclusive or c.whole_node)
+        ContainerPlacement(c.name, _shares_for(state, row, c, s), exclusive=c.exclusive or c.whole_node,
+                           dialect=ContainerDialect.of_request(c))
         for c, s in zip(req.containers, slots)
     )
     return Placement(state.names[row], containers, req.klass, req.cpu_milli, req.memory_mib)

@@ -22,7 +22,7 @@ from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.extender.dra import claim_asks, claim_usage, slice_cards
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.node.draslices import resource_slice, slice_devices
+from qgpu_runtime.node.dra.slices import resource_slice, slice_devices
 from qgpu_runtime.webhook.claimquota import claim_usage as quota_usage
 from qgpu_runtime.webhook.dra import DraConfig, convert
 from tests.contract.previous_release import dra_readers as old

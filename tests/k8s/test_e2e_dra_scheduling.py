@@ -1,6 +1,6 @@
 """qgpu as a DRA driver, the scheduler half, against the real kube-apiserver and kube-scheduler
 (v1.37.2, DRAConsumableCapacity on by default there): the node's ResourceSlice as
-node/draslices.py publishes it, qgpu's DeviceClasses, and ResourceClaims with
+node/dra/slices.py publishes it, qgpu's DeviceClasses, and ResourceClaims with
 ``capacity.requests`` that kube-scheduler allocates by itself, no extender involved.
 
 Each test has its own Node (no kubelet: pods bind to it and stay Pending) with a publisher
@@ -22,7 +22,7 @@ from kubernetes.client.exceptions import ApiException
 from qgpu_runtime.contract import dra
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.node.draslices import SlicePublisher
+from qgpu_runtime.node.dra.slices import SlicePublisher
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.kube_client import KubePodSource, KubeSlices
 from tests.k8s.kubeobjects import PAUSE, wait_for

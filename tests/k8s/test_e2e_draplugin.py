@@ -18,8 +18,10 @@ from kubernetes import client
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, pool_name
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
-from qgpu_runtime.node import cdi
-from qgpu_runtime.node.draplugin import ClaimPreparer, DraKubeletPlugin, DraSettings
+from qgpu_runtime.node.dra import cdi
+from qgpu_runtime.node.dra.plugin import DraKubeletPlugin
+from qgpu_runtime.node.dra.preparer import ClaimPreparer
+from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.kube_client import MERGE_PATCH, KubePodSource
 from qgpu_runtime.node.store import Store
 

@@ -17,9 +17,9 @@ import pytest
 from qgpu_runtime.gpu.simulated import SimulatedBackend, build_cards, parse_spec
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy
 from qgpu_runtime.isolation.signals import SignalActuator
+from qgpu_runtime.node.deviceplugin.resources import parse_resources
 from qgpu_runtime.node.kube_client import KubePodSource
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager
-from qgpu_runtime.node.resources import parse_resources
 from qgpu_runtime.node.store import Grant, Share, Store
 from tests.k8s.kubeobjects import cards, events_for, gpu_node, wait_for
 from tests.recordkeys import VERIFIER

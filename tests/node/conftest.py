@@ -17,9 +17,9 @@ from podfactory import write_pods  # noqa: E402
 from testkubelet import TestKubelet  # noqa: E402
 
 from qgpu_runtime.gpu.simulated import SimulatedBackend, build_cards, parse_spec  # noqa: E402
+from qgpu_runtime.node.deviceplugin.resources import DEFAULT_RESOURCES, parse_resources  # noqa: E402
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager  # noqa: E402
 from qgpu_runtime.node.pods import FilePodSource  # noqa: E402
-from qgpu_runtime.node.resources import DEFAULT_RESOURCES, parse_resources  # noqa: E402
 from qgpu_runtime.node.store import Store  # noqa: E402
 from tests.recordkeys import VERIFIER
 

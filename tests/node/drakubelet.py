@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 
 from qgpu_runtime import protos
-from qgpu_runtime.node.draplugin import DraSettings
+from qgpu_runtime.node.dra.settings import DraSettings
 
 
 class Kubelet:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qgpu_runtime.node import cdi
+from qgpu_runtime.node.dra import cdi
 
 
 def test_a_write_that_fails_leaves_no_temporary_and_the_old_spec(tmp_path: Path) -> None:
@@ -31,7 +31,7 @@ def _killed_writer(cdi_dir: Path) -> Path:
     code = textwrap.dedent(f"""
         import os, signal
         from pathlib import Path
-        from qgpu_runtime.node import cdi
+        from qgpu_runtime.node.dra import cdi
         os.replace = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
         cdi.write_spec(cdi.spec_path(Path({str(cdi_dir)!r}), "uid-killed"), {{"kind": cdi.KIND}})
     """)
@@ -42,7 +42,8 @@ def _killed_writer(cdi_dir: Path) -> Path:
 
 
 def test_the_plugin_start_removes_what_a_killed_write_left_and_nothing_else(tmp_path: Path) -> None:
-    from qgpu_runtime.node.draplugin import ClaimPreparer, DraSettings
+    from qgpu_runtime.node.dra.preparer import ClaimPreparer
+    from qgpu_runtime.node.dra.settings import DraSettings
     from qgpu_runtime.node.store import Store
     from tests.node.test_draplugin import CARDS, NODE, Claims  # the DRA test node: two simulated cards
 

@@ -1,6 +1,6 @@
 """Shares booked through DRA are enforced like the device plugin's: one isolation engine, two doors.
 
-The DRA kubelet plugin's own preparer (node/draplugin.py) books each ResourceClaim — with the
+The DRA kubelet plugin's own preparer (node/dra/plugin.py) books each ResourceClaim — with the
 class of its opaque ShareConfig and the pods of its ``status.reservedFor`` — in a real store; the
 node's isolation loop (node/enforcer.py) runs over a fake /proc with each process's cgroup,
 simulated cards with contention physics, and a kernel stand-in that turns process-group signals
@@ -29,7 +29,8 @@ from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
 from qgpu_runtime.node.containers import ContainerResolver
-from qgpu_runtime.node.draplugin import ClaimPreparer, DraSettings
+from qgpu_runtime.node.dra.preparer import ClaimPreparer
+from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.enforcer import NodeIsolation
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.pods import FilePodSource

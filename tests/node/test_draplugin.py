@@ -1,4 +1,4 @@
-"""The DRA kubelet plugin (node/draplugin.py) over its real unix sockets, with a test gRPC client
+"""The DRA kubelet plugin (node/dra/plugin.py) over its real unix sockets, with a test gRPC client
 standing in for kubelet: registration, prepare and unprepare, idempotency, restarts, refusals.
 
 Claims come from a dict standing in for the apiserver (tests/k8s/test_e2e_draplugin.py reads them
@@ -20,8 +20,11 @@ from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
-from qgpu_runtime.node import cdi
-from qgpu_runtime.node.draplugin import HEALTH_RESEND_S, HEALTH_TIMEOUT_S, ClaimPreparer, DraKubeletPlugin, DraSettings
+from qgpu_runtime.node.dra import cdi
+from qgpu_runtime.node.dra.health import HEALTH_RESEND_S, HEALTH_TIMEOUT_S
+from qgpu_runtime.node.dra.plugin import DraKubeletPlugin
+from qgpu_runtime.node.dra.preparer import ClaimPreparer
+from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.pods import FilePodSource
 from qgpu_runtime.node.reconciler import Reconciler
@@ -299,8 +302,8 @@ def test_a_store_of_the_previous_release_gets_the_claims_table_and_keeps_its_ver
 
 def test_the_manager_with_dra_serves_the_dra_plugin_instead_of_device_plugins(root):
     from qgpu_runtime.gpu.simulated import SimulatedBackend
+    from qgpu_runtime.node.deviceplugin.resources import DEFAULT_RESOURCES, parse_resources
     from qgpu_runtime.node.manager import ManagerConfig, NodeManager
-    from qgpu_runtime.node.resources import DEFAULT_RESOURCES, parse_resources
 
     pods = root / "pods.json"
     pods.write_text(json.dumps({"items": []}))

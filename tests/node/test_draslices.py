@@ -1,4 +1,4 @@
-"""The node's ResourceSlice publisher (node/draslices.py) against an in-memory ResourceSlice API
+"""The node's ResourceSlice publisher (node/dra/slices.py) against an in-memory ResourceSlice API
 that behaves like the apiserver where the publisher's decisions depend on it: resourceVersions and
 conflicts, quantities read back in canonical form, watches that wake on every change."""
 
@@ -14,11 +14,11 @@ from qgpu_runtime.contract import dra
 from qgpu_runtime.gpu.simulated import SimulatedBackend
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.node.draslices import SlicePublisher, slice_devices
+from qgpu_runtime.node.deviceplugin.resources import CATALOG
+from qgpu_runtime.node.dra.slices import SlicePublisher, slice_devices
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager
 from qgpu_runtime.node.pods import PodSourceError
-from qgpu_runtime.node.resources import CATALOG
 from qgpu_runtime.node.store import Store
 
 NODE = "gpu-node-1"

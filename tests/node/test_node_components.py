@@ -1,4 +1,4 @@
-"""The node manager's parts on their own seams (node/allocator.py, node/health.py,
+"""The node manager's parts on their own seams (node/deviceplugin/allocator.py, node/health.py,
 node/reconciler.py, node/publisher.py): each built from a real store and a pod list, without a
 NodeManager, gRPC or a kubelet."""
 
@@ -9,14 +9,14 @@ from podfactory import pod, qgpu
 
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.node.allocator import Allocator
-from qgpu_runtime.node.devices import AllocateRefused, DeviceService
+from qgpu_runtime.node.deviceplugin.allocator import Allocator
+from qgpu_runtime.node.deviceplugin.devices import AllocateRefused, DeviceService, wait_devices
+from qgpu_runtime.node.deviceplugin.resources import CATALOG
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.publisher import NodePublisher
 from qgpu_runtime.node.reconciler import Reconciler
-from qgpu_runtime.node.resources import CATALOG
 from qgpu_runtime.node.store import Store
 from tests.recordkeys import VERIFIER
 
@@ -95,9 +95,9 @@ def test_the_allocator_refuses_devices_on_an_unhealthy_card(parts):
 
 def test_health_marks_once_and_moves_the_device_list_version(parts):
     _, _, health = parts
-    version, devices = health.wait_devices(CORE, -1, 0)
+    version, devices = wait_devices(health, CORE, -1, 0)
     assert health.mark(0, "XID 48") and not health.mark(0, "again") and not health.mark(9, "no such card")
-    moved, after = health.wait_devices(CORE, version, 0)
+    moved, after = wait_devices(health, CORE, version, 0)
     assert moved == version + 1
     assert all(not ok for d, ok in after if d.startswith("qgpu-core-0-")) and all(ok for _, ok in devices)
 

@@ -25,7 +25,7 @@ def test_registers_every_resource_the_extender_places_by_default(node):
 
 def test_the_default_resources_are_every_resource_the_extender_places():
     from qgpu_runtime.model.requests import GPU_RESOURCES
-    from qgpu_runtime.node.resources import DEFAULT_RESOURCES
+    from qgpu_runtime.node.deviceplugin.resources import DEFAULT_RESOURCES
 
     assert sorted(DEFAULT_RESOURCES) == sorted(GPU_RESOURCES)
 

@@ -29,11 +29,11 @@ from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
 from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.deviceplugin.resources import parse_resources
 from qgpu_runtime.node.enforcer import NodeIsolation, resolve_policy
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.pods import FilePodSource
-from qgpu_runtime.node.resources import parse_resources
 from qgpu_runtime.node.store import Grant, Share, Store
 from tests.recordkeys import VERIFIER
 

@@ -8,8 +8,8 @@ import pytest
 from podfactory import pod, qgpu
 
 from qgpu_runtime.contract.record import RecordError, parse_record
-from qgpu_runtime.node.matching import NoMatch, match, preferred_devices
-from qgpu_runtime.node.resources import card_of_device
+from qgpu_runtime.node.deviceplugin.matching import NoMatch, match, preferred_devices
+from qgpu_runtime.node.deviceplugin.resources import card_of_device
 from tests.recordkeys import OTHER_SIGNER, VERIFIER, sign_pod
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
@@ -119,14 +119,14 @@ def test_admission_in_bind_order_gives_every_container_its_own_record(shapes, rn
 def test_odd_or_huge_quantities_are_no_match_not_a_crash(raw):
     """Full-width digits and digit strings past Python's int limit go to the bounded parser, which
     refuses them: the container simply asks for nothing this resource can match."""
-    from qgpu_runtime.node.matching import container_quantity
+    from qgpu_runtime.node.deviceplugin.matching import container_quantity
 
     container = {"name": "c", "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": raw}}}
     assert container_quantity(container, "tke.cloud.tencent.com/qgpu-core") is None
 
 
 def test_a_plain_count_is_read_directly():
-    from qgpu_runtime.node.matching import container_quantity
+    from qgpu_runtime.node.deviceplugin.matching import container_quantity
 
     container = {"name": "c", "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": "50"}}}
     assert container_quantity(container, "tke.cloud.tencent.com/qgpu-core") == 50

@@ -37,8 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.model.requests import GPU_RESOURCES
+from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
-from qgpu_runtime.node.resources import CATALOG, DEFAULT_RESOURCES
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
 from tests.k8s.controlplane import ADMIN_USER

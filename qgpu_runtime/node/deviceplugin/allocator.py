@@ -1,7 +1,7 @@
 """Allocate, GetPreferredAllocation and PreStartContainer: the device plugin's decisions.
 
 Allocate is serialised by ``lock``: kubelet admits one pod at a time anyway, and the matching rule
-(node/matching.py) needs a consistent view of what was already served. The reconciler takes the
+(node/deviceplugin/matching.py) needs a consistent view of what was already served. The reconciler takes the
 same lock while it releases the shares of deleted pods, so a pod created meanwhile is never
 released. The grant is durable in the store before kubelet hears back.
 """
@@ -16,21 +16,21 @@ import time
 from pathlib import Path
 from typing import Callable, Collection
 
+from qgpu_runtime.contract.environment import quota_json
 from qgpu_runtime.contract.names import ASSIGNED, finished
 from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
-from qgpu_runtime.node import matching
-from qgpu_runtime.node.devices import AllocateRefused
+from qgpu_runtime.node.deviceplugin import matching
+from qgpu_runtime.node.deviceplugin.devices import AllocateRefused
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind, card_of_device
+from qgpu_runtime.node.deviceplugin.response import ContainerGrant, GrantError, build_grant, store_rows
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
+from qgpu_runtime.node.overbooking import card_use, over_booking
 from qgpu_runtime.node.podresources import list_held
 from qgpu_runtime.node.pods import PodSource
-from qgpu_runtime.node.resources import ResourceKind, card_of_device
-from qgpu_runtime.node.response import ContainerGrant, GrantError, build_grant, quota_json, store_rows
 from qgpu_runtime.node.store import Share, Store
-from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
 
@@ -99,7 +99,7 @@ class Allocator:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: its record would over-commit "
                                       f"this node: {'; '.join(problems)} (live pods of the node already hold it; "
                                       "two binders disagreed — the pod must be scheduled again)")
-            _write_atomic(Path(grant.config_host_dir) / "quota.json", quota_json(grant))
+            _write_atomic(Path(grant.config_host_dir) / "quota.json", quota_json(grant.quota))
             row, shares = store_rows(m, kind.name, device_ids, self.clock_ns())
             self.store.record(row, shares)  # durable before kubelet hears back
             done = assigned(m.pod_obj)
@@ -153,21 +153,15 @@ class Allocator:
 
 def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict],
                 claims: Collection[str] = ()) -> list[str]:
-    """Why granting ``m``'s cards would put a card over its capacity, given the shares of the node's
-    live pods in the store (deleted and finished pods no longer hold theirs) and of the prepared
-    ResourceClaims ``claims`` (UIDs; kubelet releases those); empty when it fits.
-
-    The node is the last line of defence: the extender's commitments keep binders from promising
-    a card twice, and this refuses a record that does so anyway (an older extender, a binder
-    running without commitments, a record written by hand)."""
+    """Why granting ``m``'s cards would put a card over its capacity (node/overbooking.py), given
+    the shares of the node's live pods in the store (deleted and finished pods no longer hold
+    theirs) and of the prepared ResourceClaims ``claims`` (UIDs; kubelet releases those); empty
+    when it fits."""
     live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
             if not finished(p)} | set(claims)
-    held = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
-                       (CardUse(s.card_index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD),))
-            for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
-    mine = Commitment(f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}", 0, tuple(
-        CardUse(s.index, s.core_milli, s.memory_mib, s.core_milli >= CORE_MILLI_PER_CARD) for s in m.share.shares))
-    return over_commitment({i: c.memory_mib for i, c in cards.items()}, held, mine)
+    held = [s for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
+    return over_booking(cards, held, f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}",
+                        [card_use(s.index, s.core_milli, s.memory_mib) for s in m.share.shares])
 
 
 def _json_list(values: list[str]) -> str:

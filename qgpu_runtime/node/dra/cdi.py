@@ -20,9 +20,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract.dra import DRIVER
+from qgpu_runtime.contract.environment import CONTROL_DEVICES, T9kMode, container_environment
+from qgpu_runtime.contract.record import CardShare
+from qgpu_runtime.gpu.types import CardInfo
 
 CDI_VERSION = "0.6.0"
 CLASS = "claim"
@@ -44,6 +47,24 @@ class CdiDevice:
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"CDI device name {self.name!r} is not allowed: letters, digits and _.:- only")
+
+
+def claim_devices(uid: str, shares: Sequence[CardShare], cards: Mapping[int, CardInfo], klass: str, policy: str,
+                  device_nodes: Callable[[int], tuple[str, ...]]) -> list[CdiDevice]:
+    """One CDI device per result of claim ``uid``. Every device carries the claim's whole
+    environment (contract/environment.py: all its cards, in result order, and one class: the
+    isolation loop's for a tenant of mixed classes): a container given the claim gets all of
+    them, and identical edits cannot conflict. ``device_nodes(card index)``: what each adds."""
+    t9k = T9kMode.of_shares(shares, {i: c.memory_mib for i, c in cards.items()})
+    env = container_environment(shares, klass, policy, t9k)
+    return [CdiDevice(f"{uid}-{i}", env, device_nodes(s.index)) for i, s in enumerate(shares)]
+
+
+def card_device_nodes(card: CardInfo, device_exists: Callable[[str], bool]) -> tuple[str, ...]:
+    """The card's and the driver's device nodes, only those the host has: a runtime fails the
+    container on a device node it cannot find (docs/dra.md)."""
+    wanted = (f"/dev/nvidia{card.minor}", *CONTROL_DEVICES)
+    return tuple(p for p in wanted if device_exists(p))
 
 
 def device_id(name: str) -> str:

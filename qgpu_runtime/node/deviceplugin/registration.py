@@ -1,6 +1,6 @@
 """The device-plugin servers and their registration with kubelet.
 
-One gRPC server per served resource (node/plugin.py). kubelet restarts re-create its socket and
+One gRPC server per served resource (node/deviceplugin/plugin.py). kubelet restarts re-create its socket and
 forget every plugin, so ``check_kubelet`` (called by the manager's watcher every
 ``watch_interval_s``) serves again and re-registers when the socket's inode changed or one of our
 sockets vanished.
@@ -12,9 +12,9 @@ import logging
 import os
 from pathlib import Path
 
-from qgpu_runtime.node.devices import DeviceService
-from qgpu_runtime.node.plugin import PluginServer
-from qgpu_runtime.node.resources import ResourceKind
+from qgpu_runtime.node.deviceplugin.devices import DeviceService
+from qgpu_runtime.node.deviceplugin.plugin import PluginServer
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
 

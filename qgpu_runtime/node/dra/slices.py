@@ -30,7 +30,7 @@ from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.nodeinfo import label_value
 from qgpu_runtime.node.pods import PodSourceError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qgpu_runtime.node.draslices")  # the name from before node/ became two doors: the logger keeps it
 
 WATCH_TIMEOUT_S = 300.0  # the apiserver ends each watch after this long; the next one starts at once
 RETRY_MIN_S = 1.0

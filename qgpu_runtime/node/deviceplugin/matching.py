@@ -6,7 +6,7 @@ pod, allocates containers in spec order and one resource after another for each 
 1. Candidates are pods bound to this node (``spec.nodeName``), not terminating, in phase Pending,
    whose ``qgpu.io/allocation`` record names this node, carries the extender's signature for this
    pod (contract/signature.py) and grants no more than the pod's own resources ask for
-   (node/recordcheck.py). A pod's annotations are its owner's to write: a record that fails either
+   (node/deviceplugin/recordcheck.py). A pod's annotations are its owner's to write: a record that fails either
    check grants nothing, and the refusal is reported (``Match.untrusted``, ``NoMatch.untrusted``).
 2. A pod's *next* container for resource R is its first container, in spec order, that lists R
    in its limits (or requests) and that the store has not yet served R for. The pod is a candidate
@@ -19,7 +19,7 @@ pod, allocates containers in spec order and one resource after another for each 
 With several pending pods whose next containers have the same size, rule 4 picks the one bound
 first. That is kubelet's admission order unless kubelet received both in one batch and they were
 created in the opposite order; PreStartContainer then checks the choice against kubelet's
-pod-resources API and corrects the store's owner (see node/plugin.py).
+pod-resources API and corrects the store's owner (see node/deviceplugin/plugin.py).
 
 No candidate → :class:`NoMatch` whose message lists every pod considered and why it was refused;
 kubelet shows it to the user as UnexpectedAdmissionError.
@@ -41,7 +41,7 @@ from qgpu_runtime.contract.record import (
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
 from qgpu_runtime.model.requests import RequestError, parse_pod, parse_quantity
-from qgpu_runtime.node.recordcheck import SHAPE_LIMITS, record_refusal
+from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
 
 @dataclass(frozen=True)
@@ -175,7 +175,7 @@ def match(
 
 
 def _shape_refusal(pod: Mapping[str, Any], record: AllocationRecord, node: str) -> str | None:
-    """Why the record grants more than the pod's own resources ask for (node/recordcheck.py)."""
+    """Why the record grants more than the pod's own resources ask for (node/deviceplugin/recordcheck.py)."""
     try:
         request = parse_pod(pod, SHAPE_LIMITS)
     except RequestError as exc:

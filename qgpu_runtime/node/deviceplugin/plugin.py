@@ -1,6 +1,6 @@
 """One device-plugin gRPC server per served resource, on its own unix socket.
 
-The servicer is thin: every decision lives behind :class:`~qgpu_runtime.node.devices.DeviceService`
+The servicer is thin: every decision lives behind :class:`~qgpu_runtime.node.deviceplugin.devices.DeviceService`
 (the node manager: matching, store, health). This module owns the gRPC edge — socket lifecycle, registration with
 kubelet, turning a manager answer into protobuf, and a refused Allocate into a gRPC error whose
 text kubelet shows on the pod (UnexpectedAdmissionError).
@@ -16,11 +16,11 @@ from pathlib import Path
 import grpc
 
 from qgpu_runtime import protos
-from qgpu_runtime.node.devices import AllocateRefused, DeviceService
-from qgpu_runtime.node.resources import ResourceKind
+from qgpu_runtime.node.deviceplugin.devices import AllocateRefused, DeviceService
+from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.streams import StreamSlots, server_pool
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("qgpu_runtime.node.plugin")  # the name from before node/ became two doors: operators grep log lines by logger
 API_VERSION = "v1beta1"
 HEALTHY, UNHEALTHY = "Healthy", "Unhealthy"
 
