@@ -23,7 +23,6 @@ request body's copy is never used, see :mod:`.trust`); otherwise it is read from
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -32,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
+from qgpu_runtime.contract.leases import Commitment, CommitmentError
 from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
 from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, AllocationRecord, RecordError, parse_record
@@ -41,9 +40,11 @@ from qgpu_runtime.contract.signature import RecordSigner, signed_annotations
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
+from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, call
+from qgpu_runtime.kube.errors import brief as _short
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
-from qgpu_runtime.placement.commitments import Commitment, CommitmentError, observed, over_commitment, stale
+from qgpu_runtime.placement.commitments import observed, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
 from qgpu_runtime.placement.state import Placement, StateError
 
@@ -109,7 +110,7 @@ class Binder:
 
     def _read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return raw_json(with_backoff(
-            lambda: self.api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout),
+            lambda: call(self.api.read_namespaced_pod, name, namespace, _preload_content=False, _request_timeout=self.timeout),
             attempts=self.attempts))
 
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -118,9 +119,9 @@ class Binder:
 
         try:
             return self._read_pod(namespace, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
+        except NotFound:
+            return None
+        except ApiError as exc:
             error = PodUnavailable if is_transient(exc) else UntrustedPod
             raise error(f"pod {namespace}/{name}: cannot read it from the apiserver ({_short(exc)})") from exc
         except Exception as exc:
@@ -135,7 +136,7 @@ class Binder:
             return seen
         try:
             return self._read_pod(namespace, name)
-        except ApiException as exc:
+        except ApiError as exc:
             raise BindError(f"pod {namespace}/{name}: cannot read it ({_short(exc)})") from exc
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
@@ -316,13 +317,11 @@ class Binder:
 
         def attempt() -> None:
             try:
-                drain(self.api.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
-                                                            _request_timeout=self.timeout))
-            except ApiException as exc:
-                if exc.status == 409:
-                    # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
-                    raise AlreadyBound(self._read_pod(namespace, name)) from exc
-                raise
+                drain(call(self.api.create_namespaced_pod_binding, name, namespace, body, _preload_content=False,
+                           _request_timeout=self.timeout))
+            except Conflict as exc:
+                # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
+                raise AlreadyBound(self._read_pod(namespace, name)) from exc
 
         with_backoff(attempt, attempts=self.attempts)
 
@@ -346,19 +345,10 @@ class Binder:
         for name_ in (BIND_TIME, ALLOCATION_SIGNATURE):
             if name_ in annotations:
                 ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(name_)}"})
-        with_backoff(lambda: drain(self.api.patch_namespaced_pod(
-            name, namespace, ops, _content_type="application/json-patch+json",
+        with_backoff(lambda: drain(call(
+            self.api.patch_namespaced_pod, name, namespace, ops, _content_type="application/json-patch+json",
             _preload_content=False, _request_timeout=self.timeout)), attempts=self.attempts)
 
     def delete_expired(self, expired: Expired) -> None:
         self.remove_record(expired.namespace, expired.name, expired.record_raw, expired.uid)
 
-
-def _short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        try:
-            message = json.loads(exc.body or "{}").get("message")
-        except ValueError:
-            message = None
-        return f"{exc.status} {message or exc.reason}"
-    return f"{type(exc).__name__}: {exc}"

@@ -59,7 +59,7 @@ from qgpu_runtime.extender.nodes import DRA_POOL_REASON, NodeInventoryError, dra
 from qgpu_runtime.extender.podstate import BindAuthorization, NodeNameSet, PodEntry, PodStates
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest, RequestError, parse_pod
 from qgpu_runtime.placement import engine
-from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
+from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate, as_placement
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement, StateError
 
 log = logging.getLogger(__name__)
@@ -635,7 +635,7 @@ class AllocationCache:
                 key = self._uid_key.get(uid)
                 if key is not None and not self._pods.held(key) and key in state.bookings:
                     continue
-                out[PHANTOM + uid] = c.placement(commitments.node, uuids)
+                out[PHANTOM + uid] = as_placement(c, commitments.node, uuids)
             return out
 
     def fates(self, uids: Iterable[str], node: str) -> dict[str, PodFate]:
