@@ -18,12 +18,14 @@ import threading
 from collections import defaultdict
 from typing import Any, Callable
 
+from qgpu_runtime.contract.leases import Commitment, CommitmentError
 from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, RecordError, parse_record
-from qgpu_runtime.extender.bindresult import BindError, short
+from qgpu_runtime.extender.bindresult import BindError
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
-from qgpu_runtime.placement.commitments import Commitment, CommitmentError, observed, over_commitment, stale
+from qgpu_runtime.kube.errors import brief as short
+from qgpu_runtime.placement.commitments import observed, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
 from qgpu_runtime.placement.state import Placement, StateError
 

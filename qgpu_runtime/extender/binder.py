@@ -31,16 +31,17 @@ import time
 from typing import Any, Callable
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.contract.signature import RecordSigner, signed_annotations
 from qgpu_runtime.extender.bindchoice import BindChoice
-from qgpu_runtime.extender.bindresult import AlreadyBound, BindError, BindOutcome, short
+from qgpu_runtime.extender.bindresult import AlreadyBound, BindError, BindOutcome
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.extender.podapi import PodApi
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
+from qgpu_runtime.kube.errors import ApiError
+from qgpu_runtime.kube.errors import brief as short
 from qgpu_runtime.kube.retry import is_transient
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
@@ -89,7 +90,7 @@ class Binder:
             return seen
         try:
             return self.pods.read_pod(namespace, name)
-        except ApiException as exc:
+        except ApiError as exc:
             raise BindError(f"pod {namespace}/{name}: cannot read it ({short(exc)})") from exc
 
     def bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:

@@ -4,11 +4,8 @@ or found done already (:class:`AlreadyBound`), and an apiserver error as one lin
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
-
-from kubernetes.client.exceptions import ApiException
 
 
 class BindError(RuntimeError):
@@ -26,11 +23,3 @@ class AlreadyBound(Exception):
         self.pod = pod
 
 
-def short(exc: BaseException) -> str:
-    if isinstance(exc, ApiException):
-        try:
-            message = json.loads(exc.body or "{}").get("message")
-        except ValueError:
-            message = None
-        return f"{exc.status} {message or exc.reason}"
-    return f"{type(exc).__name__}: {exc}"

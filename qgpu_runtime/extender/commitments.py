@@ -1,12 +1,13 @@
 """The per-node commitment object in the API: a coordination.k8s.io/v1 Lease per node.
 
 Lease ``qgpu-node.<node>`` in the extender's namespace carries the node's commitments in its
-annotation ``qgpu.io/commitments`` (format: :mod:`qgpu_runtime.placement.commitments`). A Lease is
-used because it is small, namespaced (so RBAC can grant exactly these objects and nothing else) and
-meant for coordination; its holder fields are not used. Writes are conditional: a replace carries
-``metadata.resourceVersion`` and the apiserver answers 409 Conflict when anyone wrote in between; a
-create of a Lease someone else created meanwhile is 409 AlreadyExists. Both become
-:class:`CommitmentConflict`, and the caller re-reads and re-decides.
+annotation ``qgpu.io/commitments`` (format and name: :mod:`qgpu_runtime.contract.leases`; read and
+written through :mod:`qgpu_runtime.kube.leasedoc`). A Lease is used because it is small, namespaced
+(so RBAC can grant exactly these objects and nothing else) and meant for coordination; its holder
+fields are not used. Writes are conditional: a replace carries ``metadata.resourceVersion`` and the
+apiserver answers 409 Conflict when anyone wrote in between; a create of a Lease someone else
+created meanwhile is 409 AlreadyExists. Both become :class:`CommitmentConflict`, and the caller
+re-reads and re-decides.
 
 A store remembers the Lease each of its writes left (what the apiserver answered, resourceVersion
 included) and hands that out as the next read of the node instead of asking again: with one active
@@ -18,35 +19,23 @@ like any other, the store forgets the node, and the caller's re-read asks the ap
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.contract.names import COMMITMENTS_LEASE_PREFIX
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
-from qgpu_runtime.kube.retry import with_backoff
-from qgpu_runtime.placement.commitments import COMMITMENTS, NodeCommitments, parse_commitments
+from qgpu_runtime.contract.leases import NodeCommitments, lease_name, parse_commitments
+from qgpu_runtime.contract.names import COMMITMENTS
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT
+from qgpu_runtime.kube.errors import Conflict
+from qgpu_runtime.kube.leasedoc import LeaseDocuments
 
-LEASE_PREFIX = COMMITMENTS_LEASE_PREFIX
-MAX_NAME = 253
 LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "node-commitments"}
 
 
 class CommitmentConflict(Exception):
     """Someone else wrote the node's Lease since it was read: read again and decide again."""
-
-
-def lease_name(node: str) -> str:
-    """``qgpu-node.<node>``; a node name too long for the prefix is replaced by its digest."""
-    name = LEASE_PREFIX + node
-    if len(name) <= MAX_NAME:
-        return name
-    return LEASE_PREFIX + hashlib.sha256(node.encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -67,6 +56,7 @@ class LeaseCommitments:
                  timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
         self.api = api
         self.namespace = namespace
+        self.leases = LeaseDocuments(api, namespace, COMMITMENTS, LABELS)
         self.attempts = attempts
         self.timeout = timeout
         self.fresh_reads = 0  # GETs sent to the apiserver
@@ -98,17 +88,10 @@ class LeaseCommitments:
         """The node's commitments as the apiserver has them now."""
         self.forget(node)
         self.fresh_reads += 1
-        name = lease_name(node)
-        try:
-            doc = raw_json(with_backoff(lambda: self.api.read_namespaced_lease(
-                name, self.namespace, _preload_content=False, _request_timeout=self.timeout), attempts=self.attempts))
-        except ApiException as exc:
-            if exc.status == 404:
-                return Snapshot(NodeCommitments(node), None)
-            raise
-        meta = doc.get("metadata") or {}
-        raw = (meta.get("annotations") or {}).get(COMMITMENTS)
-        return Snapshot(parse_commitments(raw, node), str(meta.get("resourceVersion") or ""))
+        lease = self.leases.read(lease_name(node), timeout=self.timeout, attempts=self.attempts)
+        if lease is None:
+            return Snapshot(NodeCommitments(node), None)
+        return Snapshot(parse_commitments(lease.text, node), lease.version)
 
     def write(self, snapshot: Snapshot, commitments: NodeCommitments) -> None:
         """Replace the Lease read as ``snapshot`` (create it when there was none) with ``commitments``.
@@ -118,27 +101,14 @@ class LeaseCommitments:
         only costs one more read.
         """
         name = lease_name(commitments.node)
-        metadata: dict[str, Any] = {"name": name, "namespace": self.namespace, "labels": LABELS,
-                                    "annotations": {COMMITMENTS: commitments.to_json()}}
-        if snapshot.resource_version is not None:
-            metadata["resourceVersion"] = snapshot.resource_version
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {}}
-
-        def attempt() -> Any:
-            if snapshot.resource_version is None:
-                return raw_json(self.api.create_namespaced_lease(self.namespace, body, _preload_content=False,
-                                                                 _request_timeout=self.timeout))
-            return raw_json(self.api.replace_namespaced_lease(name, self.namespace, body, _preload_content=False,
-                                                              _request_timeout=self.timeout))
-
         try:
-            written = with_backoff(attempt, attempts=self.attempts)
+            version = self.leases.write(name, commitments.to_json(), snapshot.resource_version, timeout=self.timeout,
+                                        attempts=self.attempts)
         except Exception as exc:
             self.forget(commitments.node)  # whatever the apiserver holds now, it is not what we remember
-            if isinstance(exc, ApiException) and exc.status == 409:
+            if isinstance(exc, Conflict):
                 raise CommitmentConflict(f"lease {self.namespace}/{name} changed since it was read") from exc
             raise
-        version = str(((written or {}).get("metadata") or {}).get("resourceVersion") or "")
         if version:
             self._remember(commitments.node, Snapshot(commitments, version))
         else:

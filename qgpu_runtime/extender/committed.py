@@ -13,11 +13,12 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterable
 
+from qgpu_runtime.contract.leases import Commitment, NodeCommitments
 from qgpu_runtime.extender.bookings import Bookings
 from qgpu_runtime.extender.nodeview import NodeView
 from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.podstate import PodStates
-from qgpu_runtime.placement.commitments import Commitment, NodeCommitments, PodFate
+from qgpu_runtime.placement.commitments import PodFate, as_placement
 from qgpu_runtime.placement.state import ClusterState, Placement
 
 PHANTOM = "commitment:"  # booking keys of other binders' commitments, present only inside reserve()
@@ -70,7 +71,7 @@ class CommittedView:
                 key = self._mirror.key_of(uid)
                 if key is not None and not self._pods.held(key) and key in state.bookings:
                     continue
-                out[PHANTOM + uid] = c.placement(commitments.node, uuids)
+                out[PHANTOM + uid] = as_placement(c, commitments.node, uuids)
             return out
 
     def fates(self, uids: Iterable[str], node: str) -> dict[str, PodFate]:

@@ -12,12 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME
-from qgpu_runtime.extender.bindresult import AlreadyBound, short
+from qgpu_runtime.extender.bindresult import AlreadyBound
 from qgpu_runtime.kube.client import drain, raw_json
+from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, call
+from qgpu_runtime.kube.errors import brief as short
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 
 
@@ -35,7 +36,7 @@ class PodApi:
 
     def read_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return raw_json(with_backoff(
-            lambda: self.api.read_namespaced_pod(name, namespace, _preload_content=False, _request_timeout=self.timeout),
+            lambda: call(self.api.read_namespaced_pod, name, namespace, _preload_content=False, _request_timeout=self.timeout),
             attempts=self.attempts))
 
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -44,9 +45,9 @@ class PodApi:
 
         try:
             return self.read_pod(namespace, name)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
+        except NotFound:
+            return None
+        except ApiError as exc:
             error = PodUnavailable if is_transient(exc) else UntrustedPod
             raise error(f"pod {namespace}/{name}: cannot read it from the apiserver ({short(exc)})") from exc
         except Exception as exc:
@@ -66,13 +67,11 @@ class PodApi:
 
         def attempt() -> None:
             try:
-                drain(self.api.create_namespaced_pod_binding(name, namespace, body, _preload_content=False,
-                                                            _request_timeout=self.timeout))
-            except ApiException as exc:
-                if exc.status == 409:
-                    # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
-                    raise AlreadyBound(self.read_pod(namespace, name)) from exc
-                raise
+                drain(call(self.api.create_namespaced_pod_binding, name, namespace, body, _preload_content=False,
+                           _request_timeout=self.timeout))
+            except Conflict as exc:
+                # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
+                raise AlreadyBound(self.read_pod(namespace, name)) from exc
 
         with_backoff(attempt, attempts=self.attempts)
 
@@ -96,6 +95,6 @@ class PodApi:
         for name_ in (BIND_TIME, ALLOCATION_SIGNATURE):
             if name_ in annotations:
                 ops.append({"op": "remove", "path": f"/metadata/annotations/{_escape(name_)}"})
-        with_backoff(lambda: drain(self.api.patch_namespaced_pod(
-            name, namespace, ops, _content_type="application/json-patch+json",
+        with_backoff(lambda: drain(call(
+            self.api.patch_namespaced_pod, name, namespace, ops, _content_type="application/json-patch+json",
             _preload_content=False, _request_timeout=self.timeout)), attempts=self.attempts)

@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
 
 REQUEST_TIMEOUT = (3.0, 10.0)  # connect, read seconds: a hung apiserver must not hang a bind
 
@@ -41,12 +40,3 @@ def drain(response: Any) -> None:
         response.read()
     finally:
         response.release_conn()
-
-
-def api_error(exc: ApiException) -> str:
-    """``403 Forbidden: <the apiserver's message>``: what a refusal to our caller should quote."""
-    try:
-        message = json.loads(exc.body or "{}").get("message")
-    except (ValueError, AttributeError):
-        message = None
-    return f"{exc.status} {exc.reason}: {message or exc.body}"

@@ -1,7 +1,8 @@
 """Retries with exponential backoff for API calls that can fail transiently.
 
-Only failures a retry can fix are retried (throttling, 5xx, dropped connections, timeouts); a 4xx
-says the request itself is wrong and is raised at once.
+Only failures a retry can fix are retried (throttling, 5xx, dropped connections, timeouts: the
+:class:`~qgpu_runtime.kube.errors.Transient` class); a 4xx says the request itself is wrong and is
+raised at once.
 """
 
 from __future__ import annotations
@@ -10,18 +11,19 @@ import random
 import time
 from typing import Callable, TypeVar
 
-import urllib3
 from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.kube.errors import UNREACHABLE, Transient, classify
 
 T = TypeVar("T")
 
-TRANSIENT_STATUS = frozenset({0, 429, 500, 502, 503, 504})
-
 
 def is_transient(exc: BaseException) -> bool:
+    """A :class:`~qgpu_runtime.kube.errors.Transient` error, or what :func:`~qgpu_runtime.kube.errors.call`
+    would map to one."""
     if isinstance(exc, ApiException):
-        return exc.status in TRANSIENT_STATUS or exc.status is None
-    return isinstance(exc, (urllib3.exceptions.HTTPError, OSError, TimeoutError))
+        return isinstance(classify(exc), Transient)
+    return isinstance(exc, (Transient, *UNREACHABLE))
 
 
 def with_backoff(

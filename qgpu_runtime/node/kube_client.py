@@ -25,9 +25,9 @@ import threading
 from typing import Any, Callable, Mapping, TypeVar
 
 from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
+from qgpu_runtime.kube.errors import NotFound, call, described
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.node.pods import PodSourceError
 
@@ -52,18 +52,6 @@ def _api_client(kubeconfig: str | None, context: str | None) -> client.ApiClient
         raise PodSourceError(f"cannot load Kubernetes client configuration ({where}): {exc}", transient=False) from exc
 
 
-def describe(exc: BaseException) -> str:
-    """One line for a failed API call: the HTTP status and the apiserver's message, or the network error."""
-    if isinstance(exc, ApiException):
-        try:
-            message = json.loads(exc.body or "{}").get("message")
-        except (ValueError, AttributeError):
-            message = None
-        return f"HTTP {exc.status} {message or exc.reason}"
-    reason = getattr(exc, "reason", None)  # urllib3's MaxRetryError wraps the socket error
-    return f"{type(exc).__name__}: {reason or exc}"
-
-
 class KubePodSource:
     def __init__(self, kubeconfig: str | None = None, context: str | None = None, *,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, attempts: int = 3) -> None:
@@ -75,13 +63,13 @@ class KubePodSource:
         self._timeout = timeout
         self._attempts = attempts
 
-    def _call(self, what: str, call: Callable[[], T]) -> T:
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
         try:
-            return with_backoff(call, attempts=self._attempts, base_s=0.2, cap_s=2.0)
+            return with_backoff(lambda: call(fn), attempts=self._attempts, base_s=0.2, cap_s=2.0)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
             transient = is_transient(exc)
             tries = f" after {self._attempts} attempts" if transient else ""
-            raise PodSourceError(f"{what} at {self.server}{tries}: {describe(exc)}", transient=transient) from exc
+            raise PodSourceError(f"{what} at {self.server}{tries}: {described(exc)}", transient=transient) from exc
 
     def _items(self, what: str, call: Callable[[], Any]) -> list[dict[str, Any]]:
         return list(json.loads(self._call(what, call).data).get("items", []))
@@ -154,7 +142,7 @@ class KubeSlices:
             response = self._source._call(f"reading ResourceSlice {name}", lambda: self._resource.read_resource_slice(
                 name, _preload_content=False, _request_timeout=self._timeout))
         except PodSourceError as exc:
-            if isinstance(exc.__cause__, ApiException) and exc.__cause__.status == 404:
+            if isinstance(exc.__cause__, NotFound):
                 return None
             raise
         return dict(json.loads(response.data))
@@ -192,7 +180,7 @@ class KubeSlices:
         except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
             if stop.is_set():
                 return None
-            raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {describe(exc)}",
+            raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {described(exc)}",
                                  transient=True) from exc
         finally:
             with self._lock:

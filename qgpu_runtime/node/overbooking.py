@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Iterable, Mapping, Sequence
 
+from qgpu_runtime.contract.leases import CardUse, Commitment
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node.store import Share
-from qgpu_runtime.placement.commitments import CardUse, Commitment, over_commitment
+from qgpu_runtime.placement.commitments import over_commitment
 
 
 def card_use(index: int, core_milli: int, memory_mib: int) -> CardUse:

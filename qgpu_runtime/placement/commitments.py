@@ -5,150 +5,30 @@ two kube-schedulers with leader election off, each with its own extender) each s
 both bind onto it. The cure is one object per node that the apiserver arbitrates: a bind reads it,
 re-checks its chosen cards against it, and writes it back with a resourceVersion precondition, so of
 two binds deciding on the same state only one write succeeds and the other re-decides on fresh state.
-The object's I/O lives in :mod:`qgpu_runtime.extender.commitments`; this module is the pure part: the
-document format, the fit check and pruning. No I/O, no clock (times come in as arguments). ``since_ns``
-is the writer's wall clock, for people and earlier releases; pruning goes by how long the pruning
-binder itself has seen an entry (contract/observed.py), since binders' clocks disagree.
-
-Document (annotation ``qgpu.io/commitments`` of the node's Lease), compact JSON::
-
-    {"version": 1, "node": "gpu-1",
-     "pods": {"<pod uid>": {"pod": "ns/name", "since_ns": 1700000000000000000,
-                            "cards": [{"index": 0, "core_milli": 300, "memory_mib": 5120, "exclusive": false}]}}}
+The document and its codec are the contract room's (:mod:`qgpu_runtime.contract.leases`), its I/O
+is :mod:`qgpu_runtime.extender.commitments`; this module is the pure placement part: the fit check,
+a commitment as a booking, and pruning. No I/O, no clock (times come in as arguments). Pruning goes
+by how long the pruning binder itself has seen an entry (contract/observed.py), since binders'
+clocks disagree.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping
+from typing import Iterable, Mapping
 
-from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_INDEX, MAX_MEMORY_MIB
-from qgpu_runtime.contract.names import COMMITMENTS
-from qgpu_runtime.jsondoc import load_json
+from qgpu_runtime.contract.leases import CardUse, Commitment, NodeCommitments
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 
-DOCUMENT_VERSION = 1
 
-
-class CommitmentError(ValueError):
-    """A commitment document that cannot be read; the message names the field, value and rule."""
-
-
-@dataclass(frozen=True)
-class CardUse:
-    """One pod's total use of one card (all its containers on that card)."""
-
-    index: int
-    core_milli: int
-    memory_mib: int
-    exclusive: bool = False
-
-
-@dataclass(frozen=True)
-class Commitment:
-    """One pod's promise on one node."""
-
-    uid: str
-    pod: str  # namespace/name, for people reading the Lease
-    since_ns: int
-    cards: tuple[CardUse, ...]
-
-    @classmethod
-    def of(cls, uid: str, pod: str, placement: Placement, now_ns: int) -> "Commitment":
-        """The commitment a placement makes: its shares summed per card."""
-        core: dict[int, int] = {}
-        memory: dict[int, int] = {}
-        exclusive: set[int] = set()
-        for container in placement.containers:
-            for share in container.shares:
-                core[share.index] = core.get(share.index, 0) + share.core_milli
-                memory[share.index] = memory.get(share.index, 0) + share.memory_mib
-                if container.exclusive:
-                    exclusive.add(share.index)
-        return cls(uid, pod, now_ns, tuple(CardUse(i, core[i], memory[i], i in exclusive) for i in sorted(core)))
-
-    def placement(self, node: str, uuids: Mapping[int, str]) -> Placement:
-        """This commitment as a booking for a ClusterState (one pseudo-container per card, so an
-        exclusive card and a shared one of the same pod stay what they are)."""
-        return Placement(node, tuple(
-            ContainerPlacement(f"card-{use.index}", (CardShare(use.index, uuids.get(use.index, ""), use.core_milli,
-                                                               use.memory_mib),), use.exclusive)
-            for use in self.cards))
-
-
-@dataclass(frozen=True)
-class NodeCommitments:
-    node: str
-    pods: Mapping[str, Commitment] = field(default_factory=dict)
-
-    def to_json(self) -> str:
-        doc = {"version": DOCUMENT_VERSION, "node": self.node, "pods": {
-            uid: {"pod": c.pod, "since_ns": c.since_ns,
-                  "cards": [{"index": u.index, "core_milli": u.core_milli, "memory_mib": u.memory_mib,
-                             "exclusive": u.exclusive} for u in c.cards]}
-            for uid, c in sorted(self.pods.items())}}
-        return json.dumps(doc, separators=(",", ":"))
-
-    def with_pod(self, commitment: Commitment) -> "NodeCommitments":
-        return NodeCommitments(self.node, {**self.pods, commitment.uid: commitment})
-
-    def without(self, uids: Iterable[str]) -> "NodeCommitments":
-        drop = set(uids)
-        return NodeCommitments(self.node, {u: c for u, c in self.pods.items() if u not in drop})
-
-
-def _int(doc: Mapping[str, Any], name: str, where: str, minimum: int = 0, maximum: int | None = None) -> int:
-    value = doc.get(name)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise CommitmentError(f"{COMMITMENTS}: {where}{name}={value!r}: must be an integer")
-    if value < minimum or (maximum is not None and value > maximum):
-        bound = f"within {minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise CommitmentError(f"{COMMITMENTS}: {where}{name}={value}: must be {bound}")
-    return value
-
-
-def parse_commitments(raw: str | None, node: str) -> NodeCommitments:
-    """Decode the annotation (None or empty: nothing committed yet). Refuses a document written for
-    another node, an unknown version and malformed fields, naming them."""
-    if not raw:
-        return NodeCommitments(node)
-    doc = load_json(raw, dict, COMMITMENTS, CommitmentError)
-    if doc.get("version") != DOCUMENT_VERSION:
-        raise CommitmentError(f"{COMMITMENTS}: version={doc.get('version')!r}: only version {DOCUMENT_VERSION} is known")
-    if doc.get("node") != node:
-        raise CommitmentError(f"{COMMITMENTS}: node={doc.get('node')!r}: the document of node {node!r} must name it")
-    pods_doc = doc.get("pods")
-    if not isinstance(pods_doc, dict):
-        raise CommitmentError(f"{COMMITMENTS}: pods={pods_doc!r}: must be an object keyed by pod UID")
-    pods: dict[str, Commitment] = {}
-    for uid, entry in pods_doc.items():
-        where = f"pods[{uid!r}]."
-        if not uid or not isinstance(entry, dict):
-            raise CommitmentError(f"{COMMITMENTS}: pods[{uid!r}]={entry!r}: must be an object under a non-empty UID")
-        pod = entry.get("pod")
-        if not isinstance(pod, str):
-            raise CommitmentError(f"{COMMITMENTS}: {where}pod={pod!r}: must be a string namespace/name")
-        cards_doc = entry.get("cards")
-        if not isinstance(cards_doc, list):
-            raise CommitmentError(f"{COMMITMENTS}: {where}cards={cards_doc!r}: must be a list")
-        cards = []
-        for j, card in enumerate(cards_doc):
-            at = f"{where}cards[{j}]."
-            if not isinstance(card, dict):
-                raise CommitmentError(f"{COMMITMENTS}: {at[:-1]}={card!r}: must be an object")
-            exclusive = card.get("exclusive", False)
-            if not isinstance(exclusive, bool):
-                raise CommitmentError(f"{COMMITMENTS}: {at}exclusive={exclusive!r}: must be true or false")
-            # the inventory's bounds: a number past them would overflow the engine's int64 arrays
-            cards.append(CardUse(_int(card, "index", at, 0, MAX_INDEX), _int(card, "core_milli", at, 0, CORE_MILLI_PER_CARD),
-                                 _int(card, "memory_mib", at, 0, MAX_MEMORY_MIB), exclusive))
-        if len(cards) > MAX_CARDS:
-            raise CommitmentError(f"{COMMITMENTS}: {where}cards: {len(cards)} entries: at most {MAX_CARDS}, a node's cards")
-        pods[uid] = Commitment(uid, pod, _int(entry, "since_ns", where, 0, 2**63 - 1), tuple(cards))
-    return NodeCommitments(node, pods)
+def as_placement(commitment: Commitment, node: str, uuids: Mapping[int, str]) -> Placement:
+    """A commitment as a booking for a ClusterState (one pseudo-container per card, so an exclusive
+    card and a shared one of the same pod stay what they are)."""
+    return Placement(node, tuple(
+        ContainerPlacement(f"card-{use.index}", (CardShare(use.index, uuids.get(use.index, ""), use.core_milli,
+                                                           use.memory_mib),), use.exclusive)
+        for use in commitment.cards))
 
 
 def over_commitment(capacity: Mapping[int, int], held: Iterable[Commitment], new: Commitment) -> list[str]:

@@ -25,13 +25,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
-import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, CLAIM_RESERVATIONS
+from qgpu_runtime.contract.leases import LedgerError, Reservation, encode_ledger, ledger_name, parse_ledger
+from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
 from qgpu_runtime.contract.observed import FirstSeen
-from qgpu_runtime.kube.client import api_error, drain, raw_json
+from qgpu_runtime.kube.client import raw_json
+from qgpu_runtime.kube.errors import ApiError, Conflict, Unreachable, call
+from qgpu_runtime.kube.leasedoc import LeaseDocuments
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.webhook.claimquota import (
     CORE_QUOTA,
@@ -42,19 +43,9 @@ from qgpu_runtime.webhook.claimquota import (
     is_claim_create,
     new_claim,
 )
-from qgpu_runtime.webhook.ledger import (
-    MAX_ENTRIES,
-    LedgerError,
-    Reservation,
-    encode_ledger,
-    parse_ledger,
-    pending,
-    reserved_usage,
-    stamps,
-)
+from qgpu_runtime.webhook.ledger import MAX_ENTRIES, pending, reserved_usage, stamps
 
 log = logging.getLogger(__name__)
-_UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)  # refused, reset, timed out
 LABELS = {"app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}
 
 
@@ -77,10 +68,6 @@ class Verdict:
 class Ledger:
     entries: dict[str, Reservation]
     resource_version: str | None  # None: no Lease yet
-
-
-def ledger_name(namespace: str) -> str:
-    return CLAIM_QUOTA_LEASE_PREFIX + namespace  # a namespace name has at most 63 characters
 
 
 class _NamespaceLocks:
@@ -140,6 +127,11 @@ class ClaimQuota:
         self.seen = FirstSeen()
         self.conflicts = 0  # lost ledger writes, each followed by a fresh check
 
+    @property
+    def ledger(self) -> LeaseDocuments:
+        """The namespaces' ledger Leases, through ``leases`` (which tests replace by a fake)."""
+        return LeaseDocuments(self.leases, self.ledger_namespace, CLAIM_RESERVATIONS, LABELS)
+
     def __call__(self, request: Mapping[str, Any]) -> Verdict:
         if not is_claim_create(request):
             return Verdict(True)
@@ -150,8 +142,7 @@ class ClaimQuota:
         key = str(claim["metadata"].get("name") or f"uid:{request.get('uid')}")
         deadline = self.monotonic() + self.budget
         try:
-            quotas = self._list("ResourceQuotas", lambda t: self.core.list_namespaced_resource_quota(
-                namespace, _preload_content=False, _request_timeout=t), namespace, deadline)
+            quotas = self._list("ResourceQuotas", self.core.list_namespaced_resource_quota, namespace, deadline)
             if not any(r in ((q.get("spec") or {}).get("hard") or {}) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
                 return Verdict(True)  # no qgpu quota here: nothing to reserve against
             try:
@@ -176,8 +167,7 @@ class ClaimQuota:
         attempt = 0
         while True:
             ledger = self._read_ledger(namespace, deadline)
-            claims = self._list("ResourceClaims", lambda t: self.resource.list_namespaced_resource_claim(
-                namespace, _preload_content=False, _request_timeout=t), namespace, deadline)
+            claims = self._list("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline)
             visible = {str((c.get("metadata") or {}).get("name")) for c in claims}
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
             counting = pending(ledger.entries, ages, self.ttl, visible)
@@ -209,58 +199,40 @@ class ClaimQuota:
             raise QuotaUnavailable(f"{what}: no time left of the {self.budget:g}s budget")
         return min(self.call_timeout[0], left), min(self.call_timeout[1], left)
 
-    def _call(self, what: str, call: Callable[[tuple[float, float]], Any], deadline: float) -> Any:
+    def _call(self, what: str, attempt: Callable[[tuple[float, float]], Any], deadline: float, *, write: bool = False) -> Any:
+        """``attempt(timeout)``; an API failure becomes :class:`QuotaUnavailable` naming ``what``
+        and the reason, except a write's 409, a :class:`LedgerConflict`."""
+        timeout = self._timeout(deadline, what)
         try:
-            return call(self._timeout(deadline, what))
-        except ApiException as exc:
-            raise QuotaUnavailable(f"{what}: the apiserver answered {api_error(exc)}") from None
-        except _UNREACHABLE as exc:
+            return attempt(timeout)
+        except Unreachable as exc:
             raise QuotaUnavailable(f"{what}: the apiserver could not be reached: {exc}") from None
+        except ApiError as exc:
+            if write and isinstance(exc, Conflict):
+                raise LedgerConflict(what) from None
+            raise QuotaUnavailable(f"{what}: the apiserver answered {exc}") from None
 
-    def _list(self, kind: str, call: Callable[[tuple[float, float]], Any], namespace: str, deadline: float) -> list[dict[str, Any]]:
-        items = raw_json(self._call(f"listing {kind} of namespace {namespace!r}", call, deadline)).get("items")
-        return [i for i in items or [] if isinstance(i, dict)]
+    def _list(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float) -> list[dict[str, Any]]:
+        response = self._call(f"listing {kind} of namespace {namespace!r}", lambda t: call(
+            list_call, namespace, _preload_content=False, _request_timeout=t), deadline)
+        return [i for i in raw_json(response).get("items") or [] if isinstance(i, dict)]
 
     def _read_ledger(self, namespace: str, deadline: float) -> Ledger:
         name = ledger_name(namespace)
-        where = f"reading Lease {self.ledger_namespace}/{name}"
+        lease = self._call(f"reading Lease {self.ledger_namespace}/{name}", lambda t: self.ledger.read(name, timeout=t), deadline)
+        if lease is None:
+            return Ledger({}, None)
         try:
-            doc = raw_json(self.leases.read_namespaced_lease(name, self.ledger_namespace, _preload_content=False,
-                                                             _request_timeout=self._timeout(deadline, where)))
-        except ApiException as exc:
-            if exc.status == 404:
-                return Ledger({}, None)
-            raise QuotaUnavailable(f"{where}: the apiserver answered {api_error(exc)}") from None
-        except _UNREACHABLE as exc:
-            raise QuotaUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
-        meta = doc.get("metadata") or {}
-        try:
-            entries = parse_ledger((meta.get("annotations") or {}).get(CLAIM_RESERVATIONS))
+            entries = parse_ledger(lease.text)
         except LedgerError as exc:
             raise QuotaUnavailable(f"Lease {self.ledger_namespace}/{name}: annotation {CLAIM_RESERVATIONS}: {exc} "
                                    f"(delete the Lease: the webhook recreates it)") from None
-        return Ledger(entries, str(meta.get("resourceVersion") or ""))
+        return Ledger(entries, lease.version)
 
     def _write_ledger(self, namespace: str, ledger: Ledger, entries: Mapping[str, Reservation], deadline: float) -> None:
         name = ledger_name(namespace)
-        metadata: dict[str, Any] = {"name": name, "namespace": self.ledger_namespace, "labels": LABELS,
-                                    "annotations": {CLAIM_RESERVATIONS: encode_ledger(entries)}}
-        if ledger.resource_version is not None:
-            metadata["resourceVersion"] = ledger.resource_version
-        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {}}
         where = f"writing Lease {self.ledger_namespace}/{name}"
-        try:
-            timeout = self._timeout(deadline, where)
-            if ledger.resource_version is None:
-                drain(self.leases.create_namespaced_lease(self.ledger_namespace, body, _preload_content=False, _request_timeout=timeout))
-            else:
-                drain(self.leases.replace_namespaced_lease(name, self.ledger_namespace, body, _preload_content=False,
-                                                           _request_timeout=timeout))
-        except ApiException as exc:
-            if exc.status == 409:
-                raise LedgerConflict(where) from None
-            raise QuotaUnavailable(f"{where}: the apiserver answered {api_error(exc)}") from None
-        except _UNREACHABLE as exc:
-            # The write may have landed: the reservation then counts for its TTL, which errs on
-            # the safe side; the claim is refused and its creator retries.
-            raise QuotaUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
+        # Unreachable: the write may have landed; the reservation then counts for its TTL, which errs
+        # on the safe side; the claim is refused and its creator retries.
+        self._call(where, lambda t: self.ledger.write(name, encode_ledger(entries), ledger.resource_version, timeout=t),
+                   deadline, write=True)

@@ -12,16 +12,14 @@ import json
 import logging
 from typing import Any, Sequence
 
-import urllib3
 from kubernetes import client
-from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, api_error, drain, raw_json
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain, raw_json
+from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, Unreachable, call
 from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.webhook.dra import ClaimTemplate, TemplateError
 
 log = logging.getLogger(__name__)
-_UNREACHABLE = (urllib3.exceptions.HTTPError, OSError)  # refused, reset, timed out
 
 
 def _same_value(actual: Any, wanted: Any) -> bool:
@@ -61,15 +59,16 @@ class TemplateWriter:
         stored = self._read(where, namespace, template.name)
         if stored is None:
             try:
-                drain(self.api.create_namespaced_resource_claim_template(
-                    namespace, template.manifest(namespace), _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
+                drain(call(self.api.create_namespaced_resource_claim_template, namespace, template.manifest(namespace),
+                           _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
                 log.info("created %s", where)
                 return
-            except ApiException as exc:
-                if exc.status != 409:
-                    raise TemplateError(f"{where}: the apiserver refused to create it: {api_error(exc)}") from None
-            except _UNREACHABLE as exc:
+            except Conflict:
+                pass  # another replica created it in between
+            except Unreachable as exc:
                 raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
+            except ApiError as exc:
+                raise TemplateError(f"{where}: the apiserver refused to create it: {exc}") from None
             stored = self._read(where, namespace, template.name)
             if stored is None:
                 raise TemplateError(f"{where}: the apiserver answered 409 (exists) to the create and 404 to the read; try again")
@@ -79,11 +78,11 @@ class TemplateWriter:
 
     def _read(self, where: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            return raw_json(self.api.read_namespaced_resource_claim_template(
-                name, namespace, _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise TemplateError(f"{where}: the apiserver refused to read it: {api_error(exc)}") from None
-        except _UNREACHABLE as exc:
+            return raw_json(call(self.api.read_namespaced_resource_claim_template, name, namespace,
+                                 _preload_content=False, _request_timeout=REQUEST_TIMEOUT))
+        except NotFound:
+            return None
+        except Unreachable as exc:
             raise TemplateError(f"{where}: the apiserver could not be reached: {exc}") from None
+        except ApiError as exc:
+            raise TemplateError(f"{where}: the apiserver refused to read it: {exc}") from None

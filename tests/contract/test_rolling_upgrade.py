@@ -15,15 +15,15 @@ import pytest
 
 from qgpu_runtime.contract import names
 from qgpu_runtime.contract.inventory import InventoryCard, encode_inventory, parse_inventory
+from qgpu_runtime.contract.leases import CardUse, Commitment, NodeCommitments, Reservation, encode_ledger, parse_commitments, parse_ledger
 from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.contract.record import RecordError, bind_time, parse_record, record_annotations
 from qgpu_runtime.extender.nodes import node_spec
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.node.nodeinfo import node_metadata
-from qgpu_runtime.placement.commitments import CardUse, Commitment, NodeCommitments, parse_commitments
 from qgpu_runtime.placement.state import CardShare, CardSpec, ContainerPlacement, Placement
-from qgpu_runtime.webhook.ledger import Reservation, encode_ledger, parse_ledger, pending, stamps
+from qgpu_runtime.webhook.ledger import pending, stamps
 from tests.contract.previous_release import extender_inventory as old_extender
 from tests.contract.previous_release import lease_documents as old
 from tests.contract.previous_release import node_record as old_node

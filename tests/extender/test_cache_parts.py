@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+from qgpu_runtime.contract.leases import Commitment
 from qgpu_runtime.extender import podmirror
 from qgpu_runtime.extender.committed import PHANTOM
 from qgpu_runtime.extender.nodeview import NodeView
@@ -14,7 +15,6 @@ from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.recordtrust import UntrustedRecords
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.placement import engine
-from qgpu_runtime.placement.commitments import Commitment
 from tests.extender.test_kube_cache import SEC, bind_locally, cache, node, pod
 
 

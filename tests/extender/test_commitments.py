@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from qgpu_runtime.contract.leases import CardUse, Commitment, CommitmentError, NodeCommitments, parse_commitments
 from qgpu_runtime.contract.observed import FirstSeen
-from qgpu_runtime.placement.commitments import (
-    CardUse,
-    Commitment,
-    CommitmentError,
-    NodeCommitments,
-    PodFate,
-    observed,
-    over_commitment,
-    parse_commitments,
-    stale,
-)
+from qgpu_runtime.placement.commitments import PodFate, observed, over_commitment, stale
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.recordkeys import SIGNER, VERIFIER
 

@@ -25,8 +25,8 @@ import yaml
 from kubernetes import client
 
 from qgpu_runtime.contract.inventory import CARDS
-from qgpu_runtime.extender.commitments import lease_name
-from qgpu_runtime.placement.commitments import COMMITMENTS, parse_commitments
+from qgpu_runtime.contract.leases import lease_name, parse_commitments
+from qgpu_runtime.contract.names import COMMITMENTS
 from tests.k8s.controlplane import extender_server
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, card_usage, cards, gpu_node, gpu_pod, list_pods, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, read_node

@@ -22,11 +22,11 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.contract.leases import ledger_name, parse_ledger
 from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
-from qgpu_runtime.webhook.ledger import parse_ledger
-from qgpu_runtime.webhook.quota import ClaimQuota, ledger_name
+from qgpu_runtime.webhook.quota import ClaimQuota
 from tests.k8s.controlplane import QgpuServer, free_port, kubeconfig
 from tests.polling import poll
 

@@ -12,12 +12,12 @@ import time
 import pytest
 from kubernetes import client
 
+from qgpu_runtime.contract.leases import CardUse, Commitment, lease_name
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache
-from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot, lease_name
+from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
-from qgpu_runtime.placement.commitments import CardUse, Commitment
 from qgpu_runtime.placement.policies import make_policy
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, read_pod, record
 from tests.recordkeys import SIGNER, VERIFIER

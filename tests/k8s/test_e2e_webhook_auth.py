@@ -19,7 +19,7 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.webhook.quota import ledger_name
+from qgpu_runtime.contract.leases import ledger_name
 from tests.k8s.controlplane import QgpuServer, free_port
 from tests.k8s.kubeobjects import gpu_pod
 from tests.k8s.test_e2e_claimquota_webhook import _claim, _quota, _review

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.contract.leases import LedgerError, Reservation, encode_ledger, parse_ledger
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA, Usage, claim_admission
-from qgpu_runtime.webhook.ledger import LedgerError, Reservation, encode_ledger, parse_ledger, pending, reserved_usage, stamps
+from qgpu_runtime.webhook.ledger import pending, reserved_usage, stamps
 
 
 def test_the_ledger_round_trips():

@@ -12,9 +12,9 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.contract.leases import Reservation, encode_ledger, parse_ledger
 from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
-from qgpu_runtime.webhook.ledger import Reservation, encode_ledger, parse_ledger
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 
 NS = "team-a"
