@@ -20,7 +20,7 @@ from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_PO
 from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
 from qgpu_runtime.contract.store import SchemaError, read_status
-from qgpu_runtime.node.pods import PodSourceError
+from qgpu_runtime.kube.reader import ApiCallError
 from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
 
 
@@ -41,14 +41,14 @@ def run(args: argparse.Namespace) -> int:
         if args.standalone_db:
             nodes = [read_store_status(args.standalone_db)]
         else:
-            from qgpu_runtime.node.kube_client import KubePodSource
+            from qgpu_runtime.kube.reader import ClusterReader
 
             verifier = None
             if args.record_verify_key:
                 verifier = RecordVerifier.from_pem(args.record_verify_key.read_bytes(), f"--record-verify-key {args.record_verify_key}")
-            api = KubePodSource(args.kubeconfig)
+            api = ClusterReader(args.kubeconfig)
             nodes = cluster_status(api.list_nodes(), api.list_pods(), verifier)
-    except (StatusSourceError, PodSourceError, OSError, SigningKeyError) as exc:
+    except (StatusSourceError, ApiCallError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
     if args.node:

@@ -29,7 +29,7 @@ def tree(tmp_path: Path) -> Path:
 
 def _add_import(tree: Path, module: str, line: str) -> None:
     path = tree / (module.replace(".", "/") + ".py")
-    path.write_text(path.read_text() + f"\n{line}\n")
+    path.write_text((path.read_text() if path.exists() else '"""A new module."""\n') + f"\n{line}\n")
 
 
 def test_the_package_keeps_its_layers(tree: Path):
@@ -46,6 +46,10 @@ def test_the_package_keeps_its_layers(tree: Path):
     ("qgpu_runtime.isolation.control", "import pynvml  # noqa", "qgpu_runtime.isolation is not allowed to import pynvml"),
     ("qgpu_runtime.isolation.control", "import qgpu_runtime.isolation.engine  # noqa", "No cycles are allowed in qgpu_runtime.isolation"),
     ("qgpu_runtime.node.deviceplugin.plugin", "import qgpu_runtime.node.manager  # noqa", "No cycles are allowed in qgpu_runtime.node"),
+    ("qgpu_runtime.status_cmd", "from qgpu_runtime.node import pods  # noqa", "qgpu_runtime.status_cmd -> qgpu_runtime.node.pods"),
+    ("qgpu_runtime.newtool", "from qgpu_runtime.node import store  # noqa", "qgpu_runtime.newtool -> qgpu_runtime.node.store"),
+    ("qgpu_runtime.extender.cache", "import kubernetes  # noqa", "qgpu_runtime.extender.cache -> kubernetes"),
+    ("qgpu_runtime.webhook.admission", "from kubernetes import client  # noqa", "qgpu_runtime.webhook.admission -> kubernetes"),
     ("qgpu_runtime.node.dra.plugin", "from qgpu_runtime.node.deviceplugin import resources  # noqa", "qgpu_runtime.node.dra is not allowed to import qgpu_runtime.node.deviceplugin"),
     ("qgpu_runtime.node.deviceplugin.response", "from qgpu_runtime.node.dra import cdi  # noqa", "qgpu_runtime.node.deviceplugin is not allowed to import qgpu_runtime.node.dra"),
     ("qgpu_runtime.isolation.memory", "import sqlite3  # noqa", "qgpu_runtime.isolation.memory is not allowed to import sqlite3"),

@@ -12,8 +12,8 @@ call, the apiserver and the reason — never a bare traceback.
 API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 grants exactly this):
 ``pods``: ``list`` (this node's pods, by field selector) and ``patch`` (``qgpu.io/assigned``);
 ``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
-annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). ``list_pods``/``list_nodes``
-serve ``qgpu status``, which runs with the user's own credentials, not the manager's. With ``--dra``:
+annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). (``qgpu status``
+reads the cluster with the user's own credentials through ``kube/reader.py``, not through this.) With ``--dra``:
 ``resourceclaims`` (resource.k8s.io) ``get`` (the claims kubelet asks it to prepare) and, through
 ``KubeSlices``, ``resourceslices`` ``get``, ``watch`` (by name), ``create``, ``update``.
 """
@@ -24,11 +24,11 @@ import json
 import threading
 from typing import Any, Callable, Mapping, TypeVar
 
-from kubernetes import client, config
+from kubernetes import client
 
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
-from qgpu_runtime.kube.errors import NotFound, call, described
-from qgpu_runtime.kube.retry import is_transient, with_backoff
+from qgpu_runtime.kube.errors import NotFound, described
+from qgpu_runtime.kube.reader import ApiCaller, load_client
 from qgpu_runtime.node.pods import PodSourceError
 
 T = TypeVar("T")
@@ -38,25 +38,12 @@ T = TypeVar("T")
 MERGE_PATCH = "application/merge-patch+json"
 
 
-def _api_client(kubeconfig: str | None, context: str | None) -> client.ApiClient:
-    try:
-        if kubeconfig:
-            return config.new_client_from_config(config_file=kubeconfig, context=context)
-        try:
-            config.load_incluster_config()
-        except config.ConfigException:
-            config.load_kube_config(context=context)
-        return client.ApiClient()
-    except (config.ConfigException, OSError, ValueError) as exc:
-        where = f"--kubeconfig {kubeconfig}" if kubeconfig else "in-cluster config, then ~/.kube/config"
-        raise PodSourceError(f"cannot load Kubernetes client configuration ({where}): {exc}", transient=False) from exc
-
-
 class KubePodSource:
     def __init__(self, kubeconfig: str | None = None, context: str | None = None, *,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, attempts: int = 3) -> None:
-        api_client = _api_client(kubeconfig, context)
-        self.server = str(api_client.configuration.host)
+        api_client = load_client(kubeconfig, context, PodSourceError)
+        self._calls = ApiCaller(api_client, timeout=timeout, attempts=attempts, error=PodSourceError)
+        self.server = self._calls.server
         self.api_client = api_client
         self._core = client.CoreV1Api(api_client)
         self._resource = client.ResourceV1Api(api_client)
@@ -64,27 +51,14 @@ class KubePodSource:
         self._attempts = attempts
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
-        try:
-            return with_backoff(lambda: call(fn), attempts=self._attempts, base_s=0.2, cap_s=2.0)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one clear error
-            transient = is_transient(exc)
-            tries = f" after {self._attempts} attempts" if transient else ""
-            raise PodSourceError(f"{what} at {self.server}{tries}: {described(exc)}", transient=transient) from exc
+        return self._calls(what, fn)
 
     def _items(self, what: str, call: Callable[[], Any]) -> list[dict[str, Any]]:
-        return list(json.loads(self._call(what, call).data).get("items", []))
+        return self._calls.items(what, call)
 
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
         return self._items(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout))
-
-    def list_pods(self) -> list[dict[str, Any]]:
-        return self._items("listing pods", lambda: self._core.list_pod_for_all_namespaces(
-            _preload_content=False, _request_timeout=self._timeout))
-
-    def list_nodes(self) -> list[dict[str, Any]]:
-        return self._items("listing nodes", lambda: self._core.list_node(
-            _preload_content=False, _request_timeout=self._timeout))
 
     def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None:
         body = {"metadata": {"annotations": dict(values)}}

@@ -14,17 +14,15 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from qgpu_runtime.kube.reader import ApiCallError
 
-class PodSourceError(RuntimeError):
+
+class PodSourceError(ApiCallError):
     """Pods could not be read or written; the message names the call, the source and the reason.
 
     ``transient`` says whether trying again later can help (apiserver down or overloaded) or not
     (forbidden, not found, a bad kubeconfig): the manager waits out the first, exits on the second.
     """
-
-    def __init__(self, message: str, *, transient: bool) -> None:
-        super().__init__(message)
-        self.transient = transient
 
 
 class PodSource(Protocol):
