@@ -27,6 +27,7 @@ class Bookings:
     def __init__(self, limits: CardLimits, pods: PodStates, report: Callable[[str], None]) -> None:
         self.limits = limits
         self.current: ClusterState | None = None
+        self._previous: ClusterState | None = None  # the state an invalidation set aside, to replay
         self.empty: ClusterState | None = None  # the same nodes with nothing booked
         self.version = 0
         self.dra_rows = np.zeros(0, dtype=bool)  # by row of the current state: node of a DRA pool
@@ -35,13 +36,18 @@ class Bookings:
         self._report = report
 
     def invalidate(self) -> None:
-        """The node set changed: the next :meth:`rebuild` makes a new state."""
+        """The node set changed: the next :meth:`rebuild` makes a new state, replaying this one's
+        bookings (filter's holds and binds in flight have no record to be rebuilt from)."""
+        if self.current is not None:
+            self._previous = self.current
         self.current = None
 
     def rebuild(self, specs: list[NodeSpec], dra_pool: set[str]) -> ClusterState:
         """A new state for ``specs`` with the bookings that still have their node replayed."""
         fresh = ClusterState(specs, self.limits)
-        old = dict(self.current.bookings) if self.current is not None else {}
+        before = self.current if self.current is not None else self._previous
+        old = dict(before.bookings) if before is not None else {}
+        self._previous = None
         for key, placement in old.items():
             if placement.node not in fresh.index:
                 continue  # the node left; its pods are gone or will be

@@ -126,3 +126,21 @@ def test_the_pod_mirror_keeps_a_bounded_number_of_seen_and_gone_pods(monkeypatch
         mirror.forget(f"u{i}")
     assert [mirror.gone(f"u{i}") for i in range(3)] == [False, True, True]
     assert mirror.key_of("u0") is None and mirror.key_of("u3") == "ns/p3"
+
+
+def test_a_node_change_keeps_holds_and_binds_in_flight():
+    """A node joining (or any change of the node set) rebuilds the state; filter's tentative hold
+    and a bind's booking whose record is not written yet have nothing to be rebuilt from, so they
+    are replayed from the state set aside. Before this, they were lost and the next filter could
+    book the same card for another pod."""
+    c = cache()
+    c.replace_nodes([node("a", n_cards=1)])
+    held, inflight, other = pod("held", core=60, memory=8), pod("inflight", core=30, memory=4), pod("other", core=60, memory=8)
+    c.filter(held, parse_pod(held), ["a"], now_ns=SEC)
+    c.reserve(inflight, parse_pod(inflight), "a", SEC)
+    before = {k: c.booking(k) for k in ("ns/held", "ns/inflight")}
+    assert all(before.values())
+    c.apply_node("ADDED", node("b", n_cards=1))
+    assert {k: c.booking(k) for k in before} == before
+    outcome = c.filter(other, parse_pod(other), ["a", "b"], now_ns=2 * SEC)
+    assert c.booking("ns/other").node == "b", outcome
