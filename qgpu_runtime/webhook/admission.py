@@ -153,7 +153,7 @@ def kai_carrier(pod: Mapping[str, Any], request: PodRequest) -> list[dict[str, A
     i = next(i for i, c in enumerate(containers) if str(c.get("name") or "") == kai.name)
     resources = containers[i].get("resources") or {}
     ops: list[dict[str, Any]] = []
-    if not containers[i].get("resources"):
+    if containers[i].get("resources") is None:
         ops.append({"op": "add", "path": f"/spec/containers/{i}/resources", "value": {}})
     for section in ("limits", "requests"):
         values = resources.get(section)
