@@ -58,6 +58,16 @@ def refused(cluster, ns: str, pod: dict) -> str:
         time.sleep(0.5)
 
 
+def gpu_plugin_node(cluster, name: str, inventory: list, label: dict) -> None:
+    """A fake node whose kubelet advertises nvidia.com/gpu as qgpu's device plugin does (one device
+    per GiB of each card): kube-scheduler then fits it by capacity even where a DeviceClass maps
+    nvidia.com/gpu to DRA (KEP-5004; another module of this session leaves one behind)."""
+    gpu_node(cluster.api, name, inventory, label)
+    count = str(sum(c.memory_mib // 1024 for c in inventory))
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "250", "nvidia.com/gpu": count}
+    cluster.api.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources}})
+
+
 def shares(pod: dict) -> list[tuple[str, str | None, int, int, int]]:
     rec = record(pod)
     assert rec is not None, pod["metadata"]
@@ -83,8 +93,8 @@ def test_a_charts_cpu_only_variant_with_zero_gpus_is_admitted_and_scheduled_with
 def test_hamis_documented_pods_get_their_vgpus(cluster, hooked, schedulers, label):  # noqa: F811
     refused(cluster, hooked, gpu_pod("sentinel-h", {"nvidia.com/gpu": "-1"}))
     a100, t4 = f"{hooked}-a100", f"{hooked}-t4"
-    gpu_node(cluster.api, a100, cards(4, model="NVIDIA A100-SXM4-40GB", memory_mib=40960, node=a100), label)
-    gpu_node(cluster.api, t4, cards(1, model="Tesla T4", memory_mib=15360, node=t4), label)
+    gpu_plugin_node(cluster, a100, cards(4, model="NVIDIA A100-SXM4-40GB", memory_mib=40960, node=a100), label)
+    gpu_plugin_node(cluster, t4, cards(1, model="Tesla T4", memory_mib=15360, node=t4), label)
     corpus = {
         "vgpu": ({"nvidia.com/gpu": 2, "nvidia.com/gpumem": 3000, "nvidia.com/gpucores": 30}, {}),
         "percent": ({"nvidia.com/gpu": 1, "nvidia.com/gpumem-percentage": 50}, {"nvidia.com/nouse-gputype": "t4"}),
@@ -108,7 +118,7 @@ def test_hamis_documented_pods_get_their_vgpus(cluster, hooked, schedulers, labe
 def test_kai_schedulers_annotated_pods_get_their_fraction_on_the_named_container(cluster, hooked, schedulers, label):  # noqa: F811
     refused(cluster, hooked, gpu_pod("sentinel-k", {"nvidia.com/gpu": "-1"}))
     node = f"{hooked}-kai"
-    gpu_node(cluster.api, node, cards(2, memory_mib=32768, node=node), label)
+    gpu_plugin_node(cluster, node, cards(2, memory_mib=32768, node=node), label)
     cluster.api.create_namespaced_pod(hooked, gpu_pod(
         "fraction", {}, selector=label, containers=2, scheduler_name="kai-scheduler",
         annotations={"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2", "gpu-fraction-container-name": "c1"}))
