@@ -75,10 +75,21 @@ def test_every_error_with_kind_name_and_container_then_exit_1(tmp_path):
 
 
 def test_json_from_stdin():
-    pod = '{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j"}, "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": 0}}}]}}'
+    pod = '{"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "j"}, "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": -1}}}]}}'
     out = run("-", stdin=pod)
     assert out.returncode == 1
-    assert "<stdin>: Pod/j: container 'c': nvidia.com/gpu=0: must be positive; nvidia.com/gpu counts whole cards" in out.stdout
+    assert "<stdin>: Pod/j: container 'c': nvidia.com/gpu=-1: must be positive; nvidia.com/gpu counts whole cards" in out.stdout
+
+
+def test_a_charts_cpu_only_variant_with_zero_gpus_passes(tmp_path):
+    """Helm charts render ``nvidia.com/gpu: 0`` for their CPU-only variant: the apiserver accepts
+    it, and so does ``qgpu validate`` (issue 22 §1)."""
+    f = tmp_path / "cpu.yaml"
+    f.write_text("kind: Deployment\nmetadata: {name: web}\nspec:\n  template:\n    spec:\n      containers:\n"
+                 "      - name: web\n        resources: {limits: {nvidia.com/gpu: \"0\", tencent.com/vcuda-core: 0}}\n"
+                 "      initContainers:\n      - name: init\n        resources: {limits: {nvidia.com/gpu: 0}}\n")
+    out = run(str(f))
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_unparsable_yaml_exits_3_naming_the_file_and_line(tmp_path):

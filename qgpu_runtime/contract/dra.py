@@ -270,6 +270,15 @@ def model_selector(models: Iterable[str]) -> str:
     return f'device.attributes["{DRIVER}"].{ATTR_MODEL} in [{names}]'
 
 
+def model_pattern_selector(use: Iterable[str], nouse: Iterable[str]) -> str:
+    """CEL selecting cards whose model contains one of ``use`` (upper-case; any, when none) and
+    none of ``nouse``, ignoring case: HAMi's use-gputype / nouse-gputype, as the extender compares."""
+    model = f'device.attributes["{DRIVER}"].{ATTR_MODEL}.upperAscii()'
+    parts = [f"({' || '.join(f'{model}.contains({_cel_string(p)})' for p in use)})"] if use else []
+    parts.extend(f"!{model}.contains({_cel_string(p)})" for p in nouse)
+    return " && ".join(parts)
+
+
 def memory_selector(memory_mib: int) -> str:
     """CEL selecting cards of exactly ``memory_mib`` MiB (as published in ``memoryMiB``)."""
     return f'device.attributes["{DRIVER}"].{ATTR_MEMORY_MIB} == {int(memory_mib)}'

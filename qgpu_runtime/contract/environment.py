@@ -9,6 +9,9 @@ CDI spec of node/dra/cdi.py). The variables (docs/node-manager.md, "Container en
 - ``QGPU_CLASS``: online, offline or normal. ``QGPU_POLICY``: the node's isolation policy.
 - ``T9K_GPU_*`` for a T9k container: the mode (``xgn`` whole cards, ``sgn`` percent, ``node`` the
   whole node), the card count, and for percent requests the percent and MiB per card.
+- For a HAMi container, the limits HAMi's images read: ``CUDA_DEVICE_MEMORY_LIMIT_<i>`` (``<MiB>m``,
+  i the card's position in ``NVIDIA_VISIBLE_DEVICES``) and ``CUDA_DEVICE_SM_LIMIT`` (percent, 0: none).
+- For a KAI-Scheduler container asking ``gpu-fraction``, ``GPU_PORTION``: that fraction.
 
 And ``quota.json`` (``quota_document``, ``quota_json``), the device plugin's per-container file for
 the isolation engine. Pure: no I/O, the caller writes what it returns.
@@ -32,6 +35,9 @@ T9K_GPU_MODE = "T9K_GPU_MODE"
 T9K_GPU_COUNT = "T9K_GPU_COUNT"
 T9K_GPU_PERCENT = "T9K_GPU_PERCENT"
 T9K_GPU_MEMORY = "T9K_GPU_MEMORY"
+CUDA_DEVICE_MEMORY_LIMIT = "CUDA_DEVICE_MEMORY_LIMIT"  # HAMi: _<i> per visible card, "<MiB>m"
+CUDA_DEVICE_SM_LIMIT = "CUDA_DEVICE_SM_LIMIT"  # HAMi: percent of each card's compute
+GPU_PORTION = "GPU_PORTION"  # KAI-Scheduler / Run:ai: the fraction of each card asked
 
 XGN, SGN, NODE = "xgn", "sgn", "node"
 
@@ -95,9 +101,25 @@ def t9k_envs(t9k: T9kMode | None, shares: Sequence[CardShare]) -> dict[str, str]
     return envs
 
 
-def container_environment(shares: Sequence[CardShare], klass: str, policy: str, t9k: T9kMode | None) -> dict[str, str]:
-    """The whole environment of one container (device plugin) or one claim (DRA)."""
-    return {**card_envs(shares, klass, policy), **t9k_envs(t9k, shares)}
+def peer_envs(asked: ContainerDialect | None, shares: Sequence[CardShare]) -> dict[str, str]:
+    """The variables of the peer whose dialect the container spoke, where they mean something here
+    (HAMi's limits, KAI's portion); none for other dialects or without the record's dialect."""
+    if asked is None or not shares:
+        return {}
+    if asked.dialect == Dialect.HAMI.value:
+        envs = {f"{CUDA_DEVICE_MEMORY_LIMIT}_{i}": f"{s.memory_mib}m" for i, s in enumerate(shares)}
+        envs[CUDA_DEVICE_SM_LIMIT] = str(shares[0].core_milli * 100 // CORE_MILLI_PER_CARD)
+        return envs
+    if asked.dialect == Dialect.KAI.value and asked.memory_pct is not None:
+        return {GPU_PORTION: f"{asked.memory_pct / 100:g}"}
+    return {}
+
+
+def container_environment(shares: Sequence[CardShare], klass: str, policy: str, t9k: T9kMode | None,
+                          asked: ContainerDialect | None = None) -> dict[str, str]:
+    """The whole environment of one container (device plugin) or one claim (DRA); ``asked``: the
+    record's dialect of the container, for the peers' own variables."""
+    return {**card_envs(shares, klass, policy), **t9k_envs(t9k, shares), **peer_envs(asked, shares)}
 
 
 def quota_document(pod: str, pod_uid: str, container: str, klass: str, policy: str,

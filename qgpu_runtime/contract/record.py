@@ -50,12 +50,14 @@ class CardShare:
 @dataclass(frozen=True)
 class ContainerDialect:
     """How one container asked for its cards: the request dialect (``model.requests.Dialect``'s
-    values: qgpu, vcuda, t9k, nvidia) and, for T9k, which of its three requests. Optional in the
-    record (docs/annotations.md): the node builds the T9k environment from it without reading the
-    pod spec again; records of releases before it carry none."""
+    values: qgpu, vcuda, t9k, nvidia, hami, kai) and, for T9k, which of its three requests. Optional
+    in the record (docs/annotations.md): the node builds the peers' environment (T9k, HAMi, KAI) from
+    it without reading the pod spec again; records of releases before it carry none."""
 
     dialect: str
-    memory_pct: int | None = None  # T9k nvidia-gpu-percent: the percent of the card's memory asked
+    # The percent of each card's memory asked: T9k nvidia-gpu-percent, HAMi gpumem-percentage,
+    # KAI gpu-fraction (rounded up to whole percent).
+    memory_pct: int | None = None
     whole_node: bool = False  # T9k nvidia-gpu-node
 
     @classmethod

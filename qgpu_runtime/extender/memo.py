@@ -36,7 +36,7 @@ class FilterMemo:
 
 
 def shape_of(request: PodRequest) -> tuple:
-    return (request.klass, request.models, request.alloc_mode, request.cpu_milli, request.memory_mib,
+    return (request.klass, request.models, request.model_patterns, request.alloc_mode, request.cpu_milli, request.memory_mib,
             tuple((c.dialect, c.cards, c.core_milli, c.memory_mib, c.memory_pct, c.exclusive, c.whole_node)
                   for c in request.containers))
 

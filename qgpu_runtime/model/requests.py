@@ -13,6 +13,7 @@ The module is pure: it reads dicts shaped like the Kubernetes API's JSON and rai
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Iterable, Mapping
@@ -34,7 +35,20 @@ T9K_GPU = "tensorstack.dev/nvidia-gpu"
 T9K_GPU_PERCENT = "tensorstack.dev/nvidia-gpu-percent"
 T9K_GPU_NODE = "tensorstack.dev/nvidia-gpu-node"
 NVIDIA_GPU = "nvidia.com/gpu"
+HAMI_GPUMEM = "nvidia.com/gpumem"
+HAMI_GPUMEM_PCT = "nvidia.com/gpumem-percentage"
+HAMI_GPUCORES = "nvidia.com/gpucores"
+HAMI_USE_GPUTYPE = "nvidia.com/use-gputype"
+HAMI_NOUSE_GPUTYPE = "nvidia.com/nouse-gputype"
 GPU_MODEL_ANNOTATION = "qgpu.io/gpu-model"
+
+# KAI-Scheduler / Run:ai: pod annotations, read only on pods that name KAI's scheduler.
+KAI_SCHEDULER = "kai-scheduler"
+KAI_FRACTION = "gpu-fraction"
+KAI_MEMORY = "gpu-memory"
+KAI_NUM_DEVICES = "gpu-fraction-num-devices"
+KAI_CONTAINER = "gpu-fraction-container-name"
+KAI_ANNOTATIONS = (KAI_FRACTION, KAI_MEMORY, KAI_NUM_DEVICES, KAI_CONTAINER)
 
 QGPU_RESOURCES = frozenset({QGPU_CORE, QGPU_MEMORY, QGPU_CORE_GREEDY})
 
@@ -46,6 +60,8 @@ class Dialect(str, enum.Enum):
     VCUDA = "vcuda"
     T9K = "t9k"
     NVIDIA = "nvidia"
+    HAMI = "hami"
+    KAI = "kai"
 
 
 class AppClass(str, enum.Enum):
@@ -66,8 +82,12 @@ DIALECT_OF_RESOURCE: dict[str, Dialect] = {
     T9K_GPU_PERCENT: Dialect.T9K,
     T9K_GPU_NODE: Dialect.T9K,
     NVIDIA_GPU: Dialect.NVIDIA,
+    HAMI_GPUMEM: Dialect.HAMI,
+    HAMI_GPUMEM_PCT: Dialect.HAMI,
+    HAMI_GPUCORES: Dialect.HAMI,
 }
 GPU_RESOURCES = frozenset(DIALECT_OF_RESOURCE)
+HAMI_RESOURCES = frozenset({HAMI_GPUMEM, HAMI_GPUMEM_PCT, HAMI_GPUCORES})
 
 
 @dataclass(frozen=True)
@@ -145,6 +165,22 @@ class ContainerRequest:
 
 
 @dataclass(frozen=True)
+class ModelPatterns:
+    """HAMi's ``nvidia.com/use-gputype`` / ``nouse-gputype``: a card qualifies when its model
+    contains one of ``use`` (when any is given) and none of ``nouse``, ignoring case, as HAMi
+    compares them. Patterns are stored upper-cased."""
+
+    use: tuple[str, ...] = ()
+    nouse: tuple[str, ...] = ()
+
+    def accepts(self, model: str) -> bool:
+        name = model.upper()
+        if self.use and not any(p in name for p in self.use):
+            return False
+        return not any(p in name for p in self.nouse)
+
+
+@dataclass(frozen=True)
 class PodRequest:
     """A pod's GPU needs: its containers' requests plus the pod-level constraints."""
 
@@ -155,6 +191,7 @@ class PodRequest:
     containers: tuple[ContainerRequest, ...] = ()
     models: frozenset[str] | None = None
     alloc_mode: str | None = None
+    model_patterns: ModelPatterns | None = None
     cpu_milli: int = 0
     memory_mib: int = 0
 
@@ -187,15 +224,16 @@ class _Collector:
         self.problems.append(Problem(container, resource, show_value(value), rule))
 
 
-def _integer(c: _Collector, container: str, resource: str, raw: Any, rule: str) -> int | None:
-    """A positive integer quantity, or None after recording why it is not one."""
+def _integer(c: _Collector, container: str, resource: str, raw: Any, rule: str, minimum: int = 1) -> int | None:
+    """An integer quantity of at least ``minimum`` (1, positive, or 0), or None after recording
+    why it is not one."""
     try:
         number = parse_quantity(raw)
     except QuantityError as exc:
         c.add(container, resource, raw, f"{exc.rule}; {rule}")
         return None
-    if number <= 0:
-        c.add(container, resource, raw, f"must be positive; {rule}")
+    if number < 0 or (minimum and number == 0):
+        c.add(container, resource, raw, f"{'must be positive' if minimum else 'must not be negative'}; {rule}")
         return None
     if number != number.to_integral_value():
         c.add(container, resource, raw, f"fractions are not allowed; {rule}")
@@ -246,12 +284,6 @@ def _parse_container(
         if key.startswith(QGPU_PREFIX) and key not in QGPU_RESOURCES:
             c.add(name, key, lim.get(key, req.get(key)), f"unknown qGPU resource; known: {', '.join(sorted(QGPU_RESOURCES))}")
     known = sorted(k for k in ours if k in GPU_RESOURCES)
-    dialects = sorted({DIALECT_OF_RESOURCE[k].value for k in known})
-    if len(dialects) > 1:
-        c.add(name, ",".join(known), "mixed", f"one container may use one dialect only, found {', '.join(dialects)}")
-        return None
-    if not known:
-        return None
     values: dict[str, Any] = {}
     before = len(c.problems)
     for key in known:
@@ -260,9 +292,32 @@ def _parse_container(
         values[key] = lim.get(key, req.get(key))
     if len(c.problems) != before:
         return None
-    dialect = DIALECT_OF_RESOURCE[known[0]]
+    groups: dict[Dialect, list[str]] = {}
+    hami = any(DIALECT_OF_RESOURCE[k] is Dialect.HAMI for k in known)
+    for key in known:  # beside gpumem/gpucores, nvidia.com/gpu counts HAMi's vGPUs
+        groups.setdefault(Dialect.HAMI if hami and key == NVIDIA_GPU else DIALECT_OF_RESOURCE[key], []).append(key)
+    # Zero means no GPU from that dialect, as the apiserver and the peers read it: a dialect whose
+    # every value is 0 asks nothing; a zero beside a non-zero of its own dialect is that dialect's to judge.
+    asked = {d: keys for d, keys in groups.items() if not all(is_zero(values[k]) for k in keys)}
+    if len(asked) > 1:
+        keys = sorted(k for ks in asked.values() for k in ks)
+        c.add(name, ",".join(keys), "mixed", f"one container may use one dialect only, found {', '.join(sorted(d.value for d in asked))}")
+        return None
+    if not asked:
+        return None
+    ((dialect, keys),) = asked.items()
+    values = {k: values[k] for k in keys}
     parser = _DIALECT_PARSERS[dialect]
     return parser(c, name, values, klass, limits)
+
+
+def is_zero(raw: Any) -> bool:
+    """A quantity that reads as exactly 0 ("0", 0, "0m", "0Gi"); unreadable values are not zero
+    (the value checks report them)."""
+    try:
+        return parse_quantity(raw) == 0
+    except QuantityError:
+        return False
 
 
 def _same_quantity(a: Any, b: Any) -> bool | None:
@@ -393,11 +448,64 @@ def _parse_nvidia(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, 
     return ContainerRequest(name, Dialect.NVIDIA, cards=cards, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
 
 
+def _hami_percent(c: _Collector, name: str, resource: str, v: dict[str, Any], rule: str) -> int | None:
+    """A HAMi percent (0-100; 0 reads as not given, as HAMi reads it); -1 after recording a problem."""
+    if resource not in v:
+        return None
+    value = _integer(c, name, resource, v[resource], rule, minimum=0)
+    if value is None:
+        return -1
+    if value > 100:
+        c.add(name, resource, v[resource], f"at most 100; {rule}")
+        return -1
+    return value or None
+
+
+def _parse_hami(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    """HAMi's vGPUs: ``nvidia.com/gpu`` N shares on N distinct cards (1 when only gpumem or gpucores
+    is given: HAMi's ``defaultGPUNum``), each of ``gpumem`` MiB or ``gpumem-percentage`` % of the
+    card's memory (neither: the whole memory, HAMi's ``defaultMemory: 0``) and ``gpucores`` % of its
+    compute (absent: 100 when the memory is the whole card, else 0, HAMi's ``defaultCores: 0``).
+    A vGPU of the whole memory or of all the compute is a whole card here."""
+    cards = 1
+    if NVIDIA_GPU in v:
+        if is_zero(v[NVIDIA_GPU]):
+            return None  # HAMi: no vGPU asked, whatever memory or cores the container names
+        cards = _integer(c, name, NVIDIA_GPU, v[NVIDIA_GPU], "nvidia.com/gpu counts vGPUs, each on its own card")
+        cards = None if cards is None else _whole_cards(c, name, NVIDIA_GPU, v[NVIDIA_GPU], cards, limits)
+    memory_mib = 0
+    if HAMI_GPUMEM in v:
+        rule = "nvidia.com/gpumem is MiB of one card's memory, an integer (0: not given)"
+        mem = _integer(c, name, HAMI_GPUMEM, v[HAMI_GPUMEM], rule, minimum=0)
+        if mem is not None and mem > limits.max_card_memory_mib:
+            c.add(name, HAMI_GPUMEM, v[HAMI_GPUMEM], f"no card could ever hold it: the largest card has {limits.max_card_memory_mib} MiB")
+            mem = None
+        memory_mib = -1 if mem is None else mem
+    pct = _hami_percent(c, name, HAMI_GPUMEM_PCT, v, "nvidia.com/gpumem-percentage is percent of one card's memory, 0-100")
+    cores = _hami_percent(c, name, HAMI_GPUCORES, v, "nvidia.com/gpucores is percent of one card's compute, 0-100")
+    if cards is None or memory_mib < 0 or pct == -1 or cores == -1:
+        return None
+    if memory_mib and pct:
+        c.add(name, f"{HAMI_GPUMEM},{HAMI_GPUMEM_PCT}", f"{show_value(v[HAMI_GPUMEM])},{show_value(v[HAMI_GPUMEM_PCT])}",
+              "give one of nvidia.com/gpumem (MiB) or nvidia.com/gpumem-percentage (%), not both")
+        return None
+    whole_memory = not memory_mib and (pct is None or pct == 100)
+    if cores is None and HAMI_GPUCORES not in v:
+        cores = 100 if whole_memory else None
+    if whole_memory or cores == 100:
+        return ContainerRequest(name, Dialect.HAMI, cards=cards, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
+    core_milli = (cores or 0) * (CORE_MILLI_PER_CARD // 100)
+    if memory_mib:
+        return ContainerRequest(name, Dialect.HAMI, cards=cards, core_milli=core_milli, memory_mib=memory_mib)
+    return ContainerRequest(name, Dialect.HAMI, cards=cards, core_milli=core_milli, memory_pct=pct)
+
+
 _DIALECT_PARSERS = {
     Dialect.QGPU: _parse_qgpu,
     Dialect.VCUDA: _parse_vcuda,
     Dialect.T9K: _parse_t9k,
     Dialect.NVIDIA: _parse_nvidia,
+    Dialect.HAMI: _parse_hami,
 }
 
 
@@ -420,6 +528,80 @@ def _parse_models(c: _Collector, annotations: Mapping[str, Any]) -> frozenset[st
         c.add("", f"annotation {GPU_MODEL_ANNOTATION}", raw, "must list GPU models separated by '|', e.g. V100|T4")
         return None
     return models
+
+
+def _parse_model_patterns(c: _Collector, annotations: Mapping[str, Any]) -> ModelPatterns | None:
+    lists: list[tuple[str, ...]] = []
+    for key in (HAMI_USE_GPUTYPE, HAMI_NOUSE_GPUTYPE):
+        raw = annotations.get(key)
+        names = tuple(sorted({t.strip().upper() for t in str(raw).split(",") if t.strip()})) if raw is not None else ()
+        if raw is not None and not names:
+            c.add("", f"annotation {key}", raw, "must list GPU model names separated by ',', e.g. A100,V100")
+        lists.append(names)
+    return ModelPatterns(lists[0], lists[1]) if any(lists) else None
+
+
+_KAI_FRACTION_RULE = "gpu-fraction is the share of one card's memory, a decimal above 0 and below 1 (e.g. 0.5)"
+
+
+def _kai_target(c: _Collector, annotations: Mapping[str, Any], spec: Mapping[str, Any],
+                containers: list[Mapping[str, Any]], limits: CardLimits) -> ContainerRequest | None:
+    """KAI-Scheduler's (Run:ai's) share, for pods naming ``schedulerName: kai-scheduler``: the
+    annotations give the container named by ``gpu-fraction-container-name`` (default: the first)
+    ``gpu-fraction`` of each card's memory, or ``gpu-memory`` MiB, on ``gpu-fraction-num-devices``
+    distinct cards (default 1). KAI reserves no compute for a fraction: nor does this request."""
+    if spec.get("schedulerName") != KAI_SCHEDULER or not any(k in annotations for k in KAI_ANNOTATIONS):
+        return None
+    fraction_raw, memory_raw = annotations.get(KAI_FRACTION), annotations.get(KAI_MEMORY)
+    if fraction_raw is None and memory_raw is None:
+        given = next(k for k in KAI_ANNOTATIONS if k in annotations)
+        c.add("", f"annotation {given}", annotations[given], f"needs annotation {KAI_FRACTION} or {KAI_MEMORY}")
+        return None
+    if fraction_raw is not None and memory_raw is not None:
+        c.add("", f"annotations {KAI_FRACTION},{KAI_MEMORY}", f"{show_value(fraction_raw)},{show_value(memory_raw)}",
+              "give one of gpu-fraction (share of a card) or gpu-memory (MiB), not both")
+        return None
+    names = [str(ct.get("name") or "") for ct in containers]
+    target = str(annotations.get(KAI_CONTAINER) or (names[0] if names else ""))
+    if target not in names:
+        c.add("", f"annotation {KAI_CONTAINER}", annotations.get(KAI_CONTAINER, target),
+              f"must name one of the pod's containers: {', '.join(map(repr, names)) or 'none'}")
+        return None
+    before = len(c.problems)
+    cards = 1
+    if KAI_NUM_DEVICES in annotations:
+        raw = annotations[KAI_NUM_DEVICES]
+        cards = _integer(c, target, f"annotation {KAI_NUM_DEVICES}", raw, "gpu-fraction-num-devices counts cards, an integer >= 1") or 0
+        if cards > limits.max_cards_per_node:
+            c.add(target, f"annotation {KAI_NUM_DEVICES}", raw, f"no node could ever hold it: at most {limits.max_cards_per_node} cards per node")
+    pct = memory_mib = 0
+    if fraction_raw is not None:
+        try:
+            fraction = parse_quantity(fraction_raw)
+        except QuantityError as exc:
+            c.add(target, f"annotation {KAI_FRACTION}", fraction_raw, f"{exc.rule}; {_KAI_FRACTION_RULE}")
+        else:
+            if not 0 < fraction < 1:
+                c.add(target, f"annotation {KAI_FRACTION}", fraction_raw, f"out of range; {_KAI_FRACTION_RULE}; "
+                      "ask nvidia.com/gpu for whole cards")
+            else:
+                pct = math.ceil(fraction * 100)  # rounded up to whole percent
+    else:
+        memory_mib = _integer(c, target, f"annotation {KAI_MEMORY}", memory_raw, "gpu-memory is MiB of one card, an integer") or 0
+        if memory_mib > limits.max_card_memory_mib:
+            c.add(target, f"annotation {KAI_MEMORY}", memory_raw,
+                  f"no card could ever hold it: the largest card has {limits.max_card_memory_mib} MiB")
+    container = containers[names.index(target)]
+    lim, req = _resources(container, "limits"), _resources(container, "requests")
+    for key in sorted(k for k in set(lim) | set(req) if k in GPU_RESOURCES or k.startswith(QGPU_PREFIX)):
+        value = lim.get(key, req.get(key))
+        carrier = key == NVIDIA_GPU and all(_same_quantity(side[key], cards) for side in (lim, req) if key in side)
+        if not carrier:  # the webhook's own nvidia.com/gpu count for the kubelet passes; nothing else
+            c.add(target, key, value, f"the container's GPU share comes from annotation {KAI_FRACTION} or {KAI_MEMORY} "
+                  f"(KAI-Scheduler); it may ask no GPU resource itself (nvidia.com/gpu only as {cards}, the card count)")
+    if len(c.problems) != before:
+        return None
+    return ContainerRequest(target, Dialect.KAI, cards=cards, core_milli=0, memory_mib=memory_mib, memory_pct=pct or None)
 
 
 def _pod_compute(containers: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
@@ -450,18 +632,25 @@ def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> Po
     c = _Collector()
     klass = _parse_app_class(c, annotations)
     models = _parse_models(c, annotations)
+    patterns = _parse_model_patterns(c, annotations)
     containers = [ct for ct in (spec.get("containers") or []) if isinstance(ct, Mapping)]
+    kai = _kai_target(c, annotations, spec, containers, limits)
     parsed: list[ContainerRequest] = []
     for container in containers:
+        if kai is not None and str(container.get("name") or "") == kai.name:
+            parsed.append(kai)
+            continue
         result = _parse_container(c, container, klass, limits)
         if result is not None:
             parsed.append(result)
     for init in spec.get("initContainers") or []:
         if isinstance(init, Mapping):
-            ours = {k for k in set(_resources(init, "limits")) | set(_resources(init, "requests")) if k in GPU_RESOURCES or k.startswith(QGPU_PREFIX)}
+            lim, req = _resources(init, "limits"), _resources(init, "requests")
+            ours = {k for k in set(lim) | set(req) if k in GPU_RESOURCES or k.startswith(QGPU_PREFIX)}
             for key in sorted(ours):
-                c.add(str(init.get("name") or ""), key, _resources(init, "limits").get(key, _resources(init, "requests").get(key)),
-                      "init containers may not request shared GPUs")
+                value = lim.get(key, req.get(key))
+                if not is_zero(value):  # zero asks no GPU, in an init container too
+                    c.add(str(init.get("name") or ""), key, value, "init containers may not request shared GPUs")
     node_askers = [r.name for r in parsed if r.whole_node]
     if len(node_askers) > 1:
         c.add(node_askers[1], T9K_GPU_NODE, "1", f"at most one container per pod may ask for the whole node (also asked by {node_askers[0]!r})")
@@ -493,6 +682,7 @@ def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> Po
         containers=tuple(parsed),
         models=models,
         alloc_mode=alloc_mode,
+        model_patterns=patterns,
         cpu_milli=cpu,
         memory_mib=mem,
     )

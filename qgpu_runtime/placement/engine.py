@@ -84,10 +84,12 @@ class Feasibility:
 
 def _model_mask(state: ClusterState, req: PodRequest) -> np.ndarray:
     """[N, C] cards whose model the pod accepts."""
-    if req.models is None:
+    if req.models is None and req.model_patterns is None:
         return state.card_valid
-    ids = [state.models[m] for m in req.models if m in state.models]
-    return state.card_valid & np.isin(state.card_model, ids)
+    names = [m for m in state.models if req.models is None or m in req.models]
+    if req.model_patterns is not None:
+        names = [m for m in names if req.model_patterns.accepts(m)]
+    return state.card_valid & np.isin(state.card_model, [state.models[m] for m in names])
 
 
 def card_memory_need(state: ClusterState, container: ContainerRequest) -> np.ndarray | int:
@@ -133,8 +135,8 @@ def check_nodes(state: ClusterState, req: PodRequest) -> tuple[Feasibility, np.n
             fail(~(free.all(axis=1) & (state.n_cards > 0) & (allowed | ~state.card_valid).all(axis=1)), 8)
         elif container.exclusive:
             fail((state.card_free_whole() & allowed).sum(axis=1) < container.cards, 7)
-        else:
-            fail(~shared_fit(state, container, allowed).any(axis=1), 6)
+        else:  # a share on each of ``cards`` distinct cards
+            fail(shared_fit(state, container, allowed).sum(axis=1) < container.cards, 6)
     if len(req.containers) > 1:
         need = sum(c.cards for c in req.containers if c.exclusive and not c.whole_node)
         fail((state.card_free_whole() & allowed).sum(axis=1) < need, 7)
@@ -237,7 +239,7 @@ def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibi
     if not len(rows) or not req.containers:
         cost = policy.cpu_only_cost(state, rows, req) if len(rows) else np.zeros(0)
         return Ranked(rows, np.zeros(len(rows), dtype=np.int64), cost, None)
-    if len(req.containers) == 1 and req.containers[0].shared:
+    if len(req.containers) == 1 and req.containers[0].shared and req.containers[0].cards == 1:
         container = req.containers[0]
         fit = shared_fit(state, container, allowed)[rows]
         # The allocator knows nothing of online/offline classes: it takes any card with room.
@@ -250,7 +252,7 @@ def rank(state: ClusterState, req: PodRequest, policy: Policy, feasible: Feasibi
         slot = _first_fit_slot(_index_order(state, rows), fit) if first_fit else np.argmin(card_cost, axis=1)
         cost = card_cost[np.arange(len(rows)), slot]
         return Ranked(rows, tier, cost, slot)
-    if len(req.containers) == 1:
+    if len(req.containers) == 1 and not req.containers[0].shared:
         container = req.containers[0]
         if container.whole_node:
             take = state.card_valid[rows]
@@ -292,14 +294,14 @@ def _rank_multi(state: ClusterState, req: PodRequest, policy: Policy, rows: np.n
                 need = card_memory_need(state, container)
                 need_row = need[r] if isinstance(need, np.ndarray) else need
                 fit = allowed[r] & ~taken & (core >= container.core_milli) & (mem >= need_row) & (pods < state.pod_limit[r])
-                if not fit.any():
+                if fit.sum() < container.cards:  # one share on each of ``cards`` distinct cards
                     ok = False
                     chosen = []
                 elif first_fit:
-                    chosen = [int(order[np.argmax(fit[order])])]
+                    chosen = [int(j) for j in order[fit[order]][:container.cards]]
                 else:
                     after = np.where(fit, core - container.core_milli, np.iinfo(np.int64).max)
-                    chosen = [int(np.argmin(after))]
+                    chosen = [int(j) for j in np.argsort(after, kind="stable")[:container.cards]]
             if not ok:
                 break
             for j in chosen:

@@ -6,6 +6,8 @@ Mutation, for pods that ask for GPUs:
 - copies GPU quantities between requests and limits when only one side is given (the apiserver
   insists on limits for extended resources and on requests == limits);
 - sets ``schedulerName`` when the webhook is configured with one and the pod kept the default;
+- gives the container a KAI-Scheduler pod's ``gpu-fraction`` or ``gpu-memory`` annotation names
+  ``nvidia.com/gpu`` (its card count), the resource its share reaches the kubelet by;
 - adds the toleration for ``sched.tensorstack.dev/xgn-mode=true:NoSchedule`` to pods with exclusive
   (whole-card) containers, which T9k users expect on xgn nodes.
 """
@@ -21,7 +23,7 @@ from qgpu_runtime.contract.names import XGN_TAINT_KEY
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.podshape import check_pod
 from qgpu_runtime.model.quantity import show_value
-from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, CardLimits, RequestError, parse_pod
+from qgpu_runtime.model.requests import GPU_RESOURCES, NVIDIA_GPU, QGPU_PREFIX, CardLimits, Dialect, PodRequest, RequestError, parse_pod
 
 REVIEW_VERSION = "admission.k8s.io/v1"
 XGN_TOLERATION = {"key": XGN_TAINT_KEY, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
@@ -128,6 +130,7 @@ def mutation(pod: Mapping[str, Any], config: WebhookConfig) -> list[dict[str, An
                         ops.append({"op": "add", "path": f"{base}/{missing_name}/{_escape(k)}", "value": v})
     if not request.wants_gpu:
         return ops
+    ops.extend(kai_carrier(pod, request))
     if config.scheduler_name and spec.get("schedulerName", DEFAULT_SCHEDULER) in ("", DEFAULT_SCHEDULER):
         ops.append({"op": "add", "path": "/spec/schedulerName", "value": config.scheduler_name})
     if any(c.exclusive or c.whole_node for c in request.containers):
@@ -136,6 +139,28 @@ def mutation(pod: Mapping[str, Any], config: WebhookConfig) -> list[dict[str, An
             ops.append({"op": "add", "path": "/spec/tolerations", "value": [XGN_TOLERATION]})
         elif not any(all(t.get(k) == v for k, v in XGN_TOLERATION.items()) for t in tolerations if isinstance(t, dict)):
             ops.append({"op": "add", "path": "/spec/tolerations/-", "value": XGN_TOLERATION})
+    return ops
+
+
+def kai_carrier(pod: Mapping[str, Any], request: PodRequest) -> list[dict[str, Any]]:
+    """KAI-Scheduler's share comes by annotation, and such a pod asks no extended resource: give its
+    container ``nvidia.com/gpu``, one per card, so that kube-scheduler sends it to the extender, the
+    namespace quota counts it and the kubelet calls the device plugin for it (docs/migration.md)."""
+    kai = next((c for c in request.containers if c.dialect is Dialect.KAI), None)
+    if kai is None:
+        return []
+    containers = (pod.get("spec") or {}).get("containers") or []
+    i = next(i for i, c in enumerate(containers) if str(c.get("name") or "") == kai.name)
+    resources = containers[i].get("resources") or {}
+    ops: list[dict[str, Any]] = []
+    if containers[i].get("resources") is None:
+        ops.append({"op": "add", "path": f"/spec/containers/{i}/resources", "value": {}})
+    for section in ("limits", "requests"):
+        values = resources.get(section)
+        if values is None:
+            ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}", "value": {NVIDIA_GPU: str(kai.cards)}})
+        elif NVIDIA_GPU not in values:
+            ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}/{_escape(NVIDIA_GPU)}", "value": str(kai.cards)})
     return ops
 
 

@@ -53,6 +53,11 @@ MANAGED_BY = {"app.kubernetes.io/managed-by": "qgpu-webhook"}
 MAX_CARD_SIZES = 8  # firstAvailable takes at most 8 subrequests
 
 
+# What a percent-of-memory request was asked as, for the refusal's words.
+PERCENT_ASKED = {Dialect.T9K: "tensorstack.dev/nvidia-gpu-percent", Dialect.HAMI: "nvidia.com/gpumem-percentage",
+                 Dialect.KAI: "annotation gpu-fraction"}
+
+
 class DraRefusal(ValueError):
     """A valid request this webhook cannot express as a claim; the message says what is missing."""
 
@@ -131,6 +136,8 @@ def _capacity(core_milli: int, memory_mib: int) -> dict[str, Any]:
 
 def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -> ClaimTemplate:
     selectors = [{"cel": {"expression": dra.model_selector(pod.models)}}] if pod.models else []
+    if pod.model_patterns is not None:
+        selectors.append({"cel": {"expression": dra.model_pattern_selector(pod.model_patterns.use, pod.model_patterns.nouse)}})
     constraints: list[dict[str, Any]] = []
     if container.whole_node:
         name = "qgpu-node"
@@ -144,25 +151,29 @@ def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -
     elif container.memory_pct is not None:
         sizes = sorted(set(config.card_memory_mib))
         if not sizes:
-            raise DraRefusal(f"container {container.name!r}: tensorstack.dev/nvidia-gpu-percent={container.memory_pct}: "
-                             "a percent of a card's memory needs the card sizes of the DRA pool "
+            raise DraRefusal(f"container {container.name!r}: {PERCENT_ASKED[container.dialect]}: {container.memory_pct} % "
+                             "of a card's memory needs the card sizes of the DRA pool "
                              "(qgpu webhook serve --dra-card-memory-mib)")
-        name = f"qgpu-pct{container.memory_pct}-s{_digest(sizes)}"
+        name = f"qgpu-pct{container.memory_pct}-s{_digest(sizes)}"  # T9k's names as before; HAMi's and KAI's add:
+        name += (f"-c{container.core_milli}" if container.core_milli else "") + (f"-x{container.cards}" if container.cards > 1 else "")
         request = {"name": REQUEST_NAME, "firstAvailable": [
-            {"name": f"mib{size}", "deviceClassName": dra.SHARED_CLASS, "allocationMode": "ExactCount", "count": 1,
+            {"name": f"mib{size}", "deviceClassName": dra.SHARED_CLASS, "allocationMode": "ExactCount", "count": container.cards,
              "selectors": [{"cel": {"expression": dra.memory_selector(size)}}, *selectors],
-             "capacity": _capacity(0, _percent_memory(size, container.memory_pct, config.limits))}
+             "capacity": _capacity(container.core_milli, _percent_memory(size, container.memory_pct, config.limits))}
             for size in sizes]}
         selectors = []  # already in every subrequest
     else:
         memory = _share_memory(container.memory_mib, config.limits)
         capacity = _capacity(container.core_milli, memory)
-        name = f"qgpu-c{capacity['requests'][dra.CORE]}-m{memory}-x1"
-        request = {"name": REQUEST_NAME, "exactly": {"deviceClassName": dra.SHARED_CLASS, "allocationMode": "ExactCount", "count": 1,
-                                                     "capacity": capacity}}
+        name = f"qgpu-c{capacity['requests'][dra.CORE]}-m{memory}-x{container.cards}"
+        request = {"name": REQUEST_NAME, "exactly": {"deviceClassName": dra.SHARED_CLASS, "allocationMode": "ExactCount",
+                                                     "count": container.cards, "capacity": capacity}}
+    if container.shared and container.cards > 1:  # one share on each of several distinct cards
+        constraints.append({"requests": [REQUEST_NAME], "distinctAttribute": f"{dra.DRIVER}/{dra.ATTR_UUID}"})
     if selectors:
         request["exactly"]["selectors"] = selectors
-        name += f"-g{_digest(sorted(pod.models or ()))}"
+        patterns = pod.model_patterns
+        name += f"-g{_digest(sorted(pod.models or ()) if patterns is None else [sorted(pod.models or ()), patterns.use, patterns.nouse])}"
     spec: dict[str, Any] = {"devices": {"requests": [request]}}
     if constraints:
         spec["devices"]["constraints"] = constraints
@@ -204,9 +215,10 @@ def convert(pod: Mapping[str, Any], config: DraConfig = DEFAULT_DRA_CONFIG) -> C
     request = parse_pod(pod, config.limits)
     spec = pod.get("spec") or {}
     containers = [c for c in (spec.get("containers") or []) if isinstance(c, Mapping)]
-    asking = [(i, c) for i, c in enumerate(containers)
-              if any(_ours(k) for k in {**((c.get("resources") or {}).get("limits") or {}), **((c.get("resources") or {}).get("requests") or {})})]
-    assert len(asking) == len(request.containers), "parse_pod returns one request per asking container"
+    # parse_pod returns one request per container that asks a GPU (not a zero, and a KAI pod's
+    # container by annotation), in spec order
+    index = {str(c.get("name") or ""): i for i, c in enumerate(containers)}
+    asking = [(index[wanted.name], containers[index[wanted.name]]) for wanted in request.containers]
     taken = {str(c.get("name")) for c in spec.get("resourceClaims") or [] if isinstance(c, Mapping)}
     templates: dict[str, ClaimTemplate] = {}
     ops: list[dict[str, Any]] = []

@@ -242,7 +242,7 @@ def test_mixed_dialects_in_one_container_are_rejected():
 
 
 def test_all_problems_of_a_pod_are_reported_together():
-    second = {"name": "b", "resources": {"limits": {"nvidia.com/gpu": "0"}}}
+    second = {"name": "b", "resources": {"limits": {"nvidia.com/gpu": "-1"}}}
     assert len(errors(pod({CORE: "150", MEM: "2"}, extra_containers=[second]))) == 2
 
 

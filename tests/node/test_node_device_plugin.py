@@ -24,10 +24,23 @@ def test_registers_every_resource_the_extender_places_by_default(node):
 
 
 def test_the_default_resources_are_every_resource_the_extender_places():
-    from qgpu_runtime.model.requests import GPU_RESOURCES
+    """All but HAMi's gpumem, gpumem-percentage and gpucores: they size the shares the kubelet
+    counts as nvidia.com/gpu, and the kubelet leaves out of its fit any extended resource no plugin
+    advertises (docs/migration.md, "HAMi")."""
+    from qgpu_runtime.model.requests import GPU_RESOURCES, HAMI_RESOURCES
     from qgpu_runtime.node.deviceplugin.resources import DEFAULT_RESOURCES
 
-    assert sorted(DEFAULT_RESOURCES) == sorted(GPU_RESOURCES)
+    assert sorted(DEFAULT_RESOURCES) == sorted(GPU_RESOURCES - HAMI_RESOURCES)
+
+
+def test_nvidia_gpu_counts_one_device_per_gib_so_shares_of_a_card_each_get_one():
+    """HAMi's vGPUs and KAI's fractions ask nvidia.com/gpu: 1 per card they share; a card must
+    offer the kubelet as many devices as the extender may place shares on it (issue 22 §3)."""
+    from qgpu_runtime.gpu.types import CardInfo
+    from qgpu_runtime.node.deviceplugin.resources import CATALOG
+
+    card = CardInfo(index=1, uuid="GPU-x", model="T4", memory_mib=16 * 1024, minor=1)
+    assert len(CATALOG["nvidia.com/gpu"].device_ids(card)) == 16
 
 
 def test_each_resource_advertises_its_units_per_card(node):

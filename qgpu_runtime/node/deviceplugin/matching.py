@@ -189,8 +189,8 @@ def _next_container(
     for container in spec.get("containers") or []:
         quantity = container_quantity(container, resource)
         name = str(container.get("name", ""))
-        if quantity is None and not _lists(container, resource):
-            continue
+        if (quantity is None and not _lists(container, resource)) or quantity == 0:
+            continue  # kubelet allocates nothing for a zero request (issue 22: zero means no GPU)
         if (uid, name, resource) in served:
             continue
         return name, quantity, record.container(name)

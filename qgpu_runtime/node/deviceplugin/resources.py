@@ -2,7 +2,8 @@
 
 Kubelet only counts devices, so every resource is advertised as N device IDs per card, where N
 is the resource's unit count on that card (100 per card for percent resources, one per GiB for
-qgpu-memory, one per 256 MiB for vcuda-memory, one per card for whole-card resources). Device IDs
+qgpu-memory and for nvidia.com/gpu, which HAMi's and KAI's shares use too, one per 256 MiB for
+vcuda-memory, one per card for T9k's whole cards). Device IDs
 name their card (``<short>-<card index>-<n>``) so pod-resources answers can be read back to cards.
 T9k's ``nvidia-gpu-node`` is the exception: it counts nodes, so it is one device per node
 (``<short>-node-0``), healthy only while every card is.
@@ -92,7 +93,11 @@ CATALOG: dict[str, ResourceKind] = {k.name: k for k in (
     ResourceKind(rq.T9K_GPU_PERCENT, "t9k-gpu-percent", lambda c: 100, "T9k: percent of a card's memory"),
     ResourceKind(rq.T9K_GPU_NODE, "t9k-gpu-node", lambda c: 0, "T9k: the whole node (one device per node)",
                  whole_node=True),
-    ResourceKind(rq.NVIDIA_GPU, "nvidia-gpu", lambda c: 1, "NVIDIA: whole cards"),
+    # HAMi's vGPUs and KAI's fractions reach the kubelet as nvidia.com/gpu too (one device per share,
+    # several shares per card), so the count per card must cover every share a card can take: the
+    # extender's pod limit per card is at most one per GiB. Whole cards are the extender's to count.
+    ResourceKind(rq.NVIDIA_GPU, "nvidia-gpu", lambda c: max(1, c.memory_mib // rq.MIB_PER_GIB),
+                 "NVIDIA whole cards, HAMi vGPUs and KAI fractions: one device per GiB of the card"),
 )}
 
 # Every resource the extender can place: a pod of any dialect finds its resource advertised. Leave

@@ -59,7 +59,7 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
             have = f"card {s.index} is {card.uuid}" if card else f"no card {s.index}"
             raise GrantError(f"pod {m.namespace}/{m.pod} container {m.container}: record names card {s.index} "
                              f"({s.uuid}) but this node has {have}")
-    envs = container_environment(shares, m.record.klass.value, policy, t9k_mode(m))
+    envs = container_environment(shares, m.record.klass.value, policy, t9k_mode(m), m.share.dialect)
     host_dir = state_dir / "containers" / m.pod_uid / m.container
     mounts = (Mount(CONTAINER_CONFIG_DIR, str(host_dir), True),)
     devices: tuple[DeviceNode, ...] = ()
