@@ -613,6 +613,34 @@ def test_the_role_v1_config_runs_kube_scheduler_through_the_extender(cluster: Cl
         cluster.cp.start_scheduler(cluster.scheduler_extenders())
 
 
+def test_pods_of_the_peers_scheduler_names_are_bound_through_the_extender(cluster: Cluster, role_rendered_v1: Path) -> None:
+    """T9k's examples set spec.schedulerName t9k-scheduler, KAI's kai-scheduler: with the role's
+    config a real kube-scheduler serves both names and the qgpu extender places and binds their pods
+    (the allocation record is written only in its bind verb), with no edit by their owner."""
+    label = {"qgpu-test": uuid.uuid4().hex[:10]}
+    node = f"role-peers-{label['qgpu-test']}"
+    inventory = cards(2, "V100", 32768, node=node)
+    gpu_node(cluster.api, node, inventory, labels={**label, "sched.tensorstack.dev/node-alloc-mode": "sgn"})
+    advertise_as_the_manager_daemonset(cluster, node, inventory)
+    namespace = exempt_namespace(cluster)
+    pods = {"t9k-percent": ("t9k-scheduler", {"tensorstack.dev/nvidia-gpu-percent": 25}),
+            "kai-whole": ("kai-scheduler", {"nvidia.com/gpu": 1})}
+    cluster.cp.stop_scheduler()
+    try:
+        cluster.cp.start_scheduler_from_file(role_rendered_v1, name="kube-scheduler-role-peers")
+        for pod, (scheduler, limits) in pods.items():
+            cluster.api.create_namespaced_pod(namespace, gpu_pod(pod, limits, selector=label, scheduler_name=scheduler))
+        placed = {pod: bound_or_reason(cluster, namespace, pod) for pod in pods}
+        assert placed == {pod: node for pod in pods}
+        for pod, (scheduler, _) in pods.items():
+            got = read_pod(cluster.api, namespace, pod)
+            assert got["spec"]["schedulerName"] == scheduler  # served as written, not rewritten
+            assert ALLOCATION in got["metadata"]["annotations"]
+    finally:
+        cluster.cp.stop_scheduler("kube-scheduler-role-peers")
+        cluster.cp.start_scheduler(cluster.scheduler_extenders())
+
+
 def bound_or_reason(cluster: Cluster, namespace: str, pod: str) -> str:
     """The node the pod was bound to, or why kube-scheduler left it pending."""
     try:
