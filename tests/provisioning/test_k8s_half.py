@@ -158,7 +158,9 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     site = Site(cluster, work / "inventory", work / "root", pools, first)
     yield site
     teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
-    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) if live_object(cluster, d)]
+    xgn_policy = [{"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": "qgpu-xgn-taint"}}
+                  for kind in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")]
+    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy if live_object(cluster, d)]
     left += [f"Node/{n}: {k}" for names in pools.values() for n in names
              for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
     delete_webhook_configurations(cluster)
@@ -245,7 +247,8 @@ def test_the_example_pools_are_what_the_docs_promise(site: Site) -> None:
     assert (training[policy], training["sched.tensorstack.dev/node-alloc-mode"]) == ("fixed-share", "xgn")
     assert (inference[policy], inference["sched.tensorstack.dev/node-alloc-mode"]) == ("burst-share", "sgn")
     assert (mixed[policy], mixed["mixed-qgpu-enable"]) == ("best-effort", "enable")
-    assert "sched.tensorstack.dev/node-alloc-mode" not in mixed
+    # No T9k mode in its group vars: a shared pool, which serves T9k's nvidia-gpu-percent by default.
+    assert mixed["sched.tensorstack.dev/node-alloc-mode"] == "sgn"
 
 
 def test_only_xgn_nodes_carry_the_xgn_taint(site: Site) -> None:
@@ -270,6 +273,20 @@ def test_a_webhook_mutated_whole_card_t9k_pod_tolerates_the_taint_the_role_put_o
     pod = gpu_pod("whole", {"tensorstack.dev/nvidia-gpu": 1})
     tolerations = patched(pod, mutation(pod, WebhookConfig()))["spec"]["tolerations"]
     assert qgpu_taints and all(tolerates(tolerations, t) for t in qgpu_taints), (qgpu_taints, tolerations)
+
+
+def test_the_xgn_taint_follows_a_label_set_by_hand_on_a_node_of_no_pool(site: Site) -> None:
+    """The role's MutatingAdmissionPolicy: a Node outside every pool, labelled xgn by a person
+    (here the admin), is tainted as T9k taints it, and the taint goes with the label."""
+    name = f"hand-labelled-{uuid.uuid4().hex[:8]}"
+    gpu_node(site.cluster.api, name, cards(1, node=name))
+    try:
+        site.cluster.api.patch_node(name, {"metadata": {"labels": {"sched.tensorstack.dev/node-alloc-mode": "xgn"}}})
+        assert [{k: t[k] for k in ("key", "value", "effect")} for t in site.node(name)["spec"]["taints"]] == [XGN_TAINT]
+        site.cluster.api.patch_node(name, {"metadata": {"labels": {"sched.tensorstack.dev/node-alloc-mode": None}}})
+        assert not site.node(name)["spec"].get("taints")
+    finally:
+        site.cluster.api.delete_node(name)
 
 
 def test_foreign_labels_and_taints_survive(site: Site) -> None:
