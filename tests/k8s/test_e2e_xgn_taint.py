@@ -11,7 +11,7 @@ import pytest
 from kubernetes.dynamic import DynamicClient
 
 from tests.k8s.conftest import Cluster
-from tests.k8s.kubeobjects import cards, gpu_node, wait_for
+from tests.k8s.kubeobjects import cards, gpu_node, wait_for, xgn_taint_policy_active
 from tests.k8s.rbac import render_template
 
 ALLOC_MODE = "sched.tensorstack.dev/node-alloc-mode"
@@ -28,20 +28,11 @@ def policy(cluster: Cluster) -> Iterator[list[dict[str, Any]]]:
         dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"]).create(body=doc)
     # The apiserver loads and unloads policies asynchronously: probe with a labelled node each way,
     # so that no later test of the session meets a taint it did not ask for.
-    wait_for("the xgn taint policy loaded", lambda: probe_tainted(cluster) or None, timeout=60, interval=1.0)
+    wait_for("the xgn taint policy loaded", lambda: xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
     yield docs
     for doc in reversed(docs):
         dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"]).delete(name=doc["metadata"]["name"])
-    wait_for("the xgn taint policy unloaded", lambda: not probe_tainted(cluster) or None, timeout=60, interval=1.0)
-
-
-def probe_tainted(cluster: Cluster) -> bool:
-    name = f"xgn-probe-{uuid.uuid4().hex[:8]}"
-    gpu_node(cluster.api, name, cards(1, node=name), {ALLOC_MODE: "xgn"})
-    try:
-        return bool(taints(cluster, name))
-    finally:
-        cluster.api.delete_node(name)
+    wait_for("the xgn taint policy unloaded", lambda: not xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
 
 
 def taints(cluster: Cluster, node: str) -> list[dict[str, str]]:

@@ -52,6 +52,8 @@ from tests.k8s.kubeobjects import (
     pool_xgn_taint,
     read_pod,
     tolerates,
+    wait_for,
+    xgn_taint_policy_active,
 )
 
 pytestmark = pytest.mark.slow
@@ -165,6 +167,8 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
              for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
     delete_webhook_configurations(cluster)
     assert teardown.returncode == 0, teardown.output[-4000:]
+    # the apiserver unloads the deleted taint policy asynchronously: later modules must not meet it
+    wait_for("the xgn taint policy unloaded", lambda: not xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
     assert left == [], "teardown.yml left these behind"
 
 
