@@ -670,9 +670,9 @@ def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> Po
         raise RequestError(c.problems)
     alloc_mode = None
     if any(r.dialect is Dialect.T9K for r in parsed):
+        # nvidia-gpu and nvidia-gpu-node go to xgn nodes (T9k's whole-card and whole-node modes),
+        # nvidia-gpu-percent to sgn nodes.
         alloc_mode = "sgn" if any(r.memory_pct is not None for r in parsed) else "xgn"
-        if any(r.whole_node for r in parsed):
-            alloc_mode = None
     cpu, mem = _pod_compute(containers)
     return PodRequest(
         namespace=str(meta.get("namespace") or "default"),

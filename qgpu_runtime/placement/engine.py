@@ -125,6 +125,9 @@ def check_nodes(state: ClusterState, req: PodRequest) -> tuple[Feasibility, np.n
         fail(~allowed.any(axis=1), 1)
         if req.alloc_mode is not None:
             fail(state.alloc_mode != ALLOC_MODES[req.alloc_mode], 2)
+        if any(c.whole_node for c in req.containers):
+            # T9k's node-exclusive request is served only by xgn nodes, whatever the parser said.
+            fail(state.alloc_mode != ALLOC_MODES["xgn"], 2)
         if req.klass is not AppClass.NORMAL:
             fail(~state.mixed, 3)
     fail(state.cpu_free < req.cpu_milli, 4)

@@ -52,7 +52,7 @@ def _pod(ask: str) -> dict:
 
 def _record_raw(ask: str) -> str:
     """What this extender writes for the pod: the engine's placement, as bind encodes it."""
-    mode = {"t9k-xgn": "xgn", "t9k-sgn": "sgn"}.get(ask)  # T9k's whole and percent modes need their node pool
+    mode = {"t9k-xgn": "xgn", "t9k-node": "xgn", "t9k-sgn": "sgn"}.get(ask)  # T9k's modes need their node pool
     cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib) for c in CARDS.values())
     state = ClusterState([NodeSpec("n1", 32000, 64 * 1024, cards, {ALLOC_MODE_LABEL: mode} if mode else {})])
     placement = place(state, parse_pod(_pod(ask)), make_policy("binpack"))

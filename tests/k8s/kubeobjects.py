@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 
@@ -143,3 +144,15 @@ def card_usage(pods: Iterable[Mapping[str, Any]]) -> dict[tuple[str, int], dict[
                 u["containers"] += 1
                 u["exclusive"] += int(container.exclusive)
     return usage
+
+
+def xgn_taint_policy_active(api: client.CoreV1Api) -> bool:
+    """Whether the apiserver runs qgpu's MutatingAdmissionPolicy qgpu-xgn-taint now: a probe Node
+    labelled xgn is created and deleted. The apiserver loads and unloads policies asynchronously, so
+    whoever installs or deletes it waits on this, and no later test meets a taint it did not ask for."""
+    name = f"xgn-probe-{uuid.uuid4().hex[:8]}"
+    gpu_node(api, name, cards(1, node=name), {"sched.tensorstack.dev/node-alloc-mode": "xgn"})
+    try:
+        return any(t.key == "sched.tensorstack.dev/xgn-mode" for t in api.read_node(name).spec.taints or [])
+    finally:
+        api.delete_node(name)

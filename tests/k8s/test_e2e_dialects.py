@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, events_for, gpu_node, gpu_pod, list_pods, record, wait_for
+from tests.k8s.kubeobjects import (
+    MANAGED_RESOURCES,
+    bound,
+    cards,
+    events_for,
+    gpu_node,
+    gpu_pod,
+    list_pods,
+    read_pod,
+    record,
+    wait_for,
+)
 
 MIXED = {"mixed-qgpu-enable": "enable"}
 XGN = {"sched.tensorstack.dev/node-alloc-mode": "xgn"}
@@ -45,15 +56,26 @@ def test_t9k_whole_cards_go_to_xgn_nodes_and_percent_to_sgn_nodes(cluster, ns, l
     assert pct.node == f"{ns}-s" and [m for _, _, m in got_pct] == [32768 // 4]
 
 
-def test_t9k_whole_node_takes_every_card_of_a_free_node(cluster, ns, label):
-    gpu_node(cluster.api, f"{ns}-busy", cards(2, node=f"{ns}-busy"), label)
-    gpu_node(cluster.api, f"{ns}-free", cards(3, node=f"{ns}-free"), label)
+def test_t9k_whole_node_takes_every_card_of_a_free_xgn_node_and_admits_no_other_gpu_pod(cluster, ns, label):
+    """nvidia-gpu-node: only an xgn node (T9k's node-exclusive mode), and every card of it. Free sgn
+    and unlabelled nodes are passed over; while it runs, no other GPU pod is admitted there."""
+    gpu_node(cluster.api, f"{ns}-busy", cards(2, node=f"{ns}-busy"), {**label, **XGN})
+    gpu_node(cluster.api, f"{ns}-free", cards(3, node=f"{ns}-free"), {**label, **XGN})
+    gpu_node(cluster.api, f"{ns}-sgn", cards(4, node=f"{ns}-sgn"), {**label, **SGN})
+    gpu_node(cluster.api, f"{ns}-plain", cards(4, node=f"{ns}-plain"), label)
     cluster.api.create_namespaced_pod(ns, gpu_pod("first", {"tke.cloud.tencent.com/qgpu-core": 10, "tke.cloud.tencent.com/qgpu-memory": 1},
                                                   selector={**label, "kubernetes.io/hostname": f"{ns}-busy"}))
     bound(cluster.api, ns, "first")
     cluster.api.create_namespaced_pod(ns, gpu_pod("node", {"tensorstack.dev/nvidia-gpu-node": 1}, selector=label))
     rec, got = shares(bound(cluster.api, ns, "node"))
     assert rec.node == f"{ns}-free" and sorted(i for i, _, _ in got) == [0, 1, 2]
+    assert [(core, mem) for _, core, mem in got] == [(1000, 32768)] * 3
+    cluster.api.create_namespaced_pod(ns, gpu_pod("after", {"tensorstack.dev/nvidia-gpu": 1},
+                                                  selector={**label, "kubernetes.io/hostname": f"{ns}-free"}))
+    wait_for("the pod asking a card of the taken node refused", lambda: any(
+        "the whole node is not free" in e["message"] or "not enough whole free cards" in e["message"]
+        for e in events_for(cluster.api, ns, "after")) or None)
+    assert not read_pod(cluster.api, ns, "after")["spec"].get("nodeName")
 
 
 def test_multi_container_pod_gets_a_record_per_container(cluster, ns, label):

@@ -196,6 +196,12 @@ def test_t9k_whole_cards_need_xgn_nodes():
     assert (req.containers[0].cards, req.containers[0].exclusive) == (2, True)
 
 
+def test_t9k_whole_node_needs_an_xgn_node():
+    req = parse_pod(pod({"tensorstack.dev/nvidia-gpu-node": "1"}))
+    assert req.alloc_mode == "xgn"
+    assert req.containers[0].whole_node
+
+
 def test_t9k_percent_is_memory_share_on_sgn_nodes():
     req = parse_pod(pod({"tensorstack.dev/nvidia-gpu-percent": "25"}))
     assert req.alloc_mode == "sgn"

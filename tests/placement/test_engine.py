@@ -116,13 +116,28 @@ def test_t9k_percent_takes_a_share_of_the_chosen_cards_memory():
     assert p.containers[0].shares[0].memory_mib == 4 * GIB
 
 
+XGN = {"sched.tensorstack.dev/node-alloc-mode": "xgn"}
+
+
 def test_whole_node_takes_every_card():
-    state = ClusterState([node("a", cards=4)])
+    state = ClusterState([node("a", cards=4, labels=XGN)])
     req = PodRequest("ns", "n", containers=(ContainerRequest("c", Dialect.T9K, 0, 1000, exclusive=True, whole_node=True),))
     p = book(state, req)
     assert [s.index for s in p.containers[0].shares] == [0, 1, 2, 3]
     with pytest.raises(Unschedulable):
         place(state, share(10, name="x"), make_policy("binpack"))
+
+
+def test_whole_node_lands_only_on_xgn_nodes():
+    """T9k's nvidia-gpu-node is an xgn request: a free sgn or unlabelled node never takes it."""
+    sgn = {"sched.tensorstack.dev/node-alloc-mode": "sgn"}
+    req = PodRequest("ns", "n", containers=(ContainerRequest("c", Dialect.T9K, 0, 1000, exclusive=True, whole_node=True),))
+    with pytest.raises(Unschedulable) as refused:
+        place(ClusterState([node("s", cards=2, labels=sgn), node("u", cards=2)]), req, make_policy("binpack"))
+    assert refused.value.reasons == {"s": "node allocation mode does not match the T9k request",
+                                     "u": "node allocation mode does not match the T9k request"}
+    state = ClusterState([node("s", cards=2, labels=sgn), node("u", cards=2), node("x", cards=2, labels=XGN)])
+    assert place(state, req, make_policy("spread")).node == "x"
 
 
 def test_multi_card_and_multi_container_pods():

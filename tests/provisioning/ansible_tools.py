@@ -63,6 +63,6 @@ def expected_pool_labels(group_vars: dict[str, Any]) -> dict[str, str | None]:
         "tke.cloud.tencent.com/qgpu-schedule-policy": group_vars["qgpu_node_pool_isolation_policy"],
         "mixed-qgpu-enable": "enable" if group_vars.get("qgpu_node_pool_mixed") else None,
         "sched.tensorstack.dev/accelerator": group_vars.get("qgpu_node_pool_accelerator") or None,
-        "sched.tensorstack.dev/node-alloc-mode": group_vars.get("qgpu_node_pool_alloc_mode") or None,
+        "sched.tensorstack.dev/node-alloc-mode": group_vars.get("qgpu_node_pool_alloc_mode", "sgn") or None,
         "qgpu.io/pool-mode": group_vars.get("qgpu_pool_mode", "device-plugin"),
     }

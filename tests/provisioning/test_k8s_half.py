@@ -52,6 +52,8 @@ from tests.k8s.kubeobjects import (
     pool_xgn_taint,
     read_pod,
     tolerates,
+    wait_for,
+    xgn_taint_policy_active,
 )
 
 pytestmark = pytest.mark.slow
@@ -158,11 +160,15 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     site = Site(cluster, work / "inventory", work / "root", pools, first)
     yield site
     teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
-    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) if live_object(cluster, d)]
+    xgn_policy = [{"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": "qgpu-xgn-taint"}}
+                  for kind in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")]
+    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy if live_object(cluster, d)]
     left += [f"Node/{n}: {k}" for names in pools.values() for n in names
              for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
     delete_webhook_configurations(cluster)
     assert teardown.returncode == 0, teardown.output[-4000:]
+    # the apiserver unloads the deleted taint policy asynchronously: later modules must not meet it
+    wait_for("the xgn taint policy unloaded", lambda: not xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
     assert left == [], "teardown.yml left these behind"
 
 
@@ -245,7 +251,8 @@ def test_the_example_pools_are_what_the_docs_promise(site: Site) -> None:
     assert (training[policy], training["sched.tensorstack.dev/node-alloc-mode"]) == ("fixed-share", "xgn")
     assert (inference[policy], inference["sched.tensorstack.dev/node-alloc-mode"]) == ("burst-share", "sgn")
     assert (mixed[policy], mixed["mixed-qgpu-enable"]) == ("best-effort", "enable")
-    assert "sched.tensorstack.dev/node-alloc-mode" not in mixed
+    # No T9k mode in its group vars: a shared pool, which serves T9k's nvidia-gpu-percent by default.
+    assert mixed["sched.tensorstack.dev/node-alloc-mode"] == "sgn"
 
 
 def test_only_xgn_nodes_carry_the_xgn_taint(site: Site) -> None:
@@ -270,6 +277,20 @@ def test_a_webhook_mutated_whole_card_t9k_pod_tolerates_the_taint_the_role_put_o
     pod = gpu_pod("whole", {"tensorstack.dev/nvidia-gpu": 1})
     tolerations = patched(pod, mutation(pod, WebhookConfig()))["spec"]["tolerations"]
     assert qgpu_taints and all(tolerates(tolerations, t) for t in qgpu_taints), (qgpu_taints, tolerations)
+
+
+def test_the_xgn_taint_follows_a_label_set_by_hand_on_a_node_of_no_pool(site: Site) -> None:
+    """The role's MutatingAdmissionPolicy: a Node outside every pool, labelled xgn by a person
+    (here the admin), is tainted as T9k taints it, and the taint goes with the label."""
+    name = f"hand-labelled-{uuid.uuid4().hex[:8]}"
+    gpu_node(site.cluster.api, name, cards(1, node=name))
+    try:
+        site.cluster.api.patch_node(name, {"metadata": {"labels": {"sched.tensorstack.dev/node-alloc-mode": "xgn"}}})
+        assert [{k: t[k] for k in ("key", "value", "effect")} for t in site.node(name)["spec"]["taints"]] == [XGN_TAINT]
+        site.cluster.api.patch_node(name, {"metadata": {"labels": {"sched.tensorstack.dev/node-alloc-mode": None}}})
+        assert not site.node(name)["spec"].get("taints")
+    finally:
+        site.cluster.api.delete_node(name)
 
 
 def test_foreign_labels_and_taints_survive(site: Site) -> None:
@@ -610,6 +631,34 @@ def test_the_role_v1_config_runs_kube_scheduler_through_the_extender(cluster: Cl
         assert extender_requests(cluster) >= before + 2 * len(DIALECT_PODS)  # filter and bind at least
     finally:
         cluster.cp.stop_scheduler("kube-scheduler-role-v1")
+        cluster.cp.start_scheduler(cluster.scheduler_extenders())
+
+
+def test_pods_of_the_peers_scheduler_names_are_bound_through_the_extender(cluster: Cluster, role_rendered_v1: Path) -> None:
+    """T9k's examples set spec.schedulerName t9k-scheduler, KAI's kai-scheduler: with the role's
+    config a real kube-scheduler serves both names and the qgpu extender places and binds their pods
+    (the allocation record is written only in its bind verb), with no edit by their owner."""
+    label = {"qgpu-test": uuid.uuid4().hex[:10]}
+    node = f"role-peers-{label['qgpu-test']}"
+    inventory = cards(2, "V100", 32768, node=node)
+    gpu_node(cluster.api, node, inventory, labels={**label, "sched.tensorstack.dev/node-alloc-mode": "sgn"})
+    advertise_as_the_manager_daemonset(cluster, node, inventory)
+    namespace = exempt_namespace(cluster)
+    pods = {"t9k-percent": ("t9k-scheduler", {"tensorstack.dev/nvidia-gpu-percent": 25}),
+            "kai-whole": ("kai-scheduler", {"nvidia.com/gpu": 1})}
+    cluster.cp.stop_scheduler()
+    try:
+        cluster.cp.start_scheduler_from_file(role_rendered_v1, name="kube-scheduler-role-peers")
+        for pod, (scheduler, limits) in pods.items():
+            cluster.api.create_namespaced_pod(namespace, gpu_pod(pod, limits, selector=label, scheduler_name=scheduler))
+        placed = {pod: bound_or_reason(cluster, namespace, pod) for pod in pods}
+        assert placed == {pod: node for pod in pods}
+        for pod, (scheduler, _) in pods.items():
+            got = read_pod(cluster.api, namespace, pod)
+            assert got["spec"]["schedulerName"] == scheduler  # served as written, not rewritten
+            assert ALLOCATION in got["metadata"]["annotations"]
+    finally:
+        cluster.cp.stop_scheduler("kube-scheduler-role-peers")
         cluster.cp.start_scheduler(cluster.scheduler_extenders())
 
 

@@ -25,7 +25,7 @@ POLICY_EXTENDER_FIELDS = {"urlPrefix", "filterVerb", "preemptVerb", "prioritizeV
 CONFIG_EXTENDER_FIELDS = (POLICY_EXTENDER_FIELDS - {"enableHttps"}) | {"enableHTTPS"}
 TLS_FIELDS = {"insecure", "serverName", "certFile", "keyFile", "caFile", "certData", "keyData", "caData"}
 MANAGED_RESOURCE_FIELDS = {"name", "ignoredByScheduler"}
-CONFIG_TOP_LEVEL = {"apiVersion", "kind", "clientConnection", "leaderElection", "extenders"}
+CONFIG_TOP_LEVEL = {"apiVersion", "kind", "clientConnection", "leaderElection", "profiles", "extenders"}
 # What the qgpu_manager DaemonSet advertises on the nodes: only these are checked against node
 # capacity by kube-scheduler; every other managed resource is the extender's alone.
 NODE_RESOURCES = {"tke.cloud.tencent.com/qgpu-core", "tke.cloud.tencent.com/qgpu-memory",
@@ -78,6 +78,44 @@ def test_component_config_uses_its_field_names_and_a_duration_string(rendered: P
     assert set(extender["tlsConfig"]) <= TLS_FIELDS
     assert all(set(r) == MANAGED_RESOURCE_FIELDS for r in extender["managedResources"])
     assert {r["name"] for r in extender["managedResources"] if not r["ignoredByScheduler"]} == NODE_RESOURCES
+
+
+@pytest.mark.parametrize("version", [v for v, f in VERSIONS.items() if f != "policy"])
+def test_the_peers_scheduler_names_are_profiles_of_the_same_scheduler(rendered: Path, version: str) -> None:
+    """T9k's and KAI's pods name their own scheduler; each name is a profile beside default-scheduler,
+    with no plugin changes, and the one extenders list (global to the file) serves all of them."""
+    config = load_config(rendered, version)
+    assert config["profiles"] == [{"schedulerName": "default-scheduler"}, {"schedulerName": "t9k-scheduler"},
+                                  {"schedulerName": "kai-scheduler"}]
+    assert len(config["extenders"]) == 1
+
+
+def test_the_legacy_policy_warns_that_it_cannot_serve_the_peers_names(tmp_path: Path) -> None:
+    run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                           "-e", json.dumps({"sandbox": str(tmp_path), "versions": ["1.16.15"]}))
+    assert run.returncode == 0, run.output[-4000:]
+    assert "reads the legacy Policy, which has no scheduler profiles" in run.output
+    policy = json.loads((tmp_path / "1.16.15/etc/kubernetes/qgpu/scheduler-policy.json").read_text())
+    assert "profiles" not in policy
+
+
+@pytest.mark.parametrize("names, problem", [(["T9k-Scheduler"], "T9k-Scheduler"), ([""], '""'), ([7], "7")])
+def test_a_bad_peer_scheduler_name_is_refused_with_the_rule(tmp_path: Path, names: list, problem: str) -> None:
+    run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                           "-e", json.dumps({"sandbox": str(tmp_path), "versions": ["1.25.16"],
+                                             "kube_scheduler_extender_peer_scheduler_names": names}))
+    assert run.returncode != 0
+    assert "kube_scheduler_extender_peer_scheduler_names" in run.output and problem in run.output
+    assert "lower-case letters" in run.output
+
+
+def test_no_peer_names_write_no_profiles(tmp_path: Path) -> None:
+    run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                           "-e", json.dumps({"sandbox": str(tmp_path), "versions": ["1.25.16"],
+                                             "kube_scheduler_extender_peer_scheduler_names": []}))
+    assert run.returncode == 0, run.output[-4000:]
+    config = yaml.safe_load((tmp_path / "1.25.16/etc/kubernetes/qgpu/kube-scheduler-config.yaml").read_text())
+    assert "profiles" not in config
 
 
 @pytest.mark.parametrize("version", list(VERSIONS))

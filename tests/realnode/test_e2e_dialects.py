@@ -6,7 +6,7 @@ and the quota file, which must agree with the allocation record on the pod."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.realnode import kube
@@ -20,10 +20,11 @@ PRINT = ("env | grep -E '^(NVIDIA_VISIBLE_DEVICES|QGPU_|T9K_GPU_)' | sort; echo 
 ns = kube.namespace_fixture("dialects")
 
 
-def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, str]) -> tuple[dict[str, str], dict[str, Any], dict]:
+def run_and_read(cluster: LocalCluster, ns: str, name: str, limits: dict[str, str],
+                 edit: Callable[[dict], dict] = lambda pod: pod) -> tuple[dict[str, str], dict[str, Any], dict]:
     """(container env, quota.json, pod) of a pod asking for ``limits``, as its container printed them."""
     api = kube.core(cluster)
-    api.create_namespaced_pod(ns, kube.shell_pod(name, cluster_image(cluster), PRINT, limits=limits))
+    api.create_namespaced_pod(ns, edit(kube.shell_pod(name, cluster_image(cluster), PRINT, limits=limits)))
     kube.wait_phase(api, ns, name, ("Running",))
     text = kube.wait_log(api, ns, name, "--- end")
     env_part, quota_part = text.split("--- quota", 1)
@@ -56,8 +57,12 @@ def delete(cluster: LocalCluster, ns: str, name: str) -> None:
     kube.wait_gone(api, ns, name)
 
 
-def set_alloc_mode(cluster: LocalCluster, mode: str | None) -> None:
-    kube.core(cluster).patch_node("localhost", {"metadata": {"labels": {ALLOC_MODE: mode}}})
+def set_alloc_mode(cluster: LocalCluster, mode: str | None) -> str | None:
+    """Label the node as a T9k ``mode`` node (None: no label); returns the label it had."""
+    api = kube.core(cluster)
+    before = (api.read_node("localhost").metadata.labels or {}).get(ALLOC_MODE)
+    api.patch_node("localhost", {"metadata": {"labels": {ALLOC_MODE: mode}}})
+    return before
 
 
 def test_qgpu_core_and_memory(local_cluster: LocalCluster, ns: str) -> None:
@@ -86,11 +91,39 @@ def test_nvidia_gpu_gets_a_whole_card(local_cluster: LocalCluster, ns: str) -> N
 
 def run_on_alloc_mode(cluster: LocalCluster, ns: str, mode: str, name: str, limits: dict[str, str]) -> tuple[dict[str, str], dict[str, Any], dict]:
     """``run_and_read`` with the node labelled as a T9k ``mode`` (xgn/sgn) node while the pod lands."""
-    set_alloc_mode(cluster, mode)
+    before = set_alloc_mode(cluster, mode)
     try:
         return run_and_read(cluster, ns, name, limits)
     finally:
-        set_alloc_mode(cluster, None)
+        set_alloc_mode(cluster, before)  # the pool's own label (qgpu_node_pool_alloc_mode, sgn by default)
+
+
+def as_t9k_writes_it(pod: dict) -> dict:
+    """T9k's guide: every pod names t9k-scheduler and a group; nothing qgpu-specific is added."""
+    pod["spec"]["schedulerName"] = "t9k-scheduler"
+    pod["metadata"]["labels"] = {"scheduler.tensorstack.dev/group-name": "demo"}
+    return pod
+
+
+def test_t9k_percent_as_t9k_writes_it_runs_on_the_default_pool(local_cluster: LocalCluster, ns: str) -> None:
+    """scripts/local-cluster's pool at the role defaults is a shared pool: T9k's percent pod, with
+    its own scheduler name, runs there without relabelling the node (issue 22 §2)."""
+    assert (kube.core(local_cluster).read_node("localhost").metadata.labels or {}).get(ALLOC_MODE) == "sgn"
+    env, quota, pod = run_and_read(local_cluster, ns, "t9k-as-written", {"tensorstack.dev/nvidia-gpu-percent": "25"},
+                                   as_t9k_writes_it)
+    assert pod["spec"]["schedulerName"] == "t9k-scheduler"
+    assert (env["T9K_GPU_MODE"], env["T9K_GPU_PERCENT"], env["T9K_GPU_MEMORY"]) == ("sgn", "25", "8192")
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "t9k-as-written")
+
+
+def test_t9k_whole_node_on_an_xgn_node_sees_every_card(local_cluster: LocalCluster, ns: str) -> None:
+    env, quota, pod = run_on_alloc_mode(local_cluster, ns, "xgn", "t9k-node", {"tensorstack.dev/nvidia-gpu-node": "1"})
+    (placed,) = parse_record(pod["metadata"]["annotations"][ALLOCATION]).containers
+    assert len(placed.shares) == 2  # the local cluster's 2xV100-32G: every card of the node
+    assert (env["T9K_GPU_MODE"], env["T9K_GPU_COUNT"]) == ("node", "2")
+    assert_matches_record(env, quota, pod)
+    delete(local_cluster, ns, "t9k-node")
 
 
 def test_t9k_percent_on_an_sgn_node(local_cluster: LocalCluster, ns: str) -> None:
