@@ -21,17 +21,18 @@ pytestmark = [pytest.mark.skipif(TRACE is None, reason="the openb trace is not b
 # 101 % of capacity instead of 130 %. One seed's replay is deterministic, and the shorter run is
 # a prefix of the full one (same shuffle, same stream of extension draws, a policy that learns
 # only from pods already arrived), so its 100 % bin holds exactly the pods of the full run's.
-# That bin is the documented figure itself, not an estimate of it: 4.15 for seed 42.
+# That bin is the documented figure itself, not an estimate of it: 4.20 for seed 42.
 CUT_SEED = 42
 CUT = ReplayOptions(extend_to_pct=101)
 
-# Derived from the full figure (docs/benchmarks.md, seeds 42-51): median 4.19 % unallocated at
-# arrived 100 %, per seed 4.15, 4.17, 4.24, 4.26, 4.20, 4.21, 4.18, 4.18, 4.17, 4.22; target for
-# the median <= 4.3 %. The guard allows seed 42 to reach the worst seed of that run, 4.26: a
+# Derived from the full figure (docs/benchmarks.md, seeds 42-51, re-run after issue 27 weighed
+# shapes by GPU demand): median 4.21 % unallocated at arrived 100 %, per seed 4.20, 4.23, 4.27,
+# 4.24, 4.23, 4.22, 4.15, 4.19, 4.16, 4.18; target for the median <= 4.3 %. (Before issue 27: median
+# 4.19, worst seed 4.26.) The guard allows seed 42 to reach the worst seed of that run, 4.27: a
 # change may trade one seed against another within the spread the documented figure already
-# has (0.11 points, about 2.6 % of the waste), but once seed 42 packs worse than every seed of
-# the documented run did, the figure regressed. 4.26 also keeps the check under the 4.3 target.
-FRAG_UNALLOCATED_PCT_LIMIT = 4.26
+# has (0.12 points), but once seed 42 packs worse than every seed of the documented run did,
+# the figure regressed. 4.27 also keeps the check under the 4.3 target.
+FRAG_UNALLOCATED_PCT_LIMIT = 4.27
 
 
 @pytest.fixture(scope="module")
