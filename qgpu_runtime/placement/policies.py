@@ -128,11 +128,21 @@ class WorkloadShapes:
     The defaults keep the common shapes only, which is what the replay's fragmentation meter
     reports; the frag policy plans with every shape (see :data:`PLANNING_SHAPES`). Counting starts
     from nothing; the distribution follows the workload the scheduler actually sees.
+
+    ``weigh``: what a shape's weight is. ``pods`` (the meter, FGD's measure): its pod count.
+    ``demand`` (what frag plans with): the GPU its pods ask for, pod count times cards times
+    thousandths per card, so the weight of a shape is the chance that a unit of arriving GPU
+    demand comes in that shape; a CPU-only shape weighs the GPU its CPU would feed at the
+    workload's CPU per GPU (:meth:`cpu_per_gpu`). Counting pods, a shape of eight whole cards
+    weighs what one pod sharing a fifth of a card weighs, though one of its pods failing loses forty
+    times the GPU; where such pods carry much of the demand, the pod-count measure carves up the
+    whole nodes they need long before the cluster fills (docs/benchmarks.md, issue 27).
     """
 
     coverage: float = 0.95
     max_shapes: int = 48
     refresh_growth: float = 0.01
+    weigh: str = "pods"
     counts: dict[tuple[int, int, int, frozenset[str] | None], int] = field(default_factory=dict)
     total: int = 0
     cpu_milli: int = 0  # CPU asked by every observed pod, CPU-only pods included
@@ -162,6 +172,15 @@ class WorkloadShapes:
         as well as for the pods that will take its free cards."""
         return self.cpu_milli / self.gpu_milli if self.gpu_milli else 0.0
 
+    def _demand_per_pod(self, keys: np.ndarray) -> np.ndarray:
+        """[M] GPU (thousandths of a card) one pod of each shape asks for; for a CPU-only shape the
+        GPU its CPU feeds at the observed CPU per GPU. Rounded to whole thousandths, so equal
+        states still score exactly equal."""
+        gpu = keys[:, 0] * keys[:, 1]
+        rho = self.cpu_per_gpu()
+        fed = keys[:, 2] / rho if rho else np.zeros(len(keys))
+        return np.rint(np.where(gpu > 0, gpu, fed))
+
     def arrays(self) -> tuple:
         """(cards, core, cpu, mem, pod count, accepted models) of the kept shapes; rebuilt when the
         sample grew. The models are a tuple of frozensets (None: any model)."""
@@ -178,6 +197,8 @@ class WorkloadShapes:
             else:
                 keys = np.array([k[:3] for k, _ in kept], dtype=np.int64)
                 weight = np.array([n for _, n in kept], dtype=float)
+                if self.weigh == "demand":
+                    weight = weight * self._demand_per_pod(keys)
                 models = tuple(k[3] for k, _ in kept)
                 self._arrays = (keys[:, 0], keys[:, 1], keys[:, 2], np.zeros(len(keys), dtype=np.int64), weight, models)
             self._built_at = self.total
@@ -188,8 +209,9 @@ class WorkloadShapes:
 # ones (eight whole cards and 64-120 cores) whose needs keep whole nodes and their CPU intact;
 # cutting them off lets every node be carved up. Keeping them is cheap because a decision costs
 # per distinct per-card need plus one lookup by CPU, not per shape; the cap only bounds a
-# pathological workload.
-PLANNING_SHAPES = {"coverage": 1.0, "max_shapes": 512}
+# pathological workload. Shapes weigh the GPU demand they bring, not their pod count (see
+# WorkloadShapes.weigh): the plan is for the demand to come, and a multi-card pod is much of it.
+PLANNING_SHAPES = {"coverage": 1.0, "max_shapes": 512, "weigh": "demand"}
 
 
 @dataclass(frozen=True)
@@ -206,7 +228,7 @@ class _FragTables:
     cpu_only: np.ndarray  # [M] shape asks for no GPU
     cpu: np.ndarray
     mem: np.ndarray
-    p: np.ndarray  # [M] pod counts: whole numbers, so equal states score exactly equal
+    p: np.ndarray  # [M] shape weights (pod counts, or GPU demand): whole numbers, so equal states score exactly equal
     allowed: np.ndarray  # [G, M] shape m may run on nodes of model group g
     weight: np.ndarray  # [M] p, times each shape's pressure on the cards it may use (see build)
     scale: float  # 1 / total count, turning count-weighted sums into expectations
@@ -289,6 +311,13 @@ class FragPolicy:
     they draw on the same CPU; counting only GPU pods' CPU left more stranded). The ratio is learned
     from arrivals like the shapes, so nothing is fitted to a trace, and a stranded thousandth of a
     card costs the same as a fragmented one (``cpu_balance`` = 1): both are capacity lost.
+
+    The expectation is over the GPU demand to come, not over pods: each shape weighs the GPU its
+    pods ask for (CPU-only shapes the GPU their CPU would feed). Weighed by pod count, a shape of
+    eight whole cards counts no more than a pod sharing a fifth of a card; where multi-card pods
+    carry much of the demand the policy then takes apart the whole 8-card nodes while the cluster
+    is half empty, and those pods fail from about 70 % arrived on: the loss shows at arrived
+    100 % and is filled in only later (issue 27; docs/benchmarks.md has the figures).
 
     Among choices left equal, the policy packs (positive ``tie_weight``: the least capacity left
     wins). Spreading ties opens new nodes early and takes apart the whole nodes that multi-card

@@ -17,7 +17,7 @@ from qgpu_runtime.placement.engine import CardChoice
 from qgpu_runtime.placement.policies import POLICIES
 from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
-from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_gpu_spec
+from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_demand_share, with_gpu_spec
 
 
 class UsageError(ValueError):
@@ -69,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replay the GPU-model variant: about F of the GPU pods (0..1; the study's "
                              f"production share is {PRODUCTION_FRACTION:.3f}) get the model requirements "
                              "GPU pods carry in the study's production cluster (docs/simulator.md)")
+    parser.add_argument("--multi-card-fraction", type=float, default=None, metavar="F",
+                        help="replay a workload mix drawn from the trace in which pods asking for several whole "
+                             "cards ask for about F of the GPU demand (0..1; the bundled trace: 0.073)")
+    parser.add_argument("--sharing-fraction", type=float, default=None, metavar="F",
+                        help="replay a workload mix drawn from the trace in which pods sharing one card ask for "
+                             "about F of the GPU demand (0..1; the bundled trace: 0.285)")
     parser.add_argument("--variant-seed", type=int, default=0, help="seed of the variant's draws (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
@@ -201,6 +207,12 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--gpu-memory: {args.gpu_memory} must be >= 0")
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
+        if args.multi_card_fraction is not None and args.sharing_fraction is not None:
+            raise UsageError("--multi-card-fraction and --sharing-fraction: give one of them, not both")
+        if args.multi_card_fraction is not None:
+            pods = with_demand_share(pods, "multi", args.multi_card_fraction, args.variant_seed)
+        if args.sharing_fraction is not None:
+            pods = with_demand_share(pods, "sharing", args.sharing_fraction, args.variant_seed)
         if args.gpu_spec_fraction is not None:
             pods = with_gpu_spec(pods, nodes, args.gpu_spec_fraction, args.variant_seed)
     except (UsageError, TraceError, VariantError) as exc:

@@ -87,3 +87,55 @@ def with_gpu_spec(pods: Sequence[TracePod], nodes: Sequence[NodeSpec], fraction:
                 break
         out.append(replace(pod, models=chosen) if chosen else pod)
     return out
+
+
+# The workload-mix variants: the FGD study's other pod lists are "sampled from the default one,
+# emphasizing certain types of workloads" (multi-GPU tasks, GPU-sharing tasks). The flag of each
+# kind of emphasis, for messages.
+MIX_FLAGS = {"multi": "--multi-card-fraction", "sharing": "--sharing-fraction"}
+
+
+def demand_share(pods: Sequence[TracePod], kind: str) -> float:
+    """The share of the pods' GPU demand (thousandths of a card) that pods of ``kind`` ask for."""
+    total = sum(p.gpu_request_milli for p in pods)
+    return sum(p.gpu_request_milli for p in pods if pod_kind(p) == kind) / total if total else 0.0
+
+
+def _draw(group: list[TracePod], count: int, rng: random.Random, tag: str) -> list[TracePod]:
+    """``count`` pods of ``group``: a sample without replacement when the group has that many,
+    else every pod of it plus copies drawn uniformly with replacement (renamed, so names stay
+    unique: ``<name>-<tag><k>``)."""
+    if count <= len(group):
+        return rng.sample(group, count)
+    extra = rng.choices(group, k=count - len(group))
+    return list(group) + [replace(p, name=f"{p.name}-{tag}{k}") for k, p in enumerate(extra)]
+
+
+def with_demand_share(pods: Sequence[TracePod], kind: str, fraction: float, seed: int = 0) -> list[TracePod]:
+    """A workload mix drawn from ``pods`` in which pods of ``kind`` (``multi``: several whole cards;
+    ``sharing``: a share of one card) ask for about ``fraction`` of the GPU demand.
+
+    The CPU-only pods stay as they are and the number of GPU pods stays the same; only which GPU
+    pods make up that number changes. With n GPU pods, m_k the mean demand of a pod of ``kind`` and
+    m_o that of the other GPU pods, k = f·n·m_o / (m_k·(1 − f) + f·m_o) pods of ``kind`` (rounded)
+    and n − k others make the expected share f. Each side is a sample without replacement of the
+    trace's pods of that side when it has enough of them, else all of them plus uniform draws with
+    replacement. Deterministic for a seed; the order of the result does not matter (the replay
+    sorts by name and shuffles)."""
+    flag = MIX_FLAGS[kind]
+    if not 0.0 <= fraction <= 1.0:
+        raise VariantError(f"{flag}: {fraction} must be between 0 and 1 (a share of the GPU demand)")
+    gpu = sorted((p for p in pods if p.num_gpu), key=lambda p: p.name)
+    mine = [p for p in gpu if pod_kind(p) == kind]
+    others = [p for p in gpu if pod_kind(p) != kind]
+    if fraction > 0 and not mine:
+        raise VariantError(f"{flag}: {fraction} asks for {kind} pods, but the trace has none to draw from")
+    if fraction < 1 and not others:
+        raise VariantError(f"{flag}: {fraction} asks for other GPU pods, but the trace has only {kind} pods")
+    n = len(gpu)
+    m_k = sum(p.gpu_request_milli for p in mine) / len(mine) if mine else 0.0
+    m_o = sum(p.gpu_request_milli for p in others) / len(others) if others else 0.0
+    k = n if fraction >= 1 else (0 if fraction <= 0 else round(fraction * n * m_o / (m_k * (1 - fraction) + fraction * m_o)))
+    rng = random.Random(seed)
+    drawn = _draw(mine, k, rng, "m") + _draw(others, n - k, rng, "o")
+    return [p for p in pods if not p.num_gpu] + drawn

@@ -21,17 +21,18 @@ pytestmark = [pytest.mark.skipif(TRACE is None, reason="the openb trace is not b
 # 101 % of capacity instead of 130 %. One seed's replay is deterministic, and the shorter run is
 # a prefix of the full one (same shuffle, same stream of extension draws, a policy that learns
 # only from pods already arrived), so its 100 % bin holds exactly the pods of the full run's.
-# That bin is the documented figure itself, not an estimate of it: 4.15 for seed 42.
+# That bin is the documented figure itself, not an estimate of it: 4.20 for seed 42.
 CUT_SEED = 42
 CUT = ReplayOptions(extend_to_pct=101)
 
-# Derived from the full figure (docs/benchmarks.md, seeds 42-51): median 4.19 % unallocated at
-# arrived 100 %, per seed 4.15, 4.17, 4.24, 4.26, 4.20, 4.21, 4.18, 4.18, 4.17, 4.22; target for
-# the median <= 4.3 %. The guard allows seed 42 to reach the worst seed of that run, 4.26: a
+# Derived from the full figure (docs/benchmarks.md, seeds 42-51, re-run after issue 27 weighed
+# shapes by GPU demand): median 4.21 % unallocated at arrived 100 %, per seed 4.20, 4.23, 4.27,
+# 4.24, 4.23, 4.22, 4.15, 4.19, 4.16, 4.18; target for the median <= 4.3 %. (Before issue 27: median
+# 4.19, worst seed 4.26.) The guard allows seed 42 to reach the worst seed of that run, 4.27: a
 # change may trade one seed against another within the spread the documented figure already
-# has (0.11 points, about 2.6 % of the waste), but once seed 42 packs worse than every seed of
-# the documented run did, the figure regressed. 4.26 also keeps the check under the 4.3 target.
-FRAG_UNALLOCATED_PCT_LIMIT = 4.26
+# has (0.12 points), but once seed 42 packs worse than every seed of the documented run did,
+# the figure regressed. 4.27 also keeps the check under the 4.3 target.
+FRAG_UNALLOCATED_PCT_LIMIT = 4.27
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,60 @@ def test_frag_packs_a_dra_pool_as_well_as_with_its_own_card_choice(openb):
     assert unallocated <= FRAG_UNALLOCATED_PCT_LIMIT, f"frag with first-fit cards: {unallocated:.2f} %"
     baseline = replay_arrivals(nodes, pods, "bestfit", CUT_SEED, first_fit).unallocated_at(100)
     assert baseline > FRAG_UNALLOCATED_PCT_LIMIT, f"bestfit with first-fit cards: {baseline:.2f} %"
+
+
+# The multi-card mixes (issue 27, docs/simulator.md --multi-card-fraction): pods asking for several
+# whole cards carry a given share of the GPU demand. Weighing shapes by pod count, frag took the
+# 8-card nodes apart while the cluster was half empty and let the 8-card pods fail from arrived
+# ~70 % on; the loss showed at arrived 100 % and was filled in by 110 % (collapse and recover).
+# The cut: the mix with 20 % of the demand from multi-card pods, draw 1, replay seed 43, replayed
+# to arrived 111 % (a prefix of the full run, so its 100 % and 110 % bins are the full run's).
+MIX_CUT = ReplayOptions(extend_to_pct=111)
+MIX_FRACTION, MIX_DRAW, MIX_SEED = 0.2, 1, 43
+# Derived from the full runs of docs/benchmarks.md ("Workload mixes"), this cut's run: bestfit
+# 6.34 %, binpack 5.43 % unallocated at arrived 100 %; frag before issue 27 5.87 % at 100 % against
+# 3.87 % at 110 % (above binpack, and a 2-point collapse); frag now 4.31 % and 4.26 %. The limits are
+# the issue's two rules on this run: frag below binpack, the better of the two baselines here
+# (MIX_BASELINE_PCT), and no collapse and recover (unallocated at 100 % at most COLLAPSE_POINTS
+# above 110 %). The run is the family's worst for frag now (over the twelve multi-card runs, 2.73
+# to 4.31 % at 100 %) and its old figure failed both rules, so it is the run that tells first.
+MIX_BASELINE_PCT = 5.43
+COLLAPSE_POINTS = 1.0
+
+
+@pytest.fixture(scope="module")
+def multi_card_mix(openb):
+    from qgpu_runtime.sim.variants import with_demand_share
+
+    nodes, pods = openb
+    return nodes, with_demand_share(pods, "multi", MIX_FRACTION, seed=MIX_DRAW)
+
+
+def _mix_run(mix, factory=None):
+    nodes, pods = mix
+    result = replay_arrivals(nodes, pods, "frag", MIX_SEED, MIX_CUT, policy_factory=factory)
+    return result.unallocated_at(100), result.unallocated_at(110)
+
+
+def _mix_verdict(at_100: float, at_110: float) -> list[str]:
+    problems = []
+    if at_100 > MIX_BASELINE_PCT:
+        problems.append(f"{at_100:.2f} % unallocated at arrived 100 %, worse than binpack ({MIX_BASELINE_PCT} %)")
+    if at_100 - at_110 > COLLAPSE_POINTS:
+        problems.append(f"collapse and recover: {at_100:.2f} % at 100 % against {at_110:.2f} % at 110 %")
+    return problems
+
+
+def test_frag_holds_on_a_multi_card_mix(multi_card_mix):
+    """Threshold derivation: see MIX_BASELINE_PCT above."""
+    problems = _mix_verdict(*_mix_run(multi_card_mix))
+    assert not problems, f"frag on the 20 % multi-card mix (draw {MIX_DRAW}, seed {MIX_SEED}): " + "; ".join(problems)
+
+
+def test_the_mix_guard_fails_frag_weighing_shapes_by_pod_count(multi_card_mix):
+    """The guard can fail: frag as it was before issue 27 (shapes weighed by pod count)."""
+    from qgpu_runtime.placement.policies import PLANNING_SHAPES, WorkloadShapes
+
+    by_pods = {**PLANNING_SHAPES, "weigh": "pods"}
+    at_100, at_110 = _mix_run(multi_card_mix, lambda: FragPolicy(WorkloadShapes(**by_pods)))
+    assert _mix_verdict(at_100, at_110), f"{at_100:.2f} % at 100 %, {at_110:.2f} % at 110 %"
