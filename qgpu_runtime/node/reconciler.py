@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from typing import Any
 
 from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.node.annotationwriter import AnnotationWriter
 from qgpu_runtime.node.podresources import list_held
 from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.podwatch import ListedPods, NodePodCache
 from qgpu_runtime.node.reconcile import Plan, plan
 from qgpu_runtime.node.store import Store
 
@@ -22,12 +25,21 @@ log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators 
 
 
 class Reconciler:
-    def __init__(self, config, store: Store, pods: PodSource, lock: threading.Lock) -> None:
-        """``lock``: the allocator's; held while releasing so a pod admitted meanwhile stays."""
+    def __init__(self, config, store: Store, pods: PodSource, lock: threading.Lock, *,
+                 view: NodePodCache[Any] | ListedPods[Any] | None = None, writer: AnnotationWriter | None = None) -> None:
+        """``lock``: the allocator's; held while releasing so a pod admitted meanwhile stays.
+        ``view``: the node's watched pods (a LIST per read without); ``writer``: where missing
+        ``qgpu.io/assigned`` values are re-issued while running (start-up writes them directly)."""
         self.config = config
         self.store = store
         self.pods = pods
         self.lock = lock
+        self.view = view if view is not None else ListedPods(pods.pods_on_node, config.node, lambda _: None)
+        self.writer = writer
+
+    def _node_pods(self) -> list[dict]:
+        snapshot = self.view.snapshot()
+        return list(snapshot.pods) if snapshot is not None else list(self.view.fresh().pods)
 
     def reconcile(self) -> Plan:
         pods = self.pods.pods_on_node(self.config.node)
