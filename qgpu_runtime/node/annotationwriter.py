@@ -51,7 +51,8 @@ class AnnotationWriter:
         self.retry_max_s = retry_max_s
         self._clock = clock
         self._pending: OrderedDict[PodKey, _Pending] = OrderedDict()
-        self._written: dict[PodKey, dict[str, str]] = {}  # last values landed, so a re-issue that changes nothing is skipped
+        # last values landed (at most max_pending pods, oldest forgotten), so a re-issue that changes nothing is skipped
+        self._written: OrderedDict[PodKey, dict[str, str]] = OrderedDict()
         self._cond = threading.Condition()
         self._stopping = False
         self._busy = False
@@ -121,7 +122,9 @@ class AnnotationWriter:
         with self._cond:
             self._busy = False
             self.written += 1
-            self._written[key] = {**self._written.get(key, {}), **entry.values}
+            self._written[key] = {**self._written.pop(key, {}), **entry.values}
+            while len(self._written) > self.max_pending:
+                self._written.popitem(last=False)
             self._cond.notify_all()
         for e in entry.done:
             e.set()

@@ -74,12 +74,25 @@ class Reconciler:
 
         Only the API's view decides (rules 1-2 of node/reconcile.py): pod-resources lags an
         Allocate kubelet has not finished, so its rules stay at start-up. Holding the Allocate lock
-        across the listing and the release keeps a pod created meanwhile from being released."""
+        across the read and the release keeps a pod created meanwhile from being released.
+
+        The pods are the watched view (no LIST while it is synced). A grant whose pod the view
+        does not show yet (Allocate found it by a LIST, ahead of the watch) must not be released:
+        a release the view asks for is confirmed on a LIST first (rare: pods come and go in
+        batches). The ``qgpu.io/assigned`` values the view shows missing are re-issued through the
+        writer (a write dropped or lost in a crash lands here)."""
         with self.lock:
-            pods = self.pods.pods_on_node(self.config.node)
-            gone = plan(self.store.grants(), self._pod_shares(), pods, None).release_pods
+            pods = self._node_pods()
+            result = plan(self.store.grants(), self._pod_shares(), pods, None)
+            if result.release_pods and self.view.snapshot() is not None:
+                pods = list(self.view.fresh().pods)
+                result = plan(self.store.grants(), self._pod_shares(), pods, None)
+            gone = result.release_pods
             if gone:
                 self.store.release_pods(gone)
+        if self.writer is not None:
+            for (ns, name), value in result.annotate.items():
+                self.writer.submit(ns, name, {ASSIGNED: value})
         for uid, why in gone.items():
             log.info("release pod %s: %s", uid, why)
         if gone:

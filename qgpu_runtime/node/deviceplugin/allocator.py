@@ -63,7 +63,7 @@ class Allocator:
         self.lock = lock or threading.Lock()
         self.view = view if view is not None else ListedPods(pods.pods_on_node, config.node, self.examine)
         self.writer = writer if writer is not None else AnnotationWriter(pods.patch_pod_annotations)
-        self._preferred: tuple[str, int, frozenset, int, matching.Match] | None = None
+        self._preferred: tuple[str, int, frozenset, int | None, matching.Match] | None = None
 
     def examine(self, pod: dict) -> matching.Examined | None:
         """Rule 1 of the matcher for one pod, as the cache runs it once per version of the pod."""
@@ -77,25 +77,28 @@ class Allocator:
         return matching.choose(self.config.node, resource, count, pods.derived, served)
 
     def _decide(self, kind: ResourceKind, count: int, served: set[tuple[str, str, str]]
-                ) -> tuple[matching.Match, NodePods[matching.Examined]]:
-        """The match on the cache's view; on a LIST when the view has none (a pod the watch has not
-        delivered yet: kubelet calls only for pods bound here, so a miss is lag) or is not synced."""
+                ) -> tuple[matching.Match, NodePods[matching.Examined], int | None]:
+        """The match, the pods it was made on and the cache's generation then (None: not synced).
+
+        On the cache's view; on a LIST when the view has no answer (a pod the watch has not
+        delivered yet: kubelet calls only for pods bound here, so a miss is lag) or is not synced.
+        GetPreferredAllocation's match is reused while the view has not moved since it was made."""
         pods = self.view.snapshot()
+        generation = pods.generation if pods is not None else None
         if pods is not None:
-            reused = self._reuse(kind.name, count, served, pods.generation)
+            reused = self._reuse(kind.name, count, served, generation)
             if reused is not None:
-                return reused, pods
+                return reused, pods, generation
             try:
-                return self._choose(pods, kind.name, count, served), pods
+                return self._choose(pods, kind.name, count, served), pods, generation
             except matching.NoMatch:
                 self.metrics.fallback_lists.labels(kind.name).inc()
         pods = self.view.fresh()
-        return self._choose(pods, kind.name, count, served), pods
+        return self._choose(pods, kind.name, count, served), pods, generation
 
-    def _reuse(self, resource: str, count: int, served: set, generation: int) -> matching.Match | None:
-        """GetPreferredAllocation's match, when it was for this resource and size on this same view."""
+    def _reuse(self, resource: str, count: int, served: set, generation: int | None) -> matching.Match | None:
         last = self._preferred
-        if last is None or generation < 0:
+        if last is None or generation is None:
             return None
         if (last[0], last[1], last[2], last[3]) != (resource, count, frozenset(served), generation):
             return None
@@ -128,7 +131,7 @@ class Allocator:
         with self.lock:
             served = self._served()
             try:
-                m, pods = self._decide(kind, len(device_ids), served)
+                m, pods, _ = self._decide(kind, len(device_ids), served)
             except matching.NoMatch as exc:
                 self._report_untrusted(kind.name, exc.untrusted)
                 raise AllocateRefused(str(exc)) from exc
@@ -178,8 +181,8 @@ class Allocator:
         try:
             with self.lock:
                 served = self._served()
-                m, pods = self._decide(kind, size, served)
-                self._preferred = (kind.name, size, frozenset(served), pods.generation, m)
+                m, _, generation = self._decide(kind, size, served)
+                self._preferred = (kind.name, size, frozenset(served), generation, m)
             cards = [s.index for s in m.share.shares]
         except matching.NoMatch:
             pass  # Allocate will refuse with the reason; any devices do for the preference
