@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from kubernetes import client
@@ -40,6 +41,34 @@ T = TypeVar("T")
 MERGE_PATCH = "application/merge-patch+json"
 
 
+class OpenStreams:
+    """Watch responses in progress, so ``close`` can cut them when the manager stops."""
+
+    def __init__(self) -> None:
+        self._streams: set[Any] = set()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self, response: Any) -> Iterator[Any]:
+        with self._lock:
+            self._streams.add(response)
+        try:
+            yield response
+        finally:
+            with self._lock:
+                self._streams.discard(response)
+            response.close()
+
+    def close(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+        for response in streams:
+            try:
+                response.shutdown()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
+
+
 class KubePodSource:
     def __init__(self, kubeconfig: str | None = None, context: str | None = None, *,
                  timeout: tuple[float, float] = REQUEST_TIMEOUT, attempts: int = 3) -> None:
@@ -51,8 +80,7 @@ class KubePodSource:
         self._resource = client.ResourceV1Api(api_client)
         self._timeout = timeout
         self._attempts = attempts
-        self._streams: set[Any] = set()
-        self._streams_lock = threading.Lock()
+        self._streams = OpenStreams()
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self._calls(what, fn)
@@ -79,36 +107,24 @@ class KubePodSource:
             field_selector=f"spec.nodeName={node}", watch=True, resource_version=resource_version,
             allow_watch_bookmarks=True, timeout_seconds=max(1, int(timeout_s)), _preload_content=False,
             _request_timeout=(self._timeout[0], timeout_s + 30)))
-        with self._streams_lock:
-            self._streams.add(response)
-        try:
-            if stop.is_set():
-                return
-            for line in response:
-                if not line.strip():
-                    continue
-                yield watch_event(line)
-        except (WatchExpired, GeneratorExit):
-            raise
-        except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
-            if stop.is_set():
-                return
-            raise PodSourceError(f"watching the pods of node {node} at {self.server}: {described(exc)}",
-                                 transient=True) from exc
-        finally:
-            with self._streams_lock:
-                self._streams.discard(response)
-            response.close()
+        with self._streams.held(response):
+            try:
+                if stop.is_set():
+                    return
+                for line in response:
+                    if line.strip():
+                        yield watch_event(line)
+            except (WatchExpired, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
+                if stop.is_set():
+                    return
+                raise PodSourceError(f"watching the pods of node {node} at {self.server}: {described(exc)}",
+                                     transient=True) from exc
 
     def close(self) -> None:
         """Cut the pod watches in progress (the manager is stopping)."""
-        with self._streams_lock:
-            streams = list(self._streams)
-        for response in streams:
-            try:
-                response.shutdown()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
+        self._streams.close()
 
     def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None:
         body = {"metadata": {"annotations": dict(values)}}
@@ -153,8 +169,7 @@ class KubeSlices:
         self._resource = client.ResourceV1Api(source.api_client)
         self._core = client.CoreV1Api(source.api_client)
         self._timeout = source._timeout
-        self._streams: set[Any] = set()
-        self._lock = threading.Lock()
+        self._streams = OpenStreams()
 
     def node_uid(self, node: str) -> str:
         doc = json.loads(self._source._call(f"reading node {node}", lambda: self._core.read_node(
@@ -186,37 +201,26 @@ class KubeSlices:
         response = self._source._call(f"watching ResourceSlice {name}", lambda: self._resource.list_resource_slice(
             field_selector=f"metadata.name={name}", watch=True, resource_version=resource_version,
             timeout_seconds=int(timeout_s), _preload_content=False, _request_timeout=(self._timeout[0], timeout_s + 30)))
-        with self._lock:
-            self._streams.add(response)
-        try:
-            if stop.is_set():
+        with self._streams.held(response):
+            try:
+                if stop.is_set():
+                    return None
+                for line in response:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    kind = str(event.get("type") or "")
+                    if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
+                        return "EXPIRED"
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        return kind
                 return None
-            for line in response:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind = str(event.get("type") or "")
-                if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
-                    return "EXPIRED"
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    return kind
-            return None
-        except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
-            if stop.is_set():
-                return None
-            raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {described(exc)}",
-                                 transient=True) from exc
-        finally:
-            with self._lock:
-                self._streams.discard(response)
-            response.close()
+            except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
+                if stop.is_set():
+                    return None
+                raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {described(exc)}",
+                                     transient=True) from exc
 
     def close(self) -> None:
         """Cut the watches in progress (the manager is stopping)."""
-        with self._lock:
-            streams = list(self._streams)
-        for response in streams:
-            try:
-                response.shutdown()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
+        self._streams.close()

@@ -64,6 +64,7 @@ class Allocator:
         self.view = view if view is not None else ListedPods(pods.pods_on_node, config.node, self.examine)
         self.writer = writer if writer is not None else AnnotationWriter(pods.patch_pod_annotations)
         self._preferred: tuple[str, int, frozenset, int | None, matching.Match] | None = None
+        self._advertised: dict[str, dict[str, tuple[int, ...]]] = {}
 
     def examine(self, pod: dict) -> matching.Examined | None:
         """Rule 1 of the matcher for one pod, as the cache runs it once per version of the pod."""
@@ -123,7 +124,9 @@ class Allocator:
         except ValueError as exc:
             raise AllocateRefused(str(exc)) from exc
         bad = self.health.unhealthy()
-        advertised = kind.advertised(self.cards.values())
+        advertised = self._advertised.get(kind.name)
+        if advertised is None:  # the cards are fixed for the manager's life
+            advertised = self._advertised[kind.name] = kind.advertised(self.cards.values())
         for d in device_ids:
             sick = [c for c in advertised[d] if c in bad]
             if sick:
@@ -161,7 +164,7 @@ class Allocator:
             row, shares = store_rows(m, kind.name, device_ids, self.clock_ns())
             self.store.record(row, shares)  # durable before kubelet hears back
             done = assigned(m.pod_obj)
-            mine = {g.container for g in self.store.grants() if g.pod_uid == m.pod_uid}
+            mine = {c for uid, c, _ in served if uid == m.pod_uid} | {m.container}
             if not mine <= set(done):  # after Allocate returns: the store is the authority, the reconciler re-issues
                 self.writer.submit(m.namespace, m.pod, {ASSIGNED: _json_list(done + sorted(mine))})
         log.info("Allocate %s x%d -> %s/%s container %s cards %s", kind.name, len(device_ids), m.namespace, m.pod,

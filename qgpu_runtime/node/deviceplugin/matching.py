@@ -241,17 +241,26 @@ def preferred_devices(
     """Device IDs for GetPreferredAllocation: must-includes, then spread evenly over ``cards``
     (the predicted container's cards), then anything else in a stable order."""
     chosen = list(dict.fromkeys(must_include))[:size]
-    pool = [d for d in sorted(available, key=_natural) if d not in chosen]
+    taken = set(chosen)
+    pool = sorted((d for d in available if d not in taken), key=_natural)
     if cards:
         need = size - len(chosen)
         per_card = [need // len(cards) + (1 if i < need % len(cards) else 0) for i in range(len(cards))]
+        on_card: dict[int, list[str]] = {}
+        for d in pool:  # one pass: kubelet offers every free unit of the node (hundreds) on each call
+            on_card.setdefault(card_of(d), []).append(d)
         for card, n in zip(cards, per_card):
-            picks = [d for d in pool if card_of(d) == card][:n]
-            chosen.extend(picks)
-            pool = [d for d in pool if d not in set(picks)]
+            free = on_card.get(card, [])
+            chosen.extend(free[:n])
+            taken.update(free[:n])
+            del free[:n]
+        pool = [d for d in pool if d not in taken]
     chosen.extend(pool[: max(0, size - len(chosen))])
     return chosen[:size]
 
 
 def _natural(device_id: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in device_id.rsplit("-", 2))
+    """``<kind>-<card>-<unit>`` in numeric order of card, then unit (kubelet sends them unordered)."""
+    head, _, unit = device_id.rpartition("-")
+    kind, _, card = head.rpartition("-")
+    return (kind, int(card) if card.isdigit() else -1, card, int(unit) if unit.isdigit() else -1, unit)
