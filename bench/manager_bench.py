@@ -1,4 +1,22 @@
-"""Benchmark of the node manager as a real process: CPU, RSS, Allocate latency.
+"""Benchmark of the node manager as a real process: a GPU pod's admission, and the steady state.
+
+Admission (the default; issue 23 §3): a real kube-apiserver and etcd (tests/k8s/controlplane.py,
+no scheduler: the benchmark binds pods as the extender does, signed records included), one node
+with 8 simulated V100-32G cards, ``qgpu manager serve`` as a real process reading that node's pods
+through the API, and kubelet played by the test kubelet over real unix sockets. For each size N
+(``--sizes``, default 10, 100, 200), N pods already run on the node (bound, signed records, phase
+Running); then ``--pods`` GPU pods are admitted one at a time as kubelet does (GetPreferredAllocation
+and Allocate, for qgpu-core then qgpu-memory). Per admitted pod: the manager's CPU (utime+stime from
+/proc, from the admission's start until its annotation write landed, less the idle rate measured
+before), the admission's wall time seen by kubelet, and kube-apiserver's own request counters
+(``apiserver_request_total``): LISTs of pods per Allocate, and PATCHes of pods that completed inside
+the admission. With ``--cpu-limit 200m`` (the DaemonSet's limit) the manager runs in a cgroup (v1
+``cpu`` controller, or v2) with that quota, and the throttled periods are reported; where no cgroup
+can be made, CPU time alone is reported.
+
+    .venv/bin/python bench/manager_bench.py [--sizes 10,100,200] [--pods 20] [--cpu-limit 200m] [--json OUT]
+
+Steady state (``--steady-state``): the setup below.
 
 Setup: 8 simulated cards (V100-32G), 64 containers holding shares (8 per card) with a GPU
 process each in the simulated control file, sampling every second, /metrics scraped every 15 s
@@ -10,7 +28,7 @@ Pods of a finished round are deleted, as a churning node would see them.
 Phase 2 (steady state): a fresh manager (reconciling away the deleted pods) serves the last 64
 containers; CPU (utime+stime from /proc) and RSS are read over WINDOW seconds.
 
-    .venv/bin/python bench/manager_bench.py [--window 60] [--rounds 5] [--json OUT]
+    .venv/bin/python bench/manager_bench.py --steady-state [--window 60] [--rounds 5] [--json OUT]
 """
 
 from __future__ import annotations
@@ -93,10 +111,22 @@ def start(root: Path, port: int, backend: list[str]) -> subprocess.Popen:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steady-state", action="store_true", help="the steady-state benchmark instead of admissions")
     ap.add_argument("--window", type=float, default=60.0, help="steady-state measuring window, seconds")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--sizes", default="10,100,200", help="pods already on the node, one run per size")
+    ap.add_argument("--pods", type=int, default=20, help="GPU pods admitted per size")
+    ap.add_argument("--cpu-limit", default="", help="run the manager under this CPU quota (e.g. 200m)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if not args.steady_state:
+        from manager_admission import admission_bench
+
+        result = admission_bench([int(n) for n in args.sizes.split(",")], args.pods, args.cpu_limit)
+        print(json.dumps(result, indent=2))
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     cards = build_cards(parse_spec(SPEC), NODE)
     with tempfile.TemporaryDirectory(prefix="qgpu-bench-", dir="/tmp") as d:
         root = Path(d)

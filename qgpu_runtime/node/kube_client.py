@@ -10,7 +10,8 @@ still fails is raised as :class:`~qgpu_runtime.node.pods.PodSourceError`, whose 
 call, the apiserver and the reason — never a bare traceback.
 
 API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 grants exactly this):
-``pods``: ``list`` (this node's pods, by field selector) and ``patch`` (``qgpu.io/assigned``);
+``pods``: ``list`` and ``watch`` (this node's pods, by field selector: node/podwatch.py's cache) and
+``patch`` (``qgpu.io/assigned``);
 ``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
 annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). (``qgpu status``
 reads the cluster with the user's own credentials through ``kube/reader.py``, not through this.) With ``--dra``:
@@ -22,7 +23,8 @@ from __future__ import annotations
 
 import json
 import threading
-from typing import Any, Callable, Mapping, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from kubernetes import client
 
@@ -30,12 +32,41 @@ from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
 from qgpu_runtime.kube.errors import NotFound, described
 from qgpu_runtime.kube.reader import ApiCaller, load_client
 from qgpu_runtime.node.pods import PodSourceError
+from qgpu_runtime.node.podwatch import WatchExpired, watch_event
 
 T = TypeVar("T")
 
 # Said explicitly: the generated client labels every PATCH as a JSON *patch* (a list of operations)
 # and only its REST layer quietly rewrites dict bodies; metadata maps merge the same either way.
 MERGE_PATCH = "application/merge-patch+json"
+
+
+class OpenStreams:
+    """Watch responses in progress, so ``close`` can cut them when the manager stops."""
+
+    def __init__(self) -> None:
+        self._streams: set[Any] = set()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def held(self, response: Any) -> Iterator[Any]:
+        with self._lock:
+            self._streams.add(response)
+        try:
+            yield response
+        finally:
+            with self._lock:
+                self._streams.discard(response)
+            response.close()
+
+    def close(self) -> None:
+        with self._lock:
+            streams = list(self._streams)
+        for response in streams:
+            try:
+                response.shutdown()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
 
 
 class KubePodSource:
@@ -49,6 +80,7 @@ class KubePodSource:
         self._resource = client.ResourceV1Api(api_client)
         self._timeout = timeout
         self._attempts = attempts
+        self._streams = OpenStreams()
 
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self._calls(what, fn)
@@ -59,6 +91,40 @@ class KubePodSource:
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
         return self._items(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout))
+
+    def list_pods_on_node(self, node: str) -> tuple[list[dict[str, Any]], str]:
+        """This node's pods and the list's resourceVersion, where a watch of them starts (node/podwatch.py)."""
+        doc = json.loads(self._call(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout)).data)
+        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_pods_on_node(self, node: str, resource_version: str, timeout_s: float,
+                           stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:
+        """(type, pod) events of this node's pods from ``resource_version`` until the apiserver ends
+        the watch (after about ``timeout_s``) or ``stop``/``close`` cuts it. Raises
+        :class:`~qgpu_runtime.node.podwatch.WatchExpired` when the version is too old (410 Gone)."""
+        response = self._call(f"watching the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node}", watch=True, resource_version=resource_version,
+            allow_watch_bookmarks=True, timeout_seconds=max(1, int(timeout_s)), _preload_content=False,
+            _request_timeout=(self._timeout[0], timeout_s + 30)))
+        with self._streams.held(response):
+            try:
+                if stop.is_set():
+                    return
+                for line in response:
+                    if line.strip():
+                        yield watch_event(line)
+            except (WatchExpired, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
+                if stop.is_set():
+                    return
+                raise PodSourceError(f"watching the pods of node {node} at {self.server}: {described(exc)}",
+                                     transient=True) from exc
+
+    def close(self) -> None:
+        """Cut the pod watches in progress (the manager is stopping)."""
+        self._streams.close()
 
     def patch_pod_annotations(self, namespace: str, name: str, values: Mapping[str, str]) -> None:
         body = {"metadata": {"annotations": dict(values)}}
@@ -103,8 +169,7 @@ class KubeSlices:
         self._resource = client.ResourceV1Api(source.api_client)
         self._core = client.CoreV1Api(source.api_client)
         self._timeout = source._timeout
-        self._streams: set[Any] = set()
-        self._lock = threading.Lock()
+        self._streams = OpenStreams()
 
     def node_uid(self, node: str) -> str:
         doc = json.loads(self._source._call(f"reading node {node}", lambda: self._core.read_node(
@@ -136,37 +201,26 @@ class KubeSlices:
         response = self._source._call(f"watching ResourceSlice {name}", lambda: self._resource.list_resource_slice(
             field_selector=f"metadata.name={name}", watch=True, resource_version=resource_version,
             timeout_seconds=int(timeout_s), _preload_content=False, _request_timeout=(self._timeout[0], timeout_s + 30)))
-        with self._lock:
-            self._streams.add(response)
-        try:
-            if stop.is_set():
+        with self._streams.held(response):
+            try:
+                if stop.is_set():
+                    return None
+                for line in response:
+                    if not line.strip():
+                        continue
+                    event = json.loads(line)
+                    kind = str(event.get("type") or "")
+                    if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
+                        return "EXPIRED"
+                    if kind in ("ADDED", "MODIFIED", "DELETED"):
+                        return kind
                 return None
-            for line in response:
-                if not line.strip():
-                    continue
-                event = json.loads(line)
-                kind = str(event.get("type") or "")
-                if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
-                    return "EXPIRED"
-                if kind in ("ADDED", "MODIFIED", "DELETED"):
-                    return kind
-            return None
-        except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
-            if stop.is_set():
-                return None
-            raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {described(exc)}",
-                                 transient=True) from exc
-        finally:
-            with self._lock:
-                self._streams.discard(response)
-            response.close()
+            except Exception as exc:  # noqa: BLE001 - a cut stream (close, network) is one clear error
+                if stop.is_set():
+                    return None
+                raise PodSourceError(f"watching ResourceSlice {name} at {self._source.server}: {described(exc)}",
+                                     transient=True) from exc
 
     def close(self) -> None:
         """Cut the watches in progress (the manager is stopping)."""
-        with self._lock:
-            streams = list(self._streams)
-        for response in streams:
-            try:
-                response.shutdown()
-            except Exception:  # noqa: BLE001 - already closed
-                pass
+        self._streams.close()

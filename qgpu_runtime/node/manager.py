@@ -13,7 +13,9 @@ The device-plugin servicer talks to the manager through the ``DeviceService`` Pr
 (node/deviceplugin/devices.py), which the manager satisfies by handing each call to its health or allocator
 component; one object to hand out keeps the plugin servers unaware of how the node is split.
 
-Threads: one gRPC server per resource (kubelet calls in), a health watcher (NVML/XID events), a
+Threads: the pod watch (node/podwatch.py: the node's pods for every reader), the annotation writer
+(node/annotationwriter.py: ``qgpu.io/assigned`` off the admission path), one gRPC server per
+resource (kubelet calls in), a health watcher (NVML/XID events), a
 kubelet watcher (re-registers when kubelet restarts and re-creates its socket; retries the node
 labels; releases the shares of gone pods), a sampler (metrics, once per interval) and, when given
 an isolation backend, the isolation loop.
@@ -31,9 +33,11 @@ from typing import Callable
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
+from qgpu_runtime.node.annotationwriter import AnnotationWriter
 from qgpu_runtime.node.containers import ContainerResolver
 from qgpu_runtime.node.deviceplugin.allocator import Allocator
 from qgpu_runtime.node.deviceplugin.devices import wait_devices
+from qgpu_runtime.node.deviceplugin.matching import Examined, examine
 from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.deviceplugin.response import ContainerGrant
@@ -43,6 +47,7 @@ from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET
 from qgpu_runtime.node.pods import PodSource, PodSourceError
+from qgpu_runtime.node.podwatch import node_pods
 from qgpu_runtime.node.publisher import MetricsSampler, NodePublisher, PodCache
 from qgpu_runtime.node.reconcile import Plan
 from qgpu_runtime.node.reconciler import Reconciler
@@ -112,10 +117,15 @@ class NodeManager:
         self.metrics = ManagerMetrics.create(config.node)
         self.policy = Policy.BEST_EFFORT
         self.health = CardHealth(self.cards)
-        self.allocator = Allocator(config, self.cards, self.health, store, pods, self.metrics, lambda: self.policy, clock_ns)
-        self.reconciler = Reconciler(config, store, pods, self.allocator.lock)
+        self.writer = AnnotationWriter(pods.patch_pod_annotations, retry_max_s=config.api_retry_max_s)
+        # One watch of the node's pods for every reader (node/podwatch.py); the device plugin's
+        # matcher examines each version of a pod once, there (the DRA door reads no pod records).
+        self.node_pods = node_pods(pods, config.node, self._examine, retry_max_s=config.api_retry_max_s)
+        self.allocator = Allocator(config, self.cards, self.health, store, pods, self.metrics, lambda: self.policy, clock_ns,
+                                   view=self.node_pods, writer=self.writer)
+        self.reconciler = Reconciler(config, store, pods, self.allocator.lock, view=self.node_pods, writer=self.writer)
         self.publisher = NodePublisher(config, self.cards, self.health, pods, lambda: self.policy)
-        self.pod_cache = PodCache(config, pods)
+        self.pod_cache = PodCache(config, pods, self.node_pods)
         self.sampler = MetricsSampler(config, self.cards, self.health, backend, store, self.pod_cache, self.metrics)
         if config.dra:
             from qgpu_runtime.node.dra.plugin import dra_plugin
@@ -136,6 +146,11 @@ class NodeManager:
             self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy,
                                          retry_max_s=config.api_retry_max_s)
 
+    def _examine(self, pod: dict) -> Examined | None:
+        if self.config.dra:
+            return None
+        return examine(pod, self.config.node, self.config.record_verifier)
+
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, until: threading.Event | None = None) -> bool:
         """Reconcile, publish, serve kubelet. While the pods cannot be read (apiserver down) it waits
@@ -145,6 +160,11 @@ class NodeManager:
         when the node's policy label (or --isolation-policy) is not a policy, NodeUnreadable when
         the label cannot be read. Nothing is served then."""
         self.store.sync_cards(list(self.cards.values()))
+        for name, target in (("pod-watch", lambda: self.node_pods.serve(self._stop)),
+                             ("annotations", lambda: self.writer.serve(self._stop))):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
         if not self._reconcile_when_ready(until or self._stop):
             return False
         self.policy = resolve_policy(self.config.isolation_policy, self._node_labels())
@@ -212,6 +232,9 @@ class NodeManager:
         self.registration.stop()
         if self.slices is not None:
             self.slices.close()
+        close = getattr(self.pods, "close", None)
+        if close is not None:
+            close()  # cuts the pod watch
         for t in self._threads:
             t.join(timeout=5)
 

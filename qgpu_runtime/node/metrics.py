@@ -249,6 +249,7 @@ class ManagerMetrics:
     holds: Counter
     tick_errors: Counter
     untrusted_records: Counter
+    fallback_lists: Counter
 
     @classmethod
     def create(cls, node: str) -> "ManagerMetrics":
@@ -273,4 +274,9 @@ class ManagerMetrics:
                             "allocation records Allocate refused as not qgpu's (unsigned, signed for another pod, node "
                             "or bind-time, or granting more than the pod asks for); they grant nothing",
                             ["resource"], registry=registry)
-        return cls(registry, collector, allocations, seconds, mismatches, isolation, holds, tick_errors, untrusted)
+        fallback = Counter("qgpu_allocate_fallback_lists_total",
+                           "Allocate or GetPreferredAllocation calls the watched pods could not answer, decided on a "
+                           "LIST of the node's pods instead (a pod the watch had not delivered yet)",
+                           ["resource"], registry=registry)
+        return cls(registry, collector, allocations, seconds, mismatches, isolation, holds, tick_errors, untrusted,
+                   fallback)

@@ -1,8 +1,9 @@
 """What the node tells the cluster and Prometheus about its cards.
 
 ``NodePublisher`` writes the GPU labels and the inventory annotation (node/nodeinfo.py) on the
-Node, retrying from the kubelet watcher until it lands. ``PodCache`` lists the node's pods at most
-once per ``--pod-refresh`` for the metrics sampler and the isolation loop together.
+Node, retrying from the kubelet watcher until it lands. ``PodCache`` hands the metrics sampler and
+the isolation loop the watched pods (node/podwatch.py), or lists them at most once per
+``--pod-refresh`` while the watch is not synced (and always with ``--pods-file``).
 ``MetricsSampler`` builds one snapshot per interval from the backend's sample, the store and the
 pods (node/metrics.py).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import Policy
@@ -20,6 +21,7 @@ from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.node.nodeinfo import node_metadata
 from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.podwatch import ListedPods, NodePodCache
 from qgpu_runtime.node.store import Store
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
@@ -56,15 +58,20 @@ class NodePublisher:
 
 
 class PodCache:
-    def __init__(self, config, pods: PodSource) -> None:
+    def __init__(self, config, pods: PodSource, view: NodePodCache[Any] | ListedPods[Any] | None = None) -> None:
         self.config = config
         self.pods = pods
+        self.view = view
         self._cache: tuple[float, list[dict]] | None = None
         self._lock = threading.Lock()
 
     def get(self, max_age_s: float) -> list[dict]:
-        """The node's pods, listed again when the cached list is older than ``max_age_s`` (or
-        ``--pod-refresh``); the metrics sampler and the isolation loop share one list."""
+        """The node's pods: the watched view while it is synced, otherwise listed again when the
+        cached list is older than ``max_age_s`` (or ``--pod-refresh``); the metrics sampler and
+        the isolation loop share one list."""
+        snapshot = self.view.snapshot() if self.view is not None else None
+        if snapshot is not None:
+            return list(snapshot.pods)
         now = time.monotonic()
         with self._lock:
             cached = self._cache

@@ -11,10 +11,13 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
+from typing import Any
 
 from qgpu_runtime.contract.names import ASSIGNED, finished
+from qgpu_runtime.node.annotationwriter import AnnotationWriter
 from qgpu_runtime.node.podresources import list_held
 from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.podwatch import ListedPods, NodePodCache
 from qgpu_runtime.node.reconcile import Plan, plan
 from qgpu_runtime.node.store import Store
 
@@ -22,12 +25,21 @@ log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators 
 
 
 class Reconciler:
-    def __init__(self, config, store: Store, pods: PodSource, lock: threading.Lock) -> None:
-        """``lock``: the allocator's; held while releasing so a pod admitted meanwhile stays."""
+    def __init__(self, config, store: Store, pods: PodSource, lock: threading.Lock, *,
+                 view: NodePodCache[Any] | ListedPods[Any] | None = None, writer: AnnotationWriter | None = None) -> None:
+        """``lock``: the allocator's; held while releasing so a pod admitted meanwhile stays.
+        ``view``: the node's watched pods (a LIST per read without); ``writer``: where missing
+        ``qgpu.io/assigned`` values are re-issued while running (start-up writes them directly)."""
         self.config = config
         self.store = store
         self.pods = pods
         self.lock = lock
+        self.view = view if view is not None else ListedPods(pods.pods_on_node, config.node, lambda _: None)
+        self.writer = writer
+
+    def _node_pods(self) -> list[dict]:
+        snapshot = self.view.snapshot()
+        return list(snapshot.pods) if snapshot is not None else list(self.view.fresh().pods)
 
     def reconcile(self) -> Plan:
         pods = self.pods.pods_on_node(self.config.node)
@@ -62,12 +74,25 @@ class Reconciler:
 
         Only the API's view decides (rules 1-2 of node/reconcile.py): pod-resources lags an
         Allocate kubelet has not finished, so its rules stay at start-up. Holding the Allocate lock
-        across the listing and the release keeps a pod created meanwhile from being released."""
+        across the read and the release keeps a pod created meanwhile from being released.
+
+        The pods are the watched view (no LIST while it is synced). A grant whose pod the view
+        does not show yet (Allocate found it by a LIST, ahead of the watch) must not be released:
+        a release the view asks for is confirmed on a LIST first (rare: pods come and go in
+        batches). The ``qgpu.io/assigned`` values the view shows missing are re-issued through the
+        writer (a write dropped or lost in a crash lands here)."""
         with self.lock:
-            pods = self.pods.pods_on_node(self.config.node)
-            gone = plan(self.store.grants(), self._pod_shares(), pods, None).release_pods
+            pods = self._node_pods()
+            result = plan(self.store.grants(), self._pod_shares(), pods, None)
+            if result.release_pods and self.view.snapshot() is not None:
+                pods = list(self.view.fresh().pods)
+                result = plan(self.store.grants(), self._pod_shares(), pods, None)
+            gone = result.release_pods
             if gone:
                 self.store.release_pods(gone)
+        if self.writer is not None:
+            for (ns, name), value in result.annotate.items():
+                self.writer.submit(ns, name, {ASSIGNED: value})
         for uid, why in gone.items():
             log.info("release pod %s: %s", uid, why)
         if gone:

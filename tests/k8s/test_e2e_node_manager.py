@@ -58,6 +58,12 @@ def assigned(pod: dict[str, Any]) -> list[str]:
 
 # ---- (a) node labels and annotations ------------------------------------------------------------
 
+def assigned_soon(cluster, ns: str, name: str, containers: list[str]) -> None:
+    """``qgpu.io/assigned`` is written after Allocate returns (node/annotationwriter.py): it lands soon."""
+    wait_for(f"pod {ns}/{name} annotated {containers}", lambda: assigned(read_pod(cluster.api, ns, name)) == containers,
+             timeout=30)
+
+
 def test_manager_publishes_gpu_labels_and_inventory_on_its_node(cluster, managed):
     node = managed("2xT4-16G")
     obj = read_node(cluster.api, node.name)
@@ -107,7 +113,7 @@ def test_pod_placed_by_scheduler_and_extender_gets_its_records_cards(cluster, ns
     assert (envs["QGPU_CLASS"], envs["QGPU_POLICY"]) == ("normal", "fixed-share")
     held = node.kubelet.held[(ns, "infer")]["c0"]
     assert all(d.startswith(f"qgpu-core-{share.index}-") for d in held[CORE])  # GetPreferredAllocation steered kubelet
-    assert assigned(read_pod(cluster.api, ns, "infer")) == ["c0"]  # patched through the API
+    assigned_soon(cluster, ns, "infer", ["c0"])  # patched through the API, after Allocate returned
     assert node.grants() == [(ns, "infer", "c0", CORE), (ns, "infer", "c0", MEMORY)]
 
 
@@ -128,7 +134,7 @@ def test_same_size_pending_pods_are_matched_in_bind_order_not_creation_or_name_o
     for name, (_, card) in plan.items():
         envs = node.kubelet.admit(pods[name])["c0"]
         assert envs["NVIDIA_VISIBLE_DEVICES"] == cards[card].uuid, f"pod {name} got another pod's card"
-        assert assigned(read_pod(cluster.api, ns, name)) == ["c0"]
+        assigned_soon(cluster, ns, name, ["c0"])
     assert {pod for _, pod, _, _ in node.grants()} == {"a", "b", "c"}
 
 
@@ -276,7 +282,7 @@ def test_manager_with_a_missing_kubeconfig_exits_naming_it(tmp_path, managed):
 def test_manager_works_with_exactly_the_clusterrole_of_its_template(tmp_path, cluster, ns, managed):
     role = template_cluster_role("qgpu-manager.yaml.j2", qgpu_manager_namespace="qgpu-system",
                                  qgpu_manager_isolation_policies=[])
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "patch"]},
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
                              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
                              {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     cfg = kubeconfig_bound_to(cluster, role, f"qgpu-manager-{ns}", tmp_path / "manager.kubeconfig")
@@ -288,5 +294,5 @@ def test_manager_works_with_exactly_the_clusterrole_of_its_template(tmp_path, cl
     node.start(kubeconfig=cfg)
     assert read_node(cluster.api, node.name)["metadata"]["labels"]["qgpu.io/gpu-count"] == "1"
     assert node.kubelet.admit(read_pod(cluster.api, ns, "p"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
-    assert assigned(read_pod(cluster.api, ns, "p")) == ["c0"]
+    assigned_soon(cluster, ns, "p", ["c0"])
     assert "403" not in node.log() and "could not" not in node.log(), node.log()

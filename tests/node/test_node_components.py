@@ -70,9 +70,12 @@ def _allocator(parts, pods: Pods) -> Allocator:
 def test_the_allocator_grants_a_record_and_writes_it_to_the_store_first(parts):
     first = pod("first", NODE, [("main", qgpu(30, 4), [(0, "GPU-0", 300, 4096)])])
     pods = Pods([first])
-    grant = _allocator(parts, pods).allocate(CORE, _units(0, 0, 30))
+    allocator = _allocator(parts, pods)
+    grant = allocator.allocate(CORE, _units(0, 0, 30))
     assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0"
     assert [(s.workload, s.card_index, s.core_milli) for s in parts[1].shares()] == [("first", 0, 300)]
+    assert pods.patches == []  # no API write on kubelet's admission path: the annotation is queued
+    assert allocator.writer.run_once()
     assert pods.patches == [("default", "first", {"qgpu.io/assigned": '["main"]'})]
 
 

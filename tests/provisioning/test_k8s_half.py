@@ -404,7 +404,7 @@ def can(cluster: Cluster, account: str, verb: str, resource: str, *, namespace: 
     return bool(client.AuthorizationV1Api(cluster.api_client).create_subject_access_review(review).status.allowed)
 
 
-MANAGER_ALLOWED = [("list", "pods", None), ("patch", "pods", "default"), ("get", "nodes", None),
+MANAGER_ALLOWED = [("list", "pods", None), ("watch", "pods", None), ("patch", "pods", "default"), ("get", "nodes", None),
                    ("patch", "nodes", None), ("create", "events", "default")]
 EXTENDER_ALLOWED = [("list", "pods", None), ("watch", "pods", None), ("get", "pods", "default"),
                     ("patch", "pods", "default"), ("list", "nodes", None), ("watch", "nodes", None)]
@@ -417,7 +417,7 @@ FORBIDDEN = [("get", "secrets", None), ("list", "secrets", None), ("get", "secre
 
 @pytest.mark.parametrize("account,allowed,forbidden", [
     # the manager creates Warning Events when its isolation loop acts on a pod; nothing else does
-    ("qgpu-manager", MANAGER_ALLOWED, FORBIDDEN + [("watch", "pods", None), ("list", "nodes", None),
+    ("qgpu-manager", MANAGER_ALLOWED, FORBIDDEN + [("list", "nodes", None),
                                                    ("watch", "nodes", None)]),
     ("qgpu-scheduler", EXTENDER_ALLOWED, FORBIDDEN + [("patch", "nodes", None), ("create", "events", "default")]),
     ("qgpu-webhook", [], FORBIDDEN + EXTENDER_ALLOWED + [("patch", "nodes", None), ("create", "events", "default")]),

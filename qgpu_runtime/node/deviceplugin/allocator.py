@@ -4,6 +4,13 @@ Allocate is serialised by ``lock``: kubelet admits one pod at a time anyway, and
 (node/deviceplugin/matching.py) needs a consistent view of what was already served. The reconciler takes the
 same lock while it releases the shares of deleted pods, so a pod created meanwhile is never
 released. The grant is durable in the store before kubelet hears back.
+
+The admission path makes no API call in the steady state (issue 23): pods come from the node's
+watch-fed cache (node/podwatch.py) with each record already parsed and verified
+(``matching.examine``); only when that view has no answer (no match, or an over-commit the cache's
+lag could explain) is the decision taken again on one LIST. Allocate reuses the match
+GetPreferredAllocation just made when nothing changed since. ``qgpu.io/assigned`` is written by
+node/annotationwriter.py after Allocate returns.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from qgpu_runtime.contract.names import ASSIGNED, finished
 from qgpu_runtime.contract.record import assigned
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.node.annotationwriter import AnnotationWriter
 from qgpu_runtime.node.deviceplugin import matching
 from qgpu_runtime.node.deviceplugin.devices import AllocateRefused
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind, card_of_device
@@ -30,6 +38,7 @@ from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.overbooking import card_use, over_booking
 from qgpu_runtime.node.podresources import list_held
 from qgpu_runtime.node.pods import PodSource
+from qgpu_runtime.node.podwatch import ListedPods, NodePodCache, NodePods
 from qgpu_runtime.node.store import Share, Store
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
@@ -38,7 +47,11 @@ log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators 
 class Allocator:
     def __init__(self, config, cards: dict[int, CardInfo], health: CardHealth, store: Store, pods: PodSource,
                  metrics: ManagerMetrics, policy: Callable[[], Policy], clock_ns: Callable[[], int] = time.time_ns,
-                 lock: threading.Lock | None = None) -> None:
+                 lock: threading.Lock | None = None, *,
+                 view: NodePodCache[matching.Examined] | ListedPods[matching.Examined] | None = None,
+                 writer: AnnotationWriter | None = None) -> None:
+        """``view``: where the node's pods are read (default: a LIST per read); ``writer``: where
+        ``qgpu.io/assigned`` goes (its worker is the caller's to run: NodeManager runs it)."""
         self.config = config
         self.cards = cards
         self.health = health
@@ -48,6 +61,49 @@ class Allocator:
         self.policy = policy
         self.clock_ns = clock_ns
         self.lock = lock or threading.Lock()
+        self.view = view if view is not None else ListedPods(pods.pods_on_node, config.node, self.examine)
+        self.writer = writer if writer is not None else AnnotationWriter(pods.patch_pod_annotations)
+        self._preferred: tuple[str, int, frozenset, int | None, matching.Match] | None = None
+        self._advertised: dict[str, dict[str, tuple[int, ...]]] = {}
+
+    def examine(self, pod: dict) -> matching.Examined | None:
+        """Rule 1 of the matcher for one pod, as the cache runs it once per version of the pod."""
+        return matching.examine(pod, self.config.node, self.config.record_verifier)
+
+    def _served(self) -> set[tuple[str, str, str]]:
+        return {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
+
+    def _choose(self, pods: NodePods[matching.Examined], resource: str, count: int,
+                served: set[tuple[str, str, str]]) -> matching.Match:
+        return matching.choose(self.config.node, resource, count, pods.derived, served)
+
+    def _decide(self, kind: ResourceKind, count: int, served: set[tuple[str, str, str]]
+                ) -> tuple[matching.Match, NodePods[matching.Examined], int | None]:
+        """The match, the pods it was made on and the cache's generation then (None: not synced).
+
+        On the cache's view; on a LIST when the view has no answer (a pod the watch has not
+        delivered yet: kubelet calls only for pods bound here, so a miss is lag) or is not synced.
+        GetPreferredAllocation's match is reused while the view has not moved since it was made."""
+        pods = self.view.snapshot()
+        generation = pods.generation if pods is not None else None
+        if pods is not None:
+            reused = self._reuse(kind.name, count, served, generation)
+            if reused is not None:
+                return reused, pods, generation
+            try:
+                return self._choose(pods, kind.name, count, served), pods, generation
+            except matching.NoMatch:
+                self.metrics.fallback_lists.labels(kind.name).inc()
+        pods = self.view.fresh()
+        return self._choose(pods, kind.name, count, served), pods, generation
+
+    def _reuse(self, resource: str, count: int, served: set, generation: int | None) -> matching.Match | None:
+        last = self._preferred
+        if last is None or generation is None:
+            return None
+        if (last[0], last[1], last[2], last[3]) != (resource, count, frozenset(served), generation):
+            return None
+        return last[4]
 
     def allocate(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> ContainerGrant:
         started = time.perf_counter()
@@ -68,22 +124,23 @@ class Allocator:
         except ValueError as exc:
             raise AllocateRefused(str(exc)) from exc
         bad = self.health.unhealthy()
-        advertised = kind.advertised(self.cards.values())
+        advertised = self._advertised.get(kind.name)
+        if advertised is None:  # the cards are fixed for the manager's life
+            advertised = self._advertised[kind.name] = kind.advertised(self.cards.values())
         for d in device_ids:
             sick = [c for c in advertised[d] if c in bad]
             if sick:
                 raise AllocateRefused(f"device {d!r} is on card {sick[0]}, which is unhealthy ({bad[sick[0]]})")
         with self.lock:
+            served = self._served()
             try:
-                pods = self.pods.pods_on_node(self.config.node)
-            except Exception as exc:
-                raise AllocateRefused(f"cannot read the pods of node {self.config.node}: {exc}") from exc
-            served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
-            try:
-                m = matching.match(self.config.node, kind.name, len(device_ids), pods, served, self.config.record_verifier)
+                m, pods, _ = self._decide(kind, len(device_ids), served)
             except matching.NoMatch as exc:
                 self._report_untrusted(kind.name, exc.untrusted)
                 raise AllocateRefused(str(exc)) from exc
+            except Exception as exc:
+                raise AllocateRefused(f"cannot read the pods of node {self.config.node}: {exc}") from exc
+            self._preferred = None
             self._report_untrusted(kind.name, m.untrusted)
             try:
                 grant = build_grant(m, self.cards, self.policy().value, self.config.state_dir,
@@ -94,7 +151,11 @@ class Allocator:
             if sick:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
                                       f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
-            problems = over_commit(m, self.cards, self.store.shares(), pods, self.store.claim_uids())
+            problems = over_commit(m, self.cards, self.store.shares(), list(pods.pods), self.store.claim_uids())
+            if problems and not pods.listed:  # a deletion the watch has not delivered yet: decide on a LIST
+                self.metrics.fallback_lists.labels(kind.name).inc()
+                problems = over_commit(m, self.cards, self.store.shares(), list(self.view.fresh().pods),
+                                       self.store.claim_uids())
             if problems:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: its record would over-commit "
                                       f"this node: {'; '.join(problems)} (live pods of the node already hold it; "
@@ -103,11 +164,9 @@ class Allocator:
             row, shares = store_rows(m, kind.name, device_ids, self.clock_ns())
             self.store.record(row, shares)  # durable before kubelet hears back
             done = assigned(m.pod_obj)
-            if m.container not in done:
-                try:
-                    self.pods.patch_pod_annotations(m.namespace, m.pod, {ASSIGNED: _json_list(done + [m.container])})
-                except Exception as exc:  # the store is authoritative; reconciliation re-patches
-                    log.warning("pod %s/%s: could not write %s: %s", m.namespace, m.pod, ASSIGNED, exc)
+            mine = {c for uid, c, _ in served if uid == m.pod_uid} | {m.container}
+            if not mine <= set(done):  # after Allocate returns: the store is the authority, the reconciler re-issues
+                self.writer.submit(m.namespace, m.pod, {ASSIGNED: _json_list(done + sorted(mine))})
         log.info("Allocate %s x%d -> %s/%s container %s cards %s", kind.name, len(device_ids), m.namespace, m.pod,
                  m.container, [s.index for s in m.share.shares])
         return grant
@@ -124,12 +183,14 @@ class Allocator:
         cards: list[int] = []
         try:
             with self.lock:
-                pods = self.pods.pods_on_node(self.config.node)
-                served = {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}
-            m = matching.match(self.config.node, kind.name, size, pods, served, self.config.record_verifier)
+                served = self._served()
+                m, _, generation = self._decide(kind, size, served)
+                self._preferred = (kind.name, size, frozenset(served), generation, m)
             cards = [s.index for s in m.share.shares]
         except matching.NoMatch:
             pass  # Allocate will refuse with the reason; any devices do for the preference
+        except Exception as exc:  # noqa: BLE001 - a preference only: Allocate reports the reason
+            log.warning("GetPreferredAllocation %s: cannot read the pods of node %s: %s", kind.name, self.config.node, exc)
         return matching.preferred_devices(available, must, size, cards, card_of_device)
 
     def prestart(self, kind: ResourceKind, device_ids: tuple[str, ...]) -> None:

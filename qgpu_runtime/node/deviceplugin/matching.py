@@ -104,6 +104,54 @@ def _label(pod: Mapping[str, Any]) -> str:
     return f"{m.get('namespace', 'default')}/{m.get('name', '?')}"
 
 
+@dataclass(frozen=True)
+class Examined:
+    """What one pod is to the matcher, worked out once per version of the pod (node/podwatch.py
+    keeps it beside the pod): its record parsed and checked (signature, shape), or why it was refused.
+
+    ``record`` set: a candidate; ``refused``/``untrusted`` set: reported when nothing matches (and
+    ``untrusted`` on every Allocate, as the log and the metric want); neither: not a candidate."""
+
+    pod: Mapping[str, Any]
+    uid: str
+    label: str
+    record: AllocationRecord | None = None
+    refused: str | None = None
+    untrusted: str | None = None
+    bind_time: int | None = None
+
+
+def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) -> Examined | None:
+    """Rule 1 for one pod: None when the pod can never be a candidate (another node, terminating,
+    no record, not Pending); otherwise its parsed, verified record or the reason it is refused.
+
+    ``verifier``: the extender's public key. None only where the pods come from a file the host's
+    operator writes (``--pods-file``): there no tenant writes annotations and records are not signed.
+    """
+    meta = _meta(pod)
+    spec = pod.get("spec") or {}
+    if spec.get("nodeName") != node or meta.get("deletionTimestamp"):
+        return None
+    if annotations(pod).get(ALLOCATION) is None or phase(pod) != PENDING:
+        return None
+    label = _label(pod)
+    uid = str(meta.get("uid", ""))
+    try:
+        record = parse_record(annotations(pod)[ALLOCATION]) if verifier is None else trusted_record(pod, verifier)
+    except UntrustedRecord as exc:
+        return Examined(pod, uid, label, untrusted=f"{label}: {exc}")
+    except RecordError as exc:
+        return Examined(pod, uid, label, refused=f"{label}: {exc}")
+    if record is None:
+        return None
+    if record.node != node:
+        return Examined(pod, uid, label, refused=f"{label}: record is for node {record.node!r}")
+    why = _shape_refusal(pod, record, node)
+    if why:
+        return Examined(pod, uid, label, untrusted=f"{label}: {why}")
+    return Examined(pod, uid, label, record=record, bind_time=bind_time(pod))
+
+
 def match(
     node: str,
     resource: str,
@@ -112,66 +160,51 @@ def match(
     served: set[tuple[str, str, str]],
     verifier: RecordVerifier | None,
 ) -> Match:
-    """Apply the rule above. ``served`` holds (pod uid, container, resource) already allocated.
+    """Apply the rule above to raw pods. ``served`` holds (pod uid, container, resource) already allocated."""
+    examined = (examine(p, node, verifier) for p in pods)
+    return choose(node, resource, device_count, [e for e in examined if e is not None], served)
 
-    ``verifier``: the extender's public key. None only where the pods come from a file the host's
-    operator writes (``--pods-file``): there no tenant writes annotations and records are not signed.
-    """
+
+def choose(
+    node: str,
+    resource: str,
+    device_count: int,
+    pods: Iterable[Examined],
+    served: set[tuple[str, str, str]],
+) -> Match:
+    """Rules 2-4 over pods already examined (rule 1): the container this Allocate is for."""
     served_containers = {(uid, c) for uid, c, _ in served}
     candidates: list[tuple[tuple, Match]] = []
     refused: list[str] = []
     untrusted: list[str] = []
-    for pod in pods:
-        meta = _meta(pod)
-        spec = pod.get("spec") or {}
-        if spec.get("nodeName") != node or meta.get("deletionTimestamp"):
+    for e in pods:
+        if e.untrusted is not None:
+            untrusted.append(e.untrusted)
             continue
-        raw = annotations(pod).get(ALLOCATION)
-        if raw is None:
+        if e.refused is not None or e.record is None:
+            refused.extend([e.refused] if e.refused else [])
             continue
-        label = _label(pod)
-        if phase(pod) != PENDING:
-            continue
-        try:
-            record = parse_record(raw) if verifier is None else trusted_record(pod, verifier)
-        except UntrustedRecord as exc:
-            untrusted.append(f"{label}: {exc}")
-            continue
-        except RecordError as exc:
-            refused.append(f"{label}: {exc}")
-            continue
-        if record is None:
-            continue
-        if record.node != node:
-            refused.append(f"{label}: record is for node {record.node!r}")
-            continue
-        why = _shape_refusal(pod, record, node)
-        if why:
-            untrusted.append(f"{label}: {why}")
-            continue
-        uid = str(meta.get("uid", ""))
-        nxt = _next_container(spec, record, resource, uid, served)
+        nxt = _next_container(e.pod.get("spec") or {}, e.record, resource, e.uid, served)
         if nxt is None:
             continue
         name, quantity, share = nxt
         if share is None:
-            refused.append(f"{label}: container {name!r} asks for {resource} but the record has no entry for it")
+            refused.append(f"{e.label}: container {name!r} asks for {resource} but the record has no entry for it")
             continue
         if quantity != device_count:
-            refused.append(f"{label}: next container {name!r} asks for {quantity} {resource}, kubelet sent {device_count}")
+            refused.append(f"{e.label}: next container {name!r} asks for {quantity} {resource}, kubelet sent {device_count}")
             continue
-        in_flight = (uid, name) in served_containers
-        bt = bind_time(pod)
-        rank = (0 if in_flight else 1, bt is None, bt or 0, meta.get("namespace", ""), meta.get("name", ""))
-        candidates.append((rank, Match(str(meta.get("namespace", "default")), str(meta.get("name", "")), uid, name,
-                                       record, share, in_flight, pod, tuple(untrusted))))
+        in_flight = (e.uid, name) in served_containers
+        meta = _meta(e.pod)
+        rank = (0 if in_flight else 1, e.bind_time is None, e.bind_time or 0, meta.get("namespace", ""), meta.get("name", ""))
+        candidates.append((rank, Match(str(meta.get("namespace", "default")), str(meta.get("name", "")), e.uid, name,
+                                       e.record, share, in_flight, e.pod)))
     if not candidates:
         reasons = [*refused, *(f"{u} (record not trusted, nothing granted)" for u in untrusted)]
         why = "; ".join(reasons) if reasons else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
         raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}", tuple(untrusted))
     candidates.sort(key=lambda c: c[0])
-    best = candidates[0][1]
-    return best if best.untrusted == tuple(untrusted) else replace(best, untrusted=tuple(untrusted))
+    return replace(candidates[0][1], untrusted=tuple(untrusted))
 
 
 def _shape_refusal(pod: Mapping[str, Any], record: AllocationRecord, node: str) -> str | None:
@@ -208,17 +241,26 @@ def preferred_devices(
     """Device IDs for GetPreferredAllocation: must-includes, then spread evenly over ``cards``
     (the predicted container's cards), then anything else in a stable order."""
     chosen = list(dict.fromkeys(must_include))[:size]
-    pool = [d for d in sorted(available, key=_natural) if d not in chosen]
+    taken = set(chosen)
+    pool = sorted((d for d in available if d not in taken), key=_natural)
     if cards:
         need = size - len(chosen)
         per_card = [need // len(cards) + (1 if i < need % len(cards) else 0) for i in range(len(cards))]
+        on_card: dict[int, list[str]] = {}
+        for d in pool:  # one pass: kubelet offers every free unit of the node (hundreds) on each call
+            on_card.setdefault(card_of(d), []).append(d)
         for card, n in zip(cards, per_card):
-            picks = [d for d in pool if card_of(d) == card][:n]
-            chosen.extend(picks)
-            pool = [d for d in pool if d not in set(picks)]
+            free = on_card.get(card, [])
+            chosen.extend(free[:n])
+            taken.update(free[:n])
+            del free[:n]
+        pool = [d for d in pool if d not in taken]
     chosen.extend(pool[: max(0, size - len(chosen))])
     return chosen[:size]
 
 
 def _natural(device_id: str) -> tuple:
-    return tuple(int(p) if p.isdigit() else p for p in device_id.rsplit("-", 2))
+    """``<kind>-<card>-<unit>`` in numeric order of card, then unit (kubelet sends them unordered)."""
+    head, _, unit = device_id.rpartition("-")
+    kind, _, card = head.rpartition("-")
+    return (kind, int(card) if card.isdigit() else -1, card, int(unit) if unit.isdigit() else -1, unit)
