@@ -390,8 +390,9 @@ def test_the_dra_route_exists_only_with_dra():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib, --kubeconfig, .*: only with --dra"),
-    (["--quota-ledger-namespace", "qgpu"], "--quota-ledger-namespace and --claim-reservation-seconds: only with --dra"),
+    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib: only with --dra"),
+    (["--quota-ledger-namespace", "qgpu"], "--quota-ledger-namespace and --claim-reservation-seconds: only with --dra or --pod-quota"),
+    (["--pod-quota", "--kubeconfig", "/nonexistent/kubeconfig"], "--pod-quota: --kubeconfig /nonexistent/kubeconfig: "),
     (["--dra", "--claim-reservation-seconds", "0"], "--claim-reservation-seconds 0: must be within 1..3600"),
     (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
     (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),
