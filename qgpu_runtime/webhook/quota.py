@@ -137,6 +137,7 @@ class ClaimQuota:
         self.locks = _NamespaceLocks()
         # when this replica first saw each ledger entry, by ``monotonic``: what expiry is measured by
         self.seen = FirstSeen()
+        self.stored: dict[str, set[str]] = {}  # by namespace: ledger entries this replica saw stored
         self.conflicts = 0  # lost ledger writes, each followed by a fresh check
 
     @property
@@ -213,6 +214,18 @@ class ClaimQuota:
             log.warning("%s", message)
             return Verdict(False, message, 500)
 
+    def _stored(self, namespace: str, entries: Mapping[str, Reservation], visible: set[str]) -> set[str]:
+        """The ledger entries whose object this replica has seen listed: stored, so its reservation
+        no longer counts even once the object is gone (deleted, or a pod that finished and was
+        removed) before a write pruned the entry. Called under the namespace's lock; what it keeps
+        is bounded by the ledger's entries."""
+        known = (self.stored.get(namespace, set()) | visible) & set(entries)
+        if known:
+            self.stored[namespace] = known
+        else:
+            self.stored.pop(namespace, None)
+        return known
+
     def _is_dra_namespace(self, namespace: str, deadline: float) -> bool:
         """Whether the namespace's GPU pods become DRA claims (its label, which only cluster admins
         write); only a webhook serving DRA pools asks."""
@@ -235,7 +248,7 @@ class ClaimQuota:
             visible = {str((c.get("metadata") or {}).get("name")) for c in claims}
             visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in pods}
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
-            counting = pending(ledger.entries, ages, self.ttl, visible)
+            counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))
             counting.pop(key, None)  # a retried CREATE of the same object is not charged twice
             skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
             pods_used = pods_usage(pods, namespace, skip=skip, dra_namespace=dra_namespace,

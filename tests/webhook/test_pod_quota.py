@@ -146,3 +146,15 @@ def test_an_apiserver_without_resource_claims_has_none_to_count():
     assert guard(api).check_pod(review("p", {"nvidia.com/gpu": "1"})) == Verdict(True)
     api.fail["pods"] = ApiException(status=404, reason="Not Found")
     assert guard(api).check_pod(review("q", {"nvidia.com/gpu": "1"})).code == 500  # only the claims' API may be absent
+
+
+def test_a_pod_deleted_after_this_replica_saw_it_stored_stops_counting_before_its_entry_is_pruned():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    replica = guard(api)
+    assert replica.check_pod(review("a", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    api.pods.append(pod("a", {"nvidia.com/gpu": "1"}))
+    assert not replica.check_pod(review("b", {"nvidia.com/gpu": "1"})).allowed  # refused: no write, pod:a stays in the ledger
+    assert set(api.reservations()) == {"pod:a"}
+    api.pods.clear()  # a deleted
+    assert replica.check_pod(review("b", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    assert not guard(api).check_pod(review("c", {"nvidia.com/gpu": "1"})).allowed  # b reserved
