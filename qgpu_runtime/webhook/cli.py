@@ -21,6 +21,7 @@ import argparse
 import logging
 import signal
 import threading
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from kubernetes.config import ConfigException
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
+from qgpu_runtime.webhook.cardsizes import SliceCardSizes
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 from qgpu_runtime.webhook.templates import TemplateWriter
@@ -56,10 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
     serve.add_argument("--dra", action="store_true",
                        help="serve /mutate-dra (GPU pods of every dialect become DRA claims) and /validate-claim (the claims' GPU "
-                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceclaims and "
-                            "resourcequotas list, leases get/create/update in --quota-ledger-namespace")
+                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceslices, "
+                            "resourceclaims, resourcequotas and pods list, namespaces get, leases get/create/update in "
+                            "--quota-ledger-namespace")
     serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
-                       help="a card size (MiB) of the DRA pools, repeatable: T9k nvidia-gpu-percent requests need them")
+                       help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests; default: "
+                            "the sizes the pools' ResourceSlices publish (needs RBAC: resourceslices list)")
     serve.add_argument("--pod-quota", action="store_true",
                        help="on /validate, charge every dialect's GPU share of a pod against the namespace's gpu.qgpu.io/core "
                             "and gpu.qgpu.io/memory quota, with its claims (docs/extender.md, 'One GPU quota for every "
@@ -206,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
                            default_memory_mib=dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra)
         if args.dra:
+            # the card sizes T9k percent pods need: the flag's, else what the pools' slices publish
+            dra_config = replace(dra_config, published=SliceCardSizes(connection))
             dra = (dra_config, TemplateWriter(connection))
             claim_quota = quota
         if args.pod_quota:

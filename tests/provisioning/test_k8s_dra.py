@@ -305,6 +305,7 @@ def test_the_dra_webhook_has_exactly_the_rbac_it_calls(site: DraSite) -> None:
                ("create", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
                ("list", "resourceclaims", "team-a", "resource.k8s.io"), ("list", "resourcequotas", "team-a", ""),
                ("list", "pods", "team-a", ""), ("get", "namespaces", None, ""),
+               ("list", "resourceslices", None, "resource.k8s.io"),
                ("get", "leases", NAMESPACE, "coordination.k8s.io"), ("create", "leases", NAMESPACE, "coordination.k8s.io"),
                ("update", "leases", NAMESPACE, "coordination.k8s.io")]
     forbidden = [("update", "resourceclaimtemplates", "team-a", "resource.k8s.io"),

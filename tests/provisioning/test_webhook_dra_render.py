@@ -102,7 +102,8 @@ def test_a_dra_pool_runs_the_webhook_with_dra_and_its_flags(dra_docs):
 
 def test_the_dra_rbac_is_exactly_what_the_webhook_calls(dra_docs):
     assert one(dra_docs, "ClusterRole", "qgpu-webhook-dra")["rules"] == [
-        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["get", "create"]}]
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["get", "create"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list"]}]
     assert one(dra_docs, "ClusterRole", "qgpu-webhook-quota")["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list"]},
         {"apiGroups": [""], "resources": ["resourcequotas", "pods"], "verbs": ["list"]},

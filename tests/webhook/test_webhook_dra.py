@@ -133,7 +133,7 @@ def test_t9k_percent_of_a_whole_card_stays_within_its_whole_gib():
     assert only_request(spec)["firstAvailable"][0]["capacity"]["requests"]["memory"] == "15360"
 
 
-def test_t9k_percent_without_card_sizes_is_refused_naming_the_flag():
+def test_t9k_percent_without_card_sizes_is_refused_naming_the_slices_and_the_flag():
     with pytest.raises(DraRefusal, match="--dra-card-memory-mib"):
         convert(pod(container(limits={"tensorstack.dev/nvidia-gpu-percent": "25"})))
 
