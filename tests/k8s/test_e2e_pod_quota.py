@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import json
-import threading
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -24,6 +23,7 @@ from qgpu_runtime.contract.dra import SHARED_CLASS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
 from tests.k8s.controlplane import QgpuServer, free_port
 from tests.k8s.kubeobjects import gpu_pod
+from tests.k8s.test_e2e_claimquota_webhook import _race
 
 LABEL = "qgpu-test-pod-quota"
 NOBODY = "qgpu-test-nobody"
@@ -130,29 +130,6 @@ def test_a_deleted_or_finished_pod_gives_its_share_back(hook):
     hook.create(ns, "second", {"nvidia.com/gpu": 1})
     hook.cluster.api.patch_namespaced_pod_status("second", ns, {"status": {"phase": "Succeeded"}})
     hook.create(ns, "third", {"nvidia.com/gpu": 1})
-
-
-def _race(n: int, attempt: Callable[[int], bool]) -> list[int]:
-    """``attempt(i)`` from ``n`` threads released at the same moment; the indexes that were admitted."""
-    barrier = threading.Barrier(n)
-    admitted: list[int] = []
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            if attempt(i):
-                admitted.append(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not errors, errors
-    return admitted
 
 
 def _creator(hook: Hook, ns: str, limits: Callable[[int], dict[str, Any]], refusals: list[str]) -> Callable[[int], bool]:

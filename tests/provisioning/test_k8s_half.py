@@ -339,7 +339,9 @@ def test_webhook_configurations_trust_the_generated_ca_and_point_at_the_service(
     service = client.CoreV1Api(site.cluster.api_client).read_namespaced_service("qgpu-webhook", NAMESPACE)
     assert service.spec.selector == {"app.kubernetes.io/name": "qgpu-webhook"}
     deployment = client.AppsV1Api(site.cluster.api_client).read_namespaced_deployment("qgpu-webhook", NAMESPACE)
-    assert deployment.spec.template.spec.automount_service_account_token is False
+    # the one GPU quota (qgpu_webhook_pod_quota, default true) reads pods, claims and quotas: a token, and its ClusterRole
+    assert deployment.spec.template.spec.automount_service_account_token is True
+    assert client.RbacAuthorizationV1Api(site.cluster.api_client).read_cluster_role("qgpu-webhook-quota").rules
     for hooks, path in ((admission.read_mutating_webhook_configuration("qgpu-webhook"), "/mutate"),
                         (admission.read_validating_webhook_configuration("qgpu-webhook"), "/validate")):
         (hook,) = hooks.webhooks
