@@ -401,7 +401,10 @@ FORBIDDEN = [("get", "secrets", None), ("list", "secrets", None), ("get", "secre
     ("qgpu-manager", MANAGER_ALLOWED, FORBIDDEN + [("watch", "pods", None), ("list", "nodes", None),
                                                    ("watch", "nodes", None)]),
     ("qgpu-scheduler", EXTENDER_ALLOWED, FORBIDDEN + [("patch", "nodes", None), ("create", "events", "default")]),
-    ("qgpu-webhook", [], FORBIDDEN + EXTENDER_ALLOWED + [("patch", "nodes", None), ("create", "events", "default")]),
+    # the one GPU quota (qgpu_webhook_pod_quota): list pods and quotas, read nothing else of them
+    ("qgpu-webhook", [("list", "pods", None), ("list", "resourcequotas", "default")],
+     FORBIDDEN + [e for e in EXTENDER_ALLOWED if e != ("list", "pods", None)]
+     + [("patch", "nodes", None), ("create", "events", "default"), ("get", "resourcequotas", "default")]),
 ])
 def test_service_accounts_have_least_privilege(site: Site, account: str, allowed: list, forbidden: list) -> None:
     assert [a for a in allowed if not can(site.cluster, account, a[0], a[1], namespace=a[2])] == []
