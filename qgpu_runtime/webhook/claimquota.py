@@ -71,8 +71,8 @@ class Refusal:
     requested: int
     hard: int
 
-    def message(self, claim: str) -> str:
-        return (f"ResourceClaim {self.namespace}/{claim}: exceeded quota {self.quota!r} in namespace "
+    def message(self, claim: str, kind: str = "ResourceClaim") -> str:
+        return (f"{kind} {self.namespace}/{claim}: exceeded quota {self.quota!r} in namespace "
                 f"{self.namespace!r}: {self.resource} used {self.used} + requested {self.requested} > hard "
                 f"{self.hard} ({UNITS[self.resource]})")
 
@@ -148,19 +148,33 @@ def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]],
     asked = claim_usage(claim, default_memory_mib)
     if asked == Usage():
         return []  # asks nothing of qgpu: a broken qgpu quota must not block other drivers' claims
-    limits = quota_limits(quotas)
-    used = reserved
-    for other in existing:
+    used = reserved + claims_usage(existing, namespace, name, default_memory_mib)
+    return quota_refusals(namespace, asked, used, quotas)
+
+
+def claims_usage(claims: Iterable[Mapping[str, Any]], namespace: str, skip: str | None = None,
+                 default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> Usage:
+    """What the listed ``claims`` of ``namespace`` ask (others skipped, and the claim named ``skip``).
+    A claim that cannot be read is charged a whole card for each of its requests of a qgpu class,
+    so a malformed claim cannot hide usage."""
+    used = Usage()
+    for other in claims:
         other_ns, other_name = _name(other)
-        if other_ns != namespace or other_name == name:
+        if other_ns != namespace or other_name == skip:
             continue
         try:
             used += claim_usage(other, default_memory_mib)
         except ClaimQuotaError:
             n = qgpu_request_count(other)  # a whole card per qgpu request, its count unknown: one
             used += Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
+    return used
+
+
+def quota_refusals(namespace: str, asked: Usage, used: Usage, quotas: Iterable[Mapping[str, Any]]) -> list[Refusal]:
+    """The qgpu quotas of the namespace that ``used`` plus ``asked`` would exceed, for the resources
+    ``asked`` takes some of. Raises ClaimQuotaError when a quota cannot be read."""
     refusals = []
-    for quota, resource, hard in limits:
+    for quota, resource, hard in quota_limits(quotas):
         if used.of(resource) + asked.of(resource) > hard and asked.of(resource) > 0:
             refusals.append(Refusal(namespace, quota, resource, used.of(resource), asked.of(resource), hard))
     return refusals

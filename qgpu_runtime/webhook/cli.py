@@ -4,13 +4,14 @@ Routes: POST /validate and POST /mutate (AdmissionReview v1); GET /healthz. With
 POST /mutate-dra, which turns every dialect into DRA claims and creates their ResourceClaimTemplates
 (docs/dra.md, "Every dialect through the webhook"), and POST /validate-claim, which holds
 ResourceClaim CREATEs to the namespace's GPU core and memory quota (docs/dra.md, "Quota on GPU core
-and memory").
+and memory"). With ``--pod-quota``, /validate also charges every dialect's GPU share of a pod
+against the same quota (docs/extender.md, "One GPU quota for every dialect").
 
-Who may call: /mutate-dra and /validate-claim have side effects (a template written, quota
+Who may call: /mutate-dra, /validate-claim and /validate with --pod-quota have side effects (a template written, quota
 reserved in the ledger), so only kube-apiserver may call them: ``--dra`` needs ``--client-ca-file``,
 the CA that signed the client certificate the apiserver presents through its admission
 configuration (docs/extender.md, "Who may call the webhook"). /validate and /mutate need the same
-certificate, unless ``--insecure-no-client-auth`` (no --dra) says otherwise. /healthz and /readyz
+certificate, unless ``--insecure-no-client-auth`` (no --dra, no --pod-quota) says otherwise. /healthz and /readyz
 stay open for kubelet's probes.
 """
 
@@ -20,6 +21,7 @@ import argparse
 import logging
 import signal
 import threading
+from dataclasses import replace
 from functools import partial
 from typing import Any, Callable
 
@@ -28,6 +30,7 @@ from kubernetes.config import ConfigException
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
+from qgpu_runtime.webhook.cardsizes import SliceCardSizes
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 from qgpu_runtime.webhook.templates import TemplateWriter
@@ -35,6 +38,7 @@ from qgpu_runtime.webhook.templates import TemplateWriter
 ClaimCheck = Callable[[dict[str, Any]], Verdict]
 DEFAULT_LEDGER_NAMESPACE = "qgpu-system"
 DEFAULT_RESERVATION_S = 30.0
+
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,16 +58,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--scheduler-name", default=None, help="set spec.schedulerName of GPU pods that kept the default")
     serve.add_argument("--dra", action="store_true",
                        help="serve /mutate-dra (GPU pods of every dialect become DRA claims) and /validate-claim (the claims' GPU "
-                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceclaims and "
-                            "resourcequotas list, leases get/create/update in --quota-ledger-namespace")
+                            "core and memory quota); needs RBAC: resourceclaimtemplates get/create, resourceslices, "
+                            "resourceclaims, resourcequotas and pods list, namespaces get, leases get/create/update in "
+                            "--quota-ledger-namespace")
     serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
-                       help="a card size (MiB) of the DRA pools, repeatable: T9k nvidia-gpu-percent requests need them")
-    serve.add_argument("--kubeconfig", default=None, help="with --dra: kubeconfig file (default: in-cluster service account)")
+                       help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests; default: "
+                            "the sizes the pools' ResourceSlices publish (needs RBAC: resourceslices list)")
+    serve.add_argument("--pod-quota", action="store_true",
+                       help="on /validate, charge every dialect's GPU share of a pod against the namespace's gpu.qgpu.io/core "
+                            "and gpu.qgpu.io/memory quota, with its claims (docs/extender.md, 'One GPU quota for every "
+                            "dialect'); needs RBAC: pods, resourceclaims and resourcequotas list, leases get/create/update in "
+                            "--quota-ledger-namespace (with --dra also namespaces get)")
+    serve.add_argument("--kubeconfig", default=None,
+                       help="with --dra or --pod-quota: kubeconfig file (default: in-cluster service account)")
     serve.add_argument("--quota-ledger-namespace", default=None, metavar="NAMESPACE",
-                       help="with --dra: namespace of the claim-quota ledger Leases qgpu-claim-quota.<namespace>, the "
-                            "webhook's own (default qgpu-system)")
+                       help="with --dra or --pod-quota: namespace of the quota ledger Leases qgpu-claim-quota.<namespace>, "
+                            "the webhook's own (default qgpu-system)")
     serve.add_argument("--claim-reservation-seconds", type=float, default=None, metavar="SECONDS",
-                       help="with --dra: how long an admitted claim not yet stored counts against the quota (default 30)")
+                       help="with --dra or --pod-quota: how long an admitted claim or pod not yet stored counts against the "
+                            "quota (default 30)")
     serve.add_argument("--log-level", default="INFO", choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
 
@@ -104,8 +117,10 @@ WEBHOOK_LIMITS = ServerLimits(
 )
 
 
-def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None, claim_quota: ClaimCheck | None = None) -> Routes:
-    post = {"/validate": handler(validate, config), "/mutate": handler(mutate, config)}
+def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None, claim_quota: ClaimCheck | None = None,
+           pod_quota: ClaimCheck | None = None) -> Routes:
+    validate_route = validate if pod_quota is None else partial(_validate_pod, check=pod_quota)
+    post = {"/validate": handler(validate_route, config), "/mutate": handler(mutate, config)}
     if dra is not None:
         dra_config, ensure = dra
         post["/mutate-dra"] = handler(partial(_mutate_dra, dra_config=dra_config, ensure=ensure), config)
@@ -125,6 +140,16 @@ def _mutate_dra(body: bytes, config: WebhookConfig, *, dra_config: DraConfig, en
     return mutate_dra(body, config, dra_config, ensure)
 
 
+def _validate_pod(body: bytes, config: WebhookConfig, *, check: ClaimCheck) -> dict[str, Any]:
+    """The request model's rules first (a pod they refuse reserves nothing), then the GPU quota."""
+    answer = validate(body, config)
+    if not answer["response"]["allowed"]:
+        return answer
+    _, request = _review(body)
+    verdict = check(request)
+    return _answer(request["uid"], verdict.allowed, verdict.message, code=verdict.code)
+
+
 def _validate_claim(body: bytes, config: WebhookConfig, *, check: ClaimCheck) -> dict[str, Any]:
     _, request = _review(body)
     verdict = check(request)
@@ -135,6 +160,9 @@ def _check_auth(args: argparse.Namespace) -> None:
     """Client certificates unless explicitly waived, and never waived for the side-effect paths."""
     if args.client_ca_file and args.insecure_no_client_auth:
         raise SystemExit("qgpu webhook serve: --client-ca-file and --insecure-no-client-auth: choose one")
+    if args.pod_quota and not args.client_ca_file:
+        raise SystemExit("qgpu webhook serve: --pod-quota without --client-ca-file: /validate then reserves quota in the "
+                         "ledger, so only kube-apiserver (a client certificate the CA signed) may call it")
     if args.dra and not args.client_ca_file:
         raise SystemExit("qgpu webhook serve: --dra without --client-ca-file: /mutate-dra creates ResourceClaimTemplates "
                          "and /validate-claim reserves quota, so only kube-apiserver (a client certificate the CA "
@@ -154,16 +182,20 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(__name__).warning(
             "--insecure-no-client-auth: /validate and /mutate answer any caller that reaches the port, not only kube-apiserver")
     dra = None
-    dra_only = (args.dra_card_memory_mib, args.kubeconfig, args.quota_ledger_namespace, args.claim_reservation_seconds)
-    if not args.dra and any(v not in (None, []) for v in dra_only):
-        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib, --kubeconfig, --quota-ledger-namespace and "
-                         "--claim-reservation-seconds: only with --dra")
-    claim_quota = None
+    if not args.dra and args.dra_card_memory_mib:
+        raise SystemExit("qgpu webhook serve: --dra-card-memory-mib: only with --dra")
+    api_only = (args.kubeconfig, args.quota_ledger_namespace, args.claim_reservation_seconds)
+    if not (args.dra or args.pod_quota) and any(v is not None for v in api_only):
+        raise SystemExit("qgpu webhook serve: --kubeconfig, --quota-ledger-namespace and --claim-reservation-seconds: "
+                         "only with --dra or --pod-quota")
+    claim_quota = pod_quota = None
+    dra_config = DraConfig()
     if args.dra:
         try:
             dra_config = DraConfig(tuple(args.dra_card_memory_mib))
         except ValueError as exc:
             raise SystemExit(f"qgpu webhook serve: --dra-card-memory-mib: {exc}") from None
+    if args.dra or args.pod_quota:
         reservation_s = DEFAULT_RESERVATION_S if args.claim_reservation_seconds is None else args.claim_reservation_seconds
         if not 1 <= reservation_s <= 3600:
             raise SystemExit(f"qgpu webhook serve: --claim-reservation-seconds {reservation_s:g}: must be within 1..3600 "
@@ -172,11 +204,19 @@ def run(args: argparse.Namespace) -> int:
             connection = api_client(args.kubeconfig)
         except (ConfigException, OSError) as exc:
             where = f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster service account (no --kubeconfig)"
-            raise SystemExit(f"qgpu webhook serve: --dra: {where}: {exc}") from None
-        dra = (dra_config, TemplateWriter(connection))
-        claim_quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
-                                 default_memory_mib=dra_config.limits.max_card_memory_mib)
-    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra, claim_quota),
+            raise SystemExit(f"qgpu webhook serve: {'--dra' if args.dra else '--pod-quota'}: {where}: {exc}") from None
+        # One guard for claims and pods: one namespace lock, one ledger, one quota; its 8 s budget
+        # sits inside the 10 s the role's quota entries wait.
+        quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
+                           default_memory_mib=dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra)
+        if args.dra:
+            # the card sizes T9k percent pods need: the flag's, else what the pools' slices publish
+            dra_config = replace(dra_config, published=SliceCardSizes(connection))
+            dra = (dra_config, TemplateWriter(connection))
+            claim_quota = quota
+        if args.pod_quota:
+            pod_quota = quota.check_pod
+    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra, claim_quota, pod_quota),
                         args.tls_cert_file, args.tls_private_key_file, limits=WEBHOOK_LIMITS, client_ca_file=args.client_ca_file)
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d (%s)", args.address, server.port,

@@ -62,13 +62,26 @@ class DraRefusal(ValueError):
     """A valid request this webhook cannot express as a claim; the message says what is missing."""
 
 
+class CardSizesUnavailable(RuntimeError):
+    """The card sizes the pools publish cannot be read now (a 500: try again); names the call."""
+
+
 @dataclass(frozen=True)
 class DraConfig:
     """``card_memory_mib``: the card sizes (MiB, as the slices publish ``memoryMiB``) of the DRA
-    pools, needed only for T9k percent-of-memory requests."""
+    pools, needed only for T9k percent-of-memory requests; when empty, ``published`` reads them
+    from the pools' ResourceSlices (webhook/cardsizes.py)."""
 
     card_memory_mib: tuple[int, ...] = ()
     limits: CardLimits = DEFAULT_LIMITS
+    published: Callable[[], tuple[int, ...]] | None = field(default=None, compare=False)
+
+    def card_sizes(self) -> tuple[int, ...]:
+        """The sizes percent claims choose among, smallest first (CardSizesUnavailable when the
+        published ones cannot be read)."""
+        if self.card_memory_mib or self.published is None:
+            return tuple(sorted(set(self.card_memory_mib)))
+        return tuple(sorted(set(self.published())))
 
     def __post_init__(self) -> None:
         sizes = self.card_memory_mib
@@ -149,11 +162,11 @@ def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -
         if container.cards > 1:
             constraints.append({"requests": [REQUEST_NAME], "distinctAttribute": f"{dra.DRIVER}/{dra.ATTR_UUID}"})
     elif container.memory_pct is not None:
-        sizes = sorted(set(config.card_memory_mib))
+        sizes = list(config.card_sizes())
         if not sizes:
             raise DraRefusal(f"container {container.name!r}: {PERCENT_ASKED[container.dialect]}: {container.memory_pct} % "
-                             "of a card's memory needs the card sizes of the DRA pool "
-                             "(qgpu webhook serve --dra-card-memory-mib)")
+                             f"of a card's memory needs the card sizes of the DRA pools, and no ResourceSlice of "
+                             f"driver {dra.DRIVER} publishes a card yet (or set qgpu webhook serve --dra-card-memory-mib)")
         name = f"qgpu-pct{container.memory_pct}-s{_digest(sizes)}"  # T9k's names as before; HAMi's and KAI's add:
         name += (f"-c{container.core_milli}" if container.core_milli else "") + (f"-x{container.cards}" if container.cards > 1 else "")
         request = {"name": REQUEST_NAME, "firstAvailable": [
@@ -315,6 +328,8 @@ def mutate_dra(body: bytes | str, config: WebhookConfig, dra_config: DraConfig, 
         return _deny(uid, f"qgpu: {exc}", 422)
     except DraRefusal as exc:
         return _deny(uid, f"qgpu: {exc}", 422)
+    except CardSizesUnavailable as exc:
+        return _deny(uid, f"qgpu: the card sizes of the DRA pools cannot be read, so the pod is refused (try again): {exc}", 500)
     if conversion.templates and not request.get("dryRun"):
         try:
             ensure(pod["metadata"]["namespace"], conversion.templates)

@@ -1,10 +1,11 @@
-"""Serving the claim quota: the verdict of claimquota.py on what the apiserver holds right now.
+"""Serving the GPU quota: the verdict of claimquota.py and podquota.py on what the apiserver holds now.
 
-On a ResourceClaim CREATE in a namespace with a qgpu quota, :class:`ClaimQuota` lists the
-namespace's ResourceQuotas and ResourceClaims and judges the claim with
-:func:`~qgpu_runtime.webhook.claimquota.claim_admission`, counting as used, besides the listed
-claims, the reservations of claims admitted a moment ago that the list does not show yet
-(webhook/ledger.py). An admission is final only once its own reservation is written to the
+On a ResourceClaim or Pod CREATE in a namespace with a qgpu quota (``gpu.qgpu.io/core``,
+``gpu.qgpu.io/memory``), :class:`ClaimQuota` lists the namespace's ResourceQuotas, ResourceClaims
+and Pods and judges the new object, counting as used the listed claims, every dialect's share
+of the listed pods, and the reservations of claims and pods admitted a moment ago that the lists do
+not show yet (webhook/ledger.py): one quota for every dialect, on device-plugin and DRA pools.
+An admission is final only once its own reservation is written to the
 namespace's ledger Lease on the resourceVersion it was read at, so two admissions racing each other
 are serialised by the apiserver, in one webhook process or across replicas: the loser's write is a
 409, and it reads, lists and judges again. Within one process the admissions of a namespace also
@@ -28,25 +29,34 @@ from typing import Any, Callable, Iterator, Mapping
 from kubernetes import client
 
 from qgpu_runtime.contract.leases import LedgerError, Reservation, encode_ledger, ledger_name, parse_ledger
-from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
+from qgpu_runtime.contract.names import CLAIM_RESERVATIONS, GPU_MODE, GPU_MODE_DRA
 from qgpu_runtime.contract.observed import FirstSeen
 from qgpu_runtime.kube.client import raw_json
-from qgpu_runtime.kube.errors import ApiError, Conflict, Unreachable, call
+from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, Unreachable, call
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
-from qgpu_runtime.model.requests import DEFAULT_LIMITS
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
 from qgpu_runtime.webhook.claimquota import (
     CORE_QUOTA,
     MEMORY_QUOTA,
     ClaimQuotaError,
+    Usage,
     claim_admission,
     claim_usage,
+    claims_usage,
     is_claim_create,
     new_claim,
+    quota_refusals,
 )
 from qgpu_runtime.webhook.ledger import MAX_ENTRIES, pending, reserved_usage, stamps
+from qgpu_runtime.webhook.podquota import POD_KEY_PREFIX, pod_key, pod_usage, pods_usage
 
 log = logging.getLogger(__name__)
 LABELS = {"app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}
+
+
+Judge = Callable[[list[dict[str, Any]], Usage, list[dict[str, Any]], Usage], tuple[bool, str]]
+"""(listed claims, what the listed pods and pending reservations use, quotas, what the object asks)
+-> (allowed, message)."""
 
 
 class QuotaUnavailable(Exception):
@@ -108,8 +118,8 @@ class ClaimQuota:
 
     def __init__(self, api_client: client.ApiClient, ledger_namespace: str, *, reservation_ttl_s: float = 30.0,
                  budget_s: float = 8.0, call_timeout: tuple[float, float] = (2.0, 4.0),
-                 default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib,
-                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, limits: CardLimits = DEFAULT_LIMITS,
+                 dra: bool = False, clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         if reservation_ttl_s <= 0 or budget_s <= 0:
             raise ValueError(f"reservation_ttl_s={reservation_ttl_s}, budget_s={budget_s}: both must be > 0")
         self.core = client.CoreV1Api(api_client)
@@ -120,11 +130,14 @@ class ClaimQuota:
         self.budget = budget_s
         self.call_timeout = call_timeout
         self.default_memory_mib = default_memory_mib
+        self.limits = limits
+        self.dra = dra
         self.clock = clock
         self.monotonic = monotonic
         self.locks = _NamespaceLocks()
         # when this replica first saw each ledger entry, by ``monotonic``: what expiry is measured by
         self.seen = FirstSeen()
+        self.stored: dict[str, set[str]] = {}  # by namespace: ledger entries this replica saw stored
         self.conflicts = 0  # lost ledger writes, each followed by a fresh check
 
     @property
@@ -133,6 +146,7 @@ class ClaimQuota:
         return LeaseDocuments(self.leases, self.ledger_namespace, CLAIM_RESERVATIONS, LABELS)
 
     def __call__(self, request: Mapping[str, Any]) -> Verdict:
+        """The verdict on a ResourceClaim CREATE (anything else is allowed)."""
         if not is_claim_create(request):
             return Verdict(True)
         claim = new_claim(request)
@@ -140,45 +154,112 @@ class ClaimQuota:
             return Verdict(*claim_admission(request, [], []))
         namespace = claim["metadata"]["namespace"]
         key = str(claim["metadata"].get("name") or f"uid:{request.get('uid')}")
+
+        def asked_of(_dra_namespace: bool) -> Usage:
+            return claim_usage(claim, self.default_memory_mib)
+
+        def judge(claims: list[dict[str, Any]], others: Usage, quotas: list[dict[str, Any]], _asked: Usage) -> tuple[bool, str]:
+            return claim_admission(request, claims, quotas, self.default_memory_mib, others)
+
+        return self._guard("ResourceClaim", namespace, key, request, asked_of, judge)
+
+    def check_pod(self, request: Mapping[str, Any]) -> Verdict:
+        """The verdict on a Pod CREATE (anything else is allowed): every dialect's share against
+        the namespace's ``gpu.qgpu.io/core`` and ``gpu.qgpu.io/memory`` (webhook/podquota.py),
+        with the namespace's claims and other pods. Pod names are known here: a validating
+        webhook sees the name the apiserver generated."""
+        kind = request.get("kind") if isinstance(request.get("kind"), dict) else {}
+        pod = request.get("object")
+        if request.get("operation") != "CREATE" or kind.get("kind") != "Pod" or kind.get("group", "") != "" or not isinstance(pod, dict):
+            return Verdict(True)
+        meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}
+        namespace = str(meta.get("namespace") or request.get("namespace") or "default")
+        name = str(meta.get("name") or request.get("name") or f"uid:{request.get('uid')}")
+        key = pod_key(name)
+
+        def asked_of(dra_namespace: bool) -> Usage:
+            return pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=self.default_memory_mib, limits=self.limits)
+
+        def judge(claims: list[dict[str, Any]], others: Usage, quotas: list[dict[str, Any]], asked: Usage) -> tuple[bool, str]:
+            try:
+                refusals = quota_refusals(namespace, asked, others + claims_usage(claims, namespace, None, self.default_memory_mib), quotas)
+            except ClaimQuotaError as exc:
+                return False, f"qgpu: {exc}"
+            return (False, "qgpu: " + "; ".join(r.message(name, "Pod") for r in refusals)) if refusals else (True, "")
+
+        return self._guard("Pod", namespace, key, request, asked_of, judge)
+
+    def _guard(self, kind: str, namespace: str, key: str, request: Mapping[str, Any], asked_of: Callable[[bool], Usage],
+               judge: Judge) -> Verdict:
         deadline = self.monotonic() + self.budget
         try:
             quotas = self._list("ResourceQuotas", self.core.list_namespaced_resource_quota, namespace, deadline)
             if not any(r in ((q.get("spec") or {}).get("hard") or {}) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
                 return Verdict(True)  # no qgpu quota here: nothing to reserve against
+            dra_namespace = self._is_dra_namespace(namespace, deadline)
             try:
-                asked = claim_usage(claim, self.default_memory_mib)
+                asked = asked_of(dra_namespace)
             except ClaimQuotaError as exc:
                 return Verdict(False, f"qgpu: {exc}")
             if asked.core_milli == 0 and asked.memory_mib == 0:
                 return Verdict(True)
             with self.locks.hold(namespace, deadline - self.monotonic()) as acquired:
                 if not acquired:
-                    raise QuotaUnavailable(f"other claims of namespace {namespace!r} are being checked; "
+                    raise QuotaUnavailable(f"other claims and pods of namespace {namespace!r} are being checked; "
                                            f"none finished within {self.budget:g}s")
-                return self._admit(request, namespace, key, asked, quotas, deadline)
+                return self._admit(request, namespace, key, asked, quotas, dra_namespace, judge, deadline)
         except QuotaUnavailable as exc:
-            message = (f"qgpu: ResourceClaim {namespace}/{key}: the GPU quota cannot be checked, so the claim is refused "
-                       f"(fail closed; try again): {exc}")
+            message = (f"qgpu: {kind} {namespace}/{key.removeprefix(POD_KEY_PREFIX)}: the GPU quota cannot be checked, so the "
+                       f"{'claim' if kind == 'ResourceClaim' else 'pod'} is refused (fail closed; try again): {exc}")
             log.warning("%s", message)
             return Verdict(False, message, 500)
 
-    def _admit(self, request: Mapping[str, Any], namespace: str, key: str, asked: Any, quotas: list[dict[str, Any]],
-               deadline: float) -> Verdict:
+    def _stored(self, namespace: str, entries: Mapping[str, Reservation], visible: set[str]) -> set[str]:
+        """The ledger entries whose object this replica has seen listed: stored, so its reservation
+        no longer counts even once the object is gone (deleted, or a pod that finished and was
+        removed) before a write pruned the entry. Called under the namespace's lock; what it keeps
+        is bounded by the ledger's entries."""
+        known = (self.stored.get(namespace, set()) | visible) & set(entries)
+        if known:
+            self.stored[namespace] = known
+        else:
+            self.stored.pop(namespace, None)
+        return known
+
+    def _is_dra_namespace(self, namespace: str, deadline: float) -> bool:
+        """Whether the namespace's GPU pods become DRA claims (its label, which only cluster admins
+        write); only a webhook serving DRA pools asks."""
+        if not self.dra:
+            return False
+        found = self._call(f"reading Namespace {namespace!r}", lambda t: call(
+            self.core.read_namespace, namespace, _preload_content=False, _request_timeout=t), deadline)
+        labels = (raw_json(found).get("metadata") or {}).get("labels") or {}
+        return isinstance(labels, dict) and labels.get(GPU_MODE) == GPU_MODE_DRA
+
+    def _admit(self, request: Mapping[str, Any], namespace: str, key: str, asked: Usage, quotas: list[dict[str, Any]],
+               dra_namespace: bool, judge: Judge, deadline: float) -> Verdict:
         attempt = 0
         while True:
             ledger = self._read_ledger(namespace, deadline)
-            claims = self._list("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline)
+            claims = self._list("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline,
+                                api_may_be_absent=True)
+            # every pod, finished ones too: a pod stored is no longer a pending reservation, whatever its phase
+            pods = self._list("Pods", self.core.list_namespaced_pod, namespace, deadline)
             visible = {str((c.get("metadata") or {}).get("name")) for c in claims}
+            visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in pods}
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
-            counting = pending(ledger.entries, ages, self.ttl, visible)
-            counting.pop(key, None)  # a retried CREATE of the same claim is not charged twice
-            allowed, message = claim_admission(request, claims, quotas, self.default_memory_mib, reserved_usage(counting))
+            counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))
+            counting.pop(key, None)  # a retried CREATE of the same object is not charged twice
+            skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
+            pods_used = pods_usage(pods, namespace, skip=skip, dra_namespace=dra_namespace,
+                                   default_memory_mib=self.default_memory_mib, limits=self.limits)
+            allowed, message = judge(claims, pods_used + reserved_usage(counting), quotas, asked)
             if not allowed:
                 return Verdict(False, message)
             if request.get("dryRun") is True:
                 return Verdict(True)  # nothing will be stored, so nothing is reserved (sideEffects: NoneOnDryRun)
             if len(counting) >= MAX_ENTRIES:
-                raise QuotaUnavailable(f"{len(counting)} claims of the namespace are admitted and not yet stored")
+                raise QuotaUnavailable(f"{len(counting)} claims and pods of the namespace are admitted and not yet stored")
             # ``expires`` by this replica's wall clock, for earlier releases' readers only
             counting[key] = Reservation(asked.core_milli, asked.memory_mib, self.clock() + self.ttl)
             try:
@@ -212,10 +293,19 @@ class ClaimQuota:
                 raise LedgerConflict(what) from None
             raise QuotaUnavailable(f"{what}: the apiserver answered {exc}") from None
 
-    def _list(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float) -> list[dict[str, Any]]:
-        response = self._call(f"listing {kind} of namespace {namespace!r}", lambda t: call(
-            list_call, namespace, _preload_content=False, _request_timeout=t), deadline)
-        return [i for i in raw_json(response).get("items") or [] if isinstance(i, dict)]
+    def _list(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float, *,
+              api_may_be_absent: bool = False) -> list[dict[str, Any]]:
+        """The namespace's objects of ``kind``. ``api_may_be_absent``: a 404 means the apiserver
+        does not serve the kind (resource.k8s.io/v1 before Kubernetes 1.34), so none exist."""
+        def attempt(timeout: tuple[float, float]) -> dict[str, Any]:
+            try:
+                return raw_json(call(list_call, namespace, _preload_content=False, _request_timeout=timeout))
+            except NotFound:
+                if api_may_be_absent:
+                    return {}
+                raise
+        found = self._call(f"listing {kind} of namespace {namespace!r}", attempt, deadline)
+        return [i for i in found.get("items") or [] if isinstance(i, dict)]
 
     def _read_ledger(self, namespace: str, deadline: float) -> Ledger:
         name = ledger_name(namespace)

@@ -304,6 +304,8 @@ def test_the_dra_webhook_has_exactly_the_rbac_it_calls(site: DraSite) -> None:
     allowed = [("get", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
                ("create", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
                ("list", "resourceclaims", "team-a", "resource.k8s.io"), ("list", "resourcequotas", "team-a", ""),
+               ("list", "pods", "team-a", ""), ("get", "namespaces", None, ""),
+               ("list", "resourceslices", None, "resource.k8s.io"),
                ("get", "leases", NAMESPACE, "coordination.k8s.io"), ("create", "leases", NAMESPACE, "coordination.k8s.io"),
                ("update", "leases", NAMESPACE, "coordination.k8s.io")]
     forbidden = [("update", "resourceclaimtemplates", "team-a", "resource.k8s.io"),
@@ -311,7 +313,8 @@ def test_the_dra_webhook_has_exactly_the_rbac_it_calls(site: DraSite) -> None:
                  ("create", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourceclaims", "team-a", "resource.k8s.io"),
                  ("watch", "resourceclaims", "team-a", "resource.k8s.io"), ("get", "resourcequotas", "team-a", ""),
                  ("create", "leases", "team-a", "coordination.k8s.io"), ("delete", "leases", NAMESPACE, "coordination.k8s.io"),
-                 ("get", "secrets", NAMESPACE, ""), ("list", "pods", None, ""), ("create", "resourceslices", None, "resource.k8s.io")]
+                 ("get", "secrets", NAMESPACE, ""), ("get", "pods", "team-a", ""), ("watch", "pods", "team-a", ""),
+                 ("list", "namespaces", None, ""), ("create", "resourceslices", None, "resource.k8s.io")]
     assert [a for a in allowed if not can(cluster, "qgpu-webhook", a[0], a[1], namespace=a[2], group=a[3])] == []
     assert [f for f in forbidden if can(cluster, "qgpu-webhook", f[0], f[1], namespace=f[2], group=f[3])] == []
 

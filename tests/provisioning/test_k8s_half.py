@@ -360,7 +360,9 @@ def test_webhook_configurations_trust_the_generated_ca_and_point_at_the_service(
     service = client.CoreV1Api(site.cluster.api_client).read_namespaced_service("qgpu-webhook", NAMESPACE)
     assert service.spec.selector == {"app.kubernetes.io/name": "qgpu-webhook"}
     deployment = client.AppsV1Api(site.cluster.api_client).read_namespaced_deployment("qgpu-webhook", NAMESPACE)
-    assert deployment.spec.template.spec.automount_service_account_token is False
+    # the one GPU quota (qgpu_webhook_pod_quota, default true) reads pods, claims and quotas: a token, and its ClusterRole
+    assert deployment.spec.template.spec.automount_service_account_token is True
+    assert client.RbacAuthorizationV1Api(site.cluster.api_client).read_cluster_role("qgpu-webhook-quota").rules
     for hooks, path in ((admission.read_mutating_webhook_configuration("qgpu-webhook"), "/mutate"),
                         (admission.read_validating_webhook_configuration("qgpu-webhook"), "/validate")):
         (hook,) = hooks.webhooks
@@ -420,7 +422,10 @@ FORBIDDEN = [("get", "secrets", None), ("list", "secrets", None), ("get", "secre
     ("qgpu-manager", MANAGER_ALLOWED, FORBIDDEN + [("list", "nodes", None),
                                                    ("watch", "nodes", None)]),
     ("qgpu-scheduler", EXTENDER_ALLOWED, FORBIDDEN + [("patch", "nodes", None), ("create", "events", "default")]),
-    ("qgpu-webhook", [], FORBIDDEN + EXTENDER_ALLOWED + [("patch", "nodes", None), ("create", "events", "default")]),
+    # the one GPU quota (qgpu_webhook_pod_quota): list pods and quotas, read nothing else of them
+    ("qgpu-webhook", [("list", "pods", None), ("list", "resourcequotas", "default")],
+     FORBIDDEN + [e for e in EXTENDER_ALLOWED if e != ("list", "pods", None)]
+     + [("patch", "nodes", None), ("create", "events", "default"), ("get", "resourcequotas", "default")]),
 ])
 def test_service_accounts_have_least_privilege(site: Site, account: str, allowed: list, forbidden: list) -> None:
     assert [a for a in allowed if not can(site.cluster, account, a[0], a[1], namespace=a[2])] == []

@@ -61,8 +61,27 @@ def device_plugin_docs(tmp_path_factory: pytest.TempPathFactory) -> list[dict[st
     return render(tmp_path_factory.mktemp("dp"), "device-plugin")
 
 
-def test_device_plugin_pools_only_keep_the_webhook_without_api_access(device_plugin_docs):
+def test_device_plugin_pools_get_the_one_gpu_quota_with_exactly_the_rbac_it_calls(device_plugin_docs):
+    """Issue 22 §5: /validate charges every dialect against gpu.qgpu.io/core|memory (--pod-quota),
+    with reads of the namespace's quotas, claims and pods and the ledger, and nothing of DRA."""
     docs = device_plugin_docs
+    assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is True
+    assert container(docs)["args"][-3:] == ["--pod-quota", "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30"]
+    assert not [a for a in container(docs)["args"] if a.startswith("--dra")]
+    assert one(docs, "ClusterRole", "qgpu-webhook-quota")["rules"] == [
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["resourcequotas", "pods"], "verbs": ["list"]}]
+    assert not [d for d in docs if d["kind"] == "ClusterRole" and d["metadata"]["name"] == "qgpu-webhook-dra"]
+    role = one(docs, "Role", "qgpu-webhook-claim-quota-ledger")
+    assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
+    assert one(docs, "ValidatingAdmissionPolicy", "qgpu-webhook-own-names")
+    entry = hooks(docs, "ValidatingWebhookConfiguration")["validate.qgpu.io"]
+    assert entry["sideEffects"] == "NoneOnDryRun" and entry["timeoutSeconds"] == 10 and entry["failurePolicy"] == "Fail"
+    assert set(hooks(docs, "MutatingWebhookConfiguration")) == {"mutate.qgpu.io"}
+
+
+def test_device_plugin_pools_without_the_pod_quota_keep_the_webhook_without_api_access(tmp_path: Path):
+    docs = render(tmp_path, "device-plugin", qgpu_webhook_pod_quota=False)
     assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is False
     assert one(docs, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     assert not [d for d in docs if d["kind"] in ("ClusterRole", "Role", "ValidatingAdmissionPolicy")]
@@ -75,7 +94,7 @@ def test_device_plugin_pools_only_keep_the_webhook_without_api_access(device_plu
 
 def test_a_dra_pool_runs_the_webhook_with_dra_and_its_flags(dra_docs):
     args = container(dra_docs)["args"]
-    assert args[-5:] == ["--dra", "--dra-card-memory-mib=15360", "--dra-card-memory-mib=32768",
+    assert args[-6:] == ["--dra", "--dra-card-memory-mib=15360", "--dra-card-memory-mib=32768", "--pod-quota",
                          "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30"]
     assert one(dra_docs, "ServiceAccount")["automountServiceAccountToken"] is True
     assert one(dra_docs, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
@@ -84,12 +103,16 @@ def test_a_dra_pool_runs_the_webhook_with_dra_and_its_flags(dra_docs):
 def test_the_dra_rbac_is_exactly_what_the_webhook_calls(dra_docs):
     assert one(dra_docs, "ClusterRole", "qgpu-webhook-dra")["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaimtemplates"], "verbs": ["get", "create"]},
+        {"apiGroups": ["resource.k8s.io"], "resources": ["resourceslices"], "verbs": ["list"]}]
+    assert one(dra_docs, "ClusterRole", "qgpu-webhook-quota")["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list"]},
-        {"apiGroups": [""], "resources": ["resourcequotas"], "verbs": ["list"]}]
+        {"apiGroups": [""], "resources": ["resourcequotas", "pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["get"]}]
     role = one(dra_docs, "Role", "qgpu-webhook-claim-quota-ledger")
     assert role["metadata"]["namespace"] == "qgpu-system"
     assert role["rules"] == [{"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}]
-    for kind, name in (("ClusterRoleBinding", "qgpu-webhook-dra"), ("RoleBinding", "qgpu-webhook-claim-quota-ledger")):
+    for kind, name in (("ClusterRoleBinding", "qgpu-webhook-dra"), ("ClusterRoleBinding", "qgpu-webhook-quota"),
+                       ("RoleBinding", "qgpu-webhook-claim-quota-ledger")):
         assert one(dra_docs, kind, name)["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-webhook", "namespace": "qgpu-system"}]
 
 
@@ -143,8 +166,10 @@ def test_the_dra_webhook_reaches_the_apiserver_where_the_node_does(tmp_path: Pat
     assert {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"} in container(docs)["env"]
 
 
-def test_the_device_plugin_webhook_needs_no_apiserver_address(tmp_path: Path) -> None:
+def test_the_device_plugin_webhook_reaches_the_apiserver_for_the_pod_quota_and_needs_no_address_without_it(tmp_path: Path) -> None:
     docs = render(tmp_path / "dp", "device-plugin", qgpu_kube_apiserver_host="127.0.0.1")
+    assert {"name": "KUBERNETES_SERVICE_HOST", "value": "127.0.0.1"} in container(docs)["env"]
+    docs = render(tmp_path / "dp-no-quota", "device-plugin", qgpu_kube_apiserver_host="127.0.0.1", qgpu_webhook_pod_quota=False)
     assert "env" not in container(docs)
 
 
@@ -163,10 +188,13 @@ def test_the_webhook_answers_only_the_apiservers_client_certificate(dra_docs, de
 
 
 def test_the_opt_out_serves_validate_and_mutate_without_client_certificates(tmp_path):
-    docs = render(tmp_path / "optout", "device-plugin", qgpu_webhook_client_auth=False)
+    docs = render(tmp_path / "optout", "device-plugin", qgpu_webhook_client_auth=False, qgpu_webhook_pod_quota=False)
     args = container(docs)["args"]
     assert "--insecure-no-client-auth" in args and not [a for a in args if a.startswith("--client-ca-file")]
     assert "client-ca.crt" not in _secret(docs)["data"]
+    # the pod quota writes its ledger on /validate: only the apiserver's certificate may call it
+    with pytest.raises(AssertionError, match="the pod quota reserves in the ledger"):
+        render(tmp_path / "optout-quota", "device-plugin", qgpu_webhook_client_auth=False)
 
 
 def test_the_opt_out_is_refused_with_dra_pools(tmp_path):

@@ -45,10 +45,13 @@ class FakeApi:
     """Claims, quotas and one ledger Lease, with resourceVersion preconditions; ``fail`` maps a
     call name to the exception it raises."""
 
-    def __init__(self, claims=(), hard_core: int | None = 1000):
+    def __init__(self, claims=(), hard_core: int | None = 1000, pods=(), namespace_labels: dict | None = None,
+                 hard_memory: int = 65536):
         self.claims = list(claims)
+        self.pods = list(pods)
+        self.namespace_labels = namespace_labels or {}
         self.quotas = [] if hard_core is None else [{"metadata": {"name": "gpu"}, "spec": {"hard": {CORE_QUOTA: str(hard_core),
-                                                                                                     MEMORY_QUOTA: "65536"}}}]
+                                                                                                     MEMORY_QUOTA: str(hard_memory)}}}]
         self.lease: dict | None = None
         self.version = 0
         self.fail: dict[str, BaseException] = {}
@@ -67,6 +70,14 @@ class FakeApi:
     def list_namespaced_resource_claim(self, ns, **_):
         self._call("claims")
         return Response({"items": self.claims})
+
+    def list_namespaced_pod(self, ns, **_):
+        self._call("pods")
+        return Response({"items": self.pods})
+
+    def read_namespace(self, name, **_):
+        self._call("namespace")
+        return Response({"metadata": {"name": name, "labels": self.namespace_labels}})
 
     def read_namespaced_lease(self, name, ns, **_):
         self._call("read")
@@ -109,7 +120,7 @@ def guard(api: FakeApi, now: list[float] | None = None, ticks: list[float] | Non
 def test_an_admission_reserves_what_the_claim_asks_until_it_is_visible():
     api = FakeApi()
     assert guard(api)(review("a", 600)) == Verdict(True)
-    assert api.calls == ["quotas", "read", "claims", "write"]
+    assert api.calls == ["quotas", "read", "claims", "pods", "write"]
     assert api.reservations() == {"a": Reservation(600, 1024, 1030.0)}
     verdict = guard(api)(review("b", 600))
     assert not verdict.allowed and verdict.code == 422 and "used 600 + requested 600 > hard 1000" in verdict.message

@@ -133,7 +133,7 @@ def test_t9k_percent_of_a_whole_card_stays_within_its_whole_gib():
     assert only_request(spec)["firstAvailable"][0]["capacity"]["requests"]["memory"] == "15360"
 
 
-def test_t9k_percent_without_card_sizes_is_refused_naming_the_flag():
+def test_t9k_percent_without_card_sizes_is_refused_naming_the_slices_and_the_flag():
     with pytest.raises(DraRefusal, match="--dra-card-memory-mib"):
         convert(pod(container(limits={"tensorstack.dev/nvidia-gpu-percent": "25"})))
 
@@ -390,8 +390,9 @@ def test_the_dra_route_exists_only_with_dra():
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib, --kubeconfig, .*: only with --dra"),
-    (["--quota-ledger-namespace", "qgpu"], "--quota-ledger-namespace and --claim-reservation-seconds: only with --dra"),
+    (["--dra-card-memory-mib", "15360"], "--dra-card-memory-mib: only with --dra"),
+    (["--quota-ledger-namespace", "qgpu"], "--quota-ledger-namespace and --claim-reservation-seconds: only with --dra or --pod-quota"),
+    (["--pod-quota", "--kubeconfig", "/nonexistent/kubeconfig"], "--pod-quota: --kubeconfig /nonexistent/kubeconfig: "),
     (["--dra", "--claim-reservation-seconds", "0"], "--claim-reservation-seconds 0: must be within 1..3600"),
     (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
     (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),

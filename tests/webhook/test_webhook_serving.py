@@ -148,6 +148,7 @@ def test_probes_stay_open_without_a_certificate(server, pki):
 @pytest.mark.parametrize("argv, message", [
     ([], "--client-ca-file missing: the webhook answers only kube-apiserver's client certificate"),
     (["--dra", "--insecure-no-client-auth"], "--dra without --client-ca-file: /mutate-dra creates ResourceClaimTemplates"),
+    (["--pod-quota", "--insecure-no-client-auth"], "--pod-quota without --client-ca-file: /validate then reserves quota"),
     (["--client-ca-file", "ca.crt", "--insecure-no-client-auth"], "--client-ca-file and --insecure-no-client-auth: choose one"),
 ])
 def test_serving_without_client_authentication_needs_the_opt_out_and_never_covers_dra(argv, message):

@@ -1,0 +1,110 @@
+"""The card sizes of the DRA pools, as their ResourceSlices publish them: what T9k percent requests need.
+
+``tensorstack.dev/nvidia-gpu-percent: 50`` asks half of whatever card it lands on, so its claim has
+one alternative per card size of the pools (``firstAvailable``, at most eight, smallest first), each
+selecting the cards of that size by the ``memoryMiB`` attribute the node publishes
+(contract/dra.py). The sizes come from the slices of driver ``gpu.qgpu.io`` themselves, not from a
+list kept by hand: a pool that gains a new card model serves percent pods on it once its slice is
+published (and this replica's cached view, at most ``refresh_s`` old, is refreshed).
+
+Mixed sizes in a pool are normal (a V100 16 GiB node beside an A100 80 GiB one): each size is one
+alternative, so a percent pod takes that percent of the card it gets. A slice is written by its
+node, and a compromised node may publish any number of sizes; when the pools publish more than
+eight, the eight that the most nodes publish are kept (ties: the smaller size) and the rest named in
+the webhook's log, so one node cannot crowd the others' sizes out. A device whose ``memoryMiB`` is
+missing or outside the inventory's bounds is left out, as a node's inventory is read.
+
+:func:`published_sizes` is pure; :class:`SliceCardSizes` lists the slices (RBAC: list resourceslices).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from kubernetes import client
+
+from qgpu_runtime.contract.dra import ATTR_MEMORY_MIB, DRIVER, read_slice
+from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+from qgpu_runtime.kube.errors import ApiError, Unreachable, call
+from qgpu_runtime.model.requests import MIB_PER_GIB
+from qgpu_runtime.webhook.dra import MAX_CARD_SIZES, CardSizesUnavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishedSizes:
+    """``sizes``: the card sizes (MiB) percent claims choose among, smallest first; ``left_out``:
+    sizes published beyond the eight kept."""
+
+    sizes: tuple[int, ...]
+    left_out: tuple[int, ...] = ()
+
+
+def _card_memory(device: Any) -> int | None:
+    attrs = device.get("attributes") if isinstance(device, dict) else None
+    value = attrs.get(ATTR_MEMORY_MIB) if isinstance(attrs, dict) else None
+    memory = value.get("int") if isinstance(value, dict) else None
+    if isinstance(memory, bool) or not isinstance(memory, int) or not MIB_PER_GIB <= memory <= MAX_MEMORY_MIB:
+        return None
+    return memory
+
+
+def published_sizes(slices: Iterable[Any]) -> PublishedSizes:
+    """The card sizes qgpu's ResourceSlices publish: each node counts once per size, and at most
+    ``MAX_CARD_SIZES`` sizes are kept, those the most nodes publish."""
+    nodes: dict[int, set[str]] = defaultdict(set)
+    for slice_ in slices:
+        cards = read_slice(slice_)
+        if cards is None:
+            continue
+        for device in slice_["spec"].get("devices") or []:
+            memory = _card_memory(device)
+            if memory is not None:
+                nodes[memory].add(cards.node)
+    ranked = sorted(nodes, key=lambda size: (-len(nodes[size]), size))
+    return PublishedSizes(tuple(sorted(ranked[:MAX_CARD_SIZES])), tuple(sorted(ranked[MAX_CARD_SIZES:])))
+
+
+class SliceCardSizes:
+    """``__call__() -> sizes``: the published sizes, listed at most once per ``refresh_s`` while
+    some are published (only percent pods ask, so an idle cluster lists nothing). Raises CardSizesUnavailable, naming the
+    call, when the slices cannot be listed."""
+
+    def __init__(self, api_client: client.ApiClient, refresh_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic):
+        self.api = client.ResourceV1Api(api_client)
+        self.refresh_s = refresh_s
+        self.monotonic = monotonic
+        self._lock = threading.Lock()
+        self._cached: tuple[float, tuple[int, ...]] | None = None
+
+    def __call__(self) -> tuple[int, ...]:
+        with self._lock:
+            now = self.monotonic()
+            if self._cached is not None and now - self._cached[0] < self.refresh_s:
+                return self._cached[1]
+            found = published_sizes(self._list())
+            if found.left_out:
+                log.warning("ResourceSlices of %s publish more than %d card sizes: percent claims choose among %s; left out %s",
+                            DRIVER, MAX_CARD_SIZES, list(found.sizes), list(found.left_out))
+            # nothing published yet (a pool still starting): listed again at the next percent pod
+            self._cached = (now, found.sizes) if found.sizes else None
+            return found.sizes
+
+    def _list(self) -> list[Any]:
+        where = f"listing ResourceSlices of driver {DRIVER}"
+        try:
+            response = call(self.api.list_resource_slice, field_selector=f"spec.driver={DRIVER}",
+                            _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+        except Unreachable as exc:
+            raise CardSizesUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
+        except ApiError as exc:
+            raise CardSizesUnavailable(f"{where}: the apiserver answered {exc}") from None
+        items = raw_json(response).get("items")
+        return items if isinstance(items, list) else []

@@ -1,0 +1,160 @@
+"""One namespace GPU quota across dialects (issue 22 §5): every dialect's share of a pod is charged
+against ``gpu.qgpu.io/core`` and ``gpu.qgpu.io/memory``, with the namespace's claims, through the
+same reservation ledger as claims. Pure charge rules, then ClaimQuota.check_pod with the stand-in API
+of test_claim_quota_serving.py; the same against the real kube-apiserver in
+tests/k8s/test_e2e_pod_quota.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.contract.leases import Reservation
+from qgpu_runtime.webhook.claimquota import Usage
+from qgpu_runtime.webhook.podquota import pod_usage, pods_usage
+from qgpu_runtime.webhook.quota import Verdict
+from tests.webhook.test_claim_quota_serving import NS, FakeApi, claim, guard
+from tests.webhook.test_claim_quota_serving import review as claim_review
+
+CARD = 80 * 1024  # the default memory charge of a whole card: the largest card qgpu admits
+
+
+def pod(name: str, resources: dict[str, Any], *, annotations: dict | None = None, phase: str | None = None) -> dict:
+    doc: dict[str, Any] = {"metadata": {"name": name, "namespace": NS, "annotations": annotations or {}},
+                           "spec": {"containers": [{"name": "c", "resources": {"limits": resources}}]}}
+    if phase:
+        doc["status"] = {"phase": phase}
+    return doc
+
+
+def review(name: str, resources: dict[str, Any], **extra: Any) -> dict:
+    return {"uid": "u-" + name, "operation": "CREATE", "namespace": NS, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "object": pod(name, resources), **extra}
+
+
+@pytest.mark.parametrize("resources, charge", [
+    ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "4"}, Usage(300, 4096)),
+    ({"tke.cloud.tencent.com/qgpu-core": "200"}, Usage(2000, 2 * CARD)),
+    ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, Usage(500, 8 * 256)),
+    ({"tencent.com/vcuda-core": "100"}, Usage(1000, CARD)),
+    ({"nvidia.com/gpu": "2"}, Usage(2000, 2 * CARD)),
+    ({"tensorstack.dev/nvidia-gpu": "1"}, Usage(1000, CARD)),
+    ({"tensorstack.dev/nvidia-gpu-percent": "50"}, Usage(0, CARD // 2)),
+    ({"tensorstack.dev/nvidia-gpu-node": "1"}, Usage(8000, 8 * CARD)),
+    ({"cpu": "1"}, Usage()),
+])
+def test_every_dialect_is_charged_in_the_one_currency(resources, charge):
+    assert pod_usage(pod("p", resources)) == charge
+
+
+def test_a_finished_pod_holds_nothing():
+    assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}, phase="Succeeded")) == Usage()
+    assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}, phase="Failed")) == Usage()
+    assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}, phase="Running")) == Usage(1000, CARD)
+
+
+def test_a_pod_the_parser_refuses_is_charged_a_whole_card_per_asking_container():
+    assert pod_usage(pod("p", {"tke.cloud.tencent.com/qgpu-core": "abc"})) == Usage(1000, CARD)
+
+
+def test_in_a_dra_namespace_nvidia_gpu_is_charged_as_kube_schedulers_claim_not_as_the_pod():
+    assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}), dra_namespace=True) == Usage()
+    kept = pod("p", {"nvidia.com/gpu": "1"}, annotations={"qgpu.io/gpu-mode": "device-plugin"})
+    assert pod_usage(kept, dra_namespace=True) == Usage(1000, CARD)
+    assert pod_usage(pod("p", {"tencent.com/vcuda-core": "100"}), dra_namespace=True) == Usage(1000, CARD)
+
+
+def test_pods_of_other_namespaces_and_the_pod_being_admitted_are_skipped():
+    other = pod("x", {"nvidia.com/gpu": "1"})
+    other["metadata"]["namespace"] = "elsewhere"
+    listed = [other, pod("self", {"nvidia.com/gpu": "1"}), pod("b", {"nvidia.com/gpu": "1"})]
+    assert pods_usage(listed, NS, skip="self") == Usage(1000, CARD)
+
+
+def test_a_namespace_capped_in_one_dialect_cannot_take_cards_in_another():
+    """The issue's bypass: the quota holds 1.0 card; a qgpu share of 0.6 is running, and a card
+    asked as vcuda-core or nvidia.com/gpu is refused, naming the quota and the numbers."""
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[pod("running", {"tke.cloud.tencent.com/qgpu-core": "60", "tke.cloud.tencent.com/qgpu-memory": "1"})])
+    for resources in ({"tencent.com/vcuda-core": "100"}, {"nvidia.com/gpu": "1"}, {"tensorstack.dev/nvidia-gpu": "1"}):
+        verdict = guard(api).check_pod(review("more", resources))
+        assert (verdict.allowed, verdict.code) == (False, 422)
+        assert "Pod team-a/more: exceeded quota 'gpu'" in verdict.message
+        assert "gpu.qgpu.io/core used 600 + requested 1000 > hard 1000" in verdict.message
+    assert guard(api).check_pod(review("fits", {"tencent.com/vcuda-core": "40", "tencent.com/vcuda-memory": "4"})) == Verdict(True)
+
+
+def test_pods_and_claims_draw_on_the_same_quota():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD, claims=[claim("c", 500)])
+    assert not guard(api).check_pod(review("p", {"nvidia.com/gpu": "1"})).allowed
+    assert guard(api).check_pod(review("p", {"tke.cloud.tencent.com/qgpu-core": "50", "tke.cloud.tencent.com/qgpu-memory": "1"})).allowed
+    assert api.reservations() == {"pod:p": Reservation(500, 1024, 1030.0)}
+    verdict = guard(api)(claim_review("c2", 100))
+    assert not verdict.allowed and "used 1000 + requested 100 > hard 1000" in verdict.message
+
+
+def test_a_pod_admitted_a_moment_ago_counts_until_listed_then_as_itself():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    assert guard(api).check_pod(review("a", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    assert api.calls == ["quotas", "read", "claims", "pods", "write"]
+    assert not guard(api).check_pod(review("b", {"nvidia.com/gpu": "1"})).allowed  # a is reserved, not yet listed
+    api.pods.append(pod("a", {"nvidia.com/gpu": "1"}))
+    assert not guard(api).check_pod(review("b", {"nvidia.com/gpu": "1"})).allowed  # a listed: counted once
+    api.pods[0]["status"] = {"phase": "Succeeded"}
+    assert guard(api).check_pod(review("b", {"nvidia.com/gpu": "1"})) == Verdict(True)  # a finished: released
+    assert set(api.reservations()) == {"pod:b"}
+
+
+def test_a_dra_webhook_reads_the_namespace_label_and_leaves_nvidia_gpu_to_the_claim():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD, claims=[claim("c", 1000)], namespace_labels={"qgpu.io/gpu-mode": "dra"})
+    assert guard(api, dra=True).check_pod(review("p", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    assert "namespace" in api.calls and "write" not in api.calls  # charged nothing: nothing reserved
+    assert not guard(FakeApi(hard_core=1000, hard_memory=10 * CARD, claims=[claim("c", 1000)])).check_pod(review("p", {"nvidia.com/gpu": "1"})).allowed
+
+
+def test_no_qgpu_quota_costs_one_list_and_other_objects_are_not_judged():
+    api = FakeApi(hard_core=None)
+    assert guard(api).check_pod(review("p", {"nvidia.com/gpu": "8"})) == Verdict(True)
+    assert api.calls == ["quotas"]
+    api = FakeApi()
+    assert guard(api).check_pod({**review("p", {"nvidia.com/gpu": "8"}), "operation": "UPDATE"}) == Verdict(True)
+    assert guard(api).check_pod(review("p", {"cpu": "1"})) == Verdict(True)
+    assert api.calls == ["quotas"]
+
+
+def test_a_dry_run_pod_is_judged_and_reserves_nothing():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    assert guard(api).check_pod(review("p", {"nvidia.com/gpu": "1"}, dryRun=True)) == Verdict(True)
+    assert "write" not in api.calls
+    assert not guard(api).check_pod(review("p", {"nvidia.com/gpu": "2"}, dryRun=True)).allowed
+
+
+def test_a_failed_pod_list_is_a_500_naming_it():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    api.fail["pods"] = ApiException(status=403, reason="Forbidden")
+    verdict = guard(api).check_pod(review("p", {"nvidia.com/gpu": "1"}))
+    assert (verdict.allowed, verdict.code) == (False, 500)
+    assert verdict.message.startswith("qgpu: Pod team-a/p: the GPU quota cannot be checked, so the pod is refused (fail closed; try again): "
+                                      "listing Pods of namespace 'team-a': the apiserver answered 403 Forbidden")
+
+
+def test_an_apiserver_without_resource_claims_has_none_to_count():
+    """Device-plugin clusters before Kubernetes 1.34 serve no resource.k8s.io/v1: its 404 is no claims."""
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    api.fail["claims"] = ApiException(status=404, reason="Not Found")
+    assert guard(api).check_pod(review("p", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    api.fail["pods"] = ApiException(status=404, reason="Not Found")
+    assert guard(api).check_pod(review("q", {"nvidia.com/gpu": "1"})).code == 500  # only the claims' API may be absent
+
+
+def test_a_pod_deleted_after_this_replica_saw_it_stored_stops_counting_before_its_entry_is_pruned():
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD)
+    replica = guard(api)
+    assert replica.check_pod(review("a", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    api.pods.append(pod("a", {"nvidia.com/gpu": "1"}))
+    assert not replica.check_pod(review("b", {"nvidia.com/gpu": "1"})).allowed  # refused: no write, pod:a stays in the ledger
+    assert set(api.reservations()) == {"pod:a"}
+    api.pods.clear()  # a deleted
+    assert replica.check_pod(review("b", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    assert not guard(api).check_pod(review("c", {"nvidia.com/gpu": "1"})).allowed  # b reserved
