@@ -217,6 +217,8 @@ def main() -> int:
         cp.start()
         api_client = config.new_client_from_config(config_file=str(cp.admin_kubeconfig))
         api = client.CoreV1Api(api_client)
+        # The extender's Lease commitments live in its namespace (qgpu-system, issue 21 §3), which the roles create.
+        api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
         resource = client.ResourceV1Api(api_client)
         t = time.perf_counter()
         make_nodes(api, 0, args.nodes)

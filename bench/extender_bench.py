@@ -611,6 +611,8 @@ def main() -> int:
         with control_plane_cpus():
             cp.start()
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
+        # The extender's Lease commitments live in its namespace (qgpu-system, issue 21 §3), which the roles create.
+        api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
         t = time.perf_counter()
         make_nodes(api, 0, args.nodes)
         groups = ["qgpu"] + (["hami"] if HAMI_NODES else []) if args.pack_nodes else []
