@@ -34,14 +34,16 @@ def test_every_component_runs_as_a_ready_pod_of_the_built_image(local_cluster: L
         assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
 
 
-def test_the_node_advertises_every_dialect_with_card_counts(local_cluster: LocalCluster) -> None:
+def test_the_node_advertises_every_dialect_with_its_unit_counts(local_cluster: LocalCluster) -> None:
     api = kube.core(local_cluster)
     # 2 simulated V100 32 GiB cards. The manager's device plugins register with the real kubelet.
+    # nvidia.com/gpu counts GiB (one device per share a card can take: HAMi's and KAI's shares
+    # reach the kubelet under that name; docs/node-manager.md, "Resources").
     want = {"tke.cloud.tencent.com/qgpu-core": "200", "tke.cloud.tencent.com/qgpu-memory": "64",
             "tke.cloud.tencent.com/qgpu-core-greedy": "200", "tencent.com/vcuda-core": "200",
             "tencent.com/vcuda-memory": "256", "tensorstack.dev/nvidia-gpu": "2",
             "tensorstack.dev/nvidia-gpu-percent": "200", "tensorstack.dev/nvidia-gpu-node": "1",
-            "nvidia.com/gpu": "2"}
+            "nvidia.com/gpu": "64"}
     have = kube.poll_allocatable(api, want)
     assert {k: have.get(k) for k in want} == want
 
