@@ -10,6 +10,7 @@ Two sources, one view (:mod:`qgpu_runtime.status`):
 from __future__ import annotations
 
 import argparse
+import os
 import sqlite3
 import sys
 from pathlib import Path
@@ -29,17 +30,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--kubeconfig", help="cluster to read (default: in-cluster, then ~/.kube/config)")
     source.add_argument("--standalone-db", type=Path, metavar="PATH",
-                        help="read a standalone host's (or a node's) store instead of a cluster")
+                        help="read a standalone host's (or a node's) store instead of a cluster "
+                             "(default: $QGPU_STANDALONE_DB when set and --kubeconfig is not given)")
     parser.add_argument("--node", action="append", default=[], help="only these nodes (repeatable)")
     parser.add_argument("--record-verify-key", type=Path, metavar="FILE",
                         help="the extender's Ed25519 public key (PEM): records it did not sign are listed as "
                              "UNVERIFIED and count in no card's allocation (without it records are shown unchecked)")
 
 
-def run(args: argparse.Namespace) -> int:
+STANDALONE_DB_ENV = "QGPU_STANDALONE_DB"
+
+
+def store_to_read(args: argparse.Namespace, environ: Mapping[str, str]) -> Path | None:
+    """The store file to read: ``--standalone-db``, else ``$QGPU_STANDALONE_DB`` (the variable the
+    standalone host's commands share) unless ``--kubeconfig`` names a cluster; None: a cluster."""
+    if args.standalone_db:
+        return args.standalone_db
+    if args.kubeconfig is None and environ.get(STANDALONE_DB_ENV):
+        return Path(environ[STANDALONE_DB_ENV])
+    return None
+
+
+def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
+    store = store_to_read(args, os.environ if environ is None else environ)
     try:
-        if args.standalone_db:
-            nodes = [read_store_status(args.standalone_db)]
+        if store is not None:
+            nodes = [read_store_status(store)]
         else:
             from qgpu_runtime.kube.reader import ClusterReader
 

@@ -45,6 +45,13 @@ def role_defaults(role: str, part: str = "defaults") -> dict[str, Any]:
     return out
 
 
+def _lookup_file(plugin: str, path: str) -> str:
+    """Ansible's ``lookup('ansible.builtin.file', path)``: the file's text without its last newline."""
+    if plugin not in ("ansible.builtin.file", "file"):
+        raise jinja2.TemplateError(f"lookup plugin {plugin!r} is not rendered outside Ansible")
+    return Path(path).read_text().rstrip("\n")
+
+
 def render_template(template: str, **variables: Any) -> list[dict[str, Any]]:
     """Every object of ``templates/kubernetes/<template>``, rendered as the roles render it: the
     role's defaults (``qgpu-manager.yaml.j2`` -> ``roles/qgpu_manager``), overridden by ``variables``."""
@@ -54,9 +61,12 @@ def render_template(template: str, **variables: Any) -> list[dict[str, Any]]:
     env.filters["combine"] = lambda a, b: {**a, **b}
     env.filters["bool"] = lambda v: v is True or str(v).strip().lower() in ("yes", "on", "1", "true", "y", "t")
     env.filters["hash"] = lambda text, algorithm: hashlib.new(algorithm, str(text).encode()).hexdigest()
+    env.globals["lookup"] = _lookup_file
     role = template.split(".")[0].replace("-", "_")
-    # the role's fixed vars (vars/main.yml: names the template shares with the runtime) as well
-    values = {**role_defaults(role), **role_defaults(role, "vars"), **variables}
+    # the role's fixed vars (vars/main.yml: names the template shares with the runtime) as well;
+    # <role>_templates_dir needs role_path, which only Ansible knows
+    values = {f"{role}_templates_dir": str(ROOT / "templates" / "kubernetes"),
+              **role_defaults(role), **role_defaults(role, "vars"), **variables}
     text = env.get_template(template).render(ansible_managed="test", **values)
     return [d for d in yaml.safe_load_all(text) if d]
 

@@ -83,3 +83,24 @@ def test_kubectl_plugin_table_from_a_store_file(tmp_path, capsys):
 def test_status_names_a_missing_store(tmp_path, capsys):
     assert main(["status", "--standalone-db", str(tmp_path / "nope.db")]) == 1
     assert "nope.db: no such store file" in capsys.readouterr().err
+
+
+def test_plain_status_reads_the_store_qgpu_standalone_db_names(tmp_path, capsys, monkeypatch):
+    """The standalone host's commands share $QGPU_STANDALONE_DB; plain `qgpu status` reads it too."""
+    write_store(tmp_path / "meta.db")
+    monkeypatch.setenv("QGPU_STANDALONE_DB", str(tmp_path / "meta.db"))
+    assert main(["status", "--json"]) == 0
+    (n,) = json.loads(capsys.readouterr().out)["nodes"]
+    assert n["cards"][0]["workloads"][0]["name"] == "train"
+    monkeypatch.setenv("QGPU_STANDALONE_DB", str(tmp_path / "gone.db"))
+    assert main(["status"]) == 1
+    assert "gone.db: no such store file" in capsys.readouterr().err
+
+
+def test_an_explicit_kubeconfig_wins_over_qgpu_standalone_db(tmp_path, capsys, monkeypatch):
+    write_store(tmp_path / "meta.db")
+    monkeypatch.setenv("QGPU_STANDALONE_DB", str(tmp_path / "meta.db"))
+    missing = tmp_path / "no-kubeconfig"
+    assert main(["status", "--kubeconfig", str(missing)]) == 1
+    err = capsys.readouterr().err
+    assert "meta.db" not in err and str(missing) in err, err

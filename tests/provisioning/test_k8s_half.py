@@ -33,7 +33,9 @@ from ansible_tools import REPO, Run, ansible_playbook, expected_pool_labels
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from prometheus_client.parser import text_string_to_metric_families
+from test_manager_observability import CRD_NAME, service_monitor_crd
 
 from qgpu_runtime.contract.record import ALLOCATION
 from qgpu_runtime.model.requests import GPU_RESOURCES
@@ -154,6 +156,10 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     cluster.api.patch_node(first_training, {"metadata": {"labels": dict([FOREIGN_LABEL])},
                                             "spec": {"taints": [FOREIGN_TAINT, RETIRED_XGN_TAINT]}})
     seed_an_earlier_release_in_kube_system(cluster)
+    # The Prometheus Operator's CRD, as a cluster running it has: the role adds a ServiceMonitor.
+    extensions = client.ApiextensionsV1Api(cluster.api_client)
+    extensions.create_custom_resource_definition(service_monitor_crd())
+    wait_for("the ServiceMonitor CRD served", lambda: service_monitors_served(cluster) or None, timeout=30, interval=0.5)
     write_inventory(work / "inventory", cluster, work / "root", pools)
     first = run_kube_plays(work / "inventory")
     assert first.returncode == 0, first.output[-6000:]
@@ -166,6 +172,7 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     left += [f"Node/{n}: {k}" for names in pools.values() for n in names
              for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
     delete_webhook_configurations(cluster)
+    extensions.delete_custom_resource_definition(CRD_NAME)
     assert teardown.returncode == 0, teardown.output[-4000:]
     # the apiserver unloads the deleted taint policy asynchronously: later modules must not meet it
     wait_for("the xgn taint policy unloaded", lambda: not xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
@@ -202,6 +209,14 @@ def seed_an_earlier_release_in_kube_system(cluster: Cluster) -> None:
     ]
     for doc in docs:
         dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"]).create(body=doc, namespace=OLD_NAMESPACE)
+
+
+def service_monitors_served(cluster: Cluster) -> bool:
+    try:
+        DynamicClient(cluster.api_client).resources.get(api_version="monitoring.coreos.com/v1", kind="ServiceMonitor")
+    except ResourceNotFoundError:
+        return False
+    return True
 
 
 def delete_webhook_configurations(cluster: Cluster) -> None:
@@ -313,16 +328,39 @@ def rendered_objects(site: Site) -> list[dict[str, Any]]:
 def test_every_rendered_object_is_in_the_apiserver(site: Site) -> None:
     docs = rendered_objects(site)
     kinds = sorted({d["kind"] for d in docs})
-    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap",  # the Grafana dashboard
+                     "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
                      "Role", "RoleBinding",  # the extender's node commitment Leases
-                     "Secret", "Service", "ServiceAccount", "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                     "ValidatingWebhookConfiguration"]
+                     "Secret", "Service", "ServiceAccount", "ServiceMonitor",  # the managers' metrics
+                     "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ValidatingWebhookConfiguration"]
     for doc in docs:
         meta = doc["metadata"]
         live = live_object(site.cluster, doc)
         assert live is not None, f"{doc['kind']}/{meta['name']} not in the apiserver"
         assert live["metadata"]["labels"] == meta["labels"], f"{doc['kind']}/{meta['name']}"
         assert live["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "ansible"
+
+
+def test_the_managers_metrics_are_behind_gpu_managers_service_and_a_service_monitor(site: Site) -> None:
+    """With the Prometheus Operator's CRD in the cluster: the ServiceMonitor selects the headless
+    Service, the Service selects every manager pod the DaemonSets make, and no scrape annotation
+    doubles the targets; the dashboard ConfigMap holds the dashboard."""
+    core = client.CoreV1Api(site.cluster.api_client)
+    service = core.read_namespaced_service("gpu-manager-metric", NAMESPACE)
+    assert service.spec.cluster_ip == "None"
+    assert not (service.metadata.annotations or {}).get("prometheus.io/scrape")
+    monitor = DynamicClient(site.cluster.api_client).resources.get(
+        api_version="monitoring.coreos.com/v1", kind="ServiceMonitor").get(name="qgpu-manager", namespace=NAMESPACE).to_dict()
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service.metadata.labels.items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service.spec.ports[0].name == "metrics"
+    daemonsets = client.AppsV1Api(site.cluster.api_client).list_namespaced_daemon_set(
+        NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items
+    assert daemonsets
+    for ds in daemonsets:
+        assert service.spec.selector.items() <= ds.spec.template.metadata.labels.items(), ds.metadata.name
+    dashboard = core.read_namespaced_config_map("qgpu-grafana-dashboard", NAMESPACE)
+    assert dashboard.metadata.labels["grafana_dashboard"] == "1"
+    assert json.loads(dashboard.data["qgpu.json"]) == json.loads((REPO / "templates/grafana-dashboard.json").read_text())
 
 
 def test_one_manager_daemonset_per_isolation_policy_on_its_pool(site: Site) -> None:
