@@ -39,11 +39,22 @@ class NodeStatus:
     cards: tuple[CardStatus, ...] = ()
 
 
+@dataclass(frozen=True)
+class PendingPod:
+    """A GPU pod no node runs yet, and what the scheduler last said about it."""
+
+    name: str  # namespace/name
+    asks: str  # its GPU requests as written ("tke.cloud.tencent.com/qgpu-core=30, ...")
+    reason: str  # PodScheduled's reason (Unschedulable, SchedulingGated, ...), or "NotTried"
+    message: str = ""  # the scheduler's message (the extender's filter reasons among them)
+
+
 _HEADER = ("NODE", "POLICY", "CARD", "MODEL", "MEMORY", "CORE ALLOC", "MEMORY ALLOC", "WORKLOADS")
 
 
-def render_table(nodes: Sequence[NodeStatus]) -> str:
-    """A fixed-width table, one row per card; workloads listed as name(core%/memory)."""
+def render_table(nodes: Sequence[NodeStatus], pending: Sequence[PendingPod] = ()) -> str:
+    """A fixed-width table, one row per card; workloads listed as name(core%/memory); then the
+    Pending GPU pods, one row each, with the scheduler's reason."""
     rows: list[tuple[str, ...]] = [_HEADER]
     for node in nodes:
         if not node.cards:
@@ -64,10 +75,20 @@ def render_table(nodes: Sequence[NodeStatus]) -> str:
                 f"{card.memory_allocated_mib}MiB",
                 workloads or "-",
             ))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_HEADER) - 1)]
+    return _columns(rows) + (_pending_table(pending) if pending else "")
+
+
+def _columns(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     return "\n".join(line.rstrip() for line in lines)
 
 
-def render_json(nodes: Sequence[NodeStatus]) -> str:
-    return json.dumps({"nodes": [asdict(n) for n in nodes]}, indent=2, sort_keys=True)
+def _pending_table(pending: Sequence[PendingPod]) -> str:
+    rows: list[tuple[str, ...]] = [("PENDING", "ASKS", "REASON", "MESSAGE")]
+    rows += [(p.name, p.asks, p.reason, " ".join(p.message.split()) or "-") for p in pending]
+    return "\n\n" + _columns(rows)
+
+
+def render_json(nodes: Sequence[NodeStatus], pending: Sequence[PendingPod] = ()) -> str:
+    return json.dumps({"nodes": [asdict(n) for n in nodes], "pending": [asdict(p) for p in pending]}, indent=2, sort_keys=True)

@@ -22,7 +22,8 @@ from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
 from qgpu_runtime.contract.store import SchemaError, read_status
 from qgpu_runtime.kube.reader import ApiCallError
-from qgpu_runtime.status import CardStatus, NodeStatus, WorkloadShare, render_json, render_table
+from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS, KAI_SCHEDULER, RequestError, parse_pod
+from qgpu_runtime.status import CardStatus, NodeStatus, PendingPod, WorkloadShare, render_json, render_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +54,7 @@ def store_to_read(args: argparse.Namespace, environ: Mapping[str, str]) -> Path 
 
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     store = store_to_read(args, os.environ if environ is None else environ)
+    pending: list[PendingPod] = []
     try:
         if store is not None:
             nodes = [read_store_status(store)]
@@ -63,13 +65,16 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             if args.record_verify_key:
                 verifier = RecordVerifier.from_pem(args.record_verify_key.read_bytes(), f"--record-verify-key {args.record_verify_key}")
             api = ClusterReader(args.kubeconfig)
-            nodes = cluster_status(api.list_nodes(), api.list_pods(), verifier)
+            listed_nodes = api.list_nodes()
+            pods = api.list_pods()
+            nodes = cluster_status(listed_nodes, pods, verifier)
+            pending = pending_gpu_pods(pods)
     except (StatusSourceError, ApiCallError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
-    if args.node:
-        nodes = [n for n in nodes if n.name in set(args.node)]
-    print(render_json(nodes) if args.json else render_table(nodes))
+    if args.node:  # Pending pods are on no node: listed only for the whole cluster
+        nodes, pending = [n for n in nodes if n.name in set(args.node)], []
+    print(render_json(nodes, pending) if args.json else render_table(nodes, pending))
     return 0
 
 
@@ -162,3 +167,55 @@ def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
         out.append(NodeStatus(node, policy, tuple(
             _card(i, *(cards.get(i) or (seen_cards[node][i], "?", 0)), work.get((node, i), [])) for i in indices)))
     return out
+
+
+# The ResourceClaimTemplates qgpu's webhook makes for a pod's GPU requests on DRA pools (webhook/dra.py).
+_QGPU_TEMPLATE_PREFIX = "qgpu-"
+
+
+def _asks(pod: Mapping[str, Any]) -> str:
+    """The pod's GPU requests as its owner wrote them (limits, else requests), KAI's annotations,
+    and the qgpu claim templates the webhook gave it on a DRA pool."""
+    spec = pod.get("spec") or {}
+    parts: list[str] = []
+    for container in spec.get("containers") or []:
+        resources = (container or {}).get("resources") or {}
+        values = {**(resources.get("requests") or {}), **(resources.get("limits") or {})}
+        parts += [f"{k}={v}" for k, v in sorted(values.items()) if k in GPU_RESOURCES]
+    if spec.get("schedulerName") == KAI_SCHEDULER:
+        notes = (pod.get("metadata") or {}).get("annotations") or {}
+        parts += [f"{k}={notes[k]}" for k in KAI_ANNOTATIONS if k in notes]
+    for claim in spec.get("resourceClaims") or []:
+        template = (claim or {}).get("resourceClaimTemplateName") or ""
+        if template.startswith(_QGPU_TEMPLATE_PREFIX):
+            parts.append(f"claim {template}")
+    return ", ".join(parts)
+
+
+def pending_gpu_pods(pods: Iterable[Mapping[str, Any]]) -> list[PendingPod]:
+    """Pure: the pods asking for a GPU that no node runs yet (no nodeName, not finished), each with
+    what the scheduler last said: PodScheduled's reason and message, "SchedulingGated" for a pod
+    held by its scheduling gates, "NotTried" before the scheduler's first attempt."""
+    out = []
+    for pod in pods:
+        spec = pod.get("spec") or {}
+        if spec.get("nodeName") or finished(pod):
+            continue
+        asks = _asks(pod)
+        try:
+            wants = parse_pod(pod).wants_gpu or "claim " in asks
+        except RequestError:
+            wants = bool(asks)  # created past the webhook (before it, or exempt): shown as written
+        if not wants:
+            continue
+        meta = pod.get("metadata") or {}
+        scheduled = next((c for c in ((pod.get("status") or {}).get("conditions") or [])
+                          if isinstance(c, Mapping) and c.get("type") == "PodScheduled"), None)
+        if spec.get("schedulingGates"):  # the gate names say more than the apiserver's generic message
+            reason, message = "SchedulingGated", "gates: " + ", ".join(str((g or {}).get("name")) for g in spec["schedulingGates"])
+        elif scheduled is not None and scheduled.get("status") == "False":
+            reason, message = str(scheduled.get("reason") or "Unschedulable"), str(scheduled.get("message") or "")
+        else:
+            reason, message = "NotTried", ""
+        out.append(PendingPod(f"{meta.get('namespace', 'default')}/{meta.get('name', '')}", asks, reason, message))
+    return sorted(out, key=lambda p: p.name)

@@ -224,6 +224,26 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
     assert via_kubectl.returncode == 0 and via_kubectl.stdout == table.stdout, via_kubectl.stderr
 
 
+def test_qgpu_status_lists_pending_gpu_pods_with_the_schedulers_reason(cluster, ns):
+    """A GPU pod no node runs is listed with PodScheduled's reason, or its gates; with --node only
+    nodes are shown."""
+    gated = {**pending_pod("gated", 40, 4), "metadata": {"name": "gated"}}
+    gated["spec"]["schedulingGates"] = [{"name": "example.com/wait"}]
+    cluster.api.create_namespaced_pod(ns, gated)
+    cluster.api.create_namespaced_pod(ns, {"metadata": {"name": "cpu-only"}, "spec": {"schedulingGates": [{"name": "example.com/wait"}],
+                                                                                     "containers": [{"name": "c", "image": "x"}]}})
+    out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", "--kubeconfig", str(cluster.cp.admin_kubeconfig), "--json"])
+    assert out.returncode == 0, out.stderr
+    mine = [p for p in json.loads(out.stdout)["pending"] if p["name"].startswith(f"{ns}/")]
+    assert mine == [{"name": f"{ns}/gated", "asks": "tke.cloud.tencent.com/qgpu-core=40, tke.cloud.tencent.com/qgpu-memory=4",
+                     "reason": "SchedulingGated", "message": "gates: example.com/wait"}]
+    table = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", "--kubeconfig", str(cluster.cp.admin_kubeconfig)])
+    assert table.returncode == 0 and any(line.startswith(f"{ns}/gated ") for line in table.stdout.splitlines()), table.stdout
+    only_node = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", "--kubeconfig", str(cluster.cp.admin_kubeconfig),
+                         "--node", "no-such-node", "--json"])
+    assert json.loads(only_node.stdout)["pending"] == []
+
+
 def test_qgpu_status_names_an_unreachable_apiserver(tmp_path, cluster):
     cfg = broken_kubeconfig(tmp_path, cluster, free_port())
     out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", "--kubeconfig", str(cfg)])

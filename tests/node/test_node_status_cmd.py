@@ -104,3 +104,45 @@ def test_an_explicit_kubeconfig_wins_over_qgpu_standalone_db(tmp_path, capsys, m
     assert main(["status", "--kubeconfig", str(missing)]) == 1
     err = capsys.readouterr().err
     assert "meta.db" not in err and str(missing) in err, err
+
+
+def pending(name, resources=None, conditions=None, **spec):
+    return {"metadata": {"namespace": "team", "name": name, "annotations": spec.pop("annotations", {})},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": resources or {}}}], **spec},
+            "status": {"phase": "Pending", "conditions": conditions or []}}
+
+
+def test_pending_gpu_pods_are_listed_with_the_schedulers_reason():
+    from qgpu_runtime.status import render_table
+    from qgpu_runtime.status_cmd import pending_gpu_pods
+
+    unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                      "message": "0/3 nodes are available: 3 qgpu: no card has 60% core free."}]
+    pods = [
+        pending("big", {"tke.cloud.tencent.com/qgpu-core": "60", "tke.cloud.tencent.com/qgpu-memory": "5"}, unschedulable),
+        pending("gated", {"nvidia.com/gpu": "1"}, schedulingGates=[{"name": "example.com/quota"}]),
+        pending("new", {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}),
+        pending("kai", {}, schedulerName="kai-scheduler", annotations={"gpu-fraction": "0.5"}),
+        pending("claimed", {}, resourceClaims=[{"name": "qgpu-0", "resourceClaimTemplateName": "qgpu-c300-m4096-x1"}]),
+        pending("cpu-only-chart", {"nvidia.com/gpu": "0"}, unschedulable),  # zero: no GPU, not listed
+        pending("plain", {"cpu": "1"}, unschedulable),
+        {**pending("running", {"nvidia.com/gpu": "1"}), "spec": {"nodeName": "n1", "containers": []}},
+        {**pending("done", {"nvidia.com/gpu": "1"}), "status": {"phase": "Failed"}},
+    ]
+    listed = {p.name: p for p in pending_gpu_pods(pods)}
+    assert sorted(listed) == ["team/big", "team/claimed", "team/gated", "team/kai", "team/new"]
+    assert listed["team/big"].reason == "Unschedulable" and "no card has 60% core free" in listed["team/big"].message
+    assert listed["team/big"].asks == "tke.cloud.tencent.com/qgpu-core=60, tke.cloud.tencent.com/qgpu-memory=5"
+    assert (listed["team/gated"].reason, listed["team/gated"].message) == ("SchedulingGated", "gates: example.com/quota")
+    assert listed["team/new"].reason == "NotTried"
+    assert listed["team/kai"].asks == "gpu-fraction=0.5"
+    assert listed["team/claimed"].asks == "claim qgpu-c300-m4096-x1"
+    table = render_table([], list(listed.values()))
+    assert table.splitlines()[2].split()[:4] == ["PENDING", "ASKS", "REASON", "MESSAGE"]
+    assert any(line.startswith("team/big") and "Unschedulable" in line for line in table.splitlines())
+
+
+def test_status_json_carries_the_pending_list_even_when_empty(tmp_path, capsys):
+    write_store(tmp_path / "meta.db")
+    assert main(["status", "--standalone-db", str(tmp_path / "meta.db"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["pending"] == []
