@@ -10,7 +10,9 @@ cluster's node has two V100-32G cards (32768 MiB each). nano-gpu / elastic GPU n
 them (model/requests.py), so they are not among the dialects it promises to serve.
 
 What differs between the two doors, and why, is written per entry: a DRA share's memory is whole
-GiB (the ResourceSlice's request policy), so HAMi's 3000 MiB is 3072 MiB there.
+GiB (the ResourceSlice's request policy), so HAMi's 3000 MiB is 3072 MiB there; a T9k percent
+claim asks and is booked with the smallest core step, 10 (docs/dra.md), where HAMi's and KAI's
+memory-only shares are booked with core 0 as on the device-plugin path.
 """
 
 from __future__ import annotations
@@ -38,9 +40,13 @@ class Share:
     core_milli: int
     memory_mib: int
     dra_memory_mib: int | None = None
+    dra_core_milli: int | None = None
     peer_env: Mapping[str, str] = field(default_factory=dict)
     dra_peer_env: Mapping[str, str] | None = None
     t9k_env: Mapping[str, str] = field(default_factory=dict)
+
+    def core(self, dra: bool) -> int:
+        return self.dra_core_milli if dra and self.dra_core_milli is not None else self.core_milli
 
     def memory(self, dra: bool) -> int:
         return self.dra_memory_mib if dra and self.dra_memory_mib is not None else self.memory_mib
@@ -94,7 +100,7 @@ CORPUS: tuple[Example, ...] = (
     Example("nvidia", "nvidia", limits={"nvidia.com/gpu": "1"}, share=Share(1, 1000, CARD_MIB)),
     # T9k, as its GPU guide writes every pod: t9k-scheduler and a group.
     Example("t9k-percent", "t9k", limits={"tensorstack.dev/nvidia-gpu-percent": "25"}, **T9K_WRITES,  # type: ignore[arg-type]
-            share=Share(1, 0, 8192, t9k_env={"T9K_GPU_MODE": "sgn", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "8192"})),
+            share=Share(1, 0, 8192, dra_core_milli=10, t9k_env={"T9K_GPU_MODE": "sgn", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "8192"})),
     Example("t9k-gpu", "t9k", limits={"tensorstack.dev/nvidia-gpu": "1"}, alloc_mode="xgn", **T9K_WRITES,  # type: ignore[arg-type]
             share=Share(1, 1000, CARD_MIB, t9k_env={"T9K_GPU_MODE": "xgn", "T9K_GPU_COUNT": "1"})),
     Example("t9k-node", "t9k", limits={"tensorstack.dev/nvidia-gpu-node": "1"}, alloc_mode="xgn", **T9K_WRITES,  # type: ignore[arg-type]
@@ -139,7 +145,7 @@ def check(example: Example, env: Mapping[str, str], dra: bool) -> None:
     uuids = env.get("NVIDIA_VISIBLE_DEVICES", "").split(",")
     assert len(set(uuids)) == share.cards and all(u.startswith("GPU-") for u in uuids), f"{where}: {dict(env)}"
     got = (env.get("QGPU_CORE_MILLI"), env.get("QGPU_MEMORY_MIB"))
-    want = (",".join([str(share.core_milli)] * share.cards), ",".join([str(share.memory(dra))] * share.cards))
+    want = (",".join([str(share.core(dra))] * share.cards), ",".join([str(share.memory(dra))] * share.cards))
     assert got == want, f"{where}: (QGPU_CORE_MILLI, QGPU_MEMORY_MIB) {got} != {want}"
     peer = {k: v for k, v in env.items() if k.startswith(PEER_PREFIXES)}
     assert peer == dict(share.peer(dra)), f"{where}: HAMi/KAI variables {peer} != {dict(share.peer(dra))}"
