@@ -35,7 +35,8 @@ from qgpu_runtime.contract.dra import (
     pool_name,
     shown,
 )
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
+from qgpu_runtime.contract.record import ContainerDialect
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, Dialect
 
 MAX_COUNT: Final = 32
 """A claim's allocation holds at most 32 devices (AllocationResultsMaxSize, pkg/apis/resource of
@@ -68,25 +69,61 @@ def capacity_requests(core_milli: int, memory_mib: int) -> dict[str, Any]:
 CONFIG_API_VERSION: Final = "gpu.qgpu.io/v1alpha1"
 CONFIG_KIND: Final = "ShareConfig"
 """The opaque configuration of a claim's requests (``config[].opaque.parameters``): what the
-scheduler need not know but the node must, i.e. qGPU's co-location class and whether the share's
-core may be exceeded when the card is idle (``qgpu-core-greedy``)."""
+scheduler need not know but the node must, i.e. qGPU's co-location class, whether the share's
+core may be exceeded when the card is idle (``qgpu-core-greedy``), and for a peer's dialect that
+sets its own variables (T9k's whole node, HAMi, KAI) how the container asked (``dialect``, the
+allocation record's fields) and whether it asked memory only (``memoryOnly``: the node books core 0,
+as the device-plugin path does, not the smallest core step the claim had to ask)."""
+
+_DIALECT_KEYS = frozenset({"dialect", "memory_pct", "whole_node"})
 
 
-def share_config(app_class: str, greedy: bool) -> dict[str, Any]:
+def share_config(app_class: str, greedy: bool, dialect: ContainerDialect | None = None,
+                 memory_only: bool = False) -> dict[str, Any]:
     """The opaque parameters of a share: ``app_class`` online, offline or normal."""
     if app_class not in ("online", "offline", "normal"):
         raise ValueError(f"appClass {app_class!r} is not allowed: must be online, offline or normal")
-    return {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "appClass": app_class, "greedy": bool(greedy)}
+    doc: dict[str, Any] = {"apiVersion": CONFIG_API_VERSION, "kind": CONFIG_KIND, "appClass": app_class, "greedy": bool(greedy)}
+    if dialect is not None:
+        doc["dialect"] = dialect.to_doc()
+    if memory_only:
+        doc["memoryOnly"] = True
+    return doc
 
 
 def read_share_config(parameters: Any) -> tuple[str, bool]:
     """(appClass, greedy) of opaque parameters written by :func:`share_config`; DraClaimError otherwise."""
+    settings = read_share_settings(parameters)
+    return settings.app_class, settings.greedy
+
+
+def _read_dialect(parameters: dict[str, Any]) -> ContainerDialect | None:
+    """The optional ``dialect`` of a ShareConfig. Whoever may write the claim may write it: it
+    names only the variables of that claim's own container, never a booking (docs/security.md)."""
+    doc = parameters.get("dialect")
+    if doc is None:
+        return None
+    rule = (f"dialect must be an object with 'dialect' one of {', '.join(d.value for d in Dialect)}, "
+            "'memory_pct' an integer 1..100, 'whole_node' a boolean, and nothing else")
+    if not isinstance(doc, dict) or set(doc) - _DIALECT_KEYS or doc.get("dialect") not in {d.value for d in Dialect}:
+        raise DraClaimError(f"opaque parameters dialect={shown(doc)} are not allowed: {rule}")
+    pct, whole = doc.get("memory_pct"), doc.get("whole_node", False)
+    if (pct is not None and (isinstance(pct, bool) or not isinstance(pct, int) or not 1 <= pct <= 100)) or not isinstance(whole, bool):
+        raise DraClaimError(f"opaque parameters dialect={shown(doc)} are not allowed: {rule}")
+    return ContainerDialect(doc["dialect"], pct, whole)
+
+
+def read_share_settings(parameters: Any) -> ShareSettings:
+    """The :class:`ShareSettings` of opaque parameters written by :func:`share_config`; DraClaimError otherwise."""
     if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION or parameters.get("kind") != CONFIG_KIND:
         raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: expected apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}")
     app_class, greedy = parameters.get("appClass", "normal"), parameters.get("greedy", False)
     if app_class not in ("online", "offline", "normal") or not isinstance(greedy, bool):
         raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: appClass online|offline|normal, greedy a boolean")
-    return app_class, greedy
+    memory_only = parameters.get("memoryOnly", False)
+    if not isinstance(memory_only, bool):
+        raise DraClaimError(f"opaque parameters memoryOnly={shown(memory_only)} are not allowed: must be a boolean")
+    return ShareSettings(app_class, greedy, _read_dialect(parameters), memory_only)
 
 
 # ---- what a claim asks (spec.devices.requests) ----------------------------------------------------
@@ -284,6 +321,8 @@ class ShareSettings:
 
     app_class: str = "normal"
     greedy: bool = False
+    dialect: ContainerDialect | None = None  # how the container asked, for a peer's variables
+    memory_only: bool = False  # booked with core 0, as online shares are
 
 
 NORMAL_SHARE: Final = ShareSettings()
@@ -324,10 +363,10 @@ def claim_share_settings(claim: dict[str, Any], requests: Iterable[str]) -> dict
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
             raise DraClaimError(f"{at}.requests {names!r} is not allowed: must be a list of request names")
         try:
-            app_class, greedy = read_share_config(opaque.get("parameters"))
+            settings = read_share_settings(opaque.get("parameters"))
         except DraClaimError as exc:
             raise DraClaimError(f"{at}.opaque.parameters: {exc}") from None
         for r in wanted:
             if _config_applies(names, r):
-                out[r] = ShareSettings(app_class, greedy)
+                out[r] = settings
     return out

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract import dra, draclaim
-from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, MIXED_LABEL
+from qgpu_runtime.contract.names import ALLOC_MODE_LABEL, GPU_MODE, GPU_MODE_DEVICE_PLUGIN, MIXED_LABEL
+from qgpu_runtime.contract.record import ContainerDialect
 from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import (
     DEFAULT_LIMITS,
@@ -51,6 +52,7 @@ CLAIM_PREFIX = "qgpu-"
 REQUEST_NAME = "gpu"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "qgpu-webhook"}
 MAX_CARD_SIZES = 8  # firstAvailable takes at most 8 subrequests
+XGN = "xgn"  # the T9k node label value of whole-card and whole-node nodes
 
 
 # What a percent-of-memory request was asked as, for the refusal's words.
@@ -190,11 +192,24 @@ def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -
     spec: dict[str, Any] = {"devices": {"requests": [request]}}
     if constraints:
         spec["devices"]["constraints"] = constraints
-    if pod.klass is not AppClass.NORMAL:
+    dialect = _peer_dialect(container)
+    if pod.klass is not AppClass.NORMAL or dialect is not None:
+        memory_only = dialect is not None and container.shared and not container.core_milli
         spec["devices"]["config"] = [{"requests": [REQUEST_NAME], "opaque": {
-            "driver": dra.DRIVER, "parameters": draclaim.share_config(pod.klass.value, greedy=pod.klass is AppClass.OFFLINE)}}]
-        name += f"-{pod.klass.value}"
+            "driver": dra.DRIVER, "parameters": draclaim.share_config(pod.klass.value, greedy=pod.klass is AppClass.OFFLINE,
+                                                                      dialect=dialect, memory_only=memory_only)}}]
+        name += f"-{pod.klass.value}" if pod.klass is not AppClass.NORMAL else ""
+        name += f"-{container.dialect.value}" if dialect is not None else ""
     return ClaimTemplate(name, spec)
+
+
+def _peer_dialect(container: ContainerRequest) -> ContainerDialect | None:
+    """The dialect the node needs to set a peer's own variables from the claim (HAMi's limits, KAI's
+    portion, T9k's whole node, whose mode the shares alone do not tell), as the record carries it
+    on the device-plugin path; None for the dialects whose variables follow from the shares."""
+    if container.dialect in (Dialect.HAMI, Dialect.KAI) or container.whole_node:
+        return ContainerDialect.of_request(container)
+    return None
 
 
 def _fill(ops: list[dict[str, Any]], base: str, resources: Mapping[str, Any], keys: set[str]) -> None:
@@ -270,6 +285,13 @@ def convert(pod: Mapping[str, Any], config: DraConfig = DEFAULT_DRA_CONFIG) -> C
             ops.append({"op": "add", "path": "/spec/nodeSelector", "value": {MIXED_LABEL: "enable"}})
         elif MIXED_LABEL not in selector:
             ops.append({"op": "add", "path": f"/spec/nodeSelector/{_escape(MIXED_LABEL)}", "value": "enable"})
+    if request.whole_node:
+        # T9k's nvidia-gpu-node holds a whole xgn node, as the extender places it on device-plugin pools.
+        selector = spec.get("nodeSelector")
+        if not selector:
+            ops.append({"op": "add", "path": "/spec/nodeSelector", "value": {ALLOC_MODE_LABEL: XGN}})
+        elif selector.get(ALLOC_MODE_LABEL) != XGN:
+            ops.append({"op": "add", "path": f"/spec/nodeSelector/{_escape(ALLOC_MODE_LABEL)}", "value": XGN})
     if any(c.exclusive or c.whole_node for c in request.containers):
         tolerations = spec.get("tolerations")
         if not tolerations:

@@ -97,6 +97,21 @@ def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
         draclaim.read_share_config({**draclaim.share_config("online", False), "greedy": "yes"})
 
 
+def test_share_config_carries_a_peers_dialect_and_memory_only_and_refuses_anything_else():
+    from qgpu_runtime.contract.record import ContainerDialect
+
+    written = draclaim.share_config("normal", False, ContainerDialect("kai", 50), memory_only=True)
+    assert draclaim.read_share_settings(written) == draclaim.ShareSettings("normal", False, ContainerDialect("kai", 50), True)
+    assert draclaim.read_share_settings(draclaim.share_config("normal", False)).dialect is None
+    for bad, rule in [({"dialect": "nano"}, "dialect must be an object"), ({"dialect": "hami", "memory_pct": 0}, "1..100"),
+                      ({"dialect": "t9k", "whole_node": "yes"}, "a boolean"), ({"dialect": "hami", "cores": 5}, "nothing else"),
+                      ("hami", "must be an object")]:
+        with pytest.raises(draclaim.DraClaimError, match=rf"dialect=.*not allowed: .*{rule}"):
+            draclaim.read_share_settings({**written, "dialect": bad})
+    with pytest.raises(draclaim.DraClaimError, match="memoryOnly='yes' are not allowed: must be a boolean"):
+        draclaim.read_share_settings({**written, "memoryOnly": "yes"})
+
+
 def _claim_with(config: list, where: str = "spec") -> dict:
     obj: dict = {"metadata": {"namespace": "ns", "name": "c"}, "spec": {"devices": {"requests": []}}, "status": {}}
     if where == "spec":

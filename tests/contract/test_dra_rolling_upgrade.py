@@ -124,7 +124,19 @@ def test_this_node_manager_writes_the_slice_the_previous_one_wrote():
 
 
 def test_this_webhook_writes_the_claim_templates_the_previous_one_wrote():
-    assert _written_templates() == WRITTEN["claim_templates"]
+    written = _written_templates()
+    # One change on purpose (issue 22 §2): a whole-node claim tells the node its T9k mode in the
+    # ShareConfig, under a new name; the previous node's ShareConfig reader (appClass and greedy
+    # only, other keys ignored) reads it as the normal share it wrote before.
+    node = written.pop("t9k-node")
+    previous = dict(WRITTEN["claim_templates"])
+    before = previous.pop("t9k-node")
+    assert written == previous
+    assert node["metadata"]["name"] == "qgpu-node-t9k" and node["spec"]["spec"]["devices"]["requests"] == \
+        before["spec"]["spec"]["devices"]["requests"]
+    (config,) = node["spec"]["spec"]["devices"]["config"]
+    parameters = config["opaque"]["parameters"]
+    assert (parameters["appClass"], parameters["greedy"], parameters["dialect"]) == ("normal", False, {"dialect": "t9k", "whole_node": True})
 
 
 # --- old writer, new reader -----------------------------------------------------------------------

@@ -374,6 +374,35 @@ def test_the_class_of_the_claims_share_config_is_booked_and_set_in_the_cdi_env(p
     assert ("team-a", "train", "gpu", 0, 300, 4096, "offline") in read_status(plugin.store.path).shares
 
 
+def test_a_hami_claims_dialect_gives_its_container_hamis_limits_as_the_device_plugin_does(plugin, claims):
+    from qgpu_runtime.contract.record import ContainerDialect
+
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("normal", False, ContainerDialect("hami")))))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    (device,) = _spec(plugin, "uid-1")["devices"]
+    env = set(device["containerEdits"]["env"])
+    assert {"CUDA_DEVICE_MEMORY_LIMIT_0=4096m", "CUDA_DEVICE_SM_LIMIT=30", "QGPU_CORE_MILLI=300"} <= env
+    assert not [e for e in env if e.startswith("T9K_GPU_")]  # the shares no longer decide T9k's mode
+
+
+def test_a_kai_memory_only_claim_is_booked_without_core_and_sees_its_portion(plugin, claims):
+    from qgpu_runtime.contract.record import ContainerDialect
+
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("normal", False, ContainerDialect("kai", 50), memory_only=True))))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    env = set(_spec(plugin, "uid-1")["devices"][0]["containerEdits"]["env"])
+    assert {"GPU_PORTION=0.5", "QGPU_CORE_MILLI=0", "QGPU_MEMORY_MIB=4096"} <= env
+    assert ("team-a", "train", "gpu", 0, 0, 4096, "normal") in read_status(plugin.store.path).shares
+
+
+def test_a_t9k_whole_node_claim_announces_the_node_mode(plugin, claims):
+    from qgpu_runtime.contract.record import ContainerDialect
+
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("normal", False, ContainerDialect("t9k", whole_node=True)))))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    assert "T9K_GPU_MODE=node" in _spec(plugin, "uid-1")["devices"][0]["containerEdits"]["env"]
+
+
 def test_the_allocations_copy_of_the_config_wins_over_the_spec(plugin, claims):
     obj = _configured("uid-1", _opaque(draclaim.share_config("online", False)), where="status")
     obj["spec"]["devices"]["config"] = [_opaque(draclaim.share_config("offline", True))]

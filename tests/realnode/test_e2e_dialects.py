@@ -8,8 +8,10 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+import pytest
+
 from qgpu_runtime.contract.record import ALLOCATION, parse_record
-from tests.realnode import kube
+from tests.realnode import corpus, kube
 from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
 
 ALLOC_MODE = "sched.tensorstack.dev/node-alloc-mode"
@@ -141,3 +143,28 @@ def test_t9k_whole_card_on_an_xgn_node(local_cluster: LocalCluster, ns: str) -> 
     assert (env["T9K_GPU_MODE"], env["T9K_GPU_COUNT"]) == ("xgn", "1")
     assert_matches_record(env, quota, pod)
     delete(local_cluster, ns, "t9k-gpu")
+
+
+# ---- the peers' corpus (tests/realnode/corpus.py), unchanged, one pod after the other -----------
+
+@pytest.mark.parametrize("example", corpus.CORPUS, ids=[e.id for e in corpus.CORPUS])
+def test_the_peers_documented_pod_runs_unchanged_with_its_share(local_cluster: LocalCluster, ns: str,
+                                                                example: corpus.Example) -> None:
+    api = kube.core(local_cluster)
+    before = set_alloc_mode(local_cluster, example.alloc_mode) if example.alloc_mode else None
+    try:
+        api.create_namespaced_pod(ns, example.pod(cluster_image(local_cluster)))
+        pod = kube.wait_phase(api, ns, example.id, ("Running",))
+        env = corpus.read_env(kube.wait_log(api, ns, example.id, "--- end"))
+        assert pod["spec"]["nodeName"] == "localhost"
+        corpus.check(example, env, dra=False)
+        record = (pod["metadata"].get("annotations") or {}).get(ALLOCATION)
+        if example.share is None:
+            assert record is None
+        else:
+            (placed,) = parse_record(record).containers
+            assert placed.name == "main" and env["NVIDIA_VISIBLE_DEVICES"] == ",".join(c.uuid for c in placed.shares)
+    finally:
+        if example.alloc_mode:
+            set_alloc_mode(local_cluster, before)
+        delete(local_cluster, ns, example.id)

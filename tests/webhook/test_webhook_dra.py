@@ -110,9 +110,41 @@ def test_one_whole_card_needs_no_constraint():
     assert "constraints" not in templates["qgpu-whole-x1"]["devices"]
 
 
-def test_t9k_whole_node_takes_every_card_of_the_node():
-    _, templates = applied(pod(container(limits={"tensorstack.dev/nvidia-gpu-node": "1"})))
-    assert only_request(templates["qgpu-node"]) == {"name": "gpu", "exactly": {"deviceClassName": dra.WHOLE_CLASS, "allocationMode": "All"}}
+def test_t9k_whole_node_takes_every_card_of_an_xgn_node_and_tells_the_node_its_mode():
+    out, templates = applied(pod(container(limits={"tensorstack.dev/nvidia-gpu-node": "1"}), nodeSelector={"zone": "a"}))
+    spec = templates["qgpu-node-t9k"]
+    assert only_request(spec) == {"name": "gpu", "exactly": {"deviceClassName": dra.WHOLE_CLASS, "allocationMode": "All"}}
+    # Only on xgn nodes, as the extender places it on device-plugin pools (issue 22 §2).
+    assert out["spec"]["nodeSelector"] == {"zone": "a", "sched.tensorstack.dev/node-alloc-mode": "xgn"}
+    settings = draclaim.read_share_settings(spec["devices"]["config"][0]["opaque"]["parameters"])
+    assert (settings.dialect.dialect, settings.dialect.whole_node, settings.memory_only) == ("t9k", True, False)
+
+
+def test_t9k_whole_cards_and_percent_need_no_xgn_selector_and_no_config():
+    for limits in ({"tensorstack.dev/nvidia-gpu": "1"}, {"tensorstack.dev/nvidia-gpu-percent": "25"}):
+        out, templates = applied(pod(container(limits=limits)), DraConfig(card_memory_mib=(32768,)))
+        assert "nodeSelector" not in out["spec"]
+        assert all("config" not in spec["devices"] for spec in templates.values())
+
+
+def test_hamis_vgpu_claim_carries_its_dialect_for_the_nodes_variables():
+    _, templates = applied(pod(container(limits={"nvidia.com/gpu": "2", "nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"})))
+    spec = templates["qgpu-c300-m3072-x2-hami"]
+    settings = draclaim.read_share_settings(spec["devices"]["config"][0]["opaque"]["parameters"])
+    assert (settings.app_class, settings.dialect.dialect, settings.memory_only) == ("normal", "hami", False)
+
+
+@pytest.mark.parametrize(("limits", "annotations", "spec"), [
+    ({"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "50"}, {}, {}),
+    ({}, {"gpu-fraction": "0.5"}, {"schedulerName": "kai-scheduler"}),
+], ids=["hami-percent", "kai-fraction"])
+def test_a_peers_memory_only_share_is_booked_memory_only_and_keeps_its_percent(limits, annotations, spec):
+    _, templates = applied(pod(container(limits=limits), annotations=annotations, **spec), DraConfig(card_memory_mib=(32768,)))
+    ((name, claim),) = templates.items()
+    assert name.startswith("qgpu-pct50-s")
+    assert only_request(claim)["firstAvailable"][0]["capacity"] == {"requests": {"core": "10", "memory": "16384"}}
+    settings = draclaim.read_share_settings(claim["devices"]["config"][0]["opaque"]["parameters"])
+    assert (settings.dialect.memory_pct, settings.memory_only) == (50, True)
 
 
 def test_t9k_percent_asks_the_first_card_size_that_fits_with_that_share_of_its_memory():

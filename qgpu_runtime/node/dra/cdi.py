@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.environment import CONTROL_DEVICES, T9kMode, container_environment
-from qgpu_runtime.contract.record import CardShare
+from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
 
 CDI_VERSION = "0.6.0"
@@ -50,13 +50,16 @@ class CdiDevice:
 
 
 def claim_devices(uid: str, shares: Sequence[CardShare], cards: Mapping[int, CardInfo], klass: str, policy: str,
-                  device_nodes: Callable[[int], tuple[str, ...]]) -> list[CdiDevice]:
+                  device_nodes: Callable[[int], tuple[str, ...]], asked: ContainerDialect | None = None) -> list[CdiDevice]:
     """One CDI device per result of claim ``uid``. Every device carries the claim's whole
     environment (contract/environment.py: all its cards, in result order, and one class: the
     isolation loop's for a tenant of mixed classes): a container given the claim gets all of
-    them, and identical edits cannot conflict. ``device_nodes(card index)``: what each adds."""
-    t9k = T9kMode.of_shares(shares, {i: c.memory_mib for i, c in cards.items()})
-    env = container_environment(shares, klass, policy, t9k)
+    them, and identical edits cannot conflict. ``device_nodes(card index)``: what each adds.
+    ``asked``: the dialect the webhook wrote into the claim's ShareConfig (T9k's whole node, HAMi,
+    KAI), whose variables the container gets as on the device-plugin path; without it the T9k
+    variables follow the shares."""
+    t9k = T9kMode.of_dialect(asked) if asked is not None else T9kMode.of_shares(shares, {i: c.memory_mib for i, c in cards.items()})
+    env = container_environment(shares, klass, policy, t9k, asked)
     return [CdiDevice(f"{uid}-{i}", env, device_nodes(s.index)) for i, s in enumerate(shares)]
 
 

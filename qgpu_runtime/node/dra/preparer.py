@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, claim_share_settings, claim_shares
-from qgpu_runtime.contract.record import CardShare
+from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.node.dra import cdi
@@ -95,13 +95,16 @@ class ClaimPreparer:
             raise ClaimRefused(str(exc)) from None
         # Online work books memory only, as the device plugin books it (the extender's core 0): the
         # 10 the webhook asks (the capacity's minimum step) would otherwise cap it at 1 % of the card.
-        shares = [replace(s, core_milli=0) if settings[s.request].app_class == AppClass.ONLINE.value else s for s in shares]
+        # A peer's memory-only share (HAMi without gpucores, KAI) likewise (ShareConfig memoryOnly).
+        shares = [replace(s, core_milli=0) if settings[s.request].app_class == AppClass.ONLINE.value or settings[s.request].memory_only
+                  else s for s in shares]
         self._check_cards(where, shares)
         now = self.clock_ns()
         rows = share_rows(namespace, name, uid, shares, settings, self.cards, now)
         devices = [PreparedDevice((s.request,), s.pool, s.device, (cdi.device_id(f"{uid}-{i}"),), s.share_id)
                    for i, s in enumerate(shares)]
-        spec = cdi.spec(self._cdi_devices(uid, shares, dominant_class(settings[s.request].app_class for s in shares)))
+        asked = next((settings[s.request].dialect for s in shares if settings[s.request].dialect is not None), None)
+        spec = cdi.spec(self._cdi_devices(uid, shares, dominant_class(settings[s.request].app_class for s in shares), asked))
         booked = PreparedClaim(uid, namespace, name, tuple(d.to_json() for d in devices), str(path), now,
                                reserved_pods(claim))
         self.store.book_claim(booked, rows, lambda others: self._refuse_over_booking(where, uid, rows, others))
@@ -128,9 +131,10 @@ class ClaimPreparer:
             raise ClaimRefused(f"{where}: its allocation would over-book this node: {'; '.join(problems)} "
                                "(the store already holds these shares; the claim must be allocated again)")
 
-    def _cdi_devices(self, uid: str, shares: Sequence[ClaimShare], klass: str) -> list[cdi.CdiDevice]:
+    def _cdi_devices(self, uid: str, shares: Sequence[ClaimShare], klass: str,
+                     asked: ContainerDialect | None) -> list[cdi.CdiDevice]:
         card_shares = [CardShare(s.card_index, self.cards[s.card_index].uuid, s.core_milli, s.memory_mib) for s in shares]
-        return cdi.claim_devices(uid, card_shares, self.cards, klass, self.policy(), self._device_nodes)
+        return cdi.claim_devices(uid, card_shares, self.cards, klass, self.policy(), self._device_nodes, asked)
 
     def _device_nodes(self, index: int) -> tuple[str, ...]:
         if not self.settings.pass_device_specs:
