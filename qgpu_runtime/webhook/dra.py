@@ -193,13 +193,16 @@ def _template(container: ContainerRequest, pod: PodRequest, config: DraConfig) -
     if constraints:
         spec["devices"]["constraints"] = constraints
     dialect = _peer_dialect(container)
-    if pod.klass is not AppClass.NORMAL or dialect is not None:
-        memory_only = dialect is not None and container.shared and not container.core_milli
+    # A share that asks no core (T9k percent, HAMi's and KAI's memory-only shares) is booked by the
+    # node with core 0, as on device-plugin pools, not with the smallest core step the claim must
+    # ask (an online share's node books core 0 from its class already).
+    memory_only = container.shared and not container.core_milli and pod.klass is not AppClass.ONLINE
+    if pod.klass is not AppClass.NORMAL or dialect is not None or memory_only:
         spec["devices"]["config"] = [{"requests": [REQUEST_NAME], "opaque": {
             "driver": dra.DRIVER, "parameters": draclaim.share_config(pod.klass.value, greedy=pod.klass is AppClass.OFFLINE,
                                                                       dialect=dialect, memory_only=memory_only)}}]
         name += f"-{pod.klass.value}" if pod.klass is not AppClass.NORMAL else ""
-        name += f"-{container.dialect.value}" if dialect is not None else ""
+        name += f"-{container.dialect.value}" if dialect is not None else "-mo" if memory_only else ""
     return ClaimTemplate(name, spec)
 
 

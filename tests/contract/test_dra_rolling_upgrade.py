@@ -129,14 +129,23 @@ def test_this_webhook_writes_the_claim_templates_the_previous_one_wrote():
     # ShareConfig, under a new name; the previous node's ShareConfig reader (appClass and greedy
     # only, other keys ignored) reads it as the normal share it wrote before.
     node = written.pop("t9k-node")
+    percent = written.pop("t9k-percent")
     previous = dict(WRITTEN["claim_templates"])
     before = previous.pop("t9k-node")
+    percent_before = previous.pop("t9k-percent")
     assert written == previous
     assert node["metadata"]["name"] == "qgpu-node-t9k" and node["spec"]["spec"]["devices"]["requests"] == \
         before["spec"]["spec"]["devices"]["requests"]
     (config,) = node["spec"]["spec"]["devices"]["config"]
     parameters = config["opaque"]["parameters"]
     assert (parameters["appClass"], parameters["greedy"], parameters["dialect"]) == ("normal", False, {"dialect": "t9k", "whole_node": True})
+    # And a T9k percent claim (memory only) tells the node to book core 0, as device-plugin pools
+    # do, under a new name: the same requests, and a ShareConfig the previous node reads as normal.
+    assert percent["metadata"]["name"] == percent_before["metadata"]["name"] + "-mo"
+    assert percent["spec"]["spec"]["devices"]["requests"] == percent_before["spec"]["spec"]["devices"]["requests"]
+    (config,) = percent["spec"]["spec"]["devices"]["config"]
+    parameters = config["opaque"]["parameters"]
+    assert (parameters["appClass"], parameters["greedy"], parameters["memoryOnly"]) == ("normal", False, True)
 
 
 # --- old writer, new reader -----------------------------------------------------------------------

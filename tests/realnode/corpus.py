@@ -100,7 +100,7 @@ CORPUS: tuple[Example, ...] = (
     Example("nvidia", "nvidia", limits={"nvidia.com/gpu": "1"}, share=Share(1, 1000, CARD_MIB)),
     # T9k, as its GPU guide writes every pod: t9k-scheduler and a group.
     Example("t9k-percent", "t9k", limits={"tensorstack.dev/nvidia-gpu-percent": "25"}, **T9K_WRITES,  # type: ignore[arg-type]
-            share=Share(1, 0, 8192, dra_core_milli=10, t9k_env={"T9K_GPU_MODE": "sgn", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "8192"})),
+            share=Share(1, 0, 8192, t9k_env={"T9K_GPU_MODE": "sgn", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "8192"})),
     Example("t9k-gpu", "t9k", limits={"tensorstack.dev/nvidia-gpu": "1"}, alloc_mode="xgn", **T9K_WRITES,  # type: ignore[arg-type]
             share=Share(1, 1000, CARD_MIB, t9k_env={"T9K_GPU_MODE": "xgn", "T9K_GPU_COUNT": "1"})),
     Example("t9k-node", "t9k", limits={"tensorstack.dev/nvidia-gpu-node": "1"}, alloc_mode="xgn", **T9K_WRITES,  # type: ignore[arg-type]

@@ -120,11 +120,29 @@ def test_t9k_whole_node_takes_every_card_of_an_xgn_node_and_tells_the_node_its_m
     assert (settings.dialect.dialect, settings.dialect.whole_node, settings.memory_only) == ("t9k", True, False)
 
 
-def test_t9k_whole_cards_and_percent_need_no_xgn_selector_and_no_config():
+def test_t9k_whole_cards_and_percent_need_no_xgn_selector():
     for limits in ({"tensorstack.dev/nvidia-gpu": "1"}, {"tensorstack.dev/nvidia-gpu-percent": "25"}):
-        out, templates = applied(pod(container(limits=limits)), DraConfig(card_memory_mib=(32768,)))
+        out, _ = applied(pod(container(limits=limits)), DraConfig(card_memory_mib=(32768,)))
         assert "nodeSelector" not in out["spec"]
-        assert all("config" not in spec["devices"] for spec in templates.values())
+    _, templates = applied(pod(container(limits={"tensorstack.dev/nvidia-gpu": "1"})), DraConfig(card_memory_mib=(32768,)))
+    assert all("config" not in spec["devices"] for spec in templates.values())  # a whole card: nothing to configure
+
+
+def test_a_t9k_percent_share_asks_no_core_and_is_booked_memory_only():
+    """T9k's percent asks memory only: its claim must ask the smallest core step (DRA has no zero
+    request), and tells the node to book core 0, as on device-plugin pools, so fixed-share does not
+    cap it at that step (1 %)."""
+    _, templates = applied(pod(container(limits={"tensorstack.dev/nvidia-gpu-percent": "25"})), DraConfig(card_memory_mib=(32768,)))
+    ((name, spec),) = templates.items()
+    assert name.startswith("qgpu-pct25-s") and name.endswith("-mo")  # a new name: the old template said otherwise
+    settings = draclaim.read_share_settings(spec["devices"]["config"][0]["opaque"]["parameters"])
+    assert (settings.app_class, settings.dialect, settings.memory_only) == ("normal", None, True)
+    online = {**pod(container(limits={"tke.cloud.tencent.com/qgpu-memory": "4"}))}
+    online["metadata"] = {**online["metadata"], "annotations": {"tke.cloud.tencent.com/app-class": "online"}}
+    _, templates = applied(online, DraConfig(card_memory_mib=(32768,)))
+    ((name, spec),) = templates.items()
+    settings = draclaim.read_share_settings(spec["devices"]["config"][0]["opaque"]["parameters"])
+    assert (settings.app_class, settings.memory_only) == ("online", False)  # the node books an online share's core 0 already
 
 
 def test_hamis_vgpu_claim_carries_its_dialect_for_the_nodes_variables():
