@@ -215,6 +215,7 @@ class Binder:
                 self.choice.correct(member.node, done.pod)
             if pod is not None:
                 raise
+            self.cache.apply_pod("MODIFIED", done.pod)  # what is bound is the truth now
             log.info("group %s: member %s was bound already", group, member.key)
             return BindOutcome(member.node, None)
         except Exception as exc:
@@ -233,7 +234,9 @@ class Binder:
 
     def expire_groups(self, now_ns: int) -> None:
         """Release the held placements of groups past ``--group-timeout``; the expiry loop calls it."""
-        for group, members in self.cache.expire_groups(now_ns):
+        with self._group_lock:  # never between a bind's look at its group and the Bindings it POSTs
+            expired = self.cache.expire_groups(now_ns)
+        for group, members in expired:
             log.warning("group %s: not complete %g s after its first hold; released the cards held for %s",
                         group, self.cache.group_timeout_s, ", ".join(f"{m.key} on {m.node}" for m in members))
             for member in members:
