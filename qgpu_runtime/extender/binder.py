@@ -46,7 +46,16 @@ from qgpu_runtime.extender.bindchoice import BindChoice
 from qgpu_runtime.extender.bindresult import AlreadyBound, BindError, BindOutcome
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import LeaseCommitments
-from qgpu_runtime.extender.groups import GroupError, GroupKey, HeldMember, group_of, min_members
+from qgpu_runtime.extender.groups import (
+    GROUP_LABEL,
+    MAX_GROUP_MEMBERS,
+    GroupError,
+    GroupKey,
+    HeldMember,
+    Listed,
+    group_of,
+    min_members,
+)
 from qgpu_runtime.extender.podapi import PodApi
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import ApiError
@@ -188,6 +197,8 @@ class Binder:
                 held = HeldMember(key, uid, node, record, now)
                 self.cache.hold_for_group(group, held, self.clock_ns())
             progress = self.cache.group_progress(group, key)
+            if progress.complete:  # by the watch; the apiserver may know members it has not delivered yet
+                progress = self.cache.group_progress(group, key, self._list_group(key, group))
             if not progress.complete:
                 raise BindError(f"pod {key}: {progress.waiting()}; its cards on {node} stay held for the group "
                                 f"(all or none) for at most {self.cache.group_timeout_s:g} s after the group's first hold")
@@ -198,6 +209,18 @@ class Binder:
                 if member.key != key:
                     self._bind_held(group, member, None)
             return self._bind_held(group, mine, pod)
+
+    def _list_group(self, key: str, group: GroupKey) -> list[Listed]:
+        """The group's live pods as the apiserver has them now (at most MAX_GROUP_MEMBERS)."""
+        try:
+            pods, more = self.pods.list_live(group.namespace, f"{GROUP_LABEL}={group.name}", MAX_GROUP_MEMBERS)
+        except Exception as exc:
+            raise BindError(f"pod {key}: cannot list the pods of group {group} ({short(exc)}); its cards stay held, "
+                            "the next bind tries again") from exc
+        if more:
+            raise BindError(f"pod {key}: group {group} has more than {MAX_GROUP_MEMBERS} live members: at most "
+                            f"{MAX_GROUP_MEMBERS} are held together; split the group")
+        return [Listed.of(p) for p in pods]
 
     def _bind_held(self, group: GroupKey, member: HeldMember, pod: dict[str, Any] | None) -> BindOutcome:
         """POST one held member's Binding with its held record. ``pod`` is given for the member whose

@@ -40,6 +40,7 @@ from qgpu_runtime.extender.groups import (
     GroupKey,
     Groups,
     HeldMember,
+    Listed,
     Progress,
     group_of,
     min_members,
@@ -302,10 +303,13 @@ class AllocationCache:
         with self.lock:
             self._groups.hold(group, member, now_ns)
 
-    def group_progress(self, group: GroupKey, key: str) -> Progress:
+    def group_progress(self, group: GroupKey, key: str, listed: Iterable[Listed] = ()) -> Progress:
+        """``listed``: the group's pods as the apiserver listed them just now (the watch may lag)."""
+        listed = list(listed)
         with self.lock:
-            placed = [k for k in self._groups.members(group) if self._pods.pinned(k) is not None]
-            return self._groups.progress(group, key, placed)
+            keys = set(self._groups.members(group)) | {m.key for m in listed}
+            placed = [k for k in keys if self._pods.pinned(k) is not None]
+            return self._groups.progress(group, key, placed, listed)
 
     def take_group(self, group: GroupKey) -> list[HeldMember]:
         """The group's held members, no longer held: their Bindings go out now (bookings stay pinned)."""

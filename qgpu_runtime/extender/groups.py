@@ -13,7 +13,9 @@ extender holds the group itself:
   *held*: its bind chose and booked its cards, and was answered with an error so kube-scheduler
   retries it, while the cards stay booked (the same pinned booking a bind in flight has);
 - the group is complete when as many members are placed as its size; the bind that completes it
-  binds every held member with its held placement.
+  binds every held member with its held placement. The watch may lag behind kube-scheduler (pods
+  created together, the first already at bind before the extender saw the others), so before a
+  group counts as complete its pods are listed from the apiserver and counted too.
 
 Bounds, because the label is tenant-writable: at most :data:`MAX_GROUP_MEMBERS` members, held
 members count against ``--max-holds`` and ``--max-holds-per-namespace`` like every pod awaiting its
@@ -100,6 +102,25 @@ class Progress:
     def waiting(self) -> str:
         return (f"group {self.group} ({GROUP_LABEL}) waits for {self.size - self.placed} more of {self.size} "
                 f"members to be placed")
+
+
+@dataclass(frozen=True)
+class Listed:
+    """A member as a fresh LIST of the group's pods shows it."""
+
+    key: str
+    bound: bool
+    min_members: int
+
+    @classmethod
+    def of(cls, pod: Mapping[str, Any]) -> "Listed":
+        meta = pod.get("metadata") or {}
+        try:
+            wanted = min_members(pod)
+        except GroupError:
+            wanted = 1  # that pod's own filter and bind refuse it with the reason
+        return cls(f"{meta.get('namespace') or 'default'}/{meta.get('name')}",
+                   bool((pod.get("spec") or {}).get("nodeName")), wanted)
 
 
 @dataclass(frozen=True)
@@ -202,16 +223,20 @@ class Groups:
         holds = self._holds.pop(group, None)
         return sorted(holds.held.values(), key=lambda m: m.key) if holds else []
 
-    def progress(self, group: GroupKey, arriving: str, placed: Iterable[str]) -> Progress:
+    def progress(self, group: GroupKey, arriving: str, placed: Iterable[str],
+                 listed: Iterable[Listed] = ()) -> Progress:
         """``placed``: the keys of the group's members that are bound or whose bind is in flight
-        (pinned bookings, the held ones among them); ``arriving`` is counted as placed and a member."""
-        keys = self._by_group.get(group, set()) | {arriving}
-        done = {k for k in placed if k in keys} | {arriving}
+        (pinned bookings, the held ones among them); ``arriving`` is counted as placed and a member;
+        ``listed``: members read from the apiserver just now, which the watch may not have delivered."""
+        extra = {m.key: m for m in listed}
+        keys = self._by_group.get(group, set()) | {arriving} | extra.keys()
+        done = {k for k in placed if k in keys} | {arriving} | {k for k, m in extra.items() if m.bound}
         holds = self._holds.get(group)
         if holds is not None:
             done |= holds.held.keys() & keys
         done |= {k for k in keys if (m := self._members.get(k)) is not None and m.bound}
-        wanted = max((m.min_members for k in keys if (m := self._members.get(k)) is not None), default=1)
+        wanted = max([m.min_members for k in keys if (m := self._members.get(k)) is not None]
+                     + [m.min_members for m in extra.values()] + [1])
         return Progress(group, max(len(keys), wanted), len(done), len(keys))
 
     def members(self, group: GroupKey) -> list[str]:

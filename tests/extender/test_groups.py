@@ -9,6 +9,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Iterator
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 from kubernetes import client
@@ -47,16 +48,32 @@ def group_cache(timeout_s: int = 60, n_cards: int = 2) -> AllocationCache:
 
 
 class Apiserver:
-    """A real HTTP server taking pods/binding POSTs: 201 for each, or ``fail`` for the pod names in it."""
+    """A real HTTP server taking pods/binding POSTs (201 for each, or ``fail`` for the pod names in it)
+    and answering LISTs of pods with the ``pods`` created in it, by namespace and group label."""
 
     def __init__(self) -> None:
         self.bound: list[tuple[str, str, dict]] = []  # (pod, node, annotations) in POST order
         self.fail: dict[str, int] = {}
+        self.pods: list[dict] = []
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):  # noqa: ANN002
                 pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                url = urlparse(self.path)
+                namespace = url.path.split("/")[4]
+                selector = parse_qs(url.query)["labelSelector"][0]
+                label, value = selector.split("=", 1)
+                items = [p for p in outer.pods if p["metadata"]["namespace"] == namespace
+                         and (p["metadata"].get("labels") or {}).get(label) == value]
+                answer = json.dumps({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
 
             def do_POST(self) -> None:  # noqa: N802
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
@@ -88,6 +105,13 @@ def apiserver() -> Iterator[Apiserver]:
     yield server
     server.httpd.shutdown()
     server.httpd.server_close()
+
+
+def created(c: AllocationCache, server: Apiserver, *pods: dict) -> None:
+    """Pods created at the apiserver and delivered by the watch."""
+    for p in pods:
+        server.pods.append(p)
+        c.apply_pod("ADDED", p)
 
 
 def filtered(c: AllocationCache, p: dict) -> None:
@@ -145,8 +169,7 @@ def test_a_group_of_three_that_fits_binds_all_three_at_the_third_bind(apiserver)
     c = group_cache()
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     pods = [member(f"p{i}") for i in range(3)]
-    for p in pods:
-        c.apply_pod("ADDED", p)
+    created(c, apiserver, *pods)
     for p, target in zip(pods[:2], ("a", "a")):
         filtered(c, p)
         with pytest.raises(BindError, match=r"group ns/g .* waits for 2 more of 3|group ns/g .* waits for 1 more of 3"):
@@ -164,7 +187,7 @@ def test_a_held_member_filters_to_its_held_node_only_and_keeps_its_cards(apiserv
     c = group_cache()
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     p0, p1 = member("p0"), member("p1")
-    c.apply_pod("ADDED", p1)
+    created(c, apiserver, p1)
     filtered(c, p0)
     with pytest.raises(BindError, match="waits for 1 more of 2"):
         binder.bind("ns", "p0", "uid-p0", "b")
@@ -179,7 +202,7 @@ def test_the_timeout_releases_the_held_cards_and_the_group_rests(apiserver):
     c = group_cache(timeout_s=5, n_cards=1)
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     p0, p1 = member("p0"), member("p1")
-    c.apply_pod("ADDED", p1)
+    created(c, apiserver, p1)
     filtered(c, p0)
     with pytest.raises(BindError):
         binder.bind("ns", "p0", "uid-p0", "a")
@@ -191,7 +214,7 @@ def test_the_timeout_releases_the_held_cards_and_the_group_rests(apiserver):
     assert c.booking("ns/p0") is None
     assert c.group_held("ns/p0") is None
     other = pod("other", core=100, memory=0)
-    c.apply_pod("ADDED", other)
+    created(c, apiserver, other)
     assert c.filter(other, parse_pod(other), ["a"], now_ns=now + 6 * SEC).passed == ["a"]  # the card is free
     with pytest.raises(GroupError, match=r"group ns/g: its held placements were released after 5 s .* holds again in"):
         c.filter(p0, parse_pod(p0), ["a", "b"], now_ns=now + 7 * SEC)
@@ -202,7 +225,7 @@ def test_a_deleted_member_drops_its_hold_and_the_rest_may_complete(apiserver):
     c = group_cache()
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     p0, p1, p2 = member("p0"), member("p1"), member("p2")
-    c.apply_pod("ADDED", p2)
+    created(c, apiserver, p2)
     for p in (p0, p1):
         filtered(c, p)
         with pytest.raises(BindError):
@@ -218,7 +241,7 @@ def test_a_member_whose_binding_fails_stays_held_and_its_next_bind_binds_it(apis
     c = group_cache()
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     p0, p1 = member("p0"), member("p1")
-    c.apply_pod("ADDED", p1)
+    created(c, apiserver, p1)
     filtered(c, p0)
     with pytest.raises(BindError):
         binder.bind("ns", "p0", "uid-p0", "a")
@@ -237,7 +260,21 @@ def test_another_namespaces_pod_with_the_same_label_is_not_a_member(apiserver):
     c = group_cache()
     binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
     mine, theirs = member("p0", namespace="ns"), member("x", namespace="other")
-    c.apply_pod("ADDED", theirs)
+    created(c, apiserver, theirs)
     filtered(c, mine)
     binder.bind("ns", "p0", "uid-p0", "a")  # a group of one: bound at once, not held for "other"'s pod
     assert apiserver.names() == ["p0"]
+
+
+def test_a_member_the_watch_has_not_delivered_yet_still_counts(apiserver):
+    """kube-scheduler can bind the first pod of a group before the extender's watch saw the others:
+    the apiserver's list of the group decides before the group counts as complete."""
+    c = group_cache()
+    binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
+    p0, p1 = member("p0"), member("p1")
+    apiserver.pods.append(p1)  # created, not yet in the watch
+    created(c, apiserver, p0)
+    filtered(c, p0)
+    with pytest.raises(BindError, match="waits for 1 more of 2"):
+        binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.bound == []
