@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 import yaml
 
-from qgpu_runtime.extender.groups import GROUP_LABEL
+from qgpu_runtime.extender.groups import GROUP_LABEL, MIN_MEMBER_ANNOTATION
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
 
 WHOLE_CARD = {"tke.cloud.tencent.com/qgpu-core": 100}
@@ -41,7 +41,10 @@ def t9k(cluster, tmp_path_factory) -> Iterator[None]:
 
 
 def member(name: str, group: str, label: dict[str, str]) -> dict[str, Any]:
-    pod = gpu_pod(name, WHOLE_CARD, selector=label, scheduler_name="t9k-scheduler")
+    """A member of a group of 3. The pods are created one after another, and kube-scheduler can bind
+    the first before the next exists: the annotation gives the size (docs/extender.md, Groups)."""
+    pod = gpu_pod(name, WHOLE_CARD, selector=label, scheduler_name="t9k-scheduler",
+                  annotations={MIN_MEMBER_ANNOTATION: "3"})
     pod["metadata"]["labels"] = {GROUP_LABEL: group}
     return pod
 
