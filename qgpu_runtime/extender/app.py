@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qgpu_runtime.extender.binder import Binder, BindError
-from qgpu_runtime.extender.cache import AllocationCache, HoldLimit
+from qgpu_runtime.extender.cache import AllocationCache, GroupError, HoldLimit
 from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.extender.trust import PodUnavailable, TrustedPods, UntrustedPod
 from qgpu_runtime.extender.wire import (
@@ -157,6 +157,8 @@ class ExtenderApp:
             outcome = self.cache.filter(pod, request, names, time.time_ns())
         except HoldLimit as exc:
             self._refuse("filter", "hold-limit", str(exc))
+            return 200, FilterResult([], error=str(exc)).encode(args)
+        except GroupError as exc:  # kube-scheduler's FailedScheduling Event on the pod carries the reason
             return 200, FilterResult([], error=str(exc)).encode(args)
         passed = outcome.passed
         if self.filter_result == "best" and outcome.held is not None:

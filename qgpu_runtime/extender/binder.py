@@ -23,10 +23,18 @@ request body's copy is never used, see :mod:`.trust`); otherwise it is read from
 :class:`Binder` runs these steps and releases what a failed step booked; choosing and committing
 the cards (steps 1 and 2, and withdrawing the commitment after a failure) is extender/bindchoice.py,
 the pod reads and writes (the Binding, the expired record's removal) are extender/podapi.py.
+
+A member of a T9k group (extender/groups.py) takes steps 1 and 2 and then, while its group is not
+complete, keeps the booking instead of POSTing: the bind answers an error naming the group and
+what it waits for (kube-scheduler's FailedScheduling Event on the pod carries it) and
+kube-scheduler retries the pod, whose filter then passes only the held node. The bind that
+completes the group POSTs every held member's Binding with its held record, then its own.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -38,6 +46,16 @@ from qgpu_runtime.extender.bindchoice import BindChoice
 from qgpu_runtime.extender.bindresult import AlreadyBound, BindError, BindOutcome
 from qgpu_runtime.extender.cache import AllocationCache, Expired
 from qgpu_runtime.extender.commitments import LeaseCommitments
+from qgpu_runtime.extender.groups import (
+    GROUP_LABEL,
+    MAX_GROUP_MEMBERS,
+    GroupError,
+    GroupKey,
+    HeldMember,
+    Listed,
+    group_of,
+    min_members,
+)
 from qgpu_runtime.extender.podapi import PodApi
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import ApiError
@@ -46,6 +64,8 @@ from qgpu_runtime.kube.retry import is_transient
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
 __all__ = ["BindError", "BindOutcome", "Binder"]
+
+log = logging.getLogger(__name__)
 
 
 class Binder:
@@ -74,6 +94,8 @@ class Binder:
         self.pods = PodApi(api, timeout, attempts)
         self.choice = BindChoice(cache, commitments, clock_ns, commit_attempts, commitment_grace_ns, on_conflict,
                                  monotonic_ns)
+        self.clock_ns = clock_ns
+        self._group_lock = threading.Lock()  # one group decision (hold, or complete and bind) at a time
 
     @property
     def conflicts(self) -> int:
@@ -136,6 +158,9 @@ class Binder:
     def _bind_gpu(self, pod: dict[str, Any], request: Any, node: str) -> BindOutcome:
         meta = pod["metadata"]
         namespace, name = meta.get("namespace") or "default", meta["name"]
+        group = group_of(pod)
+        if group is not None:
+            return self._bind_member(pod, request, node, group)
         record, now = self.choice.choose(pod, request, node)
         try:
             self.pods.create_binding(namespace, name, meta.get("uid", ""), node,
@@ -152,6 +177,93 @@ class Binder:
             self.choice.withdraw(node, str(meta.get("uid", "")))
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {short(exc)}") from exc
         return BindOutcome(node, record.to_json())
+
+    def _bind_member(self, pod: dict[str, Any], request: Any, node: str, group: GroupKey) -> BindOutcome:
+        """Hold this member's cards until its group is complete; the bind completing it binds all."""
+        meta = pod["metadata"]
+        key, uid = f"{meta.get('namespace') or 'default'}/{meta['name']}", str(meta.get("uid") or "")
+        with self._group_lock:
+            held = self.cache.group_held(key)
+            if held is not None and (held.uid != uid or held.node != node):
+                self._release(held)
+                held = None
+            if held is None:
+                try:
+                    min_members(pod)
+                    self.cache.check_group(group, key, self.clock_ns())
+                except GroupError as exc:
+                    raise BindError(f"pod {key}: {exc}") from exc
+                record, now = self.choice.choose(pod, request, node)
+                held = HeldMember(key, uid, node, record, now)
+                self.cache.hold_for_group(group, held, self.clock_ns())
+            progress = self.cache.group_progress(group, key)
+            if progress.complete:  # by the watch; the apiserver may know members it has not delivered yet
+                progress = self.cache.group_progress(group, key, self._list_group(key, group))
+            if not progress.complete:
+                raise BindError(f"pod {key}: {progress.waiting()}; its cards on {node} stay held for the group "
+                                f"(all or none) for at most {self.cache.group_timeout_s:g} s after the group's first hold")
+            members = self.cache.take_group(group)
+            mine = next((m for m in members if m.key == key), held)
+            log.info("group %s complete (%d members): binding the %d held", group, progress.size, len(members))
+            for member in members:
+                if member.key != key:
+                    self._bind_held(group, member, None)
+            return self._bind_held(group, mine, pod)
+
+    def _list_group(self, key: str, group: GroupKey) -> list[Listed]:
+        """The group's live pods as the apiserver has them now (at most MAX_GROUP_MEMBERS)."""
+        try:
+            pods, more = self.pods.list_live(group.namespace, f"{GROUP_LABEL}={group.name}", MAX_GROUP_MEMBERS)
+        except Exception as exc:
+            raise BindError(f"pod {key}: cannot list the pods of group {group} ({short(exc)}); its cards stay held, "
+                            "the next bind tries again") from exc
+        if more:
+            raise BindError(f"pod {key}: group {group} has more than {MAX_GROUP_MEMBERS} live members: at most "
+                            f"{MAX_GROUP_MEMBERS} are held together; split the group")
+        return [Listed.of(p) for p in pods]
+
+    def _bind_held(self, group: GroupKey, member: HeldMember, pod: dict[str, Any] | None) -> BindOutcome:
+        """POST one held member's Binding with its held record. ``pod`` is given for the member whose
+        bind this is (its failure is raised); another member's failure is logged, and unless the pod
+        is bound already its hold is kept, so its own next bind (its group is complete by then) binds it."""
+        namespace, name = member.key.split("/", 1)
+        try:
+            self.pods.create_binding(namespace, name, member.uid, member.node,
+                                     signed_annotations(member.record, member.chosen_ns, member.uid, self.signer))
+        except AlreadyBound as done:
+            self.cache.unreserve(done.pod)
+            if (done.pod.get("spec") or {}).get("nodeName") != member.node:
+                self.choice.withdraw(member.node, member.uid)
+            else:
+                self.choice.correct(member.node, done.pod)
+            if pod is not None:
+                raise
+            self.cache.apply_pod("MODIFIED", done.pod)  # what is bound is the truth now
+            log.info("group %s: member %s was bound already", group, member.key)
+            return BindOutcome(member.node, None)
+        except Exception as exc:
+            self.cache.hold_for_group(group, member, self.clock_ns())
+            message = (f"pod {member.key}: binding to {member.node} failed: {short(exc)}; its cards stay held for "
+                       f"group {group}, whose other members are bound, and its next bind binds it")
+            if pod is not None:
+                raise BindError(message) from exc
+            log.warning("%s", message)
+            return BindOutcome(member.node, None)
+        return BindOutcome(member.node, member.record.to_json())
+
+    def _release(self, member: HeldMember) -> None:
+        self.cache.release_member(member)
+        self.choice.withdraw(member.node, member.uid)
+
+    def expire_groups(self, now_ns: int) -> None:
+        """Release the held placements of groups past ``--group-timeout``; the expiry loop calls it."""
+        with self._group_lock:  # never between a bind's look at its group and the Bindings it POSTs
+            expired = self.cache.expire_groups(now_ns)
+        for group, members in expired:
+            log.warning("group %s: not complete %g s after its first hold; released the cards held for %s",
+                        group, self.cache.group_timeout_s, ", ".join(f"{m.key} on {m.node}" for m in members))
+            for member in members:
+                self.choice.withdraw(member.node, member.uid)
 
     def remove_record(self, namespace: str, name: str, raw_record: str, uid: str = "") -> None:
         """Delete an unbound pod's record only if it is still exactly ``raw_record`` (podapi.py)."""

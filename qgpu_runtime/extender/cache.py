@@ -15,7 +15,9 @@ calls directly, takes the same lock):
 - the ClusterState the bookings add up to, with its version and per-node index, extender/bookings.py;
 - filter's holds and bind authorizations, extender/holds.py; filter's verdicts and prioritize's
   scores, extender/scoring.py (its memo, extender/memo.py); bind's booking, extender/reservations.py;
-- the answers the node commitments need, extender/committed.py.
+- the answers the node commitments need, extender/committed.py;
+- T9k groups held at bind until complete (their members' bookings are binds' pinned bookings),
+  extender/groups.py.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ from qgpu_runtime.contract.record import AllocationRecord
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.extender.bookings import Bookings
 from qgpu_runtime.extender.committed import CommittedView
+from qgpu_runtime.extender.groups import (
+    DEFAULT_GROUP_TIMEOUT_S,
+    GroupError,
+    GroupKey,
+    Groups,
+    HeldMember,
+    Listed,
+    Progress,
+    group_of,
+    min_members,
+)
 from qgpu_runtime.extender.holds import DEFAULT_MAX_HOLDS, HoldGate, HoldLimit, default_holds_per_namespace
 from qgpu_runtime.extender.memo import FilterMemo
 from qgpu_runtime.extender.nodeview import NodeView, node_name
@@ -44,7 +57,7 @@ from qgpu_runtime.extender.scoring import Scorer
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement
 
-__all__ = ["DEFAULT_MAX_HOLDS", "AllocationCache", "Expired", "FilterOutcome", "HoldLimit",
+__all__ = ["DEFAULT_MAX_HOLDS", "AllocationCache", "Expired", "FilterOutcome", "GroupError", "HoldLimit",
            "default_holds_per_namespace", "pod_key"]
 
 log = logging.getLogger(__name__)
@@ -62,7 +75,8 @@ class AllocationCache:
     """Nodes, pods and the ClusterState their records add up to; safe to share between threads."""
 
     def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9,
-                 max_holds: int = DEFAULT_MAX_HOLDS, max_holds_per_namespace: int | None = None, *, verifier: RecordVerifier):
+                 max_holds: int = DEFAULT_MAX_HOLDS, max_holds_per_namespace: int | None = None, *, verifier: RecordVerifier,
+                 group_timeout_ns: int = int(DEFAULT_GROUP_TIMEOUT_S * 1e9)):
         if max_holds < 1:
             raise ValueError(f"max_holds={max_holds}: must be >= 1")
         per_namespace = default_holds_per_namespace(max_holds) if max_holds_per_namespace is None else max_holds_per_namespace
@@ -87,6 +101,8 @@ class AllocationCache:
         self._holds = HoldGate(self._pods, self._booked, self.state, max_holds, per_namespace)
         self._scorer = Scorer(policy, self._nodes, self._booked, self._pods)
         self._reservations = Reservations(policy, policy_name, self._pods, self._booked, self.state, self._problem)
+        self._groups = Groups(group_timeout_ns)
+        self.group_timeout_s = group_timeout_ns / 1e9
         self.committed = CommittedView(self.lock, self.state, self._nodes, self._pods, self._mirror, self._booked)
 
     def _problem(self, message: str) -> None:
@@ -175,6 +191,8 @@ class AllocationCache:
         with self.lock:
             self._untrusted.note(entry.key, None if event == "DELETED" or entry.terminal else refusal)
             self._events.apply(self.state(), event, pod, entry)
+            # A member deleted or replaced drops its group hold; the event above released its booking.
+            self._groups.observe(entry.key, pod, event == "DELETED" or entry.terminal, bool(entry.node_name))
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
         with self.lock:
@@ -203,13 +221,24 @@ class AllocationCache:
             return self._holds.refusal(key, uid, node)
 
     def filter(self, pod: Mapping[str, Any], request: PodRequest, names: list[str], now_ns: int = 0) -> FilterOutcome:
-        """Raises :class:`HoldLimit` when ``max_holds`` other pods await their bind."""
+        """Raises :class:`HoldLimit` when ``max_holds`` other pods await their bind, and
+        :class:`GroupError` for a group member that may not be held (bad annotation, the group
+        resting after its timeout)."""
         key = pod_key(pod)
+        group = group_of(pod)
         with self.lock:
+            if group is not None:
+                self._groups.check_may_hold(group, key, now_ns)
+                min_members(pod)
             self._holds.check_room(key)
             uid = str((pod.get("metadata") or {}).get("uid") or "")
             if uid:
                 self._mirror.saw(uid, pod)
+            held = self._groups.held(key)
+            if held is not None and held.uid == uid and held.node in names:
+                return self._filter_held(key, pod, held, names, now_ns)
+            if held is not None:  # the scheduler no longer offers its node (or a new pod took the name)
+                self._release_member(held)
             state = self.state()
             self._events.forget_stale_assumption(state, pod)
             verdict = self._scorer.judge(state, request, names)
@@ -219,6 +248,13 @@ class AllocationCache:
             self._holds.authorize(key, pod, passed, now_ns)
             self._scorer.memo = FilterMemo(key, self._booked.version, scored.node_score, state, passed, scored.rows[ok])
         return FilterOutcome(passed, verdict.failed, verdict.unresolvable, held)
+
+    def _filter_held(self, key: str, pod: Mapping[str, Any], held: HeldMember, names: list[str],
+                     now_ns: int) -> FilterOutcome:
+        """A group member whose bind holds cards passes only the held node, and keeps its hold."""
+        self._holds.authorize(key, pod, [held.node], now_ns)
+        reason = f"the pod's cards are held on node {held.node} while its group waits (all or none)"
+        return FilterOutcome([held.node], {n: reason for n in names if n != held.node}, {}, held.node)
 
     def prioritize_scores(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> np.ndarray:
         """Scores aligned with ``names`` as if this pod held nothing yet (its own tentative hold is
@@ -250,6 +286,54 @@ class AllocationCache:
         key = pod_key(pod)
         with self.lock:
             self._reservations.unreserve(key)
+
+    # -- groups (extender/groups.py) -------------------------------------------------------------
+
+    def group_held(self, key: str) -> HeldMember | None:
+        with self.lock:
+            return self._groups.held(key)
+
+    def check_group(self, group: GroupKey, key: str, now_ns: int) -> None:
+        """Raises :class:`GroupError` when the group may not hold now (resting, too many members)."""
+        with self.lock:
+            self._groups.check_may_hold(group, key, now_ns)
+
+    def hold_for_group(self, group: GroupKey, member: HeldMember, now_ns: int) -> None:
+        """Keep the booking :meth:`reserve` made for ``member`` (pinned) as its group's hold."""
+        with self.lock:
+            self._groups.hold(group, member, now_ns)
+
+    def group_progress(self, group: GroupKey, key: str, listed: Iterable[Listed] = ()) -> Progress:
+        """``listed``: the group's pods as the apiserver listed them just now (the watch may lag)."""
+        listed = list(listed)
+        with self.lock:
+            keys = set(self._groups.members(group)) | {m.key for m in listed}
+            placed = [k for k in keys if self._pods.pinned(k) is not None]
+            return self._groups.progress(group, key, placed, listed)
+
+    def take_group(self, group: GroupKey) -> list[HeldMember]:
+        """The group's held members, no longer held: their Bindings go out now (bookings stay pinned)."""
+        with self.lock:
+            return self._groups.take(group)
+
+    def release_member(self, member: HeldMember) -> None:
+        with self.lock:
+            self._release_member(member)
+
+    def _release_member(self, member: HeldMember) -> None:
+        self._groups.drop_hold(member.key)
+        self._reservations.unreserve(member.key)
+        self._pods.deauthorize(member.key)
+
+    def expire_groups(self, now_ns: int) -> list[tuple[GroupKey, list[HeldMember]]]:
+        """Release the holds of groups incomplete ``group timeout`` after their first hold."""
+        with self.lock:
+            expired = self._groups.expire(now_ns)
+            for _, members in expired:
+                for member in members:
+                    self._reservations.unreserve(member.key)
+                    self._pods.deauthorize(member.key)
+            return expired
 
     def expire(self, now_ns: int) -> list[Expired]:
         """Release holds, authorizations and assumed records older than the TTL; return the

@@ -26,6 +26,7 @@ from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.extender.dra import DraView
+from qgpu_runtime.extender.groups import DEFAULT_GROUP_TIMEOUT_S, MAX_GROUP_TIMEOUT_S
 from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
 from qgpu_runtime.kube.client import api_client
@@ -61,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "at --max-holds, a pod of a namespace holding fewer takes the oldest hold of the one holding most")
     serve.add_argument("--assume-timeout", type=float, default=60.0,
                        help="seconds an allocation record may wait for its Binding before it is released (default 60)")
+    serve.add_argument("--group-timeout", type=float, default=DEFAULT_GROUP_TIMEOUT_S,
+                       help="seconds the held placements of an incomplete T9k group (scheduler.tensorstack.dev/"
+                            f"group-name) are kept before they are released (default {DEFAULT_GROUP_TIMEOUT_S:g}, "
+                            f"at most {MAX_GROUP_TIMEOUT_S:g}); the group then rests as long before it holds again")
     serve.add_argument("--filter-result", choices=("all", "best"), default="all",
                        help="filter answers every feasible node (all, default) or only the chosen one (best: one round "
                             "trip per pod when the scheduler is configured without prioritizeVerb)")
@@ -118,6 +123,9 @@ def _check(args: argparse.Namespace) -> None:
                          f"1..--max-holds ({args.max_holds})")
     if args.assume_timeout <= 0:
         raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
+    if not 0 < args.group_timeout <= MAX_GROUP_TIMEOUT_S:
+        raise SystemExit(f"qgpu extender serve: --group-timeout {args.group_timeout}: must be > 0 and <= "
+                         f"{MAX_GROUP_TIMEOUT_S:g} seconds (held cards of an incomplete group are released after it)")
     if args.node_commitments and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
         raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
                          "namespace name (lowercase letters, digits and '-', at most 63 characters)")
@@ -146,14 +154,16 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     connection = api_client(args.kubeconfig)
     api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
-                            max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier)
+                            max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier,
+                            group_timeout_ns=int(args.group_timeout * 1e9))
     commitments = (LeaseCommitments(client.CoordinationV1Api(connection), args.commitment_namespace)
                    if args.node_commitments else None)
-    # A commitment outlives its bind in flight by the assume timeout: by then the Binding (and its
-    # record, which every extender's cache books) exists, or the bind is over.
+    # A commitment outlives its bind in flight by the assume timeout (a group's held member by the
+    # group timeout): by then the Binding (and its record, which every extender's cache books)
+    # exists, or the bind is over.
     metrics = ExtenderMetrics.create()
     binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
-                    commitment_grace_ns=int(max(args.assume_timeout, 10.0) * 1e9),
+                    commitment_grace_ns=int(max(args.assume_timeout, args.group_timeout, 10.0) * 1e9),
                     on_conflict=metrics.commitment_conflicts.inc, signer=signer)
     pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
     dra = DraView(DEFAULT_LIMITS, cache.node_specs) if args.dra_prioritize else None
@@ -194,8 +204,9 @@ def run(args: argparse.Namespace) -> int:
     server, app, (feeder, binder) = build(args)
     stop = threading.Event()
     feeder.start()
-    period = max(0.5, min(10.0, args.assume_timeout / 4))
-    threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop), name="expire", daemon=True).start()
+    period = max(0.5, min(10.0, args.assume_timeout / 4, args.group_timeout / 4))
+    threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop, binder.expire_groups),
+                     name="expire", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s, node commitments %s)",
                                      "HTTPS with client certificates" if server.client_auth else "plain HTTP (loopback)",

@@ -1,6 +1,6 @@
 """The binder's reads and writes of pods at the apiserver.
 
-Read a pod (transient errors retried with backoff), or learn that it does not exist (the trust
+Read a pod (transient errors retried with backoff), list a T9k group's live pods, or learn that it does not exist (the trust
 check's fallback, extender/trust.py); create the Binding that carries the allocation record (a 409
 means the pod is bound already: :class:`~.bindresult.AlreadyBound` with the pod as it is now);
 remove an unbound pod's record only while it is still exactly the one the expiry loop saw.
@@ -38,6 +38,17 @@ class PodApi:
         return raw_json(with_backoff(
             lambda: call(self.api.read_namespaced_pod, name, namespace, _preload_content=False, _request_timeout=self.timeout),
             attempts=self.attempts))
+
+    def list_live(self, namespace: str, label_selector: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        """The live (neither Succeeded nor Failed) pods of ``namespace`` matching ``label_selector``,
+        at most ``limit`` of them, and whether there are more."""
+        doc = raw_json(with_backoff(
+            lambda: call(self.api.list_namespaced_pod, namespace, label_selector=label_selector,
+                         field_selector="status.phase!=Succeeded,status.phase!=Failed", limit=limit,
+                         _preload_content=False, _request_timeout=self.timeout),
+            attempts=self.attempts))
+        items = list(doc.get("items") or [])
+        return items, bool((doc.get("metadata") or {}).get("continue")) or len(items) > limit
 
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""

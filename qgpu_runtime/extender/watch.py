@@ -137,9 +137,16 @@ class CacheFeeder:
         return version
 
 
-def expire_loop(cache: AllocationCache, delete: Callable[[Any], None], period_s: float, stop: threading.Event) -> None:
-    """Periodically release assumed records whose bind never happened, and delete them."""
+def expire_loop(cache: AllocationCache, delete: Callable[[Any], None], period_s: float, stop: threading.Event,
+                release_groups: Callable[[int], None] | None = None) -> None:
+    """Periodically release assumed records whose bind never happened, and delete them; and, with
+    ``release_groups``, the held placements of T9k groups past their timeout."""
     while not stop.wait(period_s):
+        if release_groups is not None:
+            try:
+                release_groups(time.time_ns())
+            except Exception as exc:  # noqa: BLE001 - retried next period
+                log.warning("could not release expired group holds: %s", exc)
         for expired in cache.expire(time.time_ns()):
             try:
                 delete(expired)

@@ -95,7 +95,7 @@ def test_the_extender_serves_https_and_asks_for_client_certificates(issued):
     pod = daemonset["spec"]["template"]
     (container,) = pod["spec"]["containers"]
     assert {"--tls-cert-file=/etc/qgpu/tls/tls.crt", "--tls-private-key-file=/etc/qgpu/tls/tls.key",
-            "--client-ca-file=/etc/qgpu/tls/ca.crt", "--max-holds=1000"} <= set(container["args"])
+            "--client-ca-file=/etc/qgpu/tls/ca.crt", "--max-holds=1000", "--group-timeout=60"} <= set(container["args"])
     assert "--insecure-plain-http" not in container["args"]
     assert pod["spec"]["volumes"] == [{"name": "record-key", "secret": {"secretName": "qgpu-record-signing-key"}},
                                       {"name": "tls", "secret": {"secretName": "qgpu-scheduler-tls"}}]
