@@ -301,8 +301,9 @@ def dialect_ns(dra_cluster: LocalCluster) -> Iterator[str]:
     ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "2"}, "300", "2048"),
     ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, "500", "2048"),
     ({"tensorstack.dev/nvidia-gpu": "1"}, "1000", "32768"),
-    # A percent asks memory only: the claim takes the smallest core step (docs/dra.md).
-    ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "10", "8192"),
+    # A percent asks memory only: the claim takes the smallest core step, and its ShareConfig
+    # (memoryOnly) has the node book core 0, as on device-plugin pools (docs/dra.md).
+    ({"tensorstack.dev/nvidia-gpu-percent": "25"}, "0", "8192"),
 ], ids=["qgpu", "vcuda", "t9k-gpu", "t9k-percent"])
 def test_a_dialect_pod_becomes_a_claim_and_runs_with_its_share(dra_cluster: LocalCluster, dialect_ns: str,
                                                                limits: dict[str, str], core: str, memory: str) -> None:
