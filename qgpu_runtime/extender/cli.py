@@ -185,9 +185,12 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         return 200, CONTENT_TYPE_LATEST, generate_latest(app.metrics.registry)
 
     def readyz() -> tuple[int, str, bytes]:
-        if cache.synced.is_set():
-            return 200, "text/plain", b"ok"
-        return 503, "text/plain", b"node and pod caches not synced yet"
+        if not cache.synced.is_set():
+            return 503, "text/plain", b"node and pod caches not synced yet"
+        presence = binder.choice.presence
+        if presence is not None and not presence.ready():
+            return 503, "text/plain", b"not confirmed in the binders' Lease yet (node commitments: docs/extender.md)"
+        return 200, "text/plain", b"ok"
 
     routes = Routes(
         post={"/": lambda verb, body: app.handle(verb, body)},

@@ -19,6 +19,11 @@ The rules, and why they are safe:
   (:meth:`BinderPresence.renew`, ``flush``). So the binds the first binder made without
   commitments are in the Leases the newcomer reads, whatever its watch has delivered yet. Until
   then the newcomer refuses binds (kube-scheduler retries the pod).
+- **A newcomer watches one full duration first.** Its first bind waits until it has seen the
+  document for ``duration_s`` after its entry went in. A live binder renews its entry well within
+  that (every third of it), writing it back should anyone have deleted it, or stops binding; so a
+  binder whose entry went missing is in the document again before the newcomer decides, and a
+  missing entry cannot turn commitments off while its binder lives.
 - **Liveness by the reader's clock.** An entry counts as live until its reader has watched it
   unchanged for twice its duration, by the reader's own monotonic clock (contract/observed.py): no
   two clocks are compared. A binder that could not renew for its own duration stops binding, by
@@ -103,6 +108,7 @@ class BinderPresence:
         self._confirmed = False  # every other live binder says it commits
         self._why_not = "its presence in the binders' Lease is not written yet"
         self._renewed_at: float | None = None  # monotonic time before the read of our last successful write
+        self._published_at: float | None = None  # the same, of our first successful write
         self._in_flight = 0  # uncommitted binds not finished
         self._recent: deque[RecentBind] = deque()
         self._beat = 0
@@ -178,12 +184,26 @@ class BinderPresence:
         with self._cond:
             self.renewals += 1
             self._renewed_at = started
+            if self._published_at is None:
+                self._published_at = started
+            watched = started - self._published_at
             self._written_committing = commit
             self._committing = commit
-            self._confirmed = not waiting
-            self._why_not = (f"binder(s) {', '.join(waiting)} bind without node commitments and have not yet "
-                             "confirmed they commit; retry shortly") if waiting else ""
+            self._confirmed = not waiting and watched >= self.duration_s
+            if waiting:
+                self._why_not = (f"binder(s) {', '.join(waiting)} bind without node commitments and have not yet "
+                                 "confirmed they commit; retry shortly")
+            elif not self._confirmed:
+                self._why_not = (f"it has watched the binders' Lease for {watched:.0f} s of the {self.duration_s} s "
+                                 "every live binder renews within; retry shortly")
+            else:
+                self._why_not = ""
         return True
+
+    def ready(self) -> bool:
+        """Whether a bind would be let through now (for ``/readyz``)."""
+        with self._cond:
+            return self._confirmed and not self._renewal_stale()
 
     def _stop_uncommitted(self) -> None:
         """Start committing, wait for the uncommitted binds in flight, write the recent ones down."""

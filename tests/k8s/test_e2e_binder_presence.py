@@ -57,6 +57,7 @@ def one_card_node(cluster, ns, label, node: str) -> None:
 
 
 def binder(cluster, ns, node: str, identity: str, mode: str = "auto", clock: Clock | None = None):
+    """A Binder with its presence (duration 15 s) on ``clock``; nothing renewed yet."""
     connection = api_client(str(cluster.cp.admin_kubeconfig))
     cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
     cache.replace_nodes([client.ApiClient().sanitize_for_serialization(cluster.api.read_node(node))])
@@ -67,6 +68,13 @@ def binder(cluster, ns, node: str, identity: str, mode: str = "auto", clock: Clo
     presence = b.track_binders(LeaseDocuments(coordination, ns, BINDERS, {}), identity, mode, duration_s=15,
                                monotonic=clock or Clock())
     return b, presence, coordination
+
+
+def join(presence, clock: Clock) -> None:
+    """Publish, then watch the binders' Lease for the full duration a newcomer waits."""
+    assert presence.renew()
+    clock.now += 15
+    assert presence.renew()
 
 
 def pending(cluster, ns, label, name: str) -> str:
@@ -91,10 +99,15 @@ def binders(coordination, ns) -> dict:
 def test_a_binder_alone_binds_without_writing_its_nodes_lease(cluster, ns, label):
     node = f"{ns}-alone"
     one_card_node(cluster, ns, label, node)
-    first, presence, coordination = binder(cluster, ns, node, "first")
+    clock = Clock()
+    first, presence, coordination = binder(cluster, ns, node, "first", clock=clock)
     with pytest.raises(BindError, match="may not bind yet: its presence in the binders' Lease is not written yet"):
         first.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)
-    assert presence.renew()
+    assert presence.renew() and not presence.ready()
+    with pytest.raises(BindError, match="has watched the binders' Lease for 0 s of the 15 s"):
+        first.bind(ns, "p0", read_pod(cluster.api, ns, "p0")["metadata"]["uid"], node)
+    clock.now += 15
+    assert presence.renew() and presence.ready()
     first.bind(ns, "p0", read_pod(cluster.api, ns, "p0")["metadata"]["uid"], node)
     assert read_pod(cluster.api, ns, "p0")["spec"]["nodeName"] == node
     assert not node_lease_exists(coordination, ns, node)
@@ -105,8 +118,10 @@ def test_a_binder_alone_binds_without_writing_its_nodes_lease(cluster, ns, label
 def test_a_second_binder_arriving_while_the_first_binds_sees_that_bind_in_the_lease(cluster, ns, label):
     node = f"{ns}-join"
     one_card_node(cluster, ns, label, node)
-    first, first_presence, coordination = binder(cluster, ns, node, "first")
-    assert first_presence.renew() and not first_presence.committing
+    first_clock, second_clock = Clock(), Clock()
+    first, first_presence, coordination = binder(cluster, ns, node, "first", clock=first_clock)
+    join(first_presence, first_clock)
+    assert not first_presence.committing
     held = HeldBinding(first.pods.api, first.pods.timeout, first.pods.attempts)
     first.pods = held
     p0 = pending(cluster, ns, label, "p0")
@@ -114,8 +129,8 @@ def test_a_second_binder_arriving_while_the_first_binds_sees_that_bind_in_the_le
     in_flight.start()
     held.reached.wait()  # the first binder chose card 0 without a commitment; its Binding is not sent yet
 
-    second, second_presence, _ = binder(cluster, ns, node, "second")
-    assert second_presence.renew()  # published, but the first still binds without commitments
+    second, second_presence, _ = binder(cluster, ns, node, "second", clock=second_clock)
+    join(second_presence, second_clock)  # published and watched, but the first still binds without commitments
     p1 = pending(cluster, ns, label, "p1")
     with pytest.raises(BindError, match="first bind without node commitments and have not yet confirmed"):
         second.bind(ns, "p1", p1, node)
@@ -141,7 +156,8 @@ def test_a_binder_that_could_not_renew_for_its_duration_stops_binding(cluster, n
     one_card_node(cluster, ns, label, node)
     clock = Clock()
     first, presence, _ = binder(cluster, ns, node, "first", clock=clock)
-    assert presence.renew()
+    join(presence, clock)
+    assert presence.ready()
     clock.now += 16  # a reader may count the entry gone after 30 s; this binder stops after 15
     with pytest.raises(BindError, match="was not renewed for 15 s"):
         first.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)
@@ -150,14 +166,15 @@ def test_a_binder_that_could_not_renew_for_its_duration_stops_binding(cluster, n
 def test_an_entry_unchanged_for_twice_its_duration_by_the_readers_clock_is_gone(cluster, ns, label):
     node = f"{ns}-gone"
     one_card_node(cluster, ns, label, node)
-    _, dead, coordination = binder(cluster, ns, node, "dead")
-    assert dead.renew()  # says committing: false, then never renews again (kill -9)
+    dead_clock = Clock()
+    _, dead, coordination = binder(cluster, ns, node, "dead", clock=dead_clock)
+    join(dead, dead_clock)  # says committing: false, then never renews again (kill -9)
     clock = Clock()
     second, presence, _ = binder(cluster, ns, node, "second", clock=clock)
-    assert presence.renew()
+    join(presence, clock)
     with pytest.raises(BindError, match="dead bind without node commitments"):
         second.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)
-    clock.now += 29
+    clock.now += 14  # 29 s since its first sight of the dead entry
     assert presence.renew()
     with pytest.raises(BindError, match="dead bind without node commitments"):
         second.bind(ns, "p0", read_pod(cluster.api, ns, "p0")["metadata"]["uid"], node)
@@ -170,10 +187,13 @@ def test_an_entry_unchanged_for_twice_its_duration_by_the_readers_clock_is_gone(
 def test_an_always_binder_makes_an_auto_binder_commit_and_leaving_lets_it_stop(cluster, ns, label):
     node = f"{ns}-always"
     one_card_node(cluster, ns, label, node)
-    _, always, coordination = binder(cluster, ns, node, "always", mode="always")
-    assert always.renew() and always.committing
-    auto, presence, _ = binder(cluster, ns, node, "auto")
-    assert presence.renew() and presence.committing
+    always_clock, auto_clock = Clock(), Clock()
+    _, always, coordination = binder(cluster, ns, node, "always", mode="always", clock=always_clock)
+    join(always, always_clock)
+    assert always.committing
+    auto, presence, _ = binder(cluster, ns, node, "auto", clock=auto_clock)
+    join(presence, auto_clock)
+    assert presence.committing
     auto.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)
     assert node_lease_exists(coordination, ns, node)
     always.leave()
@@ -184,14 +204,40 @@ def test_an_always_binder_makes_an_auto_binder_commit_and_leaving_lets_it_stop(c
 def test_a_malformed_binders_document_keeps_binds_committed(cluster, ns, label):
     node = f"{ns}-bad"
     one_card_node(cluster, ns, label, node)
-    first, presence, coordination = binder(cluster, ns, node, "first")
-    assert presence.renew() and not presence.committing
+    clock = Clock()
+    first, presence, coordination = binder(cluster, ns, node, "first", clock=clock)
+    join(presence, clock)
+    assert not presence.committing
     lease = coordination.read_namespaced_lease(BINDERS_LEASE, ns)
     lease.metadata.annotations[BINDERS] = '{"version": 1, "binders": {"x": {"beat": -1}}}'
     coordination.replace_namespaced_lease(BINDERS_LEASE, ns, lease)
     assert not presence.renew() and presence.committing
     first.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)
     assert node_lease_exists(coordination, ns, node)
+
+
+def test_a_binder_whose_entry_was_deleted_is_back_before_a_newcomer_decides(cluster, ns, label):
+    """The binders' Lease deleted (an admin, a stolen extender token) while the first binds alone:
+    the newcomer sees nobody at first, but watches a full duration before its first bind, and the
+    first writes itself back at its next renewal, sees the newcomer and commits."""
+    node = f"{ns}-deleted"
+    one_card_node(cluster, ns, label, node)
+    first_clock, second_clock = Clock(), Clock()
+    first, first_presence, coordination = binder(cluster, ns, node, "first", clock=first_clock)
+    join(first_presence, first_clock)
+    first.bind(ns, "p0", pending(cluster, ns, label, "p0"), node)  # alone: no commitment
+    coordination.delete_namespaced_lease(BINDERS_LEASE, ns)
+    second, second_presence, _ = binder(cluster, ns, node, "second", clock=second_clock)
+    assert second_presence.renew() and set(binders(coordination, ns)) == {"second"}
+    p1 = pending(cluster, ns, label, "p1")
+    with pytest.raises(BindError, match="has watched the binders' Lease for 0 s"):
+        second.bind(ns, "p1", p1, node)
+    assert first_presence.renew()  # back in, sees the second: commits, writes p0 into the node's Lease
+    assert set(binders(coordination, ns)) == {"first", "second"} and binders(coordination, ns)["first"].committing
+    second_clock.now += 15
+    assert second_presence.renew() and second_presence.committing
+    with pytest.raises(BindError, match=f"node {node} cannot take it"):
+        second.bind(ns, "p1", p1, node)  # p0's 60 % is in the Lease, though this cache never saw p0
 
 
 def test_no_binders_lease_is_written_with_commitments_off(cluster, ns, label):
