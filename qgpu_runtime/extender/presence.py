@@ -139,6 +139,9 @@ class BinderPresence:
             self._in_flight -= 1
             if bound is not None:
                 self._recent.append(bound)
+                horizon = bound.at - self.recent_s  # older ones a newcomer's watch has long delivered
+                while self._recent and self._recent[0].at < horizon:
+                    self._recent.popleft()
             self._cond.notify_all()
 
     @property
