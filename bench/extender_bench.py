@@ -23,9 +23,11 @@
 4. With ``--pack-nodes N``: packing on N empty nodes per scheduler, the same seeded mix of shares
    and whole cards arriving one by one until the cluster is full: pods placed, compute booked.
 
-5. With --compare-commitments (only this is run): throughput through the extender with node
-   commitments off, on, and off again (the extender writes each node's commitment Lease before each
-   Binding, issue 11 §5). Reported: pods/s of each and the ratio on / mean(off).
+5. With --compare-commitments (only this is run): throughput without the extender, then through it
+   with node commitments off, always, auto alone (the default with one binder: no Lease writes),
+   auto beside a second published binder (it commits), off again, and without it again (issue 11
+   §5, issue 23 §2). Reported: pods/s of each, its ratio to the mean no-extender baseline and to
+   the mean of the two off runs.
 
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
      [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
@@ -724,9 +726,42 @@ def main() -> int:
                   (append_peer_markdown if peers else append_markdown) if args.markdown else None)
 
 
+COMMITMENT_ARMS = (
+    ("commitments_off", ["--node-commitments=off"]),
+    ("commitments_always", ["--node-commitments=always"]),
+    ("commitments_auto", ["--node-commitments=auto"]),  # the default, one binder: no Lease writes
+    ("commitments_auto_two_binders", ["--node-commitments=auto"]),  # a second binder published: it commits
+    ("commitments_off_again", ["--node-commitments=off"]),
+)
+
+
+@contextlib.contextmanager
+def second_binder(cp: ControlPlane) -> Iterator[None]:
+    """A second binder's presence in qgpu-system's binders' Lease, renewed until the block ends: the
+    extender then commits every bind as it does beside a second extender (extender/presence.py).
+    It binds nothing itself."""
+    from qgpu_runtime.contract.names import BINDERS
+    from qgpu_runtime.extender.presence import BinderPresence
+    from qgpu_runtime.kube.leasedoc import LeaseDocuments
+
+    coordination = client.CoordinationV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
+    presence = BinderPresence(LeaseDocuments(coordination, "qgpu-system", BINDERS, {}), "bench-second-binder", "always",
+                              flush=lambda recent: None)
+    stop = threading.Event()
+    thread = threading.Thread(target=presence.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        presence.leave()
+
+
 def compare_commitments(args: argparse.Namespace) -> int:
-    """Throughput through the extender with node commitments off, on, off again (one control plane,
-    the same nodes; each run has its own namespace and fills its own share of the cards)."""
+    """Throughput without the extender, then through it with node commitments off, always, auto
+    alone, auto beside a second binder, and off again (one control plane, the same nodes; each run
+    has its own namespace and fills its own share of the cards), then without it again."""
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
     cp = ControlPlane(testbin_dir(build=True), workdir)
     result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"],
@@ -735,36 +770,44 @@ def compare_commitments(args: argparse.Namespace) -> int:
     try:
         cp.start()
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
+        api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
         make_nodes(api, 0, args.nodes)
-        for key, flag in (("commitments_off", "--no-node-commitments"), ("commitments_on", "--node-commitments"),
-                          ("commitments_off_again", "--no-node-commitments")):
-            extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=[flag])
+        result["without_extender"] = throughput(cp, api, [], args.pods)
+        for key, flags in COMMITMENT_ARMS:
+            extender = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=flags)
             extender.start()
             try:
-                wait_cached(extender.url, extender.ssl_context(), args.nodes)
-                ext = [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
-                result[key] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
+                with second_binder(cp) if key.endswith("two_binders") else contextlib.nullcontext():
+                    wait_cached(extender.url, extender.ssl_context(), args.nodes)
+                    ext = [extender.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
+                    result[key] = throughput(cp, api, ext, args.pods, extender.process.popen.pid, extender)
             finally:
                 cp.stop_scheduler()
                 extender.stop()
+        result["without_extender_again"] = throughput(cp, api, [], args.pods)
+        base = (result["without_extender"]["pods_per_s"] + result["without_extender_again"]["pods_per_s"]) / 2
         off = (result["commitments_off"]["pods_per_s"] + result["commitments_off_again"]["pods_per_s"]) / 2
-        result["ratio_on_to_off"] = round(result["commitments_on"]["pods_per_s"] / off, 3)
+        for key, _ in COMMITMENT_ARMS:
+            result[key]["ratio_to_baseline"] = round(result[key]["pods_per_s"] / base, 3)
+            result[key]["ratio_to_off"] = round(result[key]["pods_per_s"] / off, 3)
     finally:
         cp.stop()
     return finish(result, "extender_bench.py", args.json, commitments_markdown if args.markdown else None)
 
 
 def commitments_markdown(r: dict[str, Any]) -> None:
-    lines = ["", f"## Node commitments: extender throughput with the per-node Lease on and off ({r['date']})", "",
+    lines = ["", f"## Node commitments: extender throughput by --node-commitments mode ({r['date']})", "",
              f"- Command: `{r['command']}`",
              f"- Machine: {r['machine']}; {r['kubernetes']}; {r['nodes']} fake nodes with {CARDS} cards, "
              f"{r['pods']} pods per run (qgpu-core 25, qgpu-memory 4), one kube-scheduler, one extender, HTTPS",
-             "", "| run | pods bound/s | CPU ms per pod (all processes) | kube-apiserver requests per pod |", "|---|---|---|---|"]
-    for key in ("commitments_off", "commitments_on", "commitments_off_again"):
-        requests = ", ".join(f"{k} {v}" for k, v in r[key]["apiserver_requests_per_pod"].items())
-        lines.append(f"| {key.replace('_', ' ')} | {r[key]['pods_per_s']} | {r[key]['cpu_ms_per_pod']['all']} | {requests} |")
-    lines += ["", f"Ratio on / mean(off): **{r['ratio_on_to_off']}**. With commitments on, each bind writes the node's "
-                  "Lease (conditional PUT) before the Binding; it reads it only the first time and after a conflict.", ""]
+             "", "| run | pods bound/s | ratio to no extender | ratio to off | net CPU ms per pod (all; extender) "
+             "| kube-apiserver requests per pod |", "|---|---|---|---|---|---|"]
+    for key in ("without_extender", *(k for k, _ in COMMITMENT_ARMS), "without_extender_again"):
+        arm = r[key]
+        requests = ", ".join(f"{k} {v}" for k, v in arm.get("apiserver_requests_per_pod", {}).items())
+        cpu = arm["net_cpu_ms_per_pod"]
+        lines.append(f"| {key.replace('_', ' ')} | {arm['pods_per_s']} | {arm.get('ratio_to_baseline', '')} | "
+                     f"{arm.get('ratio_to_off', '')} | {cpu.get('all')}; {cpu.get('qgpu-extender', '—')} | {requests} |")
     with (ROOT / "docs" / "benchmarks.md").open("a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -16,6 +16,13 @@ card. ``since_ns`` is the writer's wall clock, for people and earlier releases::
      "pods": {"<pod uid>": {"pod": "ns/name", "since_ns": 1700000000000000000,
                             "cards": [{"index": 0, "core_milli": 300, "memory_mib": 5120, "exclusive": false}]}}}
 
+**Binders** (annotation ``qgpu.io/binders`` of Lease ``qgpu-binders``), written by every extender
+that publishes its presence (extender/presence.py): each binder's heartbeat count (any change
+of an entry is a heartbeat; readers time entries by their own clock, never by a stamp), the
+duration after which its writer counts it gone, and whether it commits its binds now::
+
+    {"version": 1, "binders": {"<identity>": {"beat": 12, "committing": false, "duration_s": 15}}}
+
 **Claim-quota ledger** (annotation ``qgpu.io/claim-reservations`` of Lease
 ``qgpu-claim-quota.<namespace>``), written by every webhook replica admitting a ResourceClaim there:
 what each claim admitted a moment ago asks, until the claim is visible. ``expires`` is the writer's
@@ -33,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Iterable, Mapping, Protocol, Sequence
 
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_INDEX, MAX_MEMORY_MIB
-from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS, COMMITMENTS_LEASE_PREFIX
+from qgpu_runtime.contract.names import BINDERS, CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS, COMMITMENTS_LEASE_PREFIX
 from qgpu_runtime.contract.record import ContainerPlacement
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
@@ -176,6 +183,61 @@ def parse_commitments(raw: str | None, node: str) -> NodeCommitments:
             raise CommitmentError(f"{COMMITMENTS}: {where}cards: {len(cards)} entries: at most {MAX_CARDS}, a node's cards")
         pods[uid] = Commitment(uid, pod, _int(entry, "since_ns", where, 0, 2**63 - 1), tuple(cards))
     return NodeCommitments(node, pods)
+
+
+# --- binders --------------------------------------------------------------------------------------
+
+BINDERS_VERSION: Final = 1
+MAX_BINDERS: Final = 64  # more entries than replicas anyone runs: a document past it is refused, not trusted
+MAX_IDENTITY: Final = 253
+
+
+class BindersError(ValueError):
+    """The binders' document cannot be read; the message names the field, value and rule."""
+
+
+@dataclass(frozen=True)
+class BinderEntry:
+    """One binder's presence: its heartbeat count, whether it commits its binds, and after how many
+    seconds without a change its readers count it gone."""
+
+    beat: int
+    committing: bool
+    duration_s: int
+
+
+def parse_binders(raw: str | None) -> dict[str, BinderEntry]:
+    """The entries of a binders' document (None or empty: no binder published yet)."""
+    if not raw:
+        return {}
+    doc = load_json(raw, dict, BINDERS, BindersError)
+    if doc.get("version") != BINDERS_VERSION:
+        raise BindersError(f"{BINDERS}: version={doc.get('version')!r}: only version {BINDERS_VERSION} is known")
+    entries = doc.get("binders")
+    if not isinstance(entries, dict):
+        raise BindersError(f"{BINDERS}: binders={entries!r:.{_SHOWN}}: must be an object keyed by binder identity")
+    if len(entries) > MAX_BINDERS:
+        raise BindersError(f"{BINDERS}: binders: {len(entries)} entries: at most {MAX_BINDERS}")
+    out: dict[str, BinderEntry] = {}
+    for identity, entry in entries.items():
+        where = f"{BINDERS}: binders[{identity!r:.{_SHOWN}}]"
+        if not identity or len(identity) > MAX_IDENTITY or not isinstance(entry, dict):
+            raise BindersError(f"{where}={entry!r:.{_SHOWN}}: must be an object under an identity of 1..{MAX_IDENTITY} characters")
+        beat, committing, duration = entry.get("beat"), entry.get("committing"), entry.get("duration_s")
+        if isinstance(beat, bool) or not isinstance(beat, int) or not 0 <= beat < 2**63:
+            raise BindersError(f"{where}.beat={beat!r:.{_SHOWN}}: must be an integer within 0..2^63-1")
+        if not isinstance(committing, bool):
+            raise BindersError(f"{where}.committing={committing!r:.{_SHOWN}}: must be true or false")
+        if isinstance(duration, bool) or not isinstance(duration, int) or not 1 <= duration <= 3600:
+            raise BindersError(f"{where}.duration_s={duration!r:.{_SHOWN}}: must be an integer within 1..3600")
+        out[identity] = BinderEntry(beat, committing, duration)
+    return out
+
+
+def encode_binders(entries: Mapping[str, BinderEntry]) -> str:
+    return json.dumps({"version": BINDERS_VERSION, "binders": {
+        identity: {"beat": e.beat, "committing": e.committing, "duration_s": e.duration_s}
+        for identity, e in sorted(entries.items())}}, separators=(",", ":"))
 
 
 # --- claim-quota ledger ---------------------------------------------------------------------------

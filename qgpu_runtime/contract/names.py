@@ -52,6 +52,11 @@ POOL_MODES: Final = ("device-plugin", "dra")
 COMMITMENTS: Final = "qgpu.io/commitments"
 """Annotation of the node's Lease holding the binds in flight (placement/commitments.py)."""
 COMMITMENTS_LEASE_PREFIX: Final = "qgpu-node."
+BINDERS: Final = "qgpu.io/binders"
+"""Annotation of the binders' Lease: which extenders bind now and whether each commits its binds
+(extender/presence.py)."""
+BINDERS_LEASE: Final = "qgpu-binders"
+"""The one binders' Lease, next to the node commitments (not a node's: node Leases are ``qgpu-node.*``)."""
 
 # --- Leases: written and read by every webhook replica -------------------------------------------
 CLAIM_RESERVATIONS: Final = "qgpu.io/claim-reservations"
@@ -97,5 +102,5 @@ def finished(pod: dict) -> bool:
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ALLOCATION_SIGNATURE, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
-    POOL_MODE_LABEL, COMMITMENTS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
+    POOL_MODE_LABEL, COMMITMENTS, BINDERS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

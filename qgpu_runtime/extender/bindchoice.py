@@ -9,6 +9,11 @@ and write the Lease back on the resourceVersion it was read at; a 409 means anot
 race, so the booking is undone and the decision made again on fresh state (bounded attempts).
 After a failed Binding, :meth:`BindChoice.withdraw` takes our entry out of the Lease again, and
 :meth:`BindChoice.correct` makes a pod bound here by another binder count as its record says.
+
+With a :class:`~.presence.BinderPresence` (node commitments ``auto``), each bind asks it first
+whether to commit: not while this extender is the only live binder. It then books in the cache
+only and tells the presence when its Binding ended, so that a second binder arriving later finds
+it in the node's Lease (:meth:`BindChoice.publish`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, RecordErr
 from qgpu_runtime.extender.bindresult import BindError
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.extender.commitments import CommitmentConflict, LeaseCommitments, Snapshot
+from qgpu_runtime.extender.presence import BinderPresence, NotConfirmed, RecentBind
 from qgpu_runtime.kube.errors import brief as short
 from qgpu_runtime.placement.commitments import observed, over_commitment, stale
 from qgpu_runtime.placement.engine import Unschedulable
@@ -37,8 +43,9 @@ class BindChoice:
 
     def __init__(self, cache: AllocationCache, commitments: LeaseCommitments | None, clock_ns: Callable[[], int],
                  commit_attempts: int, commitment_grace_ns: int, on_conflict: Callable[[], None],
-                 monotonic_ns: Callable[[], int]) -> None:
+                 monotonic_ns: Callable[[], int], presence: BinderPresence | None = None) -> None:
         self.cache = cache
+        self.presence = presence
         self.commitments = commitments
         self.clock_ns = clock_ns
         self.commit_attempts = commit_attempts
@@ -54,13 +61,70 @@ class BindChoice:
         with self._locks_guard:
             return self._node_locks[node]
 
-    def choose(self, pod: dict[str, Any], request: Any, node: str) -> tuple[AllocationRecord, int]:
-        """Book the pod's cards on ``node``: its record and the time it was chosen at."""
-        if self.commitments is not None:
-            return self._reserve_committed(pod, request, node)
-        with self._node_lock(node):
-            now = self.clock_ns()
-            return self._reserve(pod, request, node, now), now
+    def choose(self, pod: dict[str, Any], request: Any, node: str,
+               must_commit: bool = False) -> tuple[AllocationRecord, int, bool]:
+        """Book the pod's cards on ``node``: its record, the time it was chosen at, and whether it
+        was committed through the node's Lease. An uncommitted choice under a presence must be
+        followed by :meth:`ended`. ``must_commit``: commit whenever commitments are on, even with
+        this binder alone (a group's held member, whose booking outlives the bind)."""
+        committed = self.commitments is not None
+        if committed and self.presence is not None:
+            meta = pod["metadata"]
+            try:
+                committed = self.presence.begin()
+            except NotConfirmed as exc:
+                raise BindError(f"pod {meta.get('namespace') or 'default'}/{meta['name']}: not bound: this extender "
+                                f"may not bind yet: {exc}") from exc
+            if must_commit and not committed:
+                self.presence.finish(None)  # not an uncommitted bind after all
+                committed = True
+        if committed:
+            return (*self._reserve_committed(pod, request, node), True)
+        try:
+            with self._node_lock(node):
+                now = self.clock_ns()
+                return self._reserve(pod, request, node, now), now, False
+        except BaseException:
+            self.ended(node, pod, None, 0, False)
+            raise
+
+    def ended(self, node: str, pod: dict[str, Any], record: AllocationRecord | None, now: int, committed: bool) -> None:
+        """An uncommitted bind under a presence ended; ``record``: the one its Binding carried, None
+        when there was none."""
+        if committed or self.presence is None:
+            return
+        bound = None
+        if record is not None:
+            meta = pod["metadata"]
+            key = f"{meta.get('namespace') or 'default'}/{meta['name']}"
+            bound = RecentBind(node, Commitment.of(str(meta.get("uid") or key), key, Placement.of_record(record), now),
+                               self.presence.monotonic())
+        self.presence.finish(bound)
+
+    def publish(self, recent: list[RecentBind]) -> None:
+        """Write uncommitted binds into their nodes' Leases (the presence's flush before it says it
+        commits); raises when a node's Lease cannot be written."""
+        assert self.commitments is not None
+        by_node: dict[str, list[Commitment]] = defaultdict(list)
+        for bind in recent:
+            by_node[bind.node].append(bind.commitment)
+        for node, entries in by_node.items():
+            with self._node_lock(node):
+                for _ in range(self.commit_attempts):
+                    snapshot = self.commitments.read_fresh(node)
+                    doc = snapshot.commitments
+                    for entry in entries:
+                        if entry.uid not in doc.pods:
+                            doc = doc.with_pod(entry)
+                    if doc == snapshot.commitments:
+                        break
+                    try:
+                        self.commitments.write(snapshot, doc)
+                        break
+                    except CommitmentConflict:
+                        continue
+                else:
+                    raise BindError(f"node {node}: its commitments changed under {self.commit_attempts} attempts in a row")
 
     def _reserve(self, pod: dict[str, Any], request: Any, node: str, now: int,
                  others: dict[str, Placement] | None = None) -> AllocationRecord:
@@ -146,11 +210,11 @@ class BindChoice:
                 log.info("node %s: could not correct the commitment of pod uid %s: %s", node, uid, short(exc))
                 return
 
-    def withdraw(self, node: str, uid: str) -> None:
-        """Best effort after a failed Binding: take our entry out of the node's Lease. Should this
-        fail, the entry is pruned by the next bind on the node once its pod is seen elsewhere or gone,
-        or after the grace."""
-        if self.commitments is None or not uid:
+    def withdraw(self, node: str, uid: str, committed: bool = True) -> None:
+        """Best effort after a failed Binding: take our entry out of the node's Lease (there is none
+        unless the bind was ``committed``). Should this fail, the entry is pruned by the next bind
+        on the node once its pod is seen elsewhere or gone, or after the grace."""
+        if self.commitments is None or not uid or not committed:
             return
         for _ in range(3):
             try:

@@ -10,7 +10,7 @@ when. It also halves the API writes per pod compared with a patch followed by a 
 Steps:
 1. book the cards in the cache (under the cache lock, with a per-node lock around the decision, so
    no concurrent bind of this process can take the same capacity);
-2. with node commitments on (the default), make the choice safe against other processes too: read
+2. with node commitments on (``always``, or ``auto`` while another binder is live), make the choice safe against other processes too: read
    the node's commitment Lease, choose around what others committed there, check the choice and
    write the Lease back conditionally on its resourceVersion; a 409 means another binder won the
    race, so the booking is undone and the decision made again on fresh state (bounded attempts);
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 from kubernetes import client
 
-from qgpu_runtime.contract.record import ALLOCATION
+from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordSigner, signed_annotations
 from qgpu_runtime.extender.bindchoice import BindChoice
 from qgpu_runtime.extender.bindresult import AlreadyBound, BindError, BindOutcome
@@ -57,15 +57,26 @@ from qgpu_runtime.extender.groups import (
     min_members,
 )
 from qgpu_runtime.extender.podapi import PodApi
+from qgpu_runtime.extender.presence import DEFAULT_DURATION_S, BinderPresence
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import ApiError
 from qgpu_runtime.kube.errors import brief as short
+from qgpu_runtime.kube.leasedoc import LeaseDocuments
 from qgpu_runtime.kube.retry import is_transient
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
 
 __all__ = ["BindError", "BindOutcome", "Binder"]
 
 log = logging.getLogger(__name__)
+
+
+def record_of(pod: dict[str, Any]) -> AllocationRecord | None:
+    """The allocation record on a pod, None if it has none or it cannot be read."""
+    raw = ((pod.get("metadata") or {}).get("annotations") or {}).get(ALLOCATION)
+    try:
+        return parse_record(raw) if raw else None
+    except RecordError:
+        return None
 
 
 class Binder:
@@ -96,6 +107,17 @@ class Binder:
                                  monotonic_ns)
         self.clock_ns = clock_ns
         self._group_lock = threading.Lock()  # one group decision (hold, or complete and bind) at a time
+
+    def track_binders(self, leases: LeaseDocuments, identity: str, mode: str, duration_s: int = DEFAULT_DURATION_S,
+                      recent_s: float = 60.0, monotonic: Callable[[], float] = time.monotonic) -> BinderPresence:
+        """Publish this binder in the binders' Lease (``leases``: the commitment namespace's, with the
+        binders' annotation) and, in ``mode`` auto, commit only while another binder is live
+        (extender/presence.py). The caller runs the returned presence's renewal loop."""
+        if self.commitments is None:
+            raise ValueError("binder presence needs node commitments: a binder that never commits has nothing to announce")
+        presence = BinderPresence(leases, identity, mode, self.choice.publish, duration_s, recent_s, monotonic)
+        self.choice.presence = presence
+        return presence
 
     @property
     def conflicts(self) -> int:
@@ -161,21 +183,27 @@ class Binder:
         group = group_of(pod)
         if group is not None:
             return self._bind_member(pod, request, node, group)
-        record, now = self.choice.choose(pod, request, node)
+        record, now, committed = self.choice.choose(pod, request, node)
+        bound = None
         try:
             self.pods.create_binding(namespace, name, meta.get("uid", ""), node,
                                      signed_annotations(record, now, str(meta.get("uid") or ""), self.signer))
+            bound = record
         except AlreadyBound as done:
             self.cache.unreserve(pod)
             if (done.pod.get("spec") or {}).get("nodeName") != node:
-                self.choice.withdraw(node, str(meta.get("uid", "")))
-            else:  # bound here by another binder: its record, not our choice, is what the node holds
+                self.choice.withdraw(node, str(meta.get("uid", "")), committed)
+            elif committed:  # bound here by another binder: its record, not our choice, is what the node holds
                 self.choice.correct(node, done.pod)
+            else:
+                bound = record_of(done.pod)
             raise
         except Exception as exc:
             self.cache.unreserve(pod)
-            self.choice.withdraw(node, str(meta.get("uid", "")))
+            self.choice.withdraw(node, str(meta.get("uid", "")), committed)
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {short(exc)}") from exc
+        finally:
+            self.choice.ended(node, pod, bound, now, committed)
         return BindOutcome(node, record.to_json())
 
     def _bind_member(self, pod: dict[str, Any], request: Any, node: str, group: GroupKey) -> BindOutcome:
@@ -193,7 +221,10 @@ class Binder:
                     self.cache.check_group(group, key, self.clock_ns())
                 except GroupError as exc:
                     raise BindError(f"pod {key}: {exc}") from exc
-                record, now = self.choice.choose(pod, request, node)
+                # A held member commits through the node's Lease whenever commitments are on, also
+                # when this binder is alone: its cards stay booked past this bind, and a binder
+                # arriving meanwhile must see them (presence.py waits only for binds in flight).
+                record, now, _ = self.choice.choose(pod, request, node, must_commit=True)
                 held = HeldMember(key, uid, node, record, now)
                 self.cache.hold_for_group(group, held, self.clock_ns())
             progress = self.cache.group_progress(group, key)

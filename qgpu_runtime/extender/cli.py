@@ -13,13 +13,17 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import os
 import re
+import secrets
 import signal
+import socket
 import threading
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from qgpu_runtime.contract.names import BINDERS
 from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
 from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
 from qgpu_runtime.extender.binder import Binder
@@ -27,14 +31,17 @@ from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.extender.groups import DEFAULT_GROUP_TIMEOUT_S, MAX_GROUP_TIMEOUT_S
+from qgpu_runtime.extender.presence import MODES
 from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
 from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.kube.leasedoc import LeaseDocuments
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.serving import JsonServer, Routes
 
 PRIORITIES = ("binpack", "spread", "frag")
+PRESENCE_LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "binders"}
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -70,10 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="filter answers every feasible node (all, default) or only the chosen one (best: one round "
                             "trip per pod when the scheduler is configured without prioritizeVerb)")
     # node commitments (issue 11 §5): binds safe across extender processes
-    serve.add_argument("--node-commitments", action=argparse.BooleanOptionalAction, default=True,
-                       help="commit each bind through a per-node Lease that the apiserver arbitrates, so two "
-                            "extenders or schedulers never over-commit a card (default on; off only with one "
-                            "active extender, e.g. under leader election)")
+    serve.add_argument("--node-commitments", nargs="?", const="always", default="auto", choices=MODES,
+                       metavar="{always,auto,off}",
+                       help="commit binds through a per-node Lease that the apiserver arbitrates, so two extenders "
+                            "or schedulers never over-commit a card: always; auto (default) only while another "
+                            "binder is live, as the binders' Lease qgpu-binders says; off only with one active "
+                            "extender, e.g. under leader election. A bare --node-commitments means always")
+    serve.add_argument("--no-node-commitments", dest="node_commitments", action="store_const", const="off",
+                       help="the same as --node-commitments=off (the earlier spelling)")
+    serve.add_argument("--binder-identity", default=None, metavar="NAME",
+                       help="this extender's entry in the binders' Lease (default: host name, process id and a random "
+                            "suffix, unique per process)")
     serve.add_argument("--commitment-namespace", default="qgpu-system",
                        help="namespace of the per-node commitment Leases qgpu-node.<node> (default qgpu-system)")
     serve.add_argument("--dra-prioritize", action=argparse.BooleanOptionalAction, default=False,
@@ -126,7 +140,9 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 < args.group_timeout <= MAX_GROUP_TIMEOUT_S:
         raise SystemExit(f"qgpu extender serve: --group-timeout {args.group_timeout}: must be > 0 and <= "
                          f"{MAX_GROUP_TIMEOUT_S:g} seconds (held cards of an incomplete group are released after it)")
-    if args.node_commitments and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
+    if args.binder_identity is not None and not 1 <= len(args.binder_identity) <= 253:
+        raise SystemExit(f"qgpu extender serve: --binder-identity {args.binder_identity!r}: must have 1..253 characters")
+    if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
         raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
                          "namespace name (lowercase letters, digits and '-', at most 63 characters)")
     if not args.record_signing_key:
@@ -156,8 +172,9 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
                             max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier,
                             group_timeout_ns=int(args.group_timeout * 1e9))
-    commitments = (LeaseCommitments(client.CoordinationV1Api(connection), args.commitment_namespace)
-                   if args.node_commitments else None)
+    coordination = client.CoordinationV1Api(connection)
+    commitments = (LeaseCommitments(coordination, args.commitment_namespace)
+                   if args.node_commitments != "off" else None)
     # A commitment outlives its bind in flight by the assume timeout (a group's held member by the
     # group timeout): by then the Binding (and its record, which every extender's cache books)
     # exists, or the bind is over.
@@ -165,6 +182,10 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
                     commitment_grace_ns=int(max(args.assume_timeout, args.group_timeout, 10.0) * 1e9),
                     on_conflict=metrics.commitment_conflicts.inc, signer=signer)
+    if commitments is not None:
+        identity = args.binder_identity or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
+        binder.track_binders(LeaseDocuments(coordination, args.commitment_namespace, BINDERS, PRESENCE_LABELS), identity,
+                             args.node_commitments, recent_s=max(args.assume_timeout, 10.0))
     pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
     dra = DraView(DEFAULT_LIMITS, cache.node_specs) if args.dra_prioritize else None
     app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods, dra=dra)
@@ -174,9 +195,12 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         return 200, CONTENT_TYPE_LATEST, generate_latest(app.metrics.registry)
 
     def readyz() -> tuple[int, str, bytes]:
-        if cache.synced.is_set():
-            return 200, "text/plain", b"ok"
-        return 503, "text/plain", b"node and pod caches not synced yet"
+        if not cache.synced.is_set():
+            return 503, "text/plain", b"node and pod caches not synced yet"
+        presence = binder.choice.presence
+        if presence is not None and not presence.ready():
+            return 503, "text/plain", b"not confirmed in the binders' Lease yet (node commitments: docs/extender.md)"
+        return 200, "text/plain", b"ok"
 
     routes = Routes(
         post={"/": lambda verb, body: app.handle(verb, body)},
@@ -207,11 +231,15 @@ def run(args: argparse.Namespace) -> int:
     period = max(0.5, min(10.0, args.assume_timeout / 4, args.group_timeout / 4))
     threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop, binder.expire_groups),
                      name="expire", daemon=True).start()
+    presence = binder.choice.presence
+    if presence is not None:
+        threading.Thread(target=presence.run, args=(stop,), name="binder-presence", daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("extender serving %s on %s:%d (policy %s, node commitments %s)",
                                      "HTTPS with client certificates" if server.client_auth else "plain HTTP (loopback)",
                                      args.address, server.port, args.priority,
-                                     f"in namespace {args.commitment_namespace}" if args.node_commitments else "off")
+                                     f"{args.node_commitments} in namespace {args.commitment_namespace}"
+                                     if args.node_commitments != "off" else "off")
     try:
         server.serve_forever()
     except KeyboardInterrupt:
@@ -219,4 +247,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         stop.set()
         feeder.stop()
+        if presence is not None:
+            presence.leave()
     return 0

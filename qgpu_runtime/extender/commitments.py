@@ -29,6 +29,7 @@ from qgpu_runtime.contract.leases import NodeCommitments, lease_name, parse_comm
 from qgpu_runtime.contract.names import COMMITMENTS
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import Conflict
+from qgpu_runtime.kube.hotcalls import HotCalls
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
 
 LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "node-commitments"}
@@ -56,7 +57,8 @@ class LeaseCommitments:
                  timeout: tuple[float, float] = REQUEST_TIMEOUT) -> None:
         self.api = api
         self.namespace = namespace
-        self.leases = LeaseDocuments(api, namespace, COMMITMENTS, LABELS)
+        # one write per GPU bind: on the thin client (kube/hotcalls.py)
+        self.leases = LeaseDocuments(api, namespace, COMMITMENTS, LABELS, HotCalls(api.api_client))
         self.attempts = attempts
         self.timeout = timeout
         self.fresh_reads = 0  # GETs sent to the apiserver

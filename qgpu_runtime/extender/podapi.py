@@ -19,6 +19,7 @@ from qgpu_runtime.extender.bindresult import AlreadyBound
 from qgpu_runtime.kube.client import drain, raw_json
 from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, call
 from qgpu_runtime.kube.errors import brief as short
+from qgpu_runtime.kube.hotcalls import HotCalls
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 
 
@@ -31,6 +32,7 @@ class PodApi:
 
     def __init__(self, api: client.CoreV1Api, timeout: tuple[float, float], attempts: int) -> None:
         self.api = api
+        self.hot = HotCalls(api.api_client)  # the Binding, once per pod: the thin client (kube/hotcalls.py)
         self.timeout = timeout
         self.attempts = attempts
 
@@ -73,13 +75,12 @@ class PodApi:
             metadata["uid"] = uid  # precondition: a replaced pod of the same name is not bound
         if annotations:
             metadata["annotations"] = annotations  # copied onto the pod with spec.nodeName, atomically
-        body = client.V1Binding(metadata=client.V1ObjectMeta(**metadata),
-                                target=client.V1ObjectReference(api_version="v1", kind="Node", name=node))
+        body = {"apiVersion": "v1", "kind": "Binding", "metadata": metadata,
+                "target": {"apiVersion": "v1", "kind": "Node", "name": node}}
 
         def attempt() -> None:
             try:
-                drain(call(self.api.create_namespaced_pod_binding, name, namespace, body, _preload_content=False,
-                           _request_timeout=self.timeout))
+                call(self.hot.create_binding, namespace, name, body, self.timeout)
             except Conflict as exc:
                 # Bound already: an earlier attempt of ours (whose answer was lost), or someone else.
                 raise AlreadyBound(self.read_pod(namespace, name)) from exc

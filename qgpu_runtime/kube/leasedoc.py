@@ -19,6 +19,7 @@ from kubernetes import client
 
 from qgpu_runtime.kube.client import raw_json
 from qgpu_runtime.kube.errors import NotFound, call
+from qgpu_runtime.kube.hotcalls import HotCalls
 from qgpu_runtime.kube.retry import with_backoff
 
 Timeout = tuple[float, float]
@@ -43,17 +44,25 @@ class LeaseDocuments:
     retried write that already landed comes back as a Conflict, which only costs the caller a read.
     """
 
-    def __init__(self, api: client.CoordinationV1Api, namespace: str, annotation: str, labels: Mapping[str, str]) -> None:
+    def __init__(self, api: client.CoordinationV1Api, namespace: str, annotation: str, labels: Mapping[str, str],
+                 hot: HotCalls | None = None) -> None:
+        """``hot``: make the calls on that thin client (kube/hotcalls.py) instead of ``api``'s
+        generated methods, for documents written once per pod."""
         self.api = api
+        self.hot = hot
         self.namespace = namespace
         self.annotation = annotation
         self.labels = dict(labels)
 
     def read(self, name: str, *, timeout: Timeout, attempts: int = 1) -> LeaseText | None:
         """The document of Lease ``name``; None when there is no such Lease."""
+        hot = self.hot
         try:
-            doc = raw_json(with_backoff(lambda: call(self.api.read_namespaced_lease, name, self.namespace,
-                                                     _preload_content=False, _request_timeout=timeout), attempts=attempts))
+            if hot is not None:
+                doc = with_backoff(lambda: call(hot.read_lease, self.namespace, name, timeout), attempts=attempts)
+            else:
+                doc = raw_json(with_backoff(lambda: call(self.api.read_namespaced_lease, name, self.namespace,
+                                                         _preload_content=False, _request_timeout=timeout), attempts=attempts))
         except NotFound:
             return None
         annotations = (doc.get("metadata") or {}).get("annotations") or {}
@@ -69,7 +78,13 @@ class LeaseDocuments:
             metadata["resourceVersion"] = version
         body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": metadata, "spec": {}}
 
+        hot = self.hot
+
         def attempt() -> Any:
+            if hot is not None:
+                if version is None:
+                    return call(hot.create_lease, self.namespace, body, timeout)
+                return call(hot.replace_lease, self.namespace, name, body, timeout)
             if version is None:
                 return raw_json(call(self.api.create_namespaced_lease, self.namespace, body, _preload_content=False,
                                      _request_timeout=timeout))

@@ -141,3 +141,26 @@ def test_served_extender_counts_accepted_connections(tmp_path):
         second.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("flags, mode", [
+    ([], "auto"),
+    (["--node-commitments"], "always"),  # the earlier spelling of "on"
+    (["--node-commitments=auto"], "auto"),
+    (["--node-commitments", "off"], "off"),
+    (["--no-node-commitments"], "off"),  # the earlier spelling of "off"
+])
+def test_node_commitments_modes_and_their_earlier_spellings(flags, mode):
+    import argparse
+
+    from qgpu_runtime.extender.cli import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["serve", *flags]).node_commitments == mode
+
+
+def test_an_unknown_node_commitments_mode_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        main(["extender", "serve", "--node-commitments=sometimes"])
+    assert "invalid choice: 'sometimes'" in capsys.readouterr().err

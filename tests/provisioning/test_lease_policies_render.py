@@ -8,7 +8,7 @@ from pathlib import Path
 
 import yaml
 
-from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS_LEASE_PREFIX
+from qgpu_runtime.contract.names import BINDERS_LEASE, CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS_LEASE_PREFIX
 from tests.k8s.rbac import render_template
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ def test_the_extenders_lease_writes_are_held_to_its_commitments_in_its_namespace
     assert policy["spec"]["matchConditions"][0]["expression"] == \
         "request.userInfo.username == 'system:serviceaccount:qgpu-system:qgpu-scheduler'"
     assert policy["spec"]["validations"][0]["expression"] == \
-        f"request.namespace == 'qgpu-system' && request.name.startsWith('{COMMITMENTS_LEASE_PREFIX}')"
+        f"request.namespace == 'qgpu-system' && (request.name.startsWith('{COMMITMENTS_LEASE_PREFIX}') || request.name == '{BINDERS_LEASE}')"
     assert by_name(docs, "ValidatingAdmissionPolicyBinding")["qgpu-scheduler-own-leases"]["spec"]["validationActions"] == ["Deny"]
     vars_ = yaml.safe_load((ROOT / "roles/qgpu_scheduler/vars/main.yml").read_text())
     assert vars_["__qgpu_scheduler_lease_prefix"] == COMMITMENTS_LEASE_PREFIX
@@ -50,7 +50,8 @@ def test_in_kube_system_the_policies_still_name_only_qgpus_leases():
     scheduler = render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_namespace="kube-system")
     webhook = render_template("qgpu-webhook.yaml.j2", qgpu_webhook_namespace="kube-system", **WEBHOOK)
     own = by_name(scheduler, "ValidatingAdmissionPolicy")["qgpu-scheduler-own-leases"]["spec"]["validations"][0]
-    assert own["expression"] == f"request.namespace == 'kube-system' && request.name.startsWith('{COMMITMENTS_LEASE_PREFIX}')"
+    assert own["expression"] == (f"request.namespace == 'kube-system' && (request.name.startsWith('{COMMITMENTS_LEASE_PREFIX}') "
+                                 f"|| request.name == '{BINDERS_LEASE}')")
     names = by_name(webhook, "ValidatingAdmissionPolicy")["qgpu-webhook-own-names"]["spec"]["validations"]
     assert any(f"request.name.startsWith('{CLAIM_QUOTA_LEASE_PREFIX}')" in v["expression"]
                and "request.namespace == 'kube-system'" in v["expression"] for v in names)
