@@ -6,13 +6,14 @@ and the quota file, which must agree with the allocation record on the pod."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 
 import pytest
 
 from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.realnode import corpus, kube
-from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
+from tests.realnode.localcluster import NODE, QGPU_NAMESPACE, LocalCluster
 
 ALLOC_MODE = "sched.tensorstack.dev/node-alloc-mode"
 PRINT = ("env | grep -E '^(NVIDIA_VISIBLE_DEVICES|QGPU_|T9K_GPU_)' | sort; echo '--- quota'; "
@@ -147,24 +148,34 @@ def test_t9k_whole_card_on_an_xgn_node(local_cluster: LocalCluster, ns: str) -> 
 
 # ---- the peers' corpus (tests/realnode/corpus.py), unchanged, one pod after the other -----------
 
+@contextmanager
+def corpus_pod_running(cluster: LocalCluster, ns: str, example: corpus.Example, image: str, *, dra: bool,
+                       delete_pod: Callable[[LocalCluster, str, str], None]) -> Iterator[tuple[dict[str, Any], dict[str, str]]]:
+    """The corpus pod created as its peer writes it (the node labelled with its T9k mode meanwhile),
+    Running on the node, its container's environment checked against the corpus; yields (pod, env)
+    for the door's own checks, then deletes it with ``delete_pod`` and restores the label."""
+    api = kube.core(cluster)
+    before = set_alloc_mode(cluster, example.alloc_mode) if example.alloc_mode else None
+    try:
+        api.create_namespaced_pod(ns, example.pod(image))
+        pod = kube.wait_phase(api, ns, example.id, ("Running",))
+        env = corpus.read_env(kube.wait_log(api, ns, example.id, "--- end"))
+        assert pod["spec"]["nodeName"] == NODE
+        corpus.check(example, env, dra=dra)
+        yield pod, env
+    finally:
+        if example.alloc_mode:
+            set_alloc_mode(cluster, before)
+        delete_pod(cluster, ns, example.id)
+
+
 @pytest.mark.parametrize("example", corpus.CORPUS, ids=[e.id for e in corpus.CORPUS])
 def test_the_peers_documented_pod_runs_unchanged_with_its_share(local_cluster: LocalCluster, ns: str,
                                                                 example: corpus.Example) -> None:
-    api = kube.core(local_cluster)
-    before = set_alloc_mode(local_cluster, example.alloc_mode) if example.alloc_mode else None
-    try:
-        api.create_namespaced_pod(ns, example.pod(cluster_image(local_cluster)))
-        pod = kube.wait_phase(api, ns, example.id, ("Running",))
-        env = corpus.read_env(kube.wait_log(api, ns, example.id, "--- end"))
-        assert pod["spec"]["nodeName"] == "localhost"
-        corpus.check(example, env, dra=False)
+    with corpus_pod_running(local_cluster, ns, example, cluster_image(local_cluster), dra=False, delete_pod=delete) as (pod, env):
         record = (pod["metadata"].get("annotations") or {}).get(ALLOCATION)
         if example.share is None:
             assert record is None
         else:
             (placed,) = parse_record(record).containers
             assert placed.name == "main" and env["NVIDIA_VISIBLE_DEVICES"] == ",".join(c.uuid for c in placed.shares)
-    finally:
-        if example.alloc_mode:
-            set_alloc_mode(local_cluster, before)
-        delete(local_cluster, ns, example.id)

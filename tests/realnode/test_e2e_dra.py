@@ -23,7 +23,7 @@ from tests.polling import poll
 from tests.realnode import corpus, kube
 from tests.realnode.conftest import running_cluster
 from tests.realnode.localcluster import NODE, QGPU_NAMESPACE, LocalCluster
-from tests.realnode.test_e2e_dialects import set_alloc_mode
+from tests.realnode.test_e2e_dialects import corpus_pod_running
 from tests.realnode.test_e2e_isolation import host_pid
 
 pytestmark = pytest.mark.slow
@@ -336,18 +336,7 @@ def test_the_peers_documented_pod_runs_unchanged_on_the_dra_pool_with_its_share(
                                                                                 example: corpus.Example) -> None:
     """tests/realnode/corpus.py in a namespace served by /mutate-dra: each peer's pod as written
     becomes claims (nvidia.com/gpu through the whole-card DeviceClass) and sees its dialect's share."""
-    api = kube.core(dra_cluster)
-    before = set_alloc_mode(dra_cluster, example.alloc_mode) if example.alloc_mode else None
-    try:
-        api.create_namespaced_pod(dialect_ns, example.pod(image(dra_cluster)))
-        pod = kube.wait_phase(api, dialect_ns, example.id, ("Running",))
-        env = corpus.read_env(kube.wait_log(api, dialect_ns, example.id, "--- end"))
-        assert pod["spec"]["nodeName"] == NODE
-        corpus.check(example, env, dra=True)
+    with corpus_pod_running(dra_cluster, dialect_ns, example, image(dra_cluster), dra=True, delete_pod=delete) as (pod, _):
         claims = [c["name"] for c in pod["spec"].get("resourceClaims") or []]
         # Every GPU pod becomes claims but NVIDIA's, which the whole-card DeviceClass maps as it is.
         assert bool(claims) == (example.share is not None and example.peer != "nvidia"), claims
-    finally:
-        if example.alloc_mode:
-            set_alloc_mode(dra_cluster, before)
-        delete(dra_cluster, dialect_ns, example.id)
