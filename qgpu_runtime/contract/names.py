@@ -68,6 +68,8 @@ CLAIM_QUOTA_LEASE_PREFIX: Final = "qgpu-claim-quota."
 # --- namespaces and workload objects the roles render ------------------------------------------
 WEBHOOK_OPT_OUT_LABEL: Final = "qgpu.io/webhook"
 """Namespaces labelled ``qgpu.io/webhook=disabled`` are not sent to the webhook."""
+GROUP_MIN_MEMBER: Final = "qgpu.io/group-min-member"
+"""Pod annotation a user writes: the minimum size of the pod's T9k group, 1..64 (extender/groups.py)."""
 GPU_MODE: Final = "qgpu.io/gpu-mode"
 """Label of namespaces (and annotation of pods) choosing how GPU requests are served: ``dra``
 namespaces are registered with the webhook's /mutate-dra, which turns every dialect into DRA claims;
@@ -102,5 +104,6 @@ def finished(pod: dict) -> bool:
 SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ALLOCATION_SIGNATURE, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
-    POOL_MODE_LABEL, COMMITMENTS, BINDERS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, *POD_TEMPLATE_ANNOTATIONS})
+    POOL_MODE_LABEL, COMMITMENTS, BINDERS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, GROUP_MIN_MEMBER,
+    *POD_TEMPLATE_ANNOTATIONS})
 """Every name above, for the check against the roles."""

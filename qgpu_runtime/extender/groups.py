@@ -30,10 +30,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+from qgpu_runtime.contract.names import GROUP_MIN_MEMBER
 from qgpu_runtime.contract.record import AllocationRecord
 
 GROUP_LABEL = "scheduler.tensorstack.dev/group-name"
-MIN_MEMBER_ANNOTATION = "qgpu.io/group-min-member"
+MIN_MEMBER_ANNOTATION = GROUP_MIN_MEMBER  # the user writes it; the roles' policy leaves it open
 MAX_GROUP_MEMBERS = 64
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 MAX_GROUP_TIMEOUT_S = 600.0

@@ -59,5 +59,5 @@ def test_the_pod_annotation_policy_leaves_open_only_what_users_and_pod_templates
     by the DaemonSet and Deployment controllers) stay open, or qgpu's own pods could not start."""
     defaults = yaml.safe_load((ROOT / "roles/qgpu_scheduler/defaults/main.yml").read_text())
     open_ = set(defaults["qgpu_scheduler_open_pod_annotations"])
-    assert open_ == {names.LABEL_GPU_MODEL, names.GPU_MODE, *names.POD_TEMPLATE_ANNOTATIONS}
+    assert open_ == {names.LABEL_GPU_MODEL, names.GPU_MODE, names.GROUP_MIN_MEMBER, *names.POD_TEMPLATE_ANNOTATIONS}
     assert not open_ & {names.ALLOCATION, names.BIND_TIME, names.ALLOCATION_SIGNATURE, names.ASSIGNED}

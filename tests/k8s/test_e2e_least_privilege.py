@@ -343,6 +343,8 @@ def test_a_tenant_cannot_create_a_pod_carrying_qgpu_state(world, tenant, annotat
 
 def test_a_tenant_still_writes_the_annotations_meant_for_users(world, tenant):
     _create_as_tenant(world, tenant, tenant_pod(f"models-{uuid.uuid4().hex[:6]}", {"qgpu.io/gpu-model": "V100|T4"}))
+    # a T9k group's minimum size is the owner's request for its own group (docs/extender.md, Groups)
+    _create_as_tenant(world, tenant, tenant_pod(f"group-{uuid.uuid4().hex[:6]}", {"qgpu.io/group-min-member": "3"}))
 
 
 def test_a_tenant_cannot_add_change_or_remove_qgpu_state_on_its_own_pod(world, tenant):
