@@ -40,6 +40,13 @@ HAMI_GPUMEM_PCT = "nvidia.com/gpumem-percentage"
 HAMI_GPUCORES = "nvidia.com/gpucores"
 HAMI_USE_GPUTYPE = "nvidia.com/use-gputype"
 HAMI_NOUSE_GPUTYPE = "nvidia.com/nouse-gputype"
+# nano-gpu and its successor, elastic GPU (elastic-ai/elastic-gpu-scheduler): one percent of a card,
+# then core (percent, 100 a card) and memory (GiB, as qGPU's, which elastic GPU adds them to).
+NANO_PERCENT = "nano-gpu/gpu-percent"
+NANO_CORE = "nano-gpu.io/gpu-core"
+NANO_MEMORY = "nano-gpu.io/gpu-memory"
+EGPU_CORE = "elasticgpu.io/gpu-core"
+EGPU_MEMORY = "elasticgpu.io/gpu-memory"
 GPU_MODEL_ANNOTATION = "qgpu.io/gpu-model"
 
 # KAI-Scheduler / Run:ai: pod annotations, read only on pods that name KAI's scheduler.
@@ -62,6 +69,7 @@ class Dialect(str, enum.Enum):
     NVIDIA = "nvidia"
     HAMI = "hami"
     KAI = "kai"
+    ELASTIC = "elasticgpu"  # nano-gpu and elastic GPU
 
 
 class AppClass(str, enum.Enum):
@@ -85,6 +93,11 @@ DIALECT_OF_RESOURCE: dict[str, Dialect] = {
     HAMI_GPUMEM: Dialect.HAMI,
     HAMI_GPUMEM_PCT: Dialect.HAMI,
     HAMI_GPUCORES: Dialect.HAMI,
+    NANO_PERCENT: Dialect.ELASTIC,
+    NANO_CORE: Dialect.ELASTIC,
+    NANO_MEMORY: Dialect.ELASTIC,
+    EGPU_CORE: Dialect.ELASTIC,
+    EGPU_MEMORY: Dialect.ELASTIC,
 }
 GPU_RESOURCES = frozenset(DIALECT_OF_RESOURCE)
 HAMI_RESOURCES = frozenset({HAMI_GPUMEM, HAMI_GPUMEM_PCT, HAMI_GPUCORES})
@@ -147,7 +160,8 @@ class ContainerRequest:
 
     ``core_milli`` and ``memory_mib`` are per card. ``core_milli`` 1000 means a whole card;
     ``memory_mib`` 0 means no memory reservation (whole cards carry their full memory).
-    ``memory_pct`` is set only for T9k percent requests, whose memory depends on the card chosen.
+    ``memory_pct`` is set for percent-of-memory requests (T9k, HAMi, KAI, nano-gpu), whose memory
+    depends on the card chosen.
     """
 
     name: str
@@ -500,12 +514,55 @@ def _parse_hami(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, li
     return ContainerRequest(name, Dialect.HAMI, cards=cards, core_milli=core_milli, memory_pct=pct)
 
 
+_ELASTIC_FAMILIES = ((NANO_PERCENT,), (NANO_CORE, NANO_MEMORY), (EGPU_CORE, EGPU_MEMORY))
+
+
+def _parse_elastic(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, limits: CardLimits) -> ContainerRequest | None:
+    """nano-gpu and elastic GPU. ``nano-gpu/gpu-percent`` P (1-100) is P % of one card, compute and
+    memory alike (100: the whole card; nano-gpu gives a container one card). ``gpu-core`` and
+    ``gpu-memory`` (``nano-gpu.io/`` or ``elasticgpu.io/``) read as qGPU's: core 1-99 shares one card,
+    a multiple of 100 takes whole cards; memory is GiB of one card; memory alone is a share with no
+    compute reserved, as elastic GPU books it."""
+    families = [f for f in _ELASTIC_FAMILIES if any(k in v for k in f)]
+    if len(families) > 1:
+        c.add(name, ",".join(sorted(v)), "mixed",
+              "a container asks in one of nano-gpu/gpu-percent, nano-gpu.io/gpu-core|gpu-memory or "
+              "elasticgpu.io/gpu-core|gpu-memory")
+        return None
+    if NANO_PERCENT in v:
+        pct = _integer(c, name, NANO_PERCENT, v[NANO_PERCENT], "nano-gpu/gpu-percent is percent of one card, 1-100")
+        if pct is None:
+            return None
+        if pct > 100:
+            c.add(name, NANO_PERCENT, v[NANO_PERCENT], "nano-gpu gives a container one card: at most 100")
+            return None
+        if pct == 100:
+            return ContainerRequest(name, Dialect.ELASTIC, cards=1, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
+        return ContainerRequest(name, Dialect.ELASTIC, cards=1, core_milli=pct * (CORE_MILLI_PER_CARD // 100), memory_pct=pct)
+    core_key, memory_key = families[0]
+    prefix = core_key.split("/")[0]
+    memory_mib = _card_memory(c, name, memory_key, v, MIB_PER_GIB, f"{prefix}/gpu-memory is whole GiB, an integer >= 1", limits)
+    if memory_mib is None:
+        return None
+    if core_key not in v or is_zero(v[core_key]):  # memory only: a share with no compute reserved
+        return ContainerRequest(name, Dialect.ELASTIC, cards=1, core_milli=0, memory_mib=memory_mib)
+    shape = _core_cards(c, name, core_key, v[core_key], f"{prefix}/gpu-core", limits)
+    if shape is None:
+        return None
+    cards, core_milli, exclusive = shape
+    if not exclusive and not memory_mib:
+        c.add(name, memory_key, "missing", f"a shared {core_key} (below 100) needs {memory_key}")
+        return None
+    return ContainerRequest(name, Dialect.ELASTIC, cards=cards, core_milli=core_milli, memory_mib=memory_mib, exclusive=exclusive)
+
+
 _DIALECT_PARSERS = {
     Dialect.QGPU: _parse_qgpu,
     Dialect.VCUDA: _parse_vcuda,
     Dialect.T9K: _parse_t9k,
     Dialect.NVIDIA: _parse_nvidia,
     Dialect.HAMI: _parse_hami,
+    Dialect.ELASTIC: _parse_elastic,
 }
 
 

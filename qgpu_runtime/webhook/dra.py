@@ -57,7 +57,7 @@ XGN = "xgn"  # the T9k node label value of whole-card and whole-node nodes
 
 # What a percent-of-memory request was asked as, for the refusal's words.
 PERCENT_ASKED = {Dialect.T9K: "tensorstack.dev/nvidia-gpu-percent", Dialect.HAMI: "nvidia.com/gpumem-percentage",
-                 Dialect.KAI: "annotation gpu-fraction"}
+                 Dialect.KAI: "annotation gpu-fraction", Dialect.ELASTIC: "nano-gpu/gpu-percent"}
 
 
 class DraRefusal(ValueError):

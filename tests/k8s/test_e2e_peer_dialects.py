@@ -1,7 +1,8 @@
 """Issue 22 §1 and §3 through the real kube-apiserver, `qgpu webhook serve` and the real
 kube-scheduler calling the extender: a chart's CPU-only variant (zero GPUs) is admitted and
 scheduled with no record; HAMi's documented pods and KAI-Scheduler's annotated pods are admitted,
-completed by the webhook and placed with the share their dialect promises.
+completed by the webhook and placed with the share their dialect promises; so are nano-gpu's
+and elastic GPU's.
 
 The corpus is written from the peers' documented fields (HAMi v2.10.0: nvidia.com/gpu with
 gpumem, gpumem-percentage, gpucores and the use-gputype annotation; KAI-Scheduler v0.17:
@@ -144,6 +145,26 @@ def test_hamis_documented_pods_get_their_vgpus(cluster, hooked, schedulers, labe
     assert whole["spec"]["nodeName"] == a100 and [(d, core) for _, d, _, core, _ in shares(whole)] == [("nvidia", 1000)]
     message = refused(cluster, hooked, gpu_pod("both", {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 3000, "nvidia.com/gpumem-percentage": 50}))
     assert "give one of nvidia.com/gpumem (MiB) or nvidia.com/gpumem-percentage (%), not both" in message
+
+
+def test_nano_gpu_and_elastic_gpu_documented_pods_get_their_share(cluster, hooked, schedulers, label):  # noqa: F811
+    """nano-gpu's README pods (gpu-percent; gpu-core with gpu-memory) and elastic GPU's names, as
+    their users write them: admitted, placed through the extender with the share the names promise
+    and the record's dialect; a shared core without memory refused by name."""
+    refused(cluster, hooked, gpu_pod("sentinel-n", {"nvidia.com/gpu": "-1"}))
+    node = f"{hooked}-nano"
+    gpu_node(cluster.api, node, cards(2, memory_mib=32768, node=node), label)
+    corpus = {"percent": {"nano-gpu/gpu-percent": 20}, "nanocore": {"nano-gpu.io/gpu-core": 20, "nano-gpu.io/gpu-memory": 1},
+              "egpu": {"elasticgpu.io/gpu-core": 50, "elasticgpu.io/gpu-memory": 4}, "memonly": {"elasticgpu.io/gpu-memory": 2},
+              "whole": {"elasticgpu.io/gpu-core": 100}}
+    for name, limits in corpus.items():
+        cluster.api.create_namespaced_pod(hooked, gpu_pod(f"n-{name}", limits, selector=label))
+    got = {name: [(d, core, mem) for _, d, _, core, mem in shares(bound(cluster.api, hooked, f"n-{name}"))] for name in corpus}
+    assert got == {"percent": [("elasticgpu", 200, 6554)], "nanocore": [("elasticgpu", 200, 1024)],
+                   "egpu": [("elasticgpu", 500, 4096)], "memonly": [("elasticgpu", 0, 2048)],
+                   "whole": [("elasticgpu", 1000, 32768)]}
+    message = refused(cluster, hooked, gpu_pod("n-nomem", {"elasticgpu.io/gpu-core": 20}))
+    assert "elasticgpu.io/gpu-memory=missing: a shared elasticgpu.io/gpu-core (below 100) needs elasticgpu.io/gpu-memory" in message
 
 
 def test_kai_schedulers_annotated_pods_get_their_fraction_on_the_named_container(cluster, hooked, schedulers, label):  # noqa: F811

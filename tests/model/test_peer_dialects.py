@@ -181,3 +181,52 @@ def test_the_webhooks_nvidia_gpu_count_on_the_kai_container_passes():
 def test_kai_bad_annotations_are_refused_by_name(annotations, limits, message):
     (got,) = errors(pod(limits, annotations=annotations, scheduler=KAI))
     assert got.startswith(message)
+
+
+# -- nano-gpu and elastic GPU (elastic-ai/elastic-gpu-scheduler, elastic-gpu-agent) ------------------
+
+NANO_PCT = "nano-gpu/gpu-percent"
+NANO_CORE = "nano-gpu.io/gpu-core"
+NANO_MEM = "nano-gpu.io/gpu-memory"
+EGPU_CORE = "elasticgpu.io/gpu-core"
+EGPU_MEM = "elasticgpu.io/gpu-memory"
+E = Dialect.ELASTIC
+
+
+@pytest.mark.parametrize("limits,expected", [
+    ({NANO_PCT: "20"}, (E, 1, 200, 0, 20, False)),  # nano-gpu's README example: 20 % of one card
+    ({NANO_PCT: "100"}, (E, 1, 1000, 0, None, True)),
+    ({NANO_CORE: "20", NANO_MEM: "1"}, (E, 1, 200, 1024, None, False)),  # nano-gpu.io's README example
+    ({EGPU_CORE: "50", EGPU_MEM: "4"}, (E, 1, 500, 4096, None, False)),
+    ({EGPU_CORE: "200"}, (E, 2, 1000, 0, None, True)),  # 100 per card: whole cards
+    ({EGPU_MEM: "2"}, (E, 1, 0, 2048, None, False)),  # memory alone: no compute reserved
+    ({EGPU_CORE: "0", EGPU_MEM: "2"}, (E, 1, 0, 2048, None, False)),  # a zero beside a non-zero: elastic GPU's rule
+])
+def test_nano_gpu_and_elastic_gpu_requests(limits, expected):
+    (c,) = parse_pod(pod(limits)).containers
+    assert shape(c) == expected
+
+
+@pytest.mark.parametrize("limits", [{NANO_PCT: "0"}, {EGPU_CORE: "0", EGPU_MEM: "0"}, {NANO_MEM: 0}])
+def test_nano_gpu_and_elastic_gpu_zero_asks_no_gpu(limits):
+    assert parse_pod(pod(limits)).containers == ()
+
+
+@pytest.mark.parametrize("limits,message", [
+    ({NANO_PCT: "120"}, "container 'main': nano-gpu/gpu-percent=120: nano-gpu gives a container one card: at most 100"),
+    ({NANO_PCT: "2.5"}, "container 'main': nano-gpu/gpu-percent=2.5: fractions are not allowed; nano-gpu/gpu-percent is "
+                        "percent of one card, 1-100"),
+    ({NANO_CORE: "20"}, "container 'main': nano-gpu.io/gpu-memory=missing: a shared nano-gpu.io/gpu-core (below 100) needs "
+                        "nano-gpu.io/gpu-memory"),
+    ({EGPU_CORE: "150", EGPU_MEM: "1"}, "container 'main': elasticgpu.io/gpu-core=150: 100 or more must be a multiple of 100 "
+                                        "(whole cards)"),
+    ({EGPU_MEM: "1000"}, "container 'main': elasticgpu.io/gpu-memory=1000: no card could ever hold it: the largest card has 80 GiB"),
+    ({NANO_PCT: "20", EGPU_CORE: "20", EGPU_MEM: "1"},
+     "container 'main': elasticgpu.io/gpu-core,elasticgpu.io/gpu-memory,nano-gpu/gpu-percent=mixed: a container asks in one "
+     "of nano-gpu/gpu-percent, nano-gpu.io/gpu-core|gpu-memory or elasticgpu.io/gpu-core|gpu-memory"),
+    ({NANO_PCT: "20", "tencent.com/vcuda-core": "10"},
+     "container 'main': nano-gpu/gpu-percent,tencent.com/vcuda-core=mixed: one container may use one dialect only, found "
+     "elasticgpu, vcuda"),
+])
+def test_nano_gpu_and_elastic_gpu_bad_values_are_refused_by_name(limits, message):
+    assert errors(pod(limits)) == [message]

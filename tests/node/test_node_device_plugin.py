@@ -15,12 +15,17 @@ MEM = "tke.cloud.tencent.com/qgpu-memory"
 T9K_PCT = "tensorstack.dev/nvidia-gpu-percent"
 T9K_GPU = "tensorstack.dev/nvidia-gpu"
 T9K_NODE = "tensorstack.dev/nvidia-gpu-node"
+NANO_PCT = "nano-gpu/gpu-percent"
+NANO_CORE = "nano-gpu.io/gpu-core"
+NANO_MEM = "nano-gpu.io/gpu-memory"
+EGPU_CORE = "elasticgpu.io/gpu-core"
+EGPU_MEM = "elasticgpu.io/gpu-memory"
 
 
 def test_registers_every_resource_the_extender_places_by_default(node):
     assert sorted(node.kubelet.registrations) == sorted([
         CORE, MEM, "tke.cloud.tencent.com/qgpu-core-greedy", "tencent.com/vcuda-core", "tencent.com/vcuda-memory",
-        T9K_GPU, T9K_PCT, T9K_NODE, "nvidia.com/gpu"])
+        T9K_GPU, T9K_PCT, T9K_NODE, "nvidia.com/gpu", NANO_PCT, NANO_CORE, NANO_MEM, EGPU_CORE, EGPU_MEM])
 
 
 def test_the_default_resources_are_every_resource_the_extender_places():
@@ -47,6 +52,8 @@ def test_each_resource_advertises_its_units_per_card(node):
     assert len(node.kubelet.devices(CORE)) == 200  # 2 cards x 100 percent
     assert len(node.kubelet.devices(MEM)) == 32  # 2 cards x 16 GiB
     assert len(node.kubelet.devices(T9K_GPU)) == 2  # whole cards
+    assert len(node.kubelet.devices(NANO_PCT)) == len(node.kubelet.devices(EGPU_CORE)) == 200  # percent
+    assert len(node.kubelet.devices(NANO_MEM)) == len(node.kubelet.devices(EGPU_MEM)) == 32  # GiB
     assert set(node.kubelet.devices(CORE).values()) == {"Healthy"}
     assert node.kubelet.plugins[CORE].options.pre_start_required
 
@@ -153,6 +160,22 @@ def test_t9k_percent_request_gets_t9k_variables(node):
     t9k = {k: v for k, v in envs.items() if k.startswith("T9K_")}
     assert t9k == {"T9K_GPU_MODE": "sgn", "T9K_GPU_COUNT": "1", "T9K_GPU_PERCENT": "25", "T9K_GPU_MEMORY": "4096"}
     assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(0)
+
+
+@pytest.mark.parametrize("resources,share", [
+    ({NANO_PCT: "25"}, (250, 4096)),  # a quarter of a 16 GiB card's compute and memory
+    ({NANO_CORE: "20", NANO_MEM: "2"}, (200, 2048)),
+    ({EGPU_CORE: "30", EGPU_MEM: "3"}, (300, 3072)),
+    ({EGPU_MEM: "2"}, (0, 2048)),  # memory alone: no compute reserved
+], ids=["nano-percent", "nano-core-memory", "elasticgpu-core-memory", "elasticgpu-memory-only"])
+def test_nano_gpu_and_elastic_gpu_requests_get_their_share_of_the_recorded_card(node, resources, share):
+    """nano-gpu's and elastic GPU's extended resources are served like qGPU's: kubelet's device
+    count for each resource matches the container's own quantity, the card is the record's."""
+    p = pod("egpu", "gpu-node-1", [("main", resources, [(1, node.uuid(1), *share)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    assert (envs["QGPU_CORE_MILLI"], envs["QGPU_MEMORY_MIB"]) == (str(share[0]), str(share[1]))
 
 
 def test_t9k_whole_card_request_gets_t9k_variables(node):

@@ -5,9 +5,9 @@ reference/peer-dialects.md), and the share its container must see.
 
 The same pods run unchanged on the real node of `scripts/local-cluster` in device-plugin mode
 (tests/realnode/test_e2e_dialects.py) and in DRA mode (tests/realnode/test_e2e_dra.py). The local
-cluster's node has two V100-32G cards (32768 MiB each). nano-gpu / elastic GPU names
-(``nano-gpu/gpu-percent``, ``elasticgpu.io/gpu-core``) are not in the corpus: qgpu does not parse
-them (model/requests.py), so they are not among the dialects it promises to serve.
+cluster's node has two V100-32G cards (32768 MiB each). nano-gpu's examples are its READMEs' (the
+seed's qGPU mixed deployment names nano-gpu / elastic GPU): ``nano-gpu/gpu-percent``, then
+``nano-gpu.io/gpu-core`` with ``gpu-memory``, and elastic GPU's ``elasticgpu.io/`` names.
 
 What differs between the two doors, and why, is written per entry: a DRA share's memory is whole
 GiB (the ResourceSlice's request policy), so HAMi's 3000 MiB is 3072 MiB there; a T9k percent
@@ -118,6 +118,13 @@ CORPUS: tuple[Example, ...] = (
     Example("hami-gputype", "hami", limits={"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096"},
             annotations={"nvidia.com/use-gputype": "V100"},
             share=Share(1, 0, 4096, peer_env={"CUDA_DEVICE_MEMORY_LIMIT_0": "4096m", "CUDA_DEVICE_SM_LIMIT": "0"})),
+    # nano-gpu (elastic-gpu-scheduler README, both eras) and elastic GPU: percent of a card (compute
+    # and memory: 20 % of 32768 MiB is 6554 MiB, 7 GiB on DRA), then core % with memory GiB.
+    Example("nano-percent", "nano-gpu", limits={"nano-gpu/gpu-percent": "20"},
+            share=Share(1, 200, 6554, dra_memory_mib=7168)),
+    Example("nano-core-memory", "nano-gpu", limits={"nano-gpu.io/gpu-core": "20", "nano-gpu.io/gpu-memory": "1"},
+            share=Share(1, 200, 1024)),
+    Example("elasticgpu-memory", "elastic-gpu", limits={"elasticgpu.io/gpu-memory": "2"}, share=Share(1, 0, 2048)),
     # KAI-Scheduler (docs/gpu-sharing): annotations on a kai-scheduler pod; GPU_PORTION the fraction.
     Example("kai-fraction", "kai", annotations={"gpu-fraction": "0.5"}, scheduler_name="kai-scheduler",
             share=Share(1, 0, 16384, peer_env={"GPU_PORTION": "0.5"})),

@@ -165,6 +165,31 @@ def test_a_peers_memory_only_share_is_booked_memory_only_and_keeps_its_percent(l
     assert (settings.dialect.memory_pct, settings.memory_only) == (50, True)
 
 
+def test_nano_gpu_percent_is_that_share_of_a_cards_compute_and_memory_on_dra_pools():
+    _, templates = applied(pod(container(limits={"nano-gpu/gpu-percent": "25"})), DraConfig(card_memory_mib=(32768,)))
+    ((name, claim),) = templates.items()
+    assert name.startswith("qgpu-pct25-s") and name.endswith("-c250")  # compute asked: no memory-only config
+    assert only_request(claim)["firstAvailable"][0]["capacity"] == {"requests": {"core": "250", "memory": "8192"}}
+    assert "config" not in claim["devices"]
+    with pytest.raises(DraRefusal, match="nano-gpu/gpu-percent: 25 % of a card's memory needs the card sizes"):
+        convert(pod(container(limits={"nano-gpu/gpu-percent": "25"})))
+
+
+@pytest.mark.parametrize(("limits", "name", "memory_only"), [
+    ({"elasticgpu.io/gpu-core": "20", "elasticgpu.io/gpu-memory": "2"}, "qgpu-c200-m2048-x1", False),
+    ({"nano-gpu.io/gpu-core": "20", "nano-gpu.io/gpu-memory": "1"}, "qgpu-c200-m1024-x1", False),
+    ({"elasticgpu.io/gpu-memory": "2"}, "qgpu-c10-m2048-x1-mo", True),
+    ({"elasticgpu.io/gpu-core": "100"}, "qgpu-whole-x1", False),
+])
+def test_elastic_gpu_core_and_memory_become_claims_as_qgpus_do(limits, name, memory_only):
+    out, templates = applied(pod(container(limits=limits)))
+    assert list(templates) == [name]
+    assert not any(k.startswith(("elasticgpu.io/", "nano-gpu.io/")) for k in
+                   (out["spec"]["containers"][0].get("resources") or {}).get("limits") or {})
+    config = templates[name]["devices"].get("config")
+    assert (config is not None) is memory_only
+
+
 def test_t9k_percent_asks_the_first_card_size_that_fits_with_that_share_of_its_memory():
     config = DraConfig(card_memory_mib=(32768, 15360))
     _, templates = applied(pod(container(limits={"tensorstack.dev/nvidia-gpu-percent": "25"})), config)

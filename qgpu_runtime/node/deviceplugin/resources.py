@@ -93,6 +93,11 @@ CATALOG: dict[str, ResourceKind] = {k.name: k for k in (
     ResourceKind(rq.T9K_GPU_PERCENT, "t9k-gpu-percent", lambda c: 100, "T9k: percent of a card's memory"),
     ResourceKind(rq.T9K_GPU_NODE, "t9k-gpu-node", lambda c: 0, "T9k: the whole node (one device per node)",
                  whole_node=True),
+    ResourceKind(rq.NANO_PERCENT, "nano-gpu-percent", lambda c: 100, "nano-gpu: percent of a card"),
+    ResourceKind(rq.NANO_CORE, "nano-gpu-core", lambda c: 100, "nano-gpu: percent of a card's compute"),
+    ResourceKind(rq.NANO_MEMORY, "nano-gpu-memory", lambda c: c.memory_mib // 1024, "nano-gpu: GiB of a card's memory"),
+    ResourceKind(rq.EGPU_CORE, "elasticgpu-core", lambda c: 100, "elastic GPU: percent of a card's compute"),
+    ResourceKind(rq.EGPU_MEMORY, "elasticgpu-memory", lambda c: c.memory_mib // 1024, "elastic GPU: GiB of a card's memory"),
     # HAMi's vGPUs and KAI's fractions reach the kubelet as nvidia.com/gpu too (one device per share,
     # several shares per card), so the count per card must cover every share a card can take: the
     # extender's pod limit per card is at most one per GiB. Whole cards are the extender's to count.
