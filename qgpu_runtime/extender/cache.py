@@ -76,7 +76,7 @@ class AllocationCache:
 
     def __init__(self, policy: Any, policy_name: str, limits: CardLimits = DEFAULT_LIMITS, assume_ttl_ns: int = 60 * 10**9,
                  max_holds: int = DEFAULT_MAX_HOLDS, max_holds_per_namespace: int | None = None, *, verifier: RecordVerifier,
-                 group_timeout_ns: int = int(DEFAULT_GROUP_TIMEOUT_S * 1e9)):
+                 group_timeout_ns: int = int(DEFAULT_GROUP_TIMEOUT_S * 1e9), group_settle_ns: int = 0):
         if max_holds < 1:
             raise ValueError(f"max_holds={max_holds}: must be >= 1")
         per_namespace = default_holds_per_namespace(max_holds) if max_holds_per_namespace is None else max_holds_per_namespace
@@ -101,7 +101,7 @@ class AllocationCache:
         self._holds = HoldGate(self._pods, self._booked, self.state, max_holds, per_namespace)
         self._scorer = Scorer(policy, self._nodes, self._booked, self._pods)
         self._reservations = Reservations(policy, policy_name, self._pods, self._booked, self.state, self._problem)
-        self._groups = Groups(group_timeout_ns)
+        self._groups = Groups(group_timeout_ns, group_settle_ns)
         self.group_timeout_s = group_timeout_ns / 1e9
         self.committed = CommittedView(self.lock, self.state, self._nodes, self._pods, self._mirror, self._booked)
 

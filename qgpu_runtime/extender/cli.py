@@ -30,7 +30,12 @@ from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.extender.dra import DraView
-from qgpu_runtime.extender.groups import DEFAULT_GROUP_TIMEOUT_S, MAX_GROUP_TIMEOUT_S
+from qgpu_runtime.extender.groups import (
+    DEFAULT_GROUP_SETTLE_S,
+    DEFAULT_GROUP_TIMEOUT_S,
+    MAX_GROUP_SETTLE_S,
+    MAX_GROUP_TIMEOUT_S,
+)
 from qgpu_runtime.extender.presence import MODES
 from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
@@ -73,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="seconds the held placements of an incomplete T9k group (scheduler.tensorstack.dev/"
                             f"group-name) are kept before they are released (default {DEFAULT_GROUP_TIMEOUT_S:g}, "
                             f"at most {MAX_GROUP_TIMEOUT_S:g}); the group then rests as long before it holds again")
+    serve.add_argument("--group-settle", type=float, default=DEFAULT_GROUP_SETTLE_S,
+                       help="seconds a T9k group whose pods do not state its size (qgpu.io/group-min-member) waits, "
+                            "after its newest member appeared, before it counts as complete, so pods a controller is "
+                            f"still creating join it (default {DEFAULT_GROUP_SETTLE_S:g}, 0 to 60, below "
+                            "--group-timeout; 0: no wait)")
     serve.add_argument("--filter-result", choices=("all", "best"), default="all",
                        help="filter answers every feasible node (all, default) or only the chosen one (best: one round "
                             "trip per pod when the scheduler is configured without prioritizeVerb)")
@@ -140,6 +150,9 @@ def _check(args: argparse.Namespace) -> None:
     if not 0 < args.group_timeout <= MAX_GROUP_TIMEOUT_S:
         raise SystemExit(f"qgpu extender serve: --group-timeout {args.group_timeout}: must be > 0 and <= "
                          f"{MAX_GROUP_TIMEOUT_S:g} seconds (held cards of an incomplete group are released after it)")
+    if not (0 <= args.group_settle <= MAX_GROUP_SETTLE_S and args.group_settle < args.group_timeout):
+        raise SystemExit(f"qgpu extender serve: --group-settle {args.group_settle}: must be >= 0, <= "
+                         f"{MAX_GROUP_SETTLE_S:g} and below --group-timeout ({args.group_timeout:g}) seconds")
     if args.binder_identity is not None and not 1 <= len(args.binder_identity) <= 253:
         raise SystemExit(f"qgpu extender serve: --binder-identity {args.binder_identity!r}: must have 1..253 characters")
     if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
@@ -171,7 +184,7 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
                             max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier,
-                            group_timeout_ns=int(args.group_timeout * 1e9))
+                            group_timeout_ns=int(args.group_timeout * 1e9), group_settle_ns=int(args.group_settle * 1e9))
     coordination = client.CoordinationV1Api(connection)
     commitments = (LeaseCommitments(coordination, args.commitment_namespace)
                    if args.node_commitments != "off" else None)

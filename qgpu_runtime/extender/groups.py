@@ -9,6 +9,9 @@ extender holds the group itself:
 - the group's *size* is the number of its live (non-terminal) pods the watch knows, raised to the
   largest ``qgpu.io/group-min-member`` annotation among them (for a group whose pods are created
   one by one: without it the first pod alone would be a complete group of one);
+- a group none of whose pods states its size that way *settles*: it is not complete until its
+  newest member has been known for ``settle`` (``--group-settle``, default 5 s), so the pods a
+  controller is still creating one after another join it rather than forming groups of their own;
 - a member is *placed* when it is bound, its Binding is in flight (its booking is pinned), or it is
   *held*: its bind chose and booked its cards, and was answered with an error so kube-scheduler
   retries it, while the cards stay booked (the same pinned booking a bind in flight has);
@@ -27,8 +30,9 @@ Not thread-safe on its own: the cache's lock guards it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from qgpu_runtime.contract.names import GROUP_MIN_MEMBER
 from qgpu_runtime.contract.record import AllocationRecord
@@ -38,6 +42,8 @@ MIN_MEMBER_ANNOTATION = GROUP_MIN_MEMBER  # the user writes it; the roles' polic
 MAX_GROUP_MEMBERS = 64
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 MAX_GROUP_TIMEOUT_S = 600.0
+DEFAULT_GROUP_SETTLE_S = 5.0
+MAX_GROUP_SETTLE_S = 60.0
 
 
 class GroupError(ValueError):
@@ -95,12 +101,17 @@ class Progress:
     size: int
     placed: int
     members: int
+    settling_ns: int = 0  # how much longer a group of unstated size waits for members still being created
 
     @property
     def complete(self) -> bool:
-        return self.placed >= self.size
+        return self.placed >= self.size and self.settling_ns <= 0
 
     def waiting(self) -> str:
+        if self.placed >= self.size:
+            return (f"group {self.group} ({GROUP_LABEL}) has all {self.size} known members placed and waits "
+                    f"{self.settling_ns / 1e9:.1f} s more for members still being created (its newest member "
+                    f"appeared just now; the annotation {MIN_MEMBER_ANNOTATION} states the size and skips the wait)")
         return (f"group {self.group} ({GROUP_LABEL}) waits for {self.size - self.placed} more of {self.size} "
                 f"members to be placed")
 
@@ -112,6 +123,7 @@ class Listed:
     key: str
     bound: bool
     min_members: int
+    stated: bool = False  # the pod carries the size annotation
 
     @classmethod
     def of(cls, pod: Mapping[str, Any]) -> "Listed":
@@ -121,7 +133,11 @@ class Listed:
         except GroupError:
             wanted = 1  # that pod's own filter and bind refuse it with the reason
         return cls(f"{meta.get('namespace') or 'default'}/{meta.get('name')}",
-                   bool((pod.get("spec") or {}).get("nodeName")), wanted)
+                   bool((pod.get("spec") or {}).get("nodeName")), wanted, _states_size(pod))
+
+
+def _states_size(pod: Mapping[str, Any]) -> bool:
+    return MIN_MEMBER_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {})
 
 
 @dataclass(frozen=True)
@@ -130,6 +146,8 @@ class _Member:
     uid: str
     bound: bool
     min_members: int  # 1 for a bad annotation: the bind of that pod is refused with the reason
+    stated: bool = False  # it carries the size annotation
+    seen_ns: int = 0  # when this extender first knew the pod
 
 
 @dataclass
@@ -141,10 +159,14 @@ class _GroupHolds:
 class Groups:
     """Group membership from the watch, each group's held members and its rest after a timeout."""
 
-    def __init__(self, timeout_ns: int) -> None:
+    def __init__(self, timeout_ns: int, settle_ns: int = 0, clock_ns: Callable[[], int] = time.time_ns) -> None:
         if timeout_ns <= 0:
             raise ValueError(f"group timeout {timeout_ns} ns: must be > 0")
+        if not 0 <= settle_ns < timeout_ns:
+            raise ValueError(f"group settle {settle_ns} ns: must be >= 0 and below the timeout")
         self.timeout_ns = timeout_ns
+        self.settle_ns = settle_ns
+        self.clock_ns = clock_ns
         self._members: dict[str, _Member] = {}  # pod key -> its group, for live pods that name one
         self._by_group: dict[GroupKey, set[str]] = {}
         self._holds: dict[GroupKey, _GroupHolds] = {}
@@ -167,7 +189,8 @@ class Groups:
             wanted = min_members(pod)
         except GroupError:
             wanted = 1
-        self._members[key] = _Member(group, uid, bound, wanted)
+        seen = old.seen_ns if old is not None and old.uid == uid and old.group == group else self.clock_ns()
+        self._members[key] = _Member(group, uid, bound, wanted, _states_size(pod), seen)
         self._by_group.setdefault(group, set()).add(key)
         return ended
 
@@ -236,9 +259,15 @@ class Groups:
         if holds is not None:
             done |= holds.held.keys() & keys
         done |= {k for k in keys if (m := self._members.get(k)) is not None and m.bound}
-        wanted = max([m.min_members for k in keys if (m := self._members.get(k)) is not None]
-                     + [m.min_members for m in extra.values()] + [1])
-        return Progress(group, max(len(keys), wanted), len(done), len(keys))
+        known = [m for k in keys if (m := self._members.get(k)) is not None]
+        wanted = max([m.min_members for m in known] + [m.min_members for m in extra.values()] + [1])
+        settling = 0
+        if self.settle_ns and not any(m.stated for m in [*known, *extra.values()]):
+            now = self.clock_ns()
+            # A member the watch has not delivered yet (the arriving pod, a listed one) is new now.
+            newest = now if len(known) < len(keys) else max(m.seen_ns for m in known)
+            settling = max(0, newest + self.settle_ns - now)
+        return Progress(group, max(len(keys), wanted), len(done), len(keys), settling)
 
     def members(self, group: GroupKey) -> list[str]:
         return sorted(self._by_group.get(group, ()))

@@ -163,6 +163,74 @@ def test_a_group_of_more_than_the_bound_is_refused():
         groups.check_may_hold(GroupKey("ns", "g"), "ns/extra", 0)
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000 * SEC
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def test_a_group_of_unstated_size_settles_until_its_newest_member_is_settle_old():
+    """Pods created one after another join one group: a group none of whose pods carries the size
+    annotation is not complete until its newest member has been known for the settle window."""
+    clock = Clock()
+    groups = Groups(60 * SEC, 5 * SEC, clock)
+    g = GroupKey("ns", "g")
+    groups.observe("ns/p1", member("p1"), gone=False, bound=False)
+    first = groups.progress(g, "ns/p1", [])
+    assert (first.size, first.placed, first.complete, first.settling_ns) == (1, 1, False, 5 * SEC)
+    assert first.waiting() == (f"group ns/g ({GROUP_LABEL}) has all 1 known members placed and waits 5.0 s more for "
+                               f"members still being created (its newest member appeared just now; the annotation "
+                               f"{MIN_MEMBER_ANNOTATION} states the size and skips the wait)")
+    clock.now += 3 * SEC
+    groups.observe("ns/p2", member("p2"), gone=False, bound=False)  # the controller's next pod
+    clock.now += 3 * SEC  # p1 is 6 s old, p2 3 s
+    second = groups.progress(g, "ns/p1", [])
+    assert (second.size, second.placed, second.complete) == (2, 1, False)
+    assert "waits for 1 more of 2" in second.waiting()
+    groups.observe("ns/p2", member("p2"), gone=False, bound=True)  # an update keeps when it was first seen
+    assert groups.progress(g, "ns/p1", []).settling_ns == 2 * SEC
+    clock.now += 2 * SEC
+    assert groups.progress(g, "ns/p1", []).complete
+
+
+def test_a_member_not_yet_watched_restarts_the_settle_and_a_stated_size_skips_it():
+    clock = Clock()
+    groups = Groups(60 * SEC, 5 * SEC, clock)
+    g = GroupKey("ns", "g")
+    groups.observe("ns/p1", member("p1"), gone=False, bound=False)
+    clock.now += 10 * SEC
+    assert groups.progress(g, "ns/p1", []).complete
+    assert groups.progress(g, "ns/p9", []).settling_ns == 5 * SEC  # the arriving pod the watch has not shown
+    groups.observe("ns/p2", member("p2", annotations={MIN_MEMBER_ANNOTATION: "2"}), gone=False, bound=True)
+    assert groups.progress(g, "ns/p1", []).complete  # the size is stated: no wait
+
+
+def test_the_settle_must_stay_below_the_timeout():
+    with pytest.raises(ValueError, match="group settle .* below the timeout"):
+        Groups(5 * SEC, 5 * SEC)
+
+
+def test_a_settling_member_is_held_and_its_retry_after_the_window_binds_it(apiserver):
+    clock = Clock()
+    c = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER, group_timeout_ns=60 * SEC,
+                        group_settle_ns=5 * SEC)
+    c._groups.clock_ns = clock  # the window runs on a clock the test moves
+    c.replace_nodes([node("a", n_cards=2), node("b", n_cards=2)])
+    c.replace_pods([])
+    binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
+    p0 = member("p0")
+    created(c, apiserver, p0)
+    filtered(c, p0)
+    with pytest.raises(BindError, match="waits 5.0 s more for members still being created"):
+        binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.bound == [] and c.booking("ns/p0").node == "a"
+    clock.now += 5 * SEC
+    binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.names() == ["p0"]
+
+
 # -- binds ----------------------------------------------------------------------------------------------
 
 def test_a_group_of_three_that_fits_binds_all_three_at_the_third_bind(apiserver):

@@ -9,6 +9,8 @@ bounded polling on what the API shows (Events, bound pods); no assertion is abou
 
 from __future__ import annotations
 
+import time
+
 from typing import Any, Iterator
 
 import pytest
@@ -79,6 +81,24 @@ def test_a_group_of_three_that_fits_binds_all_three(cluster, ns, label, t9k):
     pods = [bound(cluster.api, ns, name, timeout=120) for name in names]
     used = sorted(s.index for p in pods for c in record(p).containers for s in c.shares)  # type: ignore[union-attr]
     assert used == [0, 1, 2]
+
+
+def test_a_group_created_one_pod_at_a_time_without_its_size_settles_into_one_group(cluster, ns, label, t9k):
+    """T9k's pods as a slow controller creates them, 1.5 s apart, without qgpu.io/group-min-member:
+    none is bound while the next is still to come (the extender's --group-settle, 5 s by default),
+    and all three are bound once the last has settled."""
+    node = f"{ns}-s"
+    gpu_node(cluster.api, node, cards(3, node=node), label)
+    names = [f"s{i}" for i in range(3)]
+    for name in names:
+        pod = gpu_pod(name, WHOLE_CARD, selector=label, scheduler_name="t9k-scheduler")
+        pod["metadata"]["labels"] = {GROUP_LABEL: "slow"}
+        cluster.api.create_namespaced_pod(ns, pod)
+        time.sleep(1.5)
+        assert unbound(cluster, ns, names[:names.index(name) + 1]) == names[:names.index(name) + 1], \
+            "a member was bound before the group's next pod was created"
+    waited(cluster, ns, names, "the slow group bound", lambda: not unbound(cluster, ns, names) or None, timeout=120)
+    assert any("waits" in m and "for members still being created" in m for m in messages(cluster, ns, names))
 
 
 def test_a_group_that_does_not_fit_binds_none_holds_until_the_timeout_and_runs_once_the_blocker_goes(cluster, ns, label, t9k):
