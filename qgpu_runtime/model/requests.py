@@ -266,6 +266,15 @@ def _whole_cards(c: _Collector, container: str, resource: str, raw: Any, cards: 
     return cards
 
 
+def _one_card_percent(c: _Collector, container: str, resource: str, raw: Any, rule: str, over: str) -> int | None:
+    """A percent of one card, 1..100: ``rule`` says what the value is, ``over`` why not above 100."""
+    value = _integer(c, container, resource, raw, rule)
+    if value is not None and value > 100:
+        c.add(container, resource, raw, over)
+        return None
+    return value
+
+
 def _core_cards(
     c: _Collector, container: str, resource: str, raw: Any, unit_name: str, limits: CardLimits
 ) -> tuple[int, int, bool] | None:
@@ -379,11 +388,9 @@ def _parse_qgpu(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, li
         if QGPU_CORE_GREEDY not in v:
             c.add(name, QGPU_CORE_GREEDY, "missing", "offline pods must request tke.cloud.tencent.com/qgpu-core-greedy (1-100)")
             return None
-        greedy = _integer(c, name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], "qgpu-core-greedy is percent of one card, 1-100")
+        greedy = _one_card_percent(c, name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], "qgpu-core-greedy is percent of one card, 1-100",
+                                   "offline pods may not span cards: at most 100 (one card)")
         if greedy is None:
-            return None
-        if greedy > 100:
-            c.add(name, QGPU_CORE_GREEDY, v[QGPU_CORE_GREEDY], "offline pods may not span cards: at most 100 (one card)")
             return None
         if not memory_mib:
             c.add(name, QGPU_MEMORY, "missing", "offline pods must request tke.cloud.tencent.com/qgpu-memory")
@@ -438,11 +445,9 @@ def _parse_t9k(c: _Collector, name: str, v: dict[str, Any], klass: AppClass, lim
             return None
         return ContainerRequest(name, Dialect.T9K, cards=cards, core_milli=CORE_MILLI_PER_CARD, exclusive=True)
     if key == T9K_GPU_PERCENT:
-        pct = _integer(c, name, key, raw, "nvidia-gpu-percent is percent of one card's memory, 1-100")
+        pct = _one_card_percent(c, name, key, raw, "nvidia-gpu-percent is percent of one card's memory, 1-100",
+                                "percent of one card's memory: at most 100")
         if pct is None:
-            return None
-        if pct > 100:
-            c.add(name, key, raw, "percent of one card's memory: at most 100")
             return None
         return ContainerRequest(name, Dialect.T9K, cards=1, core_milli=0, memory_pct=pct)
     count = _integer(c, name, key, raw, "nvidia-gpu-node must be 1")
@@ -530,11 +535,9 @@ def _parse_elastic(c: _Collector, name: str, v: dict[str, Any], klass: AppClass,
               "elasticgpu.io/gpu-core|gpu-memory")
         return None
     if NANO_PERCENT in v:
-        pct = _integer(c, name, NANO_PERCENT, v[NANO_PERCENT], "nano-gpu/gpu-percent is percent of one card, 1-100")
+        pct = _one_card_percent(c, name, NANO_PERCENT, v[NANO_PERCENT], "nano-gpu/gpu-percent is percent of one card, 1-100",
+                                "nano-gpu gives a container one card: at most 100")
         if pct is None:
-            return None
-        if pct > 100:
-            c.add(name, NANO_PERCENT, v[NANO_PERCENT], "nano-gpu gives a container one card: at most 100")
             return None
         if pct == 100:
             return ContainerRequest(name, Dialect.ELASTIC, cards=1, core_milli=CORE_MILLI_PER_CARD, exclusive=True)

@@ -10,7 +10,6 @@ bounded polling on what the API shows (Events, bound pods); no assertion is abou
 from __future__ import annotations
 
 import time
-
 from typing import Any, Iterator
 
 import pytest
