@@ -136,6 +136,13 @@ class KubePodSource:
         drain(self._call(f"patching the labels and annotations of node {node}", lambda: self._core.patch_node(
             node, body, _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
 
+    def patch_node_capacity(self, node: str, capacity: Mapping[str, str]) -> None:
+        """Extended resources no device plugin counts, in the Node's status (capacity and
+        allocatable, which the kubelet keeps: it recomputes allocatable from capacity)."""
+        body = {"status": {"capacity": dict(capacity), "allocatable": dict(capacity)}}
+        drain(self._call(f"patching the capacity of node {node}", lambda: self._core.patch_node_status(
+            node, body, _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
+
     def node_labels(self, node: str) -> dict[str, str]:
         doc = json.loads(self._call(f"reading node {node}", lambda: self._core.read_node(
             node, _preload_content=False, _request_timeout=self._timeout)).data)

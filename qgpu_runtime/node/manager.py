@@ -297,7 +297,8 @@ class NodeManager:
         return self.reconciler.release_gone()
 
     def check_kubelet(self) -> None:
-        self.registration.check_kubelet()
+        if self.registration.check_kubelet() and self.publisher.publishes_share_sizes:
+            self.publisher.publish()  # a Node the kubelet registered anew lost the share sizes in its status
 
     def sample_once(self) -> None:
         self.sampler.sample_once()

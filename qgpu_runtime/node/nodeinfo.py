@@ -2,7 +2,7 @@
 
 Labels carry what selectors need (count, model, memory per card); the inventory annotation
 carries the full card list (contract/inventory.py; label values cannot hold it). Capacity itself
-comes from the device plugin.
+comes from the device plugin, except HAMi's share sizes (:func:`share_size_capacity`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,10 @@ from qgpu_runtime.contract.names import (
     NODE_ISOLATION_POLICY,
 )
 from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model.requests import HAMI_GPUCORES, HAMI_GPUMEM, HAMI_GPUMEM_PCT
+
+# HAMi's share sizes: the extender places them (ignoredByScheduler) and no device plugin counts them.
+SHARE_SIZE_RESOURCES = (HAMI_GPUMEM, HAMI_GPUMEM_PCT, HAMI_GPUCORES)
 
 
 def label_value(text: str) -> str:
@@ -35,3 +39,13 @@ def node_metadata(cards: Sequence[CardInfo], unhealthy: dict[int, str], policy: 
         labels[LABEL_GPU_MEMORY] = str(min(c.memory_mib for c in cards))
     reasons = {index: clip_reason(reason) for index, reason in unhealthy.items()}
     return labels, {INVENTORY: encode_inventory(cards, reasons), NODE_ISOLATION_POLICY: policy}
+
+
+def share_size_capacity(cards: Sequence[CardInfo]) -> dict[str, str]:
+    """HAMi's ``nvidia.com/gpumem`` (MiB), ``gpumem-percentage`` and ``gpucores`` (percent) as node
+    capacity: the node's totals, which the shares the extender places never exceed. A node that has
+    them is a device-plugin node for them in kube-scheduler's eyes; without them, where a DeviceClass
+    maps ``nvidia.com/gpu`` to DRA (KEP-5004), its DynamicResources plugin looks for a class of these
+    names too and refuses HAMi's pods on every node ("cannot fit resource")."""
+    return {HAMI_GPUMEM: str(sum(c.memory_mib for c in cards)), HAMI_GPUMEM_PCT: str(100 * len(cards)),
+            HAMI_GPUCORES: str(100 * len(cards))}

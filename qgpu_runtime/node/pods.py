@@ -32,6 +32,8 @@ class PodSource(Protocol):
 
     def patch_node(self, node: str, labels: Mapping[str, str], annotations: Mapping[str, str]) -> None: ...
 
+    def patch_node_capacity(self, node: str, capacity: Mapping[str, str]) -> None: ...
+
     def node_labels(self, node: str) -> dict[str, str]: ...
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None: ...
@@ -101,10 +103,21 @@ class FilePodSource:
             meta = obj.setdefault("metadata", {})
             meta.setdefault("labels", {}).update(labels)
             meta.setdefault("annotations", {}).update(annotations)
-            target = self._node_file()
-            tmp = target.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(obj))
-            os.replace(tmp, target)
+            self._write_node(obj)
+
+    def _write_node(self, obj: dict[str, Any]) -> None:
+        target = self._node_file()
+        tmp = target.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(obj))
+        os.replace(tmp, target)
+
+    def patch_node_capacity(self, node: str, capacity: Mapping[str, str]) -> None:
+        with self._lock:
+            obj = self._node(node)
+            status = obj.setdefault("status", {})
+            for side in ("capacity", "allocatable"):
+                status.setdefault(side, {}).update(capacity)
+            self._write_node(obj)
 
     def node_labels(self, node: str) -> dict[str, str]:
         with self._lock:

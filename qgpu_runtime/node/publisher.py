@@ -1,7 +1,7 @@
 """What the node tells the cluster and Prometheus about its cards.
 
 ``NodePublisher`` writes the GPU labels and the inventory annotation (node/nodeinfo.py) on the
-Node, retrying from the kubelet watcher until it lands. ``PodCache`` hands the metrics sampler and
+Node, and HAMi's share sizes into its capacity, retrying from the kubelet watcher until it lands. ``PodCache`` hands the metrics sampler and
 the isolation loop the watched pods (node/podwatch.py), or lists them at most once per
 ``--pod-refresh`` while the watch is not synced (and always with ``--pods-file``).
 ``MetricsSampler`` builds one snapshot per interval from the backend's sample, the store and the
@@ -17,9 +17,10 @@ from typing import Any, Callable
 
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import Policy
+from qgpu_runtime.model.requests import NVIDIA_GPU
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
-from qgpu_runtime.node.nodeinfo import node_metadata
+from qgpu_runtime.node.nodeinfo import node_metadata, share_size_capacity
 from qgpu_runtime.node.pods import PodSource
 from qgpu_runtime.node.podwatch import ListedPods, NodePodCache
 from qgpu_runtime.node.store import Store
@@ -45,12 +46,20 @@ class NodePublisher:
         labels, notes = node_metadata(list(self.cards.values()), self.health.unhealthy(), self.policy().value)
         try:
             self.pods.patch_node(self.config.node, labels, notes)
+            if self.publishes_share_sizes:
+                self.pods.patch_node_capacity(self.config.node, share_size_capacity(list(self.cards.values())))
         except Exception as exc:  # retried from the kubelet watcher until it lands
             self.due = time.monotonic() + NODE_PUBLISH_RETRY_S
             log.warning("node %s: could not write GPU labels/annotations (retrying in %.0f s): %s",
                         self.config.node, NODE_PUBLISH_RETRY_S, exc)
             return
         self.due = None
+
+    @property
+    def publishes_share_sizes(self) -> bool:
+        """HAMi's share sizes go into the node's capacity where HAMi's pods come to this node's
+        device plugin: it serves nvidia.com/gpu (on DRA pools the claims carry them)."""
+        return not self.config.dra and any(k.name == NVIDIA_GPU for k in self.config.resources)
 
     def retry_if_due(self) -> None:
         if self.due is not None and time.monotonic() >= self.due:

@@ -241,6 +241,26 @@ def test_manager_writes_its_own_nodes_qgpu_labels_and_annotations(world):
     assert {k: meta.annotations[k] for k in annotations} == annotations
 
 
+def test_manager_writes_hamis_share_sizes_into_its_own_nodes_capacity_and_nothing_else_of_its_status(world):
+    """node/nodeinfo.py share_size_capacity, as the manager's PodSource writes it (a merge patch of
+    status capacity and allocatable); another node's status, another capacity (nvidia.com/gpu, cpu)
+    and another status field are refused by the policy."""
+    sizes = {"nvidia.com/gpumem": "30720", "nvidia.com/gpumem-percentage": "200", "nvidia.com/gpucores": "200"}
+    status = {"status": {"capacity": sizes, "allocatable": sizes}}
+    world.manager.patch_node_status(world.node_a, status, _content_type=MERGE)
+    capacity = world.api.read_node_status(world.node_a).status.capacity
+    assert {k: capacity[k] for k in sizes} == sizes
+    message = refusal(lambda: world.manager.patch_node_status(world.node_b, status, _content_type=MERGE))
+    assert f"Node {world.node_b} is not its own" in message, message
+    for forged in ({"nvidia.com/gpu": "64"}, {"cpu": "512"}):
+        message = refusal(lambda: world.manager.patch_node_status(
+            world.node_a, {"status": {"capacity": forged, "allocatable": forged}}, _content_type=MERGE))
+        assert f"status capacity/allocatable {next(iter(forged))}" in message, message
+    message = refusal(lambda: world.manager.patch_node_status(
+        world.node_a, {"status": {"addresses": [{"type": "InternalIP", "address": "10.9.9.9"}]}}, _content_type=MERGE))
+    assert "status changed beyond its capacity" in message, message
+
+
 def test_manager_writes_the_assigned_annotation_of_a_pod_bound_to_its_node(world):
     world.manager.patch_namespaced_pod(name(world.gpu_pod_here), world.ns,
                                        metadata_patch(annotations={ASSIGNED: '["c"]'}), _content_type=MERGE)

@@ -304,15 +304,20 @@ def test_manager_works_with_exactly_the_clusterrole_of_its_template(tmp_path, cl
                                  qgpu_manager_isolation_policies=[])
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list", "watch", "patch"]},
                              {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get", "patch"]},
+                             {"apiGroups": [""], "resources": ["nodes/status"], "verbs": ["patch"]},
                              {"apiGroups": [""], "resources": ["events"], "verbs": ["create"]}]
     cfg = kubeconfig_bound_to(cluster, role, f"qgpu-manager-{ns}", tmp_path / "manager.kubeconfig")
 
     node = managed("1xT4-16G", start=False)
+    node.resources = (*node.resources, "nvidia.com/gpu")  # HAMi's pods come here: the share sizes are published
     # start-up reconciliation lists this pod; Allocate serves it and patches qgpu.io/assigned
     cluster.api.create_namespaced_pod(ns, pending_pod("p", 20, 2))
     bind_with_record(cluster.api, ns, "p", node.name, [(0, node.cards[0].uuid, 200, 2048)], time.time_ns())
     node.start(kubeconfig=cfg)
     assert read_node(cluster.api, node.name)["metadata"]["labels"]["qgpu.io/gpu-count"] == "1"
+    capacity = cluster.api.read_node_status(node.name).status.capacity  # HAMi's share sizes (node/nodeinfo.py)
+    assert {k: capacity.get(k) for k in ("nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores")} == \
+        {"nvidia.com/gpumem": str(node.cards[0].memory_mib), "nvidia.com/gpumem-percentage": "100", "nvidia.com/gpucores": "100"}
     assert node.kubelet.admit(read_pod(cluster.api, ns, "p"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
     assigned_soon(cluster, ns, "p", ["c0"])
     assert "403" not in node.log() and "could not" not in node.log(), node.log()

@@ -21,6 +21,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.dra import WHOLE_CLASS, device_classes
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.node.nodeinfo import share_size_capacity
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, gpu_node, gpu_pod, read_pod, record
 from tests.k8s.test_e2e_webhook import webhook as hooked  # noqa: F401  (that module's webhook, as a fixture here)
 
@@ -92,11 +94,13 @@ def refused(cluster, ns: str, pod: dict) -> str:
 
 def gpu_plugin_node(cluster, name: str, inventory: list, label: dict) -> None:
     """A fake node whose kubelet advertises nvidia.com/gpu as qgpu's device plugin does (one device
-    per GiB of each card): kube-scheduler then fits it by capacity even where a DeviceClass maps
+    per GiB of each card), with HAMi's share sizes in its capacity as qgpu's manager publishes them
+    (node/nodeinfo.py): kube-scheduler then fits it by capacity even where a DeviceClass maps
     nvidia.com/gpu to DRA (KEP-5004; another module of this session leaves one behind)."""
     gpu_node(cluster.api, name, inventory, label)
     count = str(sum(c.memory_mib // 1024 for c in inventory))
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "250", "nvidia.com/gpu": count}
+    sizes = share_size_capacity([CardInfo(c.index, c.uuid, c.model, c.memory_mib, c.index) for c in inventory])
+    resources = {"cpu": "64", "memory": "512Gi", "pods": "250", "nvidia.com/gpu": count, **sizes}
     cluster.api.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources}})
 
 
@@ -187,10 +191,10 @@ def test_kai_schedulers_annotated_pods_get_their_fraction_on_the_named_container
     assert "annotation gpu-fraction=1.5: out of range" in message
 
 
-@pytest.mark.xfail(strict=True, reason="known limitation (issue 22, open): where a DeviceClass maps nvidia.com/gpu "
-                   "to DRA (KEP-5004), kube-scheduler's DynamicResources plugin answers 'cannot fit resource' for a pod "
-                   "that also asks HAMi's nvidia.com/gpumem / gpucores, which no node advertises; docs/migration.md")
 def test_hamis_vgpu_pod_beside_a_dra_pool_whose_class_maps_nvidia_gpu(cluster, hooked, schedulers, label, whole_class):  # noqa: F811
+    """Where a DeviceClass maps nvidia.com/gpu to DRA (KEP-5004), kube-scheduler's DynamicResources
+    plugin looks for a class of every extended resource a node lacks: HAMi's gpumem stayed Pending
+    ("cannot fit resource") until qgpu's device-plugin nodes published HAMi's share sizes as capacity."""
     refused(cluster, hooked, gpu_pod("sentinel-d", {"nvidia.com/gpu": "-1"}))
     node = f"{hooked}-mixed"
     gpu_plugin_node(cluster, node, cards(2, model="NVIDIA A100-SXM4-40GB", memory_mib=40960, node=node), label)

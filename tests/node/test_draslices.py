@@ -273,6 +273,9 @@ class _Pods:
     def patch_node(self, node, labels, annotations):
         pass
 
+    def patch_node_capacity(self, node, capacity):
+        pass
+
     def node_labels(self, node):
         return {}
 

@@ -29,7 +29,7 @@ class Pods:
     """A PodSource over a list; records what was written."""
 
     def __init__(self, pods: list[dict]) -> None:
-        self.pods, self.patches, self.nodes = pods, [], []
+        self.pods, self.patches, self.nodes, self.capacity = pods, [], [], []
 
     def pods_on_node(self, node):
         return list(self.pods)
@@ -39,6 +39,9 @@ class Pods:
 
     def patch_node(self, node, labels, annotations):
         self.nodes.append((node, dict(labels), dict(annotations)))
+
+    def patch_node_capacity(self, node, capacity):
+        self.capacity.append((node, dict(capacity)))
 
     def node_labels(self, node):
         return {}
@@ -130,6 +133,22 @@ def test_the_publisher_retries_until_the_node_patch_lands(parts):
     publisher.pods, publisher.due = working, 0.0
     publisher.retry_if_due()
     assert publisher.due is None and working.nodes[0][1]["qgpu.io/gpu-count"] == "2"
+
+
+@pytest.mark.parametrize(("resources", "dra", "published"), [
+    (("nvidia.com/gpu",), False, True),
+    (("tke.cloud.tencent.com/qgpu-core",), False, False),  # HAMi's pods do not come to this node's plugin
+    ((), True, False),  # DRA pools: the claims carry the shares
+])
+def test_hamis_share_sizes_are_published_as_node_capacity_where_nvidia_gpu_is_served(tmp_path, resources, dra, published):
+    """Where a DeviceClass maps nvidia.com/gpu (KEP-5004), kube-scheduler refuses a HAMi pod on any
+    node that lacks gpumem / gpumem-percentage / gpucores in its capacity; the node's totals go there."""
+    config = ManagerConfig(NODE, tuple(CATALOG[r] for r in resources), plugin_dir=tmp_path / "p", state_dir=tmp_path / "s",
+                           record_verifier=VERIFIER, dra=dra)
+    pods = Pods([])
+    NodePublisher(config, CARDS, CardHealth(CARDS), pods, lambda: Policy.BEST_EFFORT).publish()
+    expected = [(NODE, {"nvidia.com/gpumem": "32768", "nvidia.com/gpumem-percentage": "200", "nvidia.com/gpucores": "200"})]
+    assert pods.capacity == (expected if published else [])
 
 
 def test_the_manager_is_what_the_device_plugin_talks_to():

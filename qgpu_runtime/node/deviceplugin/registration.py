@@ -57,8 +57,9 @@ class KubeletRegistration:
         log.info("registered %s with kubelet", ", ".join(p.kind.name for p in self.plugins))
         return True
 
-    def check_kubelet(self) -> None:
-        """Serve again and re-register when kubelet restarted (new socket) or our sockets vanished."""
+    def check_kubelet(self) -> bool:
+        """Serve again and re-register when kubelet restarted (new socket) or our sockets vanished;
+        True when it did."""
         inode = self._kubelet_identity()
         dead = [p for p in self.plugins if not p.alive()]
         if inode is not None and (inode != self._kubelet_inode or dead):
@@ -66,3 +67,5 @@ class KubeletRegistration:
                 plugin.stop()
                 plugin.start()
             self.register_all()
+            return True
+        return False
