@@ -169,7 +169,7 @@ def test_without_a_dra_pool_the_manifest_has_no_dra_object(device_plugin_only: l
         assert "affinity" not in pod  # today's DaemonSet, unchanged
         assert "--dra" not in pod["containers"][0]["args"]
     policy = by_kind(device_plugin_only, "ValidatingAdmissionPolicy")["qgpu-manager-own-node"]
-    assert [r["resources"] for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [["nodes", "pods"]]
+    assert [r["resources"] for r in policy["spec"]["matchConstraints"]["resourceRules"]] == [["nodes", "nodes/status", "pods"]]
 
 
 def test_the_device_classes_are_exactly_the_contracts(mixed_modes: list[dict[str, Any]]) -> None:

@@ -6,6 +6,7 @@ and the quota file, which must agree with the allocation record on the pod."""
 from __future__ import annotations
 
 import json
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
@@ -66,6 +67,21 @@ def set_alloc_mode(cluster: LocalCluster, mode: str | None) -> str | None:
     before = (api.read_node("localhost").metadata.labels or {}).get(ALLOC_MODE)
     api.patch_node("localhost", {"metadata": {"labels": {ALLOC_MODE: mode}}})
     return before
+
+
+def test_the_real_nodes_capacity_carries_hamis_share_sizes_beside_the_kubelets(local_cluster: LocalCluster) -> None:
+    """The manager's status patch (node/nodeinfo.py share_size_capacity) on a Node the real kubelet
+    keeps updating: both its two V100-32G and the kubelet's own figures are there."""
+    api = kube.core(local_cluster)
+    deadline = time.monotonic() + 60
+    while True:
+        capacity = api.read_node_status("localhost").status.capacity or {}
+        if "nvidia.com/gpumem" in capacity or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert {k: capacity.get(k) for k in ("nvidia.com/gpumem", "nvidia.com/gpumem-percentage", "nvidia.com/gpucores")} == \
+        {"nvidia.com/gpumem": "65536", "nvidia.com/gpumem-percentage": "200", "nvidia.com/gpucores": "200"}, capacity
+    assert capacity.get("tke.cloud.tencent.com/qgpu-core") == "200" and "cpu" in capacity
 
 
 def test_qgpu_core_and_memory(local_cluster: LocalCluster, ns: str) -> None:
