@@ -164,3 +164,31 @@ def _edit_role(rbac: client.RbacAuthorizationV1Api) -> str:
     rbac.create_cluster_role({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
                               "metadata": {"name": EDIT}, "rules": rules})
     return EDIT
+
+
+def wait_pod_policies_lifted(api: Any, namespace: str, timeout: float = 60.0) -> None:
+    """After a module deleted the rendered admission policies: the apiserver drops a deleted policy
+    a moment later (its informer), and until then the next module's admin writes of qgpu.io/ pod
+    annotations are still refused. Probe with such a pod in ``namespace`` until one is admitted."""
+    import time
+
+    from kubernetes.client.exceptions import ApiException
+
+    name = "policies-lifted-probe"
+    probe = {"apiVersion": "v1", "kind": "Pod",
+             "metadata": {"name": name, "namespace": namespace, "annotations": {"qgpu.io/allocation": "probe"}},
+             "spec": {"schedulerName": "qgpu-test-nobody", "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            api.create_namespaced_pod(namespace, probe)
+        except ApiException as exc:
+            if exc.status != 403 or time.monotonic() > deadline:
+                return
+            time.sleep(0.5)
+            continue
+        try:
+            api.delete_namespaced_pod(name, namespace, grace_period_seconds=0)
+        except ApiException:
+            pass
+        return

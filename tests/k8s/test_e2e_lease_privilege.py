@@ -24,7 +24,7 @@ from kubernetes.dynamic import DynamicClient
 
 from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS_LEASE_PREFIX
 from tests.k8s.conftest import Cluster
-from tests.k8s.rbac import render_template
+from tests.k8s.rbac import render_template, wait_pod_policies_lifted
 
 PAUSE = "registry.k8s.io/pause:3.10"
 KUBE_SYSTEM = "kube-system"
@@ -87,6 +87,7 @@ class Deployed:
         for doc in reversed(self.applied):
             resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
             quietly(lambda: resource.delete(name=doc["metadata"]["name"], namespace=doc["metadata"].get("namespace")))
+        wait_pod_policies_lifted(self.cluster.api, self.ns)
 
 
 def lease(name: str, holder: str = "", annotations: dict[str, str] | None = None) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
-from tests.k8s.rbac import edit_user, render_template
+from tests.k8s.rbac import edit_user, render_template, wait_pod_policies_lifted
 
 PAUSE = "registry.k8s.io/pause:3.10"
 CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
@@ -110,6 +110,7 @@ class Identities:
         for doc in reversed(self.applied):
             resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
             _quietly(lambda: resource.delete(name=doc["metadata"]["name"], namespace=doc["metadata"].get("namespace")))
+        wait_pod_policies_lifted(self.api, self.ns)
 
 
 def _quietly(call: Callable[[], Any]) -> None:
