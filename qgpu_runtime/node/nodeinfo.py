@@ -21,9 +21,6 @@ from qgpu_runtime.contract.names import (
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import HAMI_GPUCORES, HAMI_GPUMEM, HAMI_GPUMEM_PCT
 
-# HAMi's share sizes: the extender places them (ignoredByScheduler) and no device plugin counts them.
-SHARE_SIZE_RESOURCES = (HAMI_GPUMEM, HAMI_GPUMEM_PCT, HAMI_GPUCORES)
-
 
 def label_value(text: str) -> str:
     """A label value: [A-Za-z0-9._-], at most 63, starting and ending alphanumeric."""
