@@ -28,7 +28,7 @@ echo "test.sh: ruff check" >&2
 .venv/bin/ruff check qgpu_runtime tests bench
 echo "test.sh: lint-imports (layers of docs/architecture.md)" >&2
 .venv/bin/lint-imports --no-cache
-# The full run lists its 30 slowest tests at the end: CI's 90-minute limit is watched from there.
+# The full run lists its 50 slowest tests at the end: CI's 90-minute limit is watched from there.
 durations=
-[ -n "$fast" ] || durations=--durations=30
+[ -n "$fast" ] || durations=--durations=50
 exec .venv/bin/python -m pytest $fast $durations "$@"
