@@ -8,11 +8,9 @@ deleted with grace 0, as its kubelet would once the containers stopped."""
 
 from __future__ import annotations
 
-import time
-
 from kubernetes import client
 
-from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, events_for, gpu_node, gpu_pod, list_pods, read_pod, record, wait_for
+from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, gpu_node, gpu_pod, list_pods, read_pod, record, wait_for
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
 QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
@@ -72,15 +70,10 @@ def test_the_fewest_offline_pods_of_one_card_are_evicted_where_node_level_arithm
             pod = gpu_pod(name, {QGPU_CORE_GREEDY: 50, QGPU_MEMORY: 16}, selector=label, annotations=OFFLINE)
             pod["spec"]["priorityClassName"] = f"{ns}-{klass}"
             cluster.api.create_namespaced_pod(ns, pod)
-            try:
-                bound(cluster.api, ns, name)
-            except AssertionError:
-                print([e.get("message") for e in events_for(cluster.api, ns, name)])
-                raise
+            bound(cluster.api, ns, name)
         card = {p["metadata"]["name"]: record(p).containers[0].shares[0].index for p in list_pods(cluster.api, ns)}
         assert card["f0"] == card["f1"] != card["f2"] == card["f3"], card
 
-        started = time.monotonic()
         high = gpu_pod("high", {QGPU_CORE: 60, QGPU_MEMORY: 20}, selector=label)
         high["spec"]["priorityClassName"] = f"{ns}-high"
         cluster.api.create_namespaced_pod(ns, high)
@@ -91,13 +84,11 @@ def test_the_fewest_offline_pods_of_one_card_are_evicted_where_node_level_arithm
             return p if p["spec"].get("nodeName") else None
 
         pod = wait_for("the high-priority pod bound after preemption", placed, timeout=120)
-        elapsed = time.monotonic() - started
         left = {p["metadata"]["name"] for p in list_pods(cluster.api, ns) if not p["metadata"].get("deletionTimestamp")}
         assert left == {"f0", "f1", "high"}, left  # f2 and f3 evicted, nothing else
         (share,) = record(pod).containers[0].shares
         assert share.index == card["f2"] and share.core_milli == 600
         assert cluster.extender.requests_by_verb().get("preempt", 0) >= 1  # the extender chose, not kube-scheduler alone
-        print(f"preemption: high-priority pod bound {elapsed:.1f} s after its creation")
     finally:
         for name in classes:
             client.SchedulingV1Api(cluster.api_client).delete_priority_class(name)
