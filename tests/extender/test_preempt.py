@@ -280,3 +280,31 @@ def test_the_preemptor_deleted_releases_what_its_victims_kept():
     delete(a, p)
     assert a.cache.nominated("ns/p") == {}
     assert filter_passes(a, other) == ["a"]  # v2's 40 % + 50 % fit once v1's kept share is free
+
+
+def test_the_preemptors_filter_while_a_victim_still_runs_keeps_the_hold_for_later():
+    """Its own filter sets the kept share aside to decide, fails (v2 still runs), and books it again."""
+    a = app(node("a", n_cards=1))
+    v1, v2 = bound("v1", "a", {0: 40}), bound("v2", "a", {0: 40})
+    watch(a, v1, v2)
+    p, other = pending("p", 100), pending("other", 40, priority=100)
+    watch(a, p, other)
+    answer(a, meta_body(p, {"a": ["v1", "v2"]}))
+    delete(a, v1)
+    assert filter_passes(a, p) == []
+    assert filter_passes(a, other) == []  # v1's share is still kept for p
+    delete(a, v2)
+    assert filter_passes(a, p) == ["a"]
+
+
+def test_a_record_that_needs_the_kept_cards_wins_over_the_hold():
+    """A hold is a guess; a bound pod's record (another binder's, say) is the truth, as for filter's holds."""
+    a = app(node("a", n_cards=1))
+    v1, v2 = bound("v1", "a", {0: 40}), bound("v2", "a", {0: 40})
+    watch(a, v1, v2)
+    p = pending("p", 100)
+    watch(a, p)
+    answer(a, meta_body(p, {"a": ["v1", "v2"]}))
+    delete(a, v1)
+    watch(a, bound("elsewhere", "a", {0: 50}))
+    assert a.cache.booking("ns/elsewhere") is not None

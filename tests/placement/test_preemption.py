@@ -111,3 +111,13 @@ def test_the_state_handed_in_is_never_changed():
     before = dict(booked)
     choose_victims(spec(), booked, [candidate(k, p) for k, p in booked.items()], whole_cards(2), BINPACK)
     assert booked == before
+
+
+def test_with_the_budget_spent_every_node_still_gets_the_first_orders_answer():
+    from qgpu_runtime.placement.preemption import FitBudget
+
+    booked = {"A": on_card(0, 30), "B": on_card(0, 30), "C": on_card(1, 50)}
+    cands = [candidate("A", booked["A"], 1), candidate("B", booked["B"], 0), candidate("C", booked["C"], 2)]
+    spent = FitBudget(0)
+    assert victims(choose_victims(spec(), booked, cands, whole_cards(1), BINPACK, budget=spent)) == ["A", "B"]
+    assert spent.left < 0  # counted, but never stopped the first order
