@@ -222,8 +222,8 @@ class AllocationCache:
                 offers = self._nominations.offers(entry.key)
                 if leaving or entry.node_name or any(o.uid != entry.uid for o in offers.values()):
                     self._nominations.clear(state, entry.key)  # bound, gone, or another pod of that name
-                elif entry.nominated in offers:
-                    self._nominations.clear(state, entry.key, keep=entry.nominated)
+                else:
+                    self._nominations.nominated(state, entry.key, entry.nominated)
             # A member deleted or replaced drops its group hold; the event above released its booking.
             self._groups.observe(entry.key, pod, event == "DELETED" or entry.terminal, bool(entry.node_name))
 

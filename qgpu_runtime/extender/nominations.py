@@ -19,7 +19,8 @@ records that arrive win over them, and they expire with the other holds, the ass
 after the preempt call.
 
 An offer ends when the preemptor is bound, deleted or finished, when its ``nominatedNodeName``
-names another node (kube-scheduler picked that one), when the preempt verb is called again for
+names another node (kube-scheduler picked that one) or is cleared after naming this one (the
+nomination was dropped), when the preempt verb is called again for
 it (the new answer replaces the old), or at the assume timeout. A departing victim named by
 several offers keeps its booking for the oldest.
 
@@ -57,6 +58,7 @@ class Offer:
     since_ns: int
     waiting: set[str]  # victim keys that have not left yet
     kept: list[str] = field(default_factory=list)  # surrogate keys booked for victims that left
+    confirmed: bool = False  # the preemptor's nominatedNodeName named this node
 
 
 class Nominations:
@@ -88,6 +90,17 @@ class Nominations:
         self._offers.setdefault(preemptor, {})[node] = offer
         for victim in offer.waiting:
             self._waiting_for.setdefault(victim, set()).add((preemptor, node))
+
+    def nominated(self, state: ClusterState, preemptor: str, node: str) -> None:
+        """The preemptor's ``status.nominatedNodeName`` as the watch has it: naming an offered node
+        keeps that offer alone; cleared or moved after it named one, the nomination was dropped
+        (kube-scheduler gave the room to a pod of higher priority) and so are the offers."""
+        offers = self._offers.get(preemptor, {})
+        if node in offers:
+            offers[node].confirmed = True
+            self.clear(state, preemptor, keep=node)
+        elif any(o.confirmed for o in offers.values()):
+            self.clear(state, preemptor)
 
     def clear(self, state: ClusterState, preemptor: str, keep: str | None = None) -> None:
         """End the preemptor's offers (all, or all but the one on node ``keep``)."""

@@ -25,7 +25,7 @@ first (the victims that free one card). The best set over the orders is the answ
 get an order of their own, so one node costs at most (2 + cards) * 2 * candidates fit checks. A
 :class:`FitBudget` shared by the nodes of one call bounds it further: every node gets the first
 order (kube-scheduler's own greedy + reprieve, at card level), the other orders only while the
-budget lasts. One fit check on a one-node state is tens of microseconds.
+budget lasts.
 
 Pure: the caller hands in the node, what is booked there and who may be evicted.
 """

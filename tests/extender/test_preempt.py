@@ -308,3 +308,21 @@ def test_a_record_that_needs_the_kept_cards_wins_over_the_hold():
     delete(a, v1)
     watch(a, bound("elsewhere", "a", {0: 50}))
     assert a.cache.booking("ns/elsewhere") is not None
+
+
+def test_a_nomination_cleared_after_naming_the_node_drops_the_offer():
+    """kube-scheduler took the room for a pod of higher priority and cleared this pod's nomination."""
+    a = app(node("a", n_cards=1))
+    victim = bound("v", "a", {0: 80})
+    watch(a, victim)
+    p, other = pending("p", 50), pending("other", 60, priority=100)
+    watch(a, p, other)
+    answer(a, meta_body(p, {"a": ["v"]}))
+    nominated = json.loads(json.dumps(p))
+    nominated["status"]["nominatedNodeName"] = "a"
+    a.cache.apply_pod("MODIFIED", nominated)
+    assert a.cache.nominated("ns/p") == {"a": {"ns/v"}}
+    a.cache.apply_pod("MODIFIED", p)  # nominatedNodeName cleared
+    assert a.cache.nominated("ns/p") == {}
+    delete(a, victim)
+    assert filter_passes(a, other) == ["a"]
