@@ -2,14 +2,17 @@
 
 Status codes follow one rule: a malformed request is the client's mistake (400, with the reason);
 a well-formed request always gets 200 and an extender/v1 body, whose ``Error`` field (filter,
-bind) tells the scheduler that this attempt failed. A bug of ours is the only source of a 500.
+bind) tells the scheduler that this attempt failed (preempt has no such field: a refused preempt
+answers no nodes, so kube-scheduler evicts nothing). A bug of ours is the only source of a 500.
 An apiserver that cannot be reached is such a failure, not a bug: filter and bind answer its
 reason in ``Error``, prioritize answers no scores (kube-scheduler ignores a failed prioritize).
 
 Trust: the body names a pod, the apiserver says what it is (:mod:`.trust`). Filter and prioritize
 work on the apiserver's pod and refuse a body that asks for something else; bind is refused unless
 a filter passed that pod (same UID) for that node; filter is refused while ``max_holds`` pods await
-their bind. Refusals are counted by verb and reason.
+their bind. Preempt works on the apiserver's pod too, and names only victims its own watch has on
+that node, of a lower priority than the pod's (as the watch has both). Refusals are counted by verb
+and reason.
 """
 
 from __future__ import annotations
@@ -29,8 +32,11 @@ from qgpu_runtime.extender.wire import (
     BindingArgs,
     ExtenderArgs,
     FilterResult,
+    NodeVictims,
+    PreemptionArgs,
     WireError,
     encode_binding_result,
+    encode_preemption_result,
     encode_priorities_json,
 )
 from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
@@ -116,10 +122,10 @@ class ExtenderApp:
     def handle(self, verb: str, body: bytes) -> Response:
         started = time.perf_counter()
         handler = {"filter": self.filter, "prioritize": self.prioritize, "bind": self.bind,
-                   "dra-prioritize": self.dra_prioritize}.get(verb)
+                   "preempt": self.preempt, "dra-prioritize": self.dra_prioritize}.get(verb)
         if handler is None:
-            status, doc = 404, {"Error": f"unknown verb {verb!r}; this extender serves filter, prioritize, bind "
-                                         "and dra-prioritize"}
+            status, doc = 404, {"Error": f"unknown verb {verb!r}; this extender serves filter, prioritize, bind, "
+                                         "preempt and dra-prioritize"}
         else:
             try:
                 status, doc = handler(body)
@@ -185,6 +191,33 @@ class ExtenderApp:
         if request is None or not request.wants_gpu:
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))
         return 200, RawJSON(encode_priorities_json(names, self.cache.prioritize_scores(pod, request, names)))
+
+    def preempt(self, body: bytes) -> Response:
+        """ExtenderPreemptionArgs in, ExtenderPreemptionResult out (docs/extender.md, "Preemption").
+
+        For a pod asking no GPU qgpu has no opinion: kube-scheduler's victims come back unchanged.
+        Otherwise each node gets qgpu's card-level victims (cache.preempt), and nodes where no set of
+        lower-priority pods helps are left out. NumPDBViolations: qgpu reads no PodDisruptionBudget,
+        so it reports kube-scheduler's count for the node, but never more than the number of victims
+        both chose (the pods only qgpu chose count as violating none)."""
+        args = PreemptionArgs.decode(body)
+        try:
+            pod = self.pods.resolve(args.pod)
+            request = self._request(pod)
+        except UntrustedPod as exc:
+            self._refuse("preempt", _refusal(exc), str(exc))
+            return 200, encode_preemption_result({})
+        except RequestError as exc:
+            log.info("preempt: invalid GPU request, no victims: %s", exc)
+            return 200, encode_preemption_result({})
+        if not request.wants_gpu:
+            return 200, encode_preemption_result({n: v for n, v in args.victims.items() if v.uids})
+        chosen = self.cache.preempt(pod, request, {n: v.uids for n, v in args.victims.items()}, time.time_ns())
+        answer = {}
+        for node, choice in chosen.items():
+            scheduler = args.victims[node]
+            answer[node] = NodeVictims(choice.uids, min(scheduler.pdb_violations, choice.also_scheduler_victims))
+        return 200, encode_preemption_result(answer)
 
     def dra_prioritize(self, body: bytes) -> Response:
         """Prioritize for DRA claim pods only; every other pod gets 0 on every node.

@@ -17,7 +17,9 @@ calls directly, takes the same lock):
   scores, extender/scoring.py (its memo, extender/memo.py); bind's booking, extender/reservations.py;
 - the answers the node commitments need, extender/committed.py;
 - T9k groups held at bind until complete (their members' bookings are binds' pinned bookings),
-  extender/groups.py.
+  extender/groups.py;
+- the preempt verb's victims, chosen at card level (placement/preemption.py), and the cards they
+  free held for the preemptor while they terminate, extender/nominations.py.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from itertools import compress
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -48,13 +50,15 @@ from qgpu_runtime.extender.groups import (
 from qgpu_runtime.extender.holds import DEFAULT_MAX_HOLDS, HoldGate, HoldLimit, default_holds_per_namespace
 from qgpu_runtime.extender.memo import FilterMemo
 from qgpu_runtime.extender.nodeview import NodeView, node_name
+from qgpu_runtime.extender.nominations import NOMINATED, Nominations
 from qgpu_runtime.extender.podevents import Expired, PodEvents
 from qgpu_runtime.extender.podmirror import PodMirror
-from qgpu_runtime.extender.podstate import PodStates
+from qgpu_runtime.extender.podstate import PodEntry, PodStates
 from qgpu_runtime.extender.recordtrust import UntrustedRecords, entry_of, pod_key
 from qgpu_runtime.extender.reservations import Reservations
 from qgpu_runtime.extender.scoring import Scorer
-from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, PodRequest
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest
+from qgpu_runtime.placement.preemption import Candidate, FitBudget, choose_victims
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement
 
 __all__ = ["DEFAULT_MAX_HOLDS", "AllocationCache", "Expired", "FilterOutcome", "GroupError", "HoldLimit",
@@ -69,6 +73,22 @@ class FilterOutcome:
     failed: dict[str, str]
     unresolvable: dict[str, str]
     held: str | None = None  # the node now held for the pod (its best)
+
+
+@dataclass(frozen=True)
+class NodePreemption:
+    """The preempt verb's answer for one node: the victims' UIDs, and how many of them kube-scheduler
+    named too (its PodDisruptionBudget count is about its own list)."""
+
+    uids: tuple[str, ...]
+    also_scheduler_victims: int
+
+
+def pod_priority(pod: Mapping[str, Any]) -> int:
+    """``spec.priority`` (the apiserver's Priority admission sets it from the PriorityClass); 0
+    without one, as kube-scheduler counts it."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class AllocationCache:
@@ -102,6 +122,7 @@ class AllocationCache:
         self._scorer = Scorer(policy, self._nodes, self._booked, self._pods)
         self._reservations = Reservations(policy, policy_name, self._pods, self._booked, self.state, self._problem)
         self._groups = Groups(group_timeout_ns, group_settle_ns)
+        self._nominations = Nominations(self._pods, self._booked, policy, self._problem)
         self.group_timeout_s = group_timeout_ns / 1e9
         self.committed = CommittedView(self.lock, self.state, self._nodes, self._pods, self._mirror, self._booked)
 
@@ -190,7 +211,19 @@ class AllocationCache:
         entry, refusal = entry_of(pod, self.verifier)
         with self.lock:
             self._untrusted.note(entry.key, None if event == "DELETED" or entry.terminal else refusal)
-            self._events.apply(self.state(), event, pod, entry)
+            state = self.state()
+            leaving = event == "DELETED" or entry.terminal
+            # A victim's booking as it was before its release: kept for the pod that preempted it.
+            victim = state.bookings.get(entry.key) if leaving and self._nominations.waits_for(entry.key) else None
+            self._events.apply(state, event, pod, entry)
+            if leaving and self._nominations.waits_for(entry.key):
+                self._nominations.victim_left(state, entry.key, victim)
+            if self._nominations.has(entry.key):
+                offers = self._nominations.offers(entry.key)
+                if leaving or entry.node_name or any(o.uid != entry.uid for o in offers.values()):
+                    self._nominations.clear(state, entry.key)  # bound, gone, or another pod of that name
+                else:
+                    self._nominations.nominated(state, entry.key, entry.nominated)
             # A member deleted or replaced drops its group hold; the event above released its booking.
             self._groups.observe(entry.key, pod, event == "DELETED" or entry.terminal, bool(entry.node_name))
 
@@ -241,9 +274,13 @@ class AllocationCache:
                 self._release_member(held)
             state = self.state()
             self._events.forget_stale_assumption(state, pod)
-            verdict = self._scorer.judge(state, request, names)
-            scored, ok = verdict.scored, verdict.ok
-            held = self._holds.hold(state, key, request, scored, names, now_ns) if ok.any() else None
+            aside = self._nominations.set_aside(state, key)  # what its preemption holds is its own
+            try:
+                verdict = self._scorer.judge(state, request, names)
+                scored, ok = verdict.scored, verdict.ok
+                held = self._holds.hold(state, key, request, scored, names, now_ns) if ok.any() else None
+            finally:
+                self._nominations.restore(state, key, aside)
             passed = list(compress(names, ok.tolist()))
             self._holds.authorize(key, pod, passed, now_ns)
             self._scorer.memo = FilterMemo(key, self._booked.version, scored.node_score, state, passed, scored.rows[ok])
@@ -266,6 +303,77 @@ class AllocationCache:
     def prioritize(self, pod: Mapping[str, Any], request: PodRequest, names: list[str]) -> dict[str, int]:
         """:meth:`prioritize_scores` as a dict by node name."""
         return dict(zip(names, self.prioritize_scores(pod, request, names).tolist()))
+
+    # -- preemption (placement/preemption.py, extender/nominations.py) ---------------------------
+
+    def preempt(self, pod: Mapping[str, Any], request: PodRequest, offered: Mapping[str, Sequence[str]],
+                now_ns: int) -> dict[str, NodePreemption]:
+        """Per node of ``offered`` (node -> the UIDs kube-scheduler's dry run would evict there),
+        the victims that let ``pod`` fit at card level; nodes where none do are left out.
+
+        Victims are pods this cache's watch has bound to that node, not terminating, of a priority
+        (as the watch has it) strictly below the pod's. qgpu chooses among those that book cards;
+        kube-scheduler's own victims that book none here (it chose them for CPU, memory or other
+        node-level resources) are kept as it chose them. Where qgpu names victims, what they free
+        is offered to the pod (extender/nominations.py)."""
+        key = pod_key(pod)
+        uid = str((pod.get("metadata") or {}).get("uid") or "")
+        priority = pod_priority(pod)
+        other_dialect = any(c.dialect is not Dialect.NVIDIA for c in request.containers)
+        # Gathered under the lock; chosen outside it (the chooser works on one-node copies), so
+        # filters are not held up by a preempt call.
+        gathered: list[tuple[str, NodeSpec, dict[str, Placement], list[Candidate], list[str]]] = []
+        with self.lock:
+            state = self.state()
+            self._nominations.clear(state, key)  # this answer replaces the previous one
+            for node, scheduler_uids in offered.items():
+                spec = self._nodes.spec(node)
+                if spec is None or node not in state.index or (node in self._nodes.dra_pool and other_dialect):
+                    continue  # filter answered these unresolvable: no eviction helps
+                booked = {k: state.bookings[k] for k in self._booked.keys_on(node)
+                          if k != key and not k.startswith(f"{NOMINATED}{key}|") and k in state.bookings}
+                candidates = []
+                for k, placement in booked.items():
+                    entry = self._pods.entry(k)
+                    if entry is not None and self._may_evict(entry, node, priority):
+                        candidates.append(Candidate(k, entry.uid, entry.priority, placement))
+                # kube-scheduler's victims that book no card here: it chose them for CPU, memory or
+                # other node-level resources qgpu does not book, and they stay as it chose them.
+                node_level = []
+                for other in scheduler_uids:
+                    other_key = self._mirror.key_of(other)
+                    entry = self._pods.entry(other_key) if other_key else None
+                    if entry is not None and entry.uid == other and other_key not in state.bookings \
+                            and self._may_evict(entry, node, priority):
+                        node_level.append(other)
+                gathered.append((node, spec, booked, candidates, node_level))
+        budget = FitBudget()
+        chosen = []
+        for node, spec, booked, candidates, node_level in gathered:
+            eviction = choose_victims(spec, booked, candidates, request, self.policy, self.limits, budget)
+            if eviction is not None and (eviction.victims or node_level):
+                chosen.append((node, eviction, node_level))
+        out: dict[str, NodePreemption] = {}
+        with self.lock:
+            state = self.state()
+            for node, eviction, node_level in chosen:
+                if eviction.victims and len(self._nominations) < self.max_holds:
+                    self._nominations.offer(state, key, uid, node, request,
+                                            [v.key for v in eviction.victims if v.key in state.bookings], now_ns)
+                uids = tuple(v.uid for v in eviction.victims) + tuple(node_level)
+                known = set(offered[node])
+                out[node] = NodePreemption(uids, sum(u in known for u in uids))
+        return out
+
+    @staticmethod
+    def _may_evict(entry: PodEntry, node: str, priority: int) -> bool:
+        return (bool(entry.uid) and entry.node_name == node and not entry.deleting and not entry.terminal
+                and entry.priority < priority)
+
+    def nominated(self, key: str) -> dict[str, set[str]]:
+        """The preempt offers of pod ``key``: node -> the victims' keys not gone yet (a copy)."""
+        with self.lock:
+            return {node: set(o.waiting) for node, o in self._nominations.offers(key).items()}
 
     # -- binds ---------------------------------------------------------------------------------
 
@@ -345,4 +453,5 @@ class AllocationCache:
         with self.lock:
             state = self.state()
             self._holds.expire(state, now_ns, self.assume_ttl_ns)
+            self._nominations.expire(state, now_ns, self.assume_ttl_ns)
             return self._events.expire(state, now_ns, self.assume_ttl_ns)

@@ -74,6 +74,9 @@ class PodEntry:
     terminal: bool
     cpu_milli: int
     memory_mib: int
+    priority: int = 0  # spec.priority, set by the apiserver's Priority admission from the PriorityClass
+    deleting: bool = False  # metadata.deletionTimestamp is set: the pod is terminating
+    nominated: str = ""  # status.nominatedNodeName: where kube-scheduler's preemption made room for it
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
             cpu, mem = request.cpu_milli, request.memory_mib
         except RequestError:
             pass
+    priority = (pod.get("spec") or {}).get("priority")
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        priority = 0  # kube-scheduler's default for a pod without one (corev1helpers.PodPriority)
+    nominated = (pod.get("status") or {}).get("nominatedNodeName")
     return PodEntry(
         key=pod_key(pod),
         uid=str(meta.get("uid") or ""),
@@ -59,6 +63,9 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         terminal=(pod.get("status") or {}).get("phase") in TERMINAL_PHASES,
         cpu_milli=cpu,
         memory_mib=mem,
+        priority=priority,
+        deleting=bool(meta.get("deletionTimestamp")),
+        nominated=nominated if isinstance(nominated, str) else "",
     ), refusal
 
 

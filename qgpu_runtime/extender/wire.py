@@ -166,3 +166,82 @@ class BindingArgs:
 
 def encode_binding_result(error: str = "") -> dict[str, Any]:
     return {"Error": error}
+
+
+# Bounds of a preempt body (issue 25): kube-scheduler sends at most its candidate nodes (10 % of the
+# cluster, at least 100, by default) and the lower-priority pods of each; a node holds at most a
+# few hundred pods (kubelet's maxPods).
+MAX_PREEMPT_NODES = 5000
+MAX_VICTIMS_PER_NODE = 1000
+
+
+@dataclass(frozen=True)
+class NodeVictims:
+    """One node's victims as pod UIDs (extender/v1 MetaVictims), with kube-scheduler's count of the
+    PodDisruptionBudgets their eviction would violate."""
+
+    uids: tuple[str, ...]
+    pdb_violations: int = 0
+
+    def encode(self) -> dict[str, Any]:
+        return {"Pods": [{"UID": uid} for uid in self.uids], "NumPDBViolations": self.pdb_violations}
+
+
+def _victims(node: str, value: Any, where: str, meta: bool) -> NodeVictims:
+    if value is None:
+        return NodeVictims(())
+    if not isinstance(value, dict):
+        raise WireError(f"{where}[{node!r}]: {type(value).__name__}: must be an object with Pods and NumPDBViolations")
+    pods = _get(value, "Pods") or []
+    if not isinstance(pods, list):
+        raise WireError(f"{where}[{node!r}].Pods: {type(pods).__name__}: must be a list")
+    if len(pods) > MAX_VICTIMS_PER_NODE:
+        raise WireError(f"{where}[{node!r}].Pods: {len(pods)} pods: at most {MAX_VICTIMS_PER_NODE} per node")
+    uids = []
+    for i, item in enumerate(pods):
+        if meta:
+            uid = _get(item, "UID") if isinstance(item, dict) else None
+        else:
+            uid = (item.get("metadata") or {}).get("uid") if isinstance(item, dict) else None
+        if not isinstance(uid, str) or not uid:
+            field_name = "UID" if meta else "metadata.uid"
+            raise WireError(f"{where}[{node!r}].Pods[{i}].{field_name}={show_value(uid)}: must be a non-empty string")
+        uids.append(uid)
+    violations = _get(value, "NumPDBViolations")
+    if violations is None:
+        violations = 0
+    if not isinstance(violations, int) or isinstance(violations, bool) or not 0 <= violations <= len(pods):
+        raise WireError(f"{where}[{node!r}].NumPDBViolations={show_value(violations)}: "
+                        f"must be an integer from 0 to the number of pods ({len(pods)})")
+    return NodeVictims(tuple(uids), violations)
+
+
+@dataclass(frozen=True)
+class PreemptionArgs:
+    """ExtenderPreemptionArgs: the preemptor and, per candidate node, the victims kube-scheduler's
+    own dry run chose there; full pods (``NodeNameToVictims``) or UIDs (``NodeNameToMetaVictims``,
+    sent to a nodeCacheCapable extender) are both understood, as UIDs."""
+
+    pod: dict[str, Any]
+    victims: dict[str, NodeVictims]
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "PreemptionArgs":
+        doc = _object(raw, "ExtenderPreemptionArgs")
+        pod = check_pod(_get(doc, "Pod"), "ExtenderPreemptionArgs.Pod", WireError)
+        meta = _get(doc, "NodeNameToMetaVictims")
+        full = _get(doc, "NodeNameToVictims")
+        if meta is None and full is None:
+            raise WireError("ExtenderPreemptionArgs: neither NodeNameToVictims nor NodeNameToMetaVictims given")
+        where = "ExtenderPreemptionArgs.NodeNameToMetaVictims" if meta is not None else "ExtenderPreemptionArgs.NodeNameToVictims"
+        by_node = meta if meta is not None else full
+        if not isinstance(by_node, dict):
+            raise WireError(f"{where}: {type(by_node).__name__}: must be an object keyed by node name")
+        if len(by_node) > MAX_PREEMPT_NODES:
+            raise WireError(f"{where}: {len(by_node)} nodes: at most {MAX_PREEMPT_NODES}")
+        return cls(pod, {str(node): _victims(str(node), value, where, meta is not None) for node, value in by_node.items()})
+
+
+def encode_preemption_result(victims: Mapping[str, NodeVictims]) -> dict[str, Any]:
+    """ExtenderPreemptionResult: the extender always answers in the meta (UID) form."""
+    return {"NodeNameToMetaVictims": {node: v.encode() for node, v in victims.items()}}

@@ -119,7 +119,9 @@ def test_client_mistakes_are_4xx_with_a_reason(plain):
     status, doc = call(conn, "POST", "/filter", b"{oops")
     assert status == 400 and "not JSON" in doc["Error"]
     status, doc = call(conn, "POST", "/preempt", b"{}")
-    assert status == 404 and "preempt" in doc["Error"]
+    assert status == 400 and "ExtenderPreemptionArgs.Pod" in doc["Error"]
+    status, doc = call(conn, "POST", "/evict", b"{}")
+    assert status == 404 and "evict" in doc["Error"]
     status, doc = call(conn, "POST", "/bind", b'{"PodName": "p"}')
     assert status == 400 and "Node" in doc["Error"]
     conn.putrequest("POST", "/filter")

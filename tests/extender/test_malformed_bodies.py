@@ -90,3 +90,13 @@ def test_structure_mutated_prioritize_bodies_are_answered(app, doc):
 @given(doc=mutations({"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "a"}))
 def test_structure_mutated_bind_bodies_are_answered(app, doc):
     answer(app, "bind", doc)
+
+
+BY_META_VICTIMS = {"Pod": POD, "NodeNameToMetaVictims": {"a": {"Pods": [{"UID": "v-1"}], "NumPDBViolations": 0}}}
+BY_FULL_VICTIMS = {"Pod": POD, "NodeNameToVictims": {"a": {"Pods": [{"metadata": {"uid": "v-1"}}], "NumPDBViolations": 1}}}
+
+
+@settings(max_examples=200, deadline=None)
+@given(doc=mutations(BY_META_VICTIMS) | mutations(BY_FULL_VICTIMS))
+def test_structure_mutated_preempt_bodies_are_answered(app, doc):
+    answer(app, "preempt", doc)

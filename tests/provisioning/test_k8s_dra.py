@@ -206,8 +206,7 @@ def test_the_role_config_places_claim_pods_through_dra_prioritize(site: DraSite,
                                   "kube_scheduler_extender_tls": {
                                       "insecure": False, "caFile": str(extender.ca_file),
                                       "certFile": str(extender.client_cert.cert), "keyFile": str(extender.client_cert.key)},
-                                  "kube_scheduler_extender_kubeconfig": str(cluster.cp.scheduler_kubeconfig),
-                                  "kube_scheduler_extender_preempt_verb": ""}))
+                                  "kube_scheduler_extender_kubeconfig": str(cluster.cp.scheduler_kubeconfig)}))
     assert render.returncode == 0, render.output[-4000:]
     path = tmp_path / "masters" / version / "etc/kubernetes/qgpu/kube-scheduler-config.yaml"
     main, dra_entry = yaml.safe_load(path.read_text())["extenders"]

@@ -618,8 +618,6 @@ def role_rendered_v1(cluster: Cluster, tmp_path: Path) -> Path:
                                    "certFile": str(cluster.extender.client_cert.cert),
                                    "keyFile": str(cluster.extender.client_cert.key)},
                                "kube_scheduler_extender_kubeconfig": str(cluster.cp.scheduler_kubeconfig),
-                               # The qgpu extender implements filter, prioritize and bind, not preempt.
-                               "kube_scheduler_extender_preempt_verb": "",
                            }))
     assert run.returncode == 0, run.output[-4000:]
     path = tmp_path / version / "etc/kubernetes/qgpu/kube-scheduler-config.yaml"

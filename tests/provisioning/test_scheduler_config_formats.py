@@ -165,3 +165,20 @@ def test_a_rotated_client_certificate_restarts_kube_scheduler(tmp_path: Path) ->
     first = annotation("certificate one")
     assert annotation("certificate one") == first
     assert annotation("certificate two") != first
+
+
+def test_every_verb_the_role_wires_by_default_is_one_the_extender_serves() -> None:
+    """filter, prioritize, bind and (issue 25) preempt: a verb the extender answered with 404 would
+    fail every pod that reaches it (the extender is not ignorable by default)."""
+    from qgpu_runtime.extender.app import ExtenderApp
+    from qgpu_runtime.extender.cache import AllocationCache
+    from qgpu_runtime.model.requests import DEFAULT_LIMITS
+    from qgpu_runtime.placement.policies import make_policy
+    from tests.recordkeys import VERIFIER
+
+    defaults = yaml.safe_load((REPO / "roles/kube_scheduler_extender/defaults/main.yml").read_text())
+    verbs = {defaults[f"kube_scheduler_extender_{v}_verb"] for v in ("filter", "prioritize", "bind", "preempt")}
+    assert "preempt" in verbs
+    app = ExtenderApp(AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER), None, DEFAULT_LIMITS)
+    for verb in verbs:
+        assert app.handle(verb, b"{}")[0] == 400, verb  # understood, and this body is malformed
