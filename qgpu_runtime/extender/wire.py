@@ -202,7 +202,8 @@ def _victims(node: str, value: Any, where: str, meta: bool) -> NodeVictims:
         if meta:
             uid = _get(item, "UID") if isinstance(item, dict) else None
         else:
-            uid = (item.get("metadata") or {}).get("uid") if isinstance(item, dict) else None
+            metadata = item.get("metadata") if isinstance(item, dict) else None
+            uid = metadata.get("uid") if isinstance(metadata, dict) else None
         if not isinstance(uid, str) or not uid:
             field_name = "UID" if meta else "metadata.uid"
             raise WireError(f"{where}[{node!r}].Pods[{i}].{field_name}={show_value(uid)}: must be a non-empty string")

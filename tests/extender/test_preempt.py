@@ -196,6 +196,7 @@ def test_malformed_and_oversized_bodies_are_400_naming_the_field():
         (too_many_pods, "NodeNameToMetaVictims['a'].Pods: 1001 pods"),
         ({"Pod": p, "NodeNameToMetaVictims": {"a": {"Pods": [{"UID": 7}]}}}, "['a'].Pods[0].UID=7"),
         ({"Pod": p, "NodeNameToVictims": {"a": {"Pods": [{"metadata": {}}]}}}, "['a'].Pods[0].metadata.uid"),
+        ({"Pod": p, "NodeNameToVictims": {"a": {"Pods": [{"metadata": 1}]}}}, "['a'].Pods[0].metadata.uid"),  # hypothesis found it
         ({"Pod": p, "NodeNameToMetaVictims": {"a": {"Pods": [], "NumPDBViolations": 3}}}, "NumPDBViolations=3"),
         ({"Pod": p, "NodeNameToMetaVictims": []}, "must be an object keyed by node name"),
         ({"Pod": p}, "neither NodeNameToVictims nor NodeNameToMetaVictims"),
