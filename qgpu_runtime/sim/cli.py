@@ -15,6 +15,7 @@ import numpy as np
 
 from qgpu_runtime.placement.engine import CardChoice
 from qgpu_runtime.placement.policies import POLICIES
+from qgpu_runtime.sim.preemption import ARMS, MixError, PreemptionResult, PriorityMix, replay_preemption
 from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, replay_times
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
 from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_demand_share, with_gpu_spec
@@ -77,6 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "about F of the GPU demand (0..1; the bundled trace: 0.285)")
     parser.add_argument("--variant-seed", type=int, default=0, help="seed of the variant's draws (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--preemption", type=float, default=None, metavar="F",
+                        help="replay preemption instead: each arriving pod is high-priority with probability F, "
+                             "else low; kube-scheduler's node-level choice against qgpu's card-level one "
+                             "(docs/extender.md, Preemption)")
+    parser.add_argument("--preemption-seed", type=int, default=0, help="seed of the priority draws (default 0)")
 
 
 @dataclass
@@ -187,6 +193,34 @@ def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: R
     return summaries
 
 
+def _run_preemption(nodes, pods, policies: list[str], seeds: list[int], mix: PriorityMix, options: ReplayOptions,
+                    as_json: bool, progress: bool) -> None:
+    """Every arm on the same draws; one JSON line per policy, seed and arm, or a table summed over seeds."""
+    bar = _Progress(len(policies) * len(seeds) * len(ARMS), "replays", progress)
+    totals: dict[tuple[str, str], list[PreemptionResult]] = {}
+    for policy in policies:
+        for seed in seeds:
+            for arm in ARMS:
+                result = replay_preemption(nodes, pods, policy, seed, mix, arm, options)
+                totals.setdefault((policy, arm), []).append(result)
+                if as_json:
+                    print(json.dumps(result.to_json()), flush=True)
+                bar.update()
+    bar.close()
+    if as_json:
+        return
+    print(f"{'policy':<8} {'arm':<9} {'high pods':>9} {'placed':>7} {'by preemption':>13} {'pending':>8} "
+          f"{'evicted':>8} {'per admission':>13} {'wasted':>7}")
+    for (policy, arm), results in totals.items():
+        sums = [sum(getattr(r, f) for r in results) for f in
+                ("high_pods", "high_placed", "high_preempted_in", "high_pending", "evicted", "wasted")]
+        per = f"{sums[4] / sums[2]:.2f}" if sums[2] else "-"
+        print(f"{policy:<8} {arm:<9} {sums[0]:>9} {sums[1]:>7} {sums[2]:>13} {sums[3]:>8} {sums[4]:>8} {per:>13} {sums[5]:>7}")
+    print(f"(summed over seeds {','.join(map(str, seeds))}; high-priority share {mix.high_fraction}, draws seeded "
+          f"{mix.seed}; node: kube-scheduler's own choice over node totals; extender: its candidate nodes, qgpu's "
+          "victims; card: every node weighed at card level)")
+
+
 def _table(summaries: list[PolicySummary]) -> str:
     head = f"{'policy':<10} {'unalloc@100%':>13} {'unalloc@130%':>13} {'frag@100%':>10} {'failed pods':>12} {'seconds':>8}"
     lines = [head]
@@ -215,11 +249,15 @@ def run(args: argparse.Namespace) -> int:
             pods = with_demand_share(pods, "sharing", args.sharing_fraction, args.variant_seed)
         if args.gpu_spec_fraction is not None:
             pods = with_gpu_spec(pods, nodes, args.gpu_spec_fraction, args.variant_seed)
-    except (UsageError, TraceError, VariantError) as exc:
+        mix = PriorityMix(args.preemption, args.preemption_seed) if args.preemption is not None else None
+    except (UsageError, TraceError, VariantError, MixError) as exc:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2
     options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit, card_choice=CardChoice(args.card_choice))
     progress = not args.no_progress and sys.stderr.isatty()
+    if mix is not None:
+        _run_preemption(nodes, pods, policies, seeds, mix, options, args.json, progress)
+        return 0
     if args.replay_times:
         try:
             for policy in policies:
