@@ -250,6 +250,9 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_spec_fraction is not None:
             pods = with_gpu_spec(pods, nodes, args.gpu_spec_fraction, args.variant_seed)
         mix = PriorityMix(args.preemption, args.preemption_seed) if args.preemption is not None else None
+        if mix is not None and (args.replay_times or args.plot):
+            raise UsageError(f"--preemption and {'--replay-times' if args.replay_times else '--plot'}: the preemption "
+                             "replay arrives pods in the study's order and draws no curve; give one of them")
     except (UsageError, TraceError, VariantError, MixError) as exc:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2

@@ -84,3 +84,7 @@ def test_the_cli_prints_one_row_per_arm(tmp_path, capsys):
     assert [r["arm"] for r in rows] == list(ARMS)
     assert main(["simulate", "--nodes", str(nodes), "--pods", str(pods), "--preemption", "1.5"]) == 2
     assert "--preemption=1.5: the high-priority share must be above 0 and below 1" in capsys.readouterr().err
+    assert main(["simulate", "--nodes", str(nodes), "--pods", str(pods), "--preemption", "0.3", "--replay-times"]) == 2
+    assert "--preemption and --replay-times: " in capsys.readouterr().err
+    assert main(["simulate", "--nodes", str(nodes), "--pods", str(pods), "--preemption", "0.3", "--plot", "x.png"]) == 2
+    assert "--preemption and --plot: " in capsys.readouterr().err
