@@ -54,7 +54,7 @@ from qgpu_runtime.extender.nominations import NOMINATED, Nominations
 from qgpu_runtime.extender.podevents import Expired, PodEvents
 from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.podstate import PodEntry, PodStates
-from qgpu_runtime.extender.recordtrust import UntrustedRecords, entry_of, pod_key
+from qgpu_runtime.extender.recordtrust import UntrustedRecords, entry_of, pod_key, pod_priority
 from qgpu_runtime.extender.reservations import Reservations
 from qgpu_runtime.extender.scoring import Scorer
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest
@@ -82,13 +82,6 @@ class NodePreemption:
 
     uids: tuple[str, ...]
     also_scheduler_victims: int
-
-
-def pod_priority(pod: Mapping[str, Any]) -> int:
-    """``spec.priority`` (the apiserver's Priority admission sets it from the PriorityClass); 0
-    without one, as kube-scheduler counts it."""
-    value = (pod.get("spec") or {}).get("priority")
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 class AllocationCache:

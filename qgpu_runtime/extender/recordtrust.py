@@ -25,6 +25,13 @@ def pod_key(pod: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace') or 'default'}/{meta.get('name') or ''}"
 
 
+def pod_priority(pod: Mapping[str, Any]) -> int:
+    """``spec.priority``, which the apiserver's Priority admission computes from the PriorityClass
+    (a pod may not state another); 0 without one, kube-scheduler's default (corev1helpers.PodPriority)."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry, str | None]:
     """The pod as the cache keeps it, and why its record is not believed (None: no record, or a
     signed one). An unbelieved record is left out of the entry: the pod books nothing."""
@@ -50,9 +57,6 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
             cpu, mem = request.cpu_milli, request.memory_mib
         except RequestError:
             pass
-    priority = (pod.get("spec") or {}).get("priority")
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        priority = 0  # kube-scheduler's default for a pod without one (corev1helpers.PodPriority)
     nominated = (pod.get("status") or {}).get("nominatedNodeName")
     return PodEntry(
         key=pod_key(pod),
@@ -63,7 +67,7 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         terminal=(pod.get("status") or {}).get("phase") in TERMINAL_PHASES,
         cpu_milli=cpu,
         memory_mib=mem,
-        priority=priority,
+        priority=pod_priority(pod),
         deleting=bool(meta.get("deletionTimestamp")),
         nominated=nominated if isinstance(nominated, str) else "",
     ), refusal

@@ -105,11 +105,9 @@ class _Cluster:
         self.low_gpu = np.zeros(n, dtype=np.int64)
         self.low_cpu = np.zeros(n, dtype=np.int64)
         self.low_mem = np.zeros(n, dtype=np.int64)
-        self.priority: dict[str, int] = {}
 
     def commit(self, key: str, placement: Placement, priority: int) -> None:
         self.state.commit(key, placement)
-        self.priority[key] = priority
         row = self.state.index[placement.node]
         self.keys_on[row].add(key)
         if priority == LOW:
@@ -128,7 +126,6 @@ class _Cluster:
         self.low_gpu[row] -= placement.gpu_milli
         self.low_cpu[row] -= placement.cpu_milli
         self.low_mem[row] -= placement.memory_mib
-        del self.priority[key]
 
     def unresolvable(self, req: PodRequest) -> np.ndarray:
         """[N] nodes the pod could not use even empty (qgpu's filter answers them unresolvable)."""
@@ -174,13 +171,12 @@ def _preempt(cluster: _Cluster, req: PodRequest, key: str, arm: str, policy, rng
         budget = FitBudget()
         start = rng.randrange(len(rows)) if len(rows) else 0
         for row in (int(r) for r in np.roll(rows, -start)):
-            node_level = cluster.node_level_victims(req, row)
-            if arm == "node":
-                victims = node_level
-            elif arm == "extender":
-                victims = cluster.card_level_victims(req, row, policy, budget) if node_level else None
-            else:
+            if arm == "card":
                 victims = cluster.card_level_victims(req, row, policy, budget)
+            else:
+                victims = cluster.node_level_victims(req, row)
+                if arm == "extender" and victims:  # a candidate of the dry run: qgpu names the victims
+                    victims = cluster.card_level_victims(req, row, policy, budget)
             if victims:
                 offers.append((len(victims), len(offers), victims))
                 if len(offers) >= wanted:

@@ -2,8 +2,8 @@
 nothing), verify, cleanup, on localhost with everything under the scenario's temporary root.
 
 The scenarios share nothing but the checkout (each has its own ephemeral directory and sandbox
-root, none starts a service or listens on a port), so the selected ones run two at a time, which
-halves their share of the suite on a two-core machine. The two that build this checkout's wheel
+root, none starts a service or listens on a port), so the selected ones run two at a time on the
+two-core machine (all twelve: 267 s in the full run of 2026-11-28, docs/testing.md). The two that build this checkout's wheel
 (qgpu_image, qgpu_runtime) never run at the same time as each other.
 """
 
