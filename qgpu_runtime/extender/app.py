@@ -197,9 +197,8 @@ class ExtenderApp:
 
         For a pod asking no GPU qgpu has no opinion: kube-scheduler's victims come back unchanged.
         Otherwise each node gets qgpu's card-level victims (cache.preempt), and nodes where no set of
-        lower-priority pods helps are left out. NumPDBViolations: qgpu reads no PodDisruptionBudget,
-        so it reports kube-scheduler's count for the node, but never more than the number of victims
-        both chose (the pods only qgpu chose count as violating none)."""
+        lower-priority pods helps are left out. NumPDBViolations counts qgpu's victims that a
+        PodDisruptionBudget protects, as kube-scheduler counts its own (placement/disruption.py)."""
         args = PreemptionArgs.decode(body)
         try:
             pod = self.pods.resolve(args.pod)
@@ -213,11 +212,8 @@ class ExtenderApp:
         if not request.wants_gpu:
             return 200, encode_preemption_result({n: v for n, v in args.victims.items() if v.uids})
         chosen = self.cache.preempt(pod, request, {n: v.uids for n, v in args.victims.items()}, time.time_ns())
-        answer = {}
-        for node, choice in chosen.items():
-            scheduler = args.victims[node]
-            answer[node] = NodeVictims(choice.uids, min(scheduler.pdb_violations, choice.also_scheduler_victims))
-        return 200, encode_preemption_result(answer)
+        return 200, encode_preemption_result({node: NodeVictims(choice.uids, choice.pdb_violations)
+                                               for node, choice in chosen.items()})
 
     def dra_prioritize(self, body: bytes) -> Response:
         """Prioritize for DRA claim pods only; every other pod gets 0 on every node.

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import compress
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -35,6 +35,7 @@ import numpy as np
 from qgpu_runtime.contract.record import AllocationRecord
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.extender.bookings import Bookings
+from qgpu_runtime.extender.budgets import DisruptionBudgets
 from qgpu_runtime.extender.committed import CommittedView
 from qgpu_runtime.extender.groups import (
     DEFAULT_GROUP_TIMEOUT_S,
@@ -53,11 +54,12 @@ from qgpu_runtime.extender.nodeview import NodeView, node_name
 from qgpu_runtime.extender.nominations import NOMINATED, Nominations
 from qgpu_runtime.extender.podevents import Expired, PodEvents
 from qgpu_runtime.extender.podmirror import PodMirror
-from qgpu_runtime.extender.podstate import PodEntry, PodStates
+from qgpu_runtime.extender.podstate import PodEntry, PodStates, namespace_of
 from qgpu_runtime.extender.recordtrust import UntrustedRecords, entry_of, pod_key, pod_priority
 from qgpu_runtime.extender.reservations import Reservations
 from qgpu_runtime.extender.scoring import Scorer
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest
+from qgpu_runtime.placement.disruption import PodLabels, violating
 from qgpu_runtime.placement.preemption import Candidate, FitBudget, choose_victims
 from qgpu_runtime.placement.state import ClusterState, NodeSpec, Placement
 
@@ -77,11 +79,11 @@ class FilterOutcome:
 
 @dataclass(frozen=True)
 class NodePreemption:
-    """The preempt verb's answer for one node: the victims' UIDs, and how many of them kube-scheduler
-    named too (its PodDisruptionBudget count is about its own list)."""
+    """The preempt verb's answer for one node: the victims' UIDs, and how many of them a
+    PodDisruptionBudget protects (kube-scheduler ranks the nodes by that count first)."""
 
     uids: tuple[str, ...]
-    also_scheduler_victims: int
+    pdb_violations: int
 
 
 class AllocationCache:
@@ -116,6 +118,7 @@ class AllocationCache:
         self._reservations = Reservations(policy, policy_name, self._pods, self._booked, self.state, self._problem)
         self._groups = Groups(group_timeout_ns, group_settle_ns)
         self._nominations = Nominations(self._pods, self._booked, policy, self._problem)
+        self.budgets = DisruptionBudgets(self._problem)  # fed by the watch; read by preempt
         self.group_timeout_s = group_timeout_ns / 1e9
         self.committed = CommittedView(self.lock, self.state, self._nodes, self._pods, self._mirror, self._booked)
 
@@ -307,15 +310,17 @@ class AllocationCache:
         Victims are pods this cache's watch has bound to that node, not terminating, of a priority
         (as the watch has it) strictly below the pod's. qgpu chooses among those that book cards;
         kube-scheduler's own victims that book none here (it chose them for CPU, memory or other
-        node-level resources) are kept as it chose them. Where qgpu names victims, what they free
-        is offered to the pod (extender/nominations.py)."""
+        node-level resources) are kept as it chose them. A victim a PodDisruptionBudget protects is
+        evicted only where no set of unprotected ones helps, and counted in ``pdb_violations``
+        (placement/disruption.py). Where qgpu names victims, what they free is offered to the pod
+        (extender/nominations.py)."""
         key = pod_key(pod)
         uid = str((pod.get("metadata") or {}).get("uid") or "")
         priority = pod_priority(pod)
         other_dialect = any(c.dialect is not Dialect.NVIDIA for c in request.containers)
         # Gathered under the lock; chosen outside it (the chooser works on one-node copies), so
         # filters are not held up by a preempt call.
-        gathered: list[tuple[str, NodeSpec, dict[str, Placement], list[Candidate], list[str]]] = []
+        gathered: list[tuple[str, NodeSpec, dict[str, Placement], list[Candidate], list[PodEntry], list[PodEntry]]] = []
         with self.lock:
             state = self.state()
             self._nominations.clear(state, key)  # this answer replaces the previous one
@@ -326,10 +331,12 @@ class AllocationCache:
                 booked = {k: state.bookings[k] for k in self._booked.keys_on(node)
                           if k != key and not k.startswith(f"{NOMINATED}{key}|") and k in state.bookings}
                 candidates = []
+                entries = []
                 for k, placement in booked.items():
                     entry = self._pods.entry(k)
                     if entry is not None and self._may_evict(entry, node, priority):
                         candidates.append(Candidate(k, entry.uid, entry.priority, placement))
+                        entries.append(entry)
                 # kube-scheduler's victims that book no card here: it chose them for CPU, memory or
                 # other node-level resources qgpu does not book, and they stay as it chose them.
                 node_level = []
@@ -338,25 +345,36 @@ class AllocationCache:
                     entry = self._pods.entry(other_key) if other_key else None
                     if entry is not None and entry.uid == other and other_key not in state.bookings \
                             and self._may_evict(entry, node, priority):
-                        node_level.append(other)
-                gathered.append((node, spec, booked, candidates, node_level))
+                        node_level.append(entry)
+                gathered.append((node, spec, booked, candidates, entries, node_level))
         budget = FitBudget()
         chosen = []
-        for node, spec, booked, candidates, node_level in gathered:
+        for node, spec, booked, candidates, entries, node_level in gathered:
+            hit = self._protected(entries + node_level)
+            candidates = [replace(c, violating=True) if c.key in hit else c for c in candidates]
             eviction = choose_victims(spec, booked, candidates, request, self.policy, self.limits, budget)
             if eviction is not None and (eviction.victims or node_level):
-                chosen.append((node, eviction, node_level))
+                chosen.append((node, eviction, node_level, sum(e.key in hit for e in node_level)))
         out: dict[str, NodePreemption] = {}
         with self.lock:
             state = self.state()
-            for node, eviction, node_level in chosen:
+            for node, eviction, node_level, node_level_violating in chosen:
                 if eviction.victims and len(self._nominations) < self.max_holds:
                     self._nominations.offer(state, key, uid, node, request,
                                             [v.key for v in eviction.victims if v.key in state.bookings], now_ns)
-                uids = tuple(v.uid for v in eviction.victims) + tuple(node_level)
-                known = set(offered[node])
-                out[node] = NodePreemption(uids, sum(u in known for u in uids))
+                uids = tuple(v.uid for v in eviction.victims) + tuple(e.uid for e in node_level)
+                out[node] = NodePreemption(uids, eviction.pdb_violations + node_level_violating)
         return out
+
+    def _protected(self, entries: list[PodEntry]) -> frozenset[str]:
+        """The keys of ``entries`` (one node's potential victims) a PodDisruptionBudget protects,
+        split as kube-scheduler splits them: most important first (higher priority, then bound
+        earlier; placement/disruption.py)."""
+        budgets = self.budgets.in_namespaces(namespace_of(e.key) for e in entries)
+        if not budgets:
+            return frozenset()
+        order = sorted(entries, key=lambda e: (-e.priority, e.bind_time_ns or 0, e.key))
+        return violating([PodLabels(e.key, dict(e.labels)) for e in order], budgets)
 
     @staticmethod
     def _may_evict(entry: PodEntry, node: str, priority: int) -> bool:

@@ -77,6 +77,7 @@ class PodEntry:
     priority: int = 0  # spec.priority, set by the apiserver's Priority admission from the PriorityClass
     deleting: bool = False  # metadata.deletionTimestamp is set: the pod is terminating
     nominated: str = ""  # status.nominatedNodeName: where kube-scheduler's preemption made room for it
+    labels: tuple[tuple[str, str], ...] = ()  # metadata.labels: which PodDisruptionBudgets select it
 
 
 @dataclass(frozen=True)

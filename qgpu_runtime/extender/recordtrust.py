@@ -58,6 +58,7 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         except RequestError:
             pass
     nominated = (pod.get("status") or {}).get("nominatedNodeName")
+    labels = meta.get("labels") or {}
     return PodEntry(
         key=pod_key(pod),
         uid=str(meta.get("uid") or ""),
@@ -70,6 +71,8 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         priority=pod_priority(pod),
         deleting=bool(meta.get("deletionTimestamp")),
         nominated=nominated if isinstance(nominated, str) else "",
+        labels=tuple(sorted((k, v) for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)))
+        if isinstance(labels, Mapping) else (),
     ), refusal
 
 

@@ -1,6 +1,6 @@
 """List-then-watch loops that keep an :class:`AllocationCache` current.
 
-Each kind (nodes, pods) lists everything once — that rebuilds the bookings from the pods'
+Each kind (nodes, pods, PodDisruptionBudgets, and DRA's objects where asked) lists everything once — that rebuilds the bookings from the pods'
 allocation records after a restart — then follows a watch from the list's resourceVersion. When
 the watch breaks or the version expires (410), the loop relists after a backoff; a relist replaces
 the kind's contents, so deletions missed while disconnected are not kept.
@@ -39,7 +39,8 @@ class CacheFeeder:
     """Runs one daemon thread per kind; ``ready`` is set once every kind has listed once."""
 
     def __init__(self, api: client.CoreV1Api, cache: AllocationCache, watch_timeout_s: int = 240,
-                 dra: DraView | None = None, resource_api: client.ResourceV1Api | None = None):
+                 dra: DraView | None = None, resource_api: client.ResourceV1Api | None = None,
+                 policy_api: client.PolicyV1Api | None = None):
         self.api = api
         self.cache = cache
         self.watch_timeout_s = watch_timeout_s
@@ -49,6 +50,9 @@ class CacheFeeder:
         self.kinds = [
             Kind("nodes", api.list_node, cache.replace_nodes, cache.apply_node),
             Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS),
+            # preempt's PodDisruptionBudgets (extender/budgets.py)
+            Kind("poddisruptionbudgets", (policy_api or client.PolicyV1Api(api.api_client)).list_pod_disruption_budget_for_all_namespaces,
+                 cache.budgets.replace, cache.budgets.apply),
         ]
         if dra is not None:
             # DRA prioritize: qgpu's slices (cards), claims (demand and usage), templates (demand).

@@ -9,6 +9,8 @@ the node with those pods' bookings released, under the node's policy, model mask
 whole-card rules (a two-card pod needs two whole cards). No fit arithmetic is repeated here.
 
 Sets are ranked, best first, by:
+0. fewer victims whose eviction violates a PodDisruptionBudget (``Candidate.violating``, from
+   placement/disruption.py), as kube-scheduler ranks its candidates first by that count;
 1. the victims' priorities and classes, worst first: a set whose most valuable victim has a lower
    priority wins; at equal priority an offline victim is cheaper than a normal one, a normal one
    cheaper than an online one (``tke.cloud.tencent.com/app-class``);
@@ -25,7 +27,9 @@ first (the victims that free one card). The best set over the orders is the answ
 get an order of their own, so one node costs at most (2 + cards) * 2 * candidates fit checks. A
 :class:`FitBudget` shared by the nodes of one call bounds it further: every node gets the first
 order (kube-scheduler's own greedy + reprieve, at card level), the other orders only while the
-budget lasts.
+budget lasts. In every order a candidate protected by a PodDisruptionBudget comes after all the
+unprotected ones, so it is removed last and reprieved first, as kube-scheduler's SelectVictimsOnNode
+does: a budget is violated only where no set of unprotected pods frees what the pod needs.
 
 Pure: the caller hands in the node, what is booked there and who may be evicted.
 """
@@ -65,10 +69,16 @@ class Candidate:
     uid: str
     priority: int
     placement: Placement
+    violating: bool = False  # its eviction overdraws a PodDisruptionBudget (placement/disruption.py)
 
     @property
     def cost(self) -> tuple[int, int]:
         return self.priority, CLASS_COST[self.placement.klass]
+
+    @property
+    def order_key(self) -> tuple[bool, int, int]:
+        """Removal order's first key: protected pods last, then the cheapest first."""
+        return (self.violating, *self.cost)
 
 
 @dataclass(frozen=True)
@@ -81,9 +91,14 @@ class Eviction:
     def freed_milli(self) -> int:
         return sum(v.placement.gpu_milli for v in self.victims)
 
-    def rank(self) -> tuple[tuple[tuple[int, int], ...], int, int]:
+    @property
+    def pdb_violations(self) -> int:
+        return sum(v.violating for v in self.victims)
+
+    def rank(self) -> tuple[int, tuple[tuple[int, int], ...], int, int]:
         """Smaller is better (see the module docstring)."""
-        return tuple(sorted((v.cost for v in self.victims), reverse=True)), len(self.victims), self.freed_milli
+        return (self.pdb_violations, tuple(sorted((v.cost for v in self.victims), reverse=True)),
+                len(self.victims), self.freed_milli)
 
 
 def _fits(state: ClusterState, request: PodRequest, policy: Policy, budget: FitBudget) -> bool:
@@ -96,12 +111,12 @@ def _fits(state: ClusterState, request: PodRequest, policy: Policy, budget: FitB
 
 
 def _orders(candidates: Sequence[Candidate], spec: NodeSpec) -> list[list[Candidate]]:
-    by_size = sorted(candidates, key=lambda c: (c.cost, -c.placement.gpu_milli, c.key))
-    orders = [by_size, sorted(candidates, key=lambda c: (c.cost, c.placement.gpu_milli, c.key))]
+    by_size = sorted(candidates, key=lambda c: (c.order_key, -c.placement.gpu_milli, c.key))
+    orders = [by_size, sorted(candidates, key=lambda c: (c.order_key, c.placement.gpu_milli, c.key))]
     for card in [c.index for c in spec.cards][:MAX_ORDER_CARDS]:
         def off_card(c: Candidate, card: int = card) -> bool:
             return all(s.index != card for ctr in c.placement.containers for s in ctr.shares)
-        order = sorted(candidates, key=lambda c: (c.cost, off_card(c), -c.placement.gpu_milli, c.key))
+        order = sorted(candidates, key=lambda c: (c.order_key, off_card(c), -c.placement.gpu_milli, c.key))
         if order not in orders:
             orders.append(order)
     return orders
@@ -153,7 +168,7 @@ def choose_victims(spec: NodeSpec, booked: Mapping[str, Placement], candidates: 
     if _fits(state, request, policy, budget):
         return Eviction(())
     usable = sorted((c for c in candidates if booked.get(c.key) == c.placement and c.key in state.bookings),
-                    key=lambda c: (c.cost, c.key))[:MAX_CANDIDATES]
+                    key=lambda c: (c.order_key, c.key))[:MAX_CANDIDATES]
     if not usable:
         return None
     best: Eviction | None = None

@@ -97,8 +97,59 @@ def test_the_victims_free_a_usable_card_where_kube_schedulers_choice_frees_none(
     watch(a, p)
     status, doc = a.handle("preempt", meta_body(p, {"a": ["B"]}, pdb=1))
     assert sorted(v["UID"] for v in doc["NodeNameToMetaVictims"]["a"]["Pods"]) == ["uid-A", "uid-B"]
-    # kube-scheduler counted one violation among its one victim, B, which qgpu names too
+    # qgpu counts the violations of its own victims from the budgets it watches (none here), not
+    # kube-scheduler's count of its own list
+    assert doc["NodeNameToMetaVictims"]["a"]["NumPDBViolations"] == 0
+
+
+def pdb(name: str, labels: dict[str, str], allowed: int = 0, namespace: str = "ns", disrupted: tuple[str, ...] = ()) -> dict:
+    return {"metadata": {"namespace": namespace, "name": name},
+            "spec": {"selector": {"matchLabels": labels}, "minAvailable": 1},
+            "status": {"disruptionsAllowed": allowed, "disruptedPods": {n: "2026-11-28T00:00:00Z" for n in disrupted}}}
+
+
+def labelled(p: dict, **labels: str) -> dict:
+    p["metadata"]["labels"] = labels
+    return p
+
+
+def test_a_pod_a_disruption_budget_protects_is_spared_where_an_unprotected_one_frees_a_usable_card():
+    """Two cards, each with one offline pod of 50 %; A has the lower priority and would go first.
+    A budget protecting A (no disruption allowed) turns the choice to B, as kube-scheduler's
+    reprieve of violating pods first does; deleting the budget turns it back."""
+    a = app()
+    watch(a, labelled(bound("A", "a", {0: 50}, 0, AppClass.OFFLINE), app="a"),
+          labelled(bound("B", "a", {1: 50}, 1, AppClass.OFFLINE), app="b"))
+    p = pending("p", 60)
+    watch(a, p)
+    assert answer(a, meta_body(p, {"a": ["A"]})) == {"a": ["A"]}
+    a.cache.budgets.apply("ADDED", pdb("keep-a", {"app": "a"}))
+    status, doc = a.handle("preempt", meta_body(p, {"a": ["A"]}))
+    assert answer(a, meta_body(p, {"a": ["A"]})) == {"a": ["B"]}
+    assert doc["NodeNameToMetaVictims"]["a"]["NumPDBViolations"] == 0
+    a.cache.budgets.apply("DELETED", pdb("keep-a", {"app": "a"}))
+    assert answer(a, meta_body(p, {"a": ["A"]})) == {"a": ["A"]}
+
+
+def test_a_budget_is_violated_only_where_nothing_else_helps_and_the_violation_is_counted():
+    """A and B selected by one budget that allows one disruption: evicting the less important, A,
+    would overdraw it (kube-scheduler's split: the most important takes the allowance). A
+    whole-card pod can only have card 0 (card 1 also holds C, of a higher priority than the pod):
+    A goes, counted as one violation. A budget of another namespace, and one whose pod is already
+    being disrupted, protect nothing."""
+    a = app()
+    watch(a, labelled(bound("A", "a", {0: 50}, 0, AppClass.OFFLINE), app="x"),
+          labelled(bound("B", "a", {1: 50}, 5, AppClass.OFFLINE), app="x"), bound("C", "a", {1: 50}, 200))
+    p = pending("p", 100)
+    watch(a, p)
+    a.cache.budgets.replace([pdb("x", {"app": "x"}, allowed=1)])
+    status, doc = a.handle("preempt", meta_body(p, {"a": ["A"]}))
+    assert {n: sorted(v["UID"] for v in d["Pods"]) for n, d in doc["NodeNameToMetaVictims"].items()} == {"a": ["uid-A"]}
     assert doc["NodeNameToMetaVictims"]["a"]["NumPDBViolations"] == 1
+    a.cache.budgets.replace([pdb("x", {"app": "x"}, allowed=0, namespace="other"),
+                             pdb("y", {"app": "x"}, allowed=0, disrupted=("A",))])
+    status, doc = a.handle("preempt", meta_body(p, {"a": ["A"]}))
+    assert doc["NodeNameToMetaVictims"]["a"]["NumPDBViolations"] == 0
 
 
 def test_a_node_where_the_pod_already_fits_at_card_level_keeps_kube_schedulers_victims_that_book_no_card():

@@ -315,6 +315,16 @@ def test_extender_writes_and_removes_the_allocation_annotation(world):
     assert ALLOCATION not in (world.api.read_namespaced_pod(pod, world.ns).metadata.annotations or {})
 
 
+def test_extender_reads_disruption_budgets_and_writes_none(world):
+    """preempt's PodDisruptionBudgets: list and watch, no write (templates' ClusterRole)."""
+    policy = client.PolicyV1Api(world.extender.api_client)
+    policy.list_pod_disruption_budget_for_all_namespaces(limit=1)
+    body = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": "x"},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {"app": "x"}}}}
+    message = refusal(lambda: policy.create_namespaced_pod_disruption_budget(world.ns, body))
+    assert "forbidden" in message, message
+
+
 def test_extender_binding_may_carry_only_qgpu_annotations(world):
     pod = world.pod(world.ns, f"bind-{uuid.uuid4().hex[:6]}", None)
 

@@ -121,3 +121,18 @@ def test_with_the_budget_spent_every_node_still_gets_the_first_orders_answer():
     spent = FitBudget(0)
     assert victims(choose_victims(spec(), booked, cands, whole_cards(1), BINPACK, budget=spent)) == ["A", "B"]
     assert spent.left < 0  # counted, but never stopped the first order
+
+
+def test_a_set_that_violates_no_disruption_budget_beats_a_smaller_one_that_does():
+    """Card 0: A 100 %; card 1: B 50 % and C 50 %, all of one priority; a whole-card pod. Without
+    budgets A alone goes (fewest pods); with A protected, B and C go (no violation first, as
+    kube-scheduler ranks); with all three protected, A alone again, one violation counted."""
+    booked = {"A": on_card(0, 100), "B": on_card(1, 50), "C": on_card(1, 50)}
+
+    def choose(protected: set[str]):
+        cands = [Candidate(k, f"uid-{k}", 0, p, violating=k in protected) for k, p in booked.items()]
+        return choose_victims(spec(), booked, cands, whole_cards(1), BINPACK)
+
+    assert victims(choose(set())) == ["A"]
+    assert victims(choose({"A"})) == ["B", "C"] and choose({"A"}).pdb_violations == 0
+    assert victims(choose({"A", "B", "C"})) == ["A"] and choose({"A", "B", "C"}).pdb_violations == 1
