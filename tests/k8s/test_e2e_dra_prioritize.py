@@ -112,3 +112,39 @@ def test_binpack_through_prioritize_fills_one_node_first(cluster, ns, dra_schedu
     nodes = place_one_by_one(cluster, ns, DRA_SCHEDULER)
     assert len(set(nodes)) == 1, nodes
     assert dra_scheduler.requests_by_verb().get("prioritize", 0) - before >= PODS
+
+
+def test_a_nominated_claim_pod_binds_on_its_nominated_node_without_asking_prioritize(cluster, ns, dra_scheduler) -> None:
+    """issue 25 §3: qgpu's prioritize entry does not fight a nomination. Two pods fill one node first
+    (binpack); a third, held by a scheduling gate, is given ``status.nominatedNodeName`` of an
+    empty node (where kube-scheduler's preemption would have made room for it) and released:
+    kube-scheduler tries the nominated node first (KEP-1923), binds it there, and does not call
+    the prioritize entry, which would have preferred the fuller node."""
+    resource = client.ResourceV1Api(cluster.api_client)
+    ensure_device_classes(resource)
+    label = {"qgpu-test": uuid.uuid4().hex[:10]}
+    names = [f"dra-{label['qgpu-test']}-{i}" for i in range(2)]
+    for name in names:
+        gpu_node(cluster.api, name, [], labels=label)
+        publish_slice(resource, name)
+    first = []
+    for i in range(2):
+        resource.create_namespaced_resource_claim(ns, share_claim(f"n{i}"))
+        cluster.api.create_namespaced_pod(ns, claim_pod(f"n{i}", f"n{i}", label, DRA_SCHEDULER))
+        first.append(wait_for(f"pod n{i} bound", lambda i=i: json.loads(cluster.api.read_namespaced_pod(
+            f"n{i}", ns, _preload_content=False).data)["spec"].get("nodeName"), timeout=60))
+        wait_for(f"claim n{i} allocated", lambda i=i: (resource.read_namespaced_resource_claim(f"n{i}", ns).status or
+                                                       client.V1ResourceClaimStatus()).allocation, timeout=30)
+    assert first[0] == first[1], first  # binpack through prioritize
+    other = next(n for n in names if n != first[0])
+    resource.create_namespaced_resource_claim(ns, share_claim("n2"))
+    pod = claim_pod("n2", "n2", label, DRA_SCHEDULER)
+    pod["spec"]["schedulingGates"] = [{"name": "qgpu.io/test-hold"}]
+    cluster.api.create_namespaced_pod(ns, pod)
+    cluster.api.patch_namespaced_pod_status("n2", ns, {"status": {"nominatedNodeName": other}})
+    before = dra_scheduler.requests_by_verb().get("prioritize", 0)
+    cluster.api.patch_namespaced_pod("n2", ns, {"spec": {"schedulingGates": None}})
+    node = wait_for("pod n2 bound", lambda: json.loads(cluster.api.read_namespaced_pod(
+        "n2", ns, _preload_content=False).data)["spec"].get("nodeName"), timeout=60)
+    assert node == other
+    assert dra_scheduler.requests_by_verb().get("prioritize", 0) == before
