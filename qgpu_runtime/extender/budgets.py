@@ -57,7 +57,3 @@ class DisruptionBudgets:
     def in_namespaces(self, namespaces: Iterable[str]) -> list[Budget]:
         with self._lock:
             return [b for ns in set(namespaces) for b in self._by_namespace.get(ns, {}).values()]
-
-    def __len__(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._by_namespace.values())

@@ -1,9 +1,10 @@
 """List-then-watch loops that keep an :class:`AllocationCache` current.
 
-Each kind (nodes, pods, PodDisruptionBudgets, and DRA's objects where asked) lists everything once — that rebuilds the bookings from the pods'
-allocation records after a restart — then follows a watch from the list's resourceVersion. When
-the watch breaks or the version expires (410), the loop relists after a backoff; a relist replaces
-the kind's contents, so deletions missed while disconnected are not kept.
+Each kind (nodes, pods, PodDisruptionBudgets, and DRA's objects where asked) lists everything
+once — that rebuilds the bookings from the pods' allocation records after a restart — then
+follows a watch from the list's resourceVersion. When the watch breaks or the version expires
+(410), the loop relists after a backoff; a relist replaces the kind's contents, so deletions
+missed while disconnected are not kept.
 """
 
 from __future__ import annotations
