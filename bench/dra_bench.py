@@ -34,9 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,13 +43,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kubernetes import client, config  # noqa: E402
+from kubernetes import client  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
-from bench.extender_bench import CARDS, PAUSE, finish, make_nodes, throughput, wait_cached  # noqa: E402
+from bench.extender_bench import CARDS, PAUSE, admin_client, finish, make_nodes, new_plane, throughput, wait_cached  # noqa: E402
 from bench.extender_bench import pod as dialect_pod  # noqa: E402
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, device_classes, slice_device, slice_name  # noqa: E402
-from tests.k8s.controlplane import ControlPlane, extender_server, testbin_dir  # noqa: E402
+from tests.k8s.controlplane import extender_server  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, cards  # noqa: E402
 
 CORE_MILLI, MEMORY_MIB = 250, 4096  # the same share as the dialect pods' qgpu-core 25, qgpu-memory 4
@@ -207,18 +205,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", action="store_true", help="append the table to docs/benchmarks.md")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-drabench-"))
-    cp = ControlPlane(testbin_dir(build=True), workdir)
-    result: dict[str, Any] = {
-        "kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True, text=True).stdout.strip(),
-        "nodes": args.nodes, "pods": args.pods, "priority": args.priority}
+    cp, version = new_plane("qgpu-drabench-")
+    result: dict[str, Any] = {"kubernetes": version, "nodes": args.nodes, "pods": args.pods, "priority": args.priority}
     extender = None
     try:
         cp.start()
-        api_client = config.new_client_from_config(config_file=str(cp.admin_kubeconfig))
+        api_client = admin_client(cp)
         api = client.CoreV1Api(api_client)
-        # The extender's Lease commitments live in its namespace (qgpu-system, issue 21 §3), which the roles create.
-        api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
         resource = client.ResourceV1Api(api_client)
         t = time.perf_counter()
         make_nodes(api, 0, args.nodes)

@@ -523,6 +523,21 @@ def wait_cached(url: str, ctx: ssl.SSLContext | None, nodes: int) -> None:
     raise RuntimeError(f"extender cache did not reach {nodes} nodes")
 
 
+def new_plane(prefix: str) -> tuple[ControlPlane, str]:
+    """A control plane (not started) in a fresh temporary directory, and its Kubernetes version."""
+    cp = ControlPlane(testbin_dir(build=True), Path(tempfile.mkdtemp(prefix=prefix)))
+    version = subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True, text=True).stdout.strip()
+    return cp, version
+
+
+def admin_client(cp: ControlPlane) -> client.ApiClient:
+    """The started plane's admin client, with qgpu-system created: the extender's Lease
+    commitments live in its namespace (issue 21 §3), which the roles create."""
+    api_client = config.new_client_from_config(config_file=str(cp.admin_kubeconfig))
+    client.CoreV1Api(api_client).create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
+    return api_client
+
+
 def machine() -> str:
     cpu = "unknown CPU"
     try:

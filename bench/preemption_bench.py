@@ -30,9 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -41,12 +39,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kubernetes import client, config, watch  # noqa: E402
+from kubernetes import client, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
-from bench.extender_bench import finish  # noqa: E402
+from bench.extender_bench import admin_client, finish, new_plane  # noqa: E402
 from qgpu_runtime.contract.record import ALLOCATION, parse_record  # noqa: E402
-from tests.k8s.controlplane import ControlPlane, extender_server, testbin_dir  # noqa: E402
+from tests.k8s.controlplane import ControlPlane, extender_server  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, cards, gpu_node, gpu_pod  # noqa: E402
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
@@ -223,17 +221,14 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", action="store_true", help="append the table to docs/benchmarks.md")
     args = parser.parse_args()
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-preemptbench-"))
-    cp = ControlPlane(testbin_dir(build=True), workdir)
-    result: dict[str, Any] = {
-        "kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True, text=True).stdout.strip(),
-        "nodes": args.nodes, "seed": args.seed, "timeout_s": args.timeout, "rounds": []}
+    cp, version = new_plane("qgpu-preemptbench-")
+    result: dict[str, Any] = {"kubernetes": version, "nodes": args.nodes, "seed": args.seed,
+                              "timeout_s": args.timeout, "rounds": []}
     extender = None
     try:
         cp.start()
-        api_client = config.new_client_from_config(config_file=str(cp.admin_kubeconfig))
+        api_client = admin_client(cp)
         api = client.CoreV1Api(api_client)
-        api.create_namespace({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "qgpu-system"}})
         priority_classes(api_client)
         extender = extender_server(cp, priority="binpack", assume_timeout=120)
         extender.start()
