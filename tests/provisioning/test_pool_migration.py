@@ -5,9 +5,10 @@ Two fake T4 nodes form the example inventory's inference pool (its group vars co
 `qgpu_pool_mode` edited), sandboxed as in test_rollout.py: every inventory host is this machine
 with its own root, the pods on the nodes belong to a real ReplicaSet and DaemonSet. Each way runs
 playbooks/cluster.yml and playbooks/node-pool-rollout.yml (and on the way back cluster.yml once
-more). The rollout in dra mode and the last cluster.yml run a second time, to show they change
-nothing; the other repeats are each mode's own tests' (test_rollout.py: a second device-plugin
-rollout; test_k8s_dra.py: a second cluster run with a dra pool), not run again here.
+more). The rollout in dra mode runs a second time, to show it changes nothing but the cordon; the
+other repeats are each mode's own tests' (test_rollout.py: a second device-plugin rollout;
+test_k8s_dra.py: a second cluster run with a dra pool; test_k8s_half.py: a second cluster run with
+device-plugin pools only, the state the way back ends in), not run again here.
 
 No controller-manager runs, so which qgpu manager DaemonSet a node gets is decided here the way the
 DaemonSet controller decides it: the DaemonSet's nodeSelector and required node affinity evaluated
@@ -214,7 +215,6 @@ def migration(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
         steps["back cluster"] = snapshot(fleet, play(fleet, CLUSTER))
         steps["back rollout"] = snapshot(fleet, *roll(fleet))
         steps["back cluster after rollout"] = snapshot(fleet, play(fleet, CLUSTER))
-        steps["back cluster again"] = snapshot(fleet, play(fleet, CLUSTER))
         yield Migration(fleet, steps)
     finally:
         teardown = ansible_playbook("-i", str(fleet.inventory), "playbooks/teardown.yml")
@@ -227,7 +227,7 @@ def migration(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 RUNS = ("start", "to-dra cluster", "to-dra rollout", "to-dra rollout again", "back cluster", "back rollout",
-        "back cluster after rollout", "back cluster again")
+        "back cluster after rollout")
 ROLLOUTS = ("to-dra rollout", "to-dra rollout again", "back rollout")
 DEVICE_PLUGIN_MANAGER = {f"qgpu-manager-{POLICY}"}
 DRA_MANAGER = {f"qgpu-manager-dra-{POLICY}"}
@@ -250,7 +250,6 @@ EXPECTED = {
     "back cluster": ("dra", DRA_MANAGER),
     "back rollout": ("device-plugin", DEVICE_PLUGIN_MANAGER),
     "back cluster after rollout": ("device-plugin", DEVICE_PLUGIN_MANAGER),
-    "back cluster again": ("device-plugin", DEVICE_PLUGIN_MANAGER),
 }
 
 
@@ -289,7 +288,7 @@ def test_the_way_to_dra_writes_the_cdi_dropin_on_each_node(migration: Migration)
 def test_the_way_back_leaves_the_cdi_dropin_untouched(migration: Migration) -> None:
     """docs/dra.md: the drop-in stays (harmless without CDI devices); the roles do not touch it."""
     steps = migration.steps
-    assert steps["back cluster again"].cdi_dropin == dict.fromkeys(migration.fleet.nodes, True)
+    assert steps["back cluster after rollout"].cdi_dropin == dict.fromkeys(migration.fleet.nodes, True)
     assert not any("CDI" in task for task in changed_tasks(steps["back rollout"].run))
 
 
@@ -297,7 +296,7 @@ def test_the_way_back_leaves_the_cdi_dropin_untouched(migration: Migration) -> N
 def test_device_classes_and_dra_rbac_exist_exactly_while_a_node_may_serve_dra(migration: Migration, step: str) -> None:
     """From the cluster.yml run that makes the pool dra until the run after the last node left dra."""
     snap = migration.steps[step]
-    dra_present = step not in ("start", "back cluster after rollout", "back cluster again")
+    dra_present = step not in ("start", "back cluster after rollout")
     assert snap.device_classes == (DEVICE_CLASSES if dra_present else set()), step
     assert snap.dra_rbac == ({f"{k}/qgpu-manager-dra" for k, _, _ in DRA_RBAC} if dra_present else set()), step
     assert bool(snap.daemonsets & {f"qgpu-manager-dra-{p}" for p in ("best-effort", "fixed-share", "burst-share")}) == dra_present
@@ -311,8 +310,3 @@ def test_a_second_rollout_changes_nothing_but_the_cordon(migration: Migration, s
     nodes = set(migration.fleet.nodes)
     assert changed_tasks(run) == {"TASK [Cordon the node]": nodes, "TASK [Uncordon the node]": nodes}, run.output[-6000:]
 
-
-@pytest.mark.parametrize("step", ("back cluster again",))
-def test_a_second_cluster_run_changes_nothing(migration: Migration, step: str) -> None:
-    run = migration.steps[step].run
-    assert run.recap_changed() == 0, run.output[-8000:]
