@@ -28,7 +28,6 @@ Run: .venv/bin/python bench/preemption_bench.py --nodes 10 --rounds 2 --seed 1 [
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import threading
@@ -43,9 +42,8 @@ from kubernetes import client, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
 from bench.extender_bench import admin_client, finish, new_plane  # noqa: E402
-from qgpu_runtime.contract.record import ALLOCATION, parse_record  # noqa: E402
 from tests.k8s.controlplane import ControlPlane, extender_server  # noqa: E402
-from tests.k8s.kubeobjects import MANAGED_RESOURCES, cards, gpu_node, gpu_pod  # noqa: E402
+from tests.k8s.kubeobjects import MANAGED_RESOURCES, cards, gpu_node, gpu_pod, list_pods, record  # noqa: E402
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
 QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
@@ -83,16 +81,9 @@ def make_nodes(api: client.CoreV1Api, arm: str, count: int) -> dict[str, str]:
     return label
 
 
-def pods(api: client.CoreV1Api, ns: str) -> list[dict[str, Any]]:
-    return json.loads(api.list_namespaced_pod(ns, _preload_content=False).data)["items"]
-
-
 def card_of(pod: dict[str, Any]) -> tuple[str, int] | None:
-    raw = (pod["metadata"].get("annotations") or {}).get(ALLOCATION)
-    if not raw:
-        return None
-    record = parse_record(raw)
-    return record.node, record.containers[0].shares[0].index
+    rec = record(pod)
+    return (rec.node, rec.containers[0].shares[0].index) if rec is not None else None
 
 
 class Watcher:
@@ -179,7 +170,7 @@ def run_arm(cp: ControlPlane, api: client.CoreV1Api, extender: Any, arm: str, pr
         api.create_namespaced_pod(ns, pod)
         fillers.append(pod["metadata"]["name"])
     deadline = time.time() + 120
-    while sum(1 for p in pods(api, ns) if p["spec"].get("nodeName")) < len(fillers):
+    while sum(1 for p in list_pods(api, ns) if p["spec"].get("nodeName")) < len(fillers):
         if time.time() > deadline:
             raise RuntimeError(f"{arm}: the filler pods did not all bind in 120 s")
         time.sleep(0.5)
@@ -201,7 +192,7 @@ def run_arm(cp: ControlPlane, api: client.CoreV1Api, extender: Any, arm: str, pr
     cp.stop_scheduler()
     spent, calls = preempt_time(extender)
     times = [watcher.bound_at[n] - t for n, t in created.items() if n in watcher.bound_at]
-    final = {p["metadata"]["name"]: p for p in pods(api, ns)}
+    final = {p["metadata"]["name"]: p for p in list_pods(api, ns)}
     high_cards = {card_of(p) for n, p in final.items() if n.startswith("high-") and card_of(p)}
     evicted = {n: c for n, c in watcher.deleted.items() if n.startswith("low-")}
     wasted = sum(1 for c in evicted.values() if c not in high_cards)

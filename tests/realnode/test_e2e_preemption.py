@@ -6,7 +6,6 @@ container seeing its share."""
 
 from __future__ import annotations
 
-import json
 from datetime import datetime
 
 from kubernetes import client
@@ -15,7 +14,7 @@ from qgpu_runtime.contract.record import ALLOCATION, parse_record
 from tests.polling import poll
 from tests.realnode import kube
 from tests.realnode.localcluster import LocalCluster
-from tests.realnode.test_e2e_dialects import PRINT, assert_matches_record, cluster_image, delete
+from tests.realnode.test_e2e_dialects import assert_matches_record, cluster_image, delete, run_and_read
 from tests.realnode.test_e2e_restarts import store_shares
 
 GREEDY = "tke.cloud.tencent.com/qgpu-core-greedy"
@@ -56,25 +55,24 @@ def test_an_online_pod_of_higher_priority_evicts_one_offline_pod_and_runs_on_its
             cards[name] = (running["metadata"]["uid"], placed.shares[0].index, placed.shares[0].uuid)
         assert cards["off-a"][1] != cards["off-b"][1], cards
 
-        online = kube.shell_pod("online", image, PRINT, limits={MEMORY: "8"}, annotations={APP_CLASS: "online"})
-        online["spec"]["priorityClassName"] = "preempt-high"
-        api.create_namespaced_pod(ns, online)
-        running = kube.wait_phase(api, ns, "online", ("Running",), timeout=180)
+        def online(pod: dict) -> dict:
+            pod["metadata"]["annotations"][APP_CLASS] = "online"
+            pod["spec"]["priorityClassName"] = "preempt-high"
+            return pod
 
+        env, quota, pod = run_and_read(local_cluster, ns, "online", {MEMORY: "8"}, online)
         # the lowest-priority offline pod went, the other runs on
         kube.wait_gone(api, ns, "off-a")
         assert kube.phase(api, ns, "off-b") == "Running"
         victim_uid, victim_card, victim_uuid = cards["off-a"]
         # the node manager released the victim's share from its store; the online pod holds the card
-        shares = poll(lambda: (lambda s: s if not any(uid == victim_uid for uid, _ in s) else None)(store_shares(local_cluster)),
-                      timeout=60, what="the evicted pod's share released from the node's store")
-        assert {card for (uid, card) in shares if uid == running["metadata"]["uid"]} == {victim_card}, shares
+        def released() -> dict | None:
+            booked = store_shares(local_cluster)
+            return None if any(uid == victim_uid for uid, _ in booked) else booked
 
-        text = kube.wait_log(api, ns, "online", "--- end")
-        env_part, _, rest = text.partition("--- quota")
-        env = dict(line.split("=", 1) for line in env_part.strip().splitlines())
-        quota = json.loads(rest.split("--- end", 1)[0].strip())
-        pod = kube.read(api, ns, "online")
+        shares = poll(released, timeout=60, what="the evicted pod's share released from the node's store")
+        assert {card for (uid, card) in shares if uid == pod["metadata"]["uid"]} == {victim_card}, shares
+
         assert (env["QGPU_CLASS"], env["QGPU_MEMORY_MIB"], env["NVIDIA_VISIBLE_DEVICES"]) == ("online", "8192", victim_uuid)
         assert_matches_record(env, quota, pod)
         started = pod["status"]["containerStatuses"][0]["state"]["running"]["startedAt"]
