@@ -44,8 +44,10 @@ def _wait_state(pid: int, want: str, timeout: float = 5.0) -> None:
 @pytest.fixture
 def group():
     # a shell with a child, in its own process group: both must be held together
-    p = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
-    time.sleep(0.2)
+    # "ready" once the child is forked (it is in the group from then on): no fixed sleep, which a
+    # loaded machine outruns
+    p = subprocess.Popen(["sh", "-c", "sleep 30 & echo ready; wait"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
     yield p
     if p.poll() is None:
         p.kill()
@@ -64,8 +66,9 @@ def test_hold_and_resume_act_on_the_whole_process_group(group):
 
 
 def test_stop_terminates_a_held_job_and_kills_it_after_the_grace_period():
-    p = subprocess.Popen(["sh", "-c", "trap '' TERM; sleep 30"], start_new_session=True)
-    time.sleep(0.2)
+    # "ready" once SIGTERM is ignored: a SIGTERM sent earlier would end it before the trap
+    p = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; sleep 30"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
     clock = {"now": 0.0}
     act = SignalActuator(lambda key: [p.pid], grace_s=5.0, clock=lambda: clock["now"])
     act.hold("job")
