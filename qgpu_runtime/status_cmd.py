@@ -2,7 +2,8 @@
 
 Two sources, one view (:mod:`qgpu_runtime.status`):
 - a cluster: node annotations ``qgpu.io/gpus`` (cards, written by the node manager) plus every
-  live pod's ``qgpu.io/allocation`` record;
+  live pod's ``qgpu.io/allocation`` record; what is used, from each node's manager pod's /metrics
+  through the apiserver's pod proxy (the caller's ``pods/proxy`` permission);
 - a standalone host or a node's own store: the SQLite file's ``meta``/``cards``/``shares`` tables
   (schema in docs/node-manager.md; the node manager and the standalone manager both write it).
 """
@@ -13,9 +14,13 @@ import argparse
 import os
 import sqlite3
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from qgpu_runtime.contract import names
 from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.contract.record import RecordError, parse_record
@@ -23,7 +28,19 @@ from qgpu_runtime.contract.signature import RecordVerifier, SigningKeyError, Unt
 from qgpu_runtime.contract.store import SchemaError, read_status
 from qgpu_runtime.kube.reader import ApiCallError
 from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS, KAI_SCHEDULER, RequestError, parse_pod
-from qgpu_runtime.status import CardStatus, NodeStatus, PendingPod, WorkloadShare, render_json, render_table
+from qgpu_runtime.status import (
+    MAX_METRICS_BYTES,
+    CardStatus,
+    NodeStatus,
+    NodeUsage,
+    PendingPod,
+    UsageError,
+    WorkloadShare,
+    parse_usage,
+    render_json,
+    render_table,
+    with_usage,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-verify-key", type=Path, metavar="FILE",
                         help="the extender's Ed25519 public key (PEM): records it did not sign are listed as "
                              "UNVERIFIED and count in no card's allocation (without it records are shown unchecked)")
+    parser.add_argument("--manager-namespace", default=names.MANAGER_NAMESPACE, metavar="NS",
+                        help="namespace of the node managers whose /metrics give what is used (default: %(default)s)")
+    parser.add_argument("--no-usage", action="store_true",
+                        help="show allocations only: read no manager's /metrics")
 
 
 STANDALONE_DB_ENV = "QGPU_STANDALONE_DB"
@@ -69,10 +90,14 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             pods = api.list_pods()
             nodes = cluster_status(listed_nodes, pods, verifier)
             pending = pending_gpu_pods(pods)
+            if args.node:  # Pending pods are on no node: listed only for the whole cluster
+                nodes, pending = [n for n in nodes if n.name in set(args.node)], []
+            if not args.no_usage:
+                nodes = with_usage(nodes, read_usage(api, [n.name for n in nodes], pods, args.manager_namespace))
     except (StatusSourceError, ApiCallError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
-    if args.node:  # Pending pods are on no node: listed only for the whole cluster
+    if args.node:  # (a store's one node; a cluster's nodes were chosen before their usage was read)
         nodes, pending = [n for n in nodes if n.name in set(args.node)], []
     print(render_json(nodes, pending) if args.json else render_table(nodes, pending))
     return 0
@@ -88,12 +113,59 @@ def kubectl_main(argv: Sequence[str] | None = None) -> int:
     return run(parser.parse_args(args))
 
 
+def manager_endpoints(pods: Iterable[Mapping[str, Any]], namespace: str) -> dict[str, list[tuple[str, int]]]:
+    """Pure: node -> the (pod, metrics port) of each running node manager on it. Only pods in the
+    managers' namespace count (a tenant's pod with the same label elsewhere is nobody's manager)."""
+    out: dict[str, list[tuple[str, int]]] = {}
+    for pod in pods:
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        if (meta.get("namespace") != namespace or (meta.get("labels") or {}).get(names.MANAGER_APP_LABEL) != names.MANAGER_APP
+                or meta.get("deletionTimestamp") or names.phase(dict(pod)) != names.RUNNING or not spec.get("nodeName")):
+            continue
+        ports = [p.get("containerPort") for c in spec.get("containers") or [] for p in (c or {}).get("ports") or []
+                 if isinstance(p, Mapping) and p.get("name") == names.METRICS_PORT_NAME]
+        if ports and isinstance(ports[0], int):
+            out.setdefault(str(spec["nodeName"]), []).append((str(meta.get("name", "")), ports[0]))
+    return {node: sorted(found) for node, found in out.items()}
+
+
+USAGE_READERS = 8  # nodes whose managers are read at once
+
+
+def read_usage(api: Any, node_names: Sequence[str], pods: Iterable[Mapping[str, Any]],
+               namespace: str) -> dict[str, NodeUsage | str]:
+    """Each node's used figures from its manager's /metrics (through ``api.pod_proxy_get``), or why
+    not: no manager pod there, the proxy refused (``pods/proxy`` not granted), unreadable text."""
+    endpoints = manager_endpoints(pods, namespace)
+
+    def one(node: str) -> NodeUsage | str:
+        found = endpoints.get(node)
+        if not found:
+            return f"no running {names.MANAGER_APP} pod with a {names.METRICS_PORT_NAME!r} port on it in namespace {namespace}"
+        errors = []
+        for pod, port in found:
+            try:
+                return parse_usage(node, api.pod_proxy_get(namespace, pod, port, "metrics", MAX_METRICS_BYTES))
+            except (ApiCallError, UsageError) as exc:
+                errors.append(str(exc))
+        return "; ".join(errors)
+
+    with ThreadPoolExecutor(max_workers=USAGE_READERS) as pool:
+        return dict(zip(node_names, pool.map(one, node_names)))
+
+
 class StatusSourceError(RuntimeError):
     """The store cannot be read as a qgpu store; the message names the file and what is missing."""
 
 
-def read_store_status(path: Path) -> NodeStatus:
-    """One NodeStatus from a store file, opened read-only (works while a manager writes it)."""
+USAGE_STALE_S = 30.0
+"""Used figures older than this are not shown: the standalone manager writes them every second
+while it runs."""
+
+
+def read_store_status(path: Path, now: float | None = None) -> NodeStatus:
+    """One NodeStatus from a store file, opened read-only (works while a manager writes it), with
+    what the standalone manager last sampled as used when that is fresh."""
     if not path.exists():
         raise StatusSourceError(f"{path}: no such store file")
     try:
@@ -103,13 +175,23 @@ def read_store_status(path: Path) -> NodeStatus:
     except sqlite3.Error as exc:
         raise StatusSourceError(f"{path}: not a qgpu store ({exc}); expected tables meta, cards, shares") from exc
     meta, cards, shares = rows.meta, rows.cards, rows.shares
+    age = None if rows.sampled is None else (time.time() if now is None else now) - rows.sampled
+    fresh = age is not None and age <= USAGE_STALE_S
     per_card: dict[int, list[WorkloadShare]] = {}
     for ns, workload, container, index, core, mem, klass in shares:
         name = "/".join(p for p in (ns, workload, container) if p)
-        per_card.setdefault(index, []).append(WorkloadShare(name, core, mem, klass))
-    return NodeStatus(
-        name=meta.get("node", path.stem), policy=meta.get("policy", "-"),
-        cards=tuple(_card(i, u, m, mem, per_card.get(i, [])) for i, u, m, mem in cards))
+        sm, used = rows.used.get((ns, workload, container, index), (0, 0)) if fresh else (None, None)
+        per_card.setdefault(index, []).append(WorkloadShare(name, core, mem, klass, container=container,
+                                                            used_core_pct=sm, used_memory_mib=used))
+    out = []
+    for i, u, m, mem in cards:
+        card = _card(i, u, m, mem, per_card.get(i, []))
+        if fresh:
+            sm, used = rows.card_used.get(i, (0, 0))
+            card = replace(card, util_pct=sm, memory_used_mib=used)
+        out.append(card)
+    stale = "" if age is None or fresh else f"the manager's last sample is {age:.0f} s old (over {USAGE_STALE_S:.0f} s): is it running?"
+    return NodeStatus(name=meta.get("node", path.stem), policy=meta.get("policy", "-"), cards=tuple(out), usage_error=stale)
 
 
 def _card(index: int, uuid: str, model: str, memory: int, work: list[WorkloadShare]) -> CardStatus:
@@ -158,7 +240,7 @@ def cluster_status(nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[st
             name = f"{meta.get('namespace', 'default')}/{meta.get('name', '')}" + (f"/{c.name}" if several else "")
             for s in c.shares:
                 work.setdefault((record.node, s.index), []).append(WorkloadShare(name, s.core_milli, s.memory_mib, record.klass.value,
-                                                                                  unverified))
+                                                                                  unverified, c.name))
                 seen_cards.setdefault(record.node, {})[s.index] = s.uuid
     out = []
     for node in sorted(set(known) | set(seen_cards)):

@@ -87,6 +87,26 @@ RETIRED_FROM: Final = frozenset({
 """Annotations the roles leave on qgpu's namespace once nothing of an earlier release is left in the
 namespace it names (kube-system): the next runs skip that search (docs/provisioning.md)."""
 
+# --- the Node's status: written by its manager, read by operators and the roles' admission policy ----
+SHARES_ENFORCED_CONDITION: Final = "QGPUSharesEnforced"
+"""Node condition: ``True`` when the node's manager enforces the cards' shares, ``False`` with the
+reason when not (node/enforcer.py ``enforcement``). The only condition the manager may write."""
+
+# --- the node manager's pods and metrics, as `qgpu status` finds and reads them -------------------
+MANAGER_APP_LABEL: Final = "app.kubernetes.io/name"
+MANAGER_APP: Final = "qgpu-manager"
+"""Every node manager pod the roles render carries ``app.kubernetes.io/name: qgpu-manager``."""
+MANAGER_NAMESPACE: Final = "qgpu-system"
+"""The namespace the roles deploy the managers to unless told otherwise (``qgpu_namespace``)."""
+METRICS_PORT_NAME: Final = "metrics"
+"""The manager container's port serving Prometheus ``/metrics``."""
+CONTAINER_CORE_USED: Final = "qgpu_container_core_used_ratio"
+CONTAINER_MEMORY_USED: Final = "qgpu_container_memory_used_bytes"
+CARD_UTILIZATION: Final = "qgpu_card_utilization_ratio"
+CARD_MEMORY_USED: Final = "qgpu_card_memory_used_bytes"
+"""The manager's series of what is used (node/metrics.py writes them, `qgpu status` reads them);
+labels ``node``, ``card`` and, per container, ``namespace``, ``pod``, ``container``."""
+
 # --- pod phases ---------------------------------------------------------------------------------
 PENDING: Final = "Pending"
 RUNNING: Final = "Running"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sqlite3
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -75,6 +75,14 @@ _TABLES_V1 = (
     """CREATE TABLE IF NOT EXISTS claim_pods (
         claim_uid TEXT NOT NULL, pod_uid TEXT NOT NULL, namespace TEXT NOT NULL, pod TEXT NOT NULL,
         PRIMARY KEY (claim_uid, pod_uid))""",
+    # Added after claim_pods, a table only again: what the standalone manager last sampled as used,
+    # per share (workload_id, container, card_index of a ``shares`` row) and, with workload_id ''
+    # and container '', per card. ``sm_pct`` is the mean over the last write interval, ``memory_mib``
+    # the latest; ``sampled`` the writer's wall clock. Rewritten whole at each write; a release that
+    # never reads it leaves it as it is.
+    """CREATE TABLE IF NOT EXISTS usage (
+        workload_id TEXT NOT NULL, container TEXT NOT NULL, card_index INTEGER NOT NULL, sm_pct INTEGER,
+        memory_mib INTEGER, sampled REAL NOT NULL, PRIMARY KEY (workload_id, container, card_index))""",
 )
 
 
@@ -170,6 +178,10 @@ class StatusRows:
     meta: dict[str, str]
     cards: list[tuple[int, str, str, int]]  # index, uuid, model, memory MiB
     shares: list[tuple[str, str, str, int, int, int, str]]  # namespace, workload, container, card, core ‰, MiB, class
+    used: dict[tuple[str, str, str, int], tuple[int | None, int | None]] = field(default_factory=dict)
+    """(namespace, workload, container, card) of a share -> (SM %, memory MiB) last sampled"""
+    card_used: dict[int, tuple[int | None, int | None]] = field(default_factory=dict)  # card -> (SM %, MiB)
+    sampled: float | None = None  # when the usage rows were written (writer's wall clock); None: never
 
 
 def read_status(path: str | Path) -> StatusRows:
@@ -179,10 +191,23 @@ def read_status(path: str | Path) -> StatusRows:
         found = file_version(db)
         if found is not None and found > SCHEMA_VERSION:
             raise SchemaError(f"{path}: schema version {found} is newer than this qgpu reads (versions 1..{SCHEMA_VERSION})")
+        db.execute("BEGIN")  # one snapshot of every table: a writer may rewrite usage meanwhile
+        used: dict[tuple[str, str, str, int], tuple[int | None, int | None]] = {}
+        card_used: dict[int, tuple[int | None, int | None]] = {}
+        sampled = None
+        if db.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='usage'").fetchone():  # absent before it was added
+            for ns, workload, container, card, sm, mib in db.execute(
+                    "SELECT s.namespace, s.workload, s.container, u.card_index, u.sm_pct, u.memory_mib FROM usage u "
+                    "JOIN shares s ON s.workload_id = u.workload_id AND s.container = u.container AND s.card_index = u.card_index"):
+                used[(ns, workload, container, card)] = (sm, mib)
+            card_used = {card: (sm, mib) for card, sm, mib in
+                         db.execute("SELECT card_index, sm_pct, memory_mib FROM usage WHERE workload_id = ''")}
+            sampled = db.execute("SELECT max(sampled) FROM usage").fetchone()[0]
         return StatusRows(
             meta=dict(db.execute("SELECT key, value FROM meta").fetchall()),
             cards=db.execute("SELECT card_index, uuid, model, memory_mib FROM cards ORDER BY card_index").fetchall(),
             shares=db.execute("SELECT namespace, workload, container, card_index, core_milli, memory_mib, class "
-                              "FROM shares ORDER BY card_index, created_ns, workload, container").fetchall())
+                              "FROM shares ORDER BY card_index, created_ns, workload, container").fetchall(),
+            used=used, card_used=card_used, sampled=sampled)
     finally:
         db.close()

@@ -87,3 +87,18 @@ class ClusterReader:
     def list_nodes(self) -> list[dict[str, Any]]:
         return self.calls.items("listing nodes", lambda: self._core.list_node(
             _preload_content=False, _request_timeout=self.calls.timeout))
+
+    def pod_proxy_get(self, namespace: str, pod: str, port: int, path: str, limit: int) -> str:
+        """GET ``path`` of a pod's ``port`` through the apiserver's pod proxy (``pods/proxy``, the
+        caller's own credentials), at most ``limit`` bytes of body (more raises)."""
+        def fetch() -> bytes:
+            response = self._core.connect_get_namespaced_pod_proxy_with_path(
+                f"{pod}:{port}", namespace, path, _preload_content=False, _request_timeout=self.calls.timeout)
+            try:
+                return response.read(limit + 1)
+            finally:
+                response.release_conn()
+        body = self.calls(f"reading {path} of pod {namespace}/{pod} port {port} through the apiserver's proxy", fetch)
+        if len(body) > limit:
+            raise ApiCallError(f"pod {namespace}/{pod} port {port} /{path}: more than {limit} bytes", transient=False)
+        return body.decode("utf-8", errors="replace")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from qgpu_runtime.gpu.nvml import NvmlBackend
@@ -55,6 +56,31 @@ def resolve_policy(override: str | None, labels: Mapping[str, str]) -> Policy:
         if from_label is not chosen:
             log.warning("--isolation-policy %s overrides the node label %s=%s", chosen.value, POLICY_LABEL, raw)
     return chosen
+
+
+@dataclass(frozen=True)
+class Enforcement:
+    """Whether this node enforces the cards' shares, and why not (the Node condition
+    names.SHARES_ENFORCED_CONDITION: reason in CamelCase, message for people)."""
+
+    enforced: bool
+    reason: str
+    message: str
+
+
+def enforcement(policy: Policy, isolation: bool, backend: str, tick_s: float) -> Enforcement:
+    """Pure: what the manager started with says about enforcement. Memory caps hold under every
+    policy while the isolation loop runs; compute shares under fixed-share and burst-share only."""
+    if not isolation:
+        return Enforcement(False, "IsolationOff", f"the manager runs with --no-isolation: policy {policy.value} is "
+                           "advertised to the scheduler, but neither compute shares nor memory caps are enforced on this node")
+    if backend != NvmlBackend.name:
+        return Enforcement(False, "SimulatedGPUs", f"the cards are simulated (--gpu-backend {backend}): policy "
+                           f"{policy.value} acts on simulated usage only, no real card is shared")
+    if policy is Policy.BEST_EFFORT:
+        return Enforcement(False, "PolicyBestEffort", "policy best-effort: containers share the cards without compute "
+                           f"limits; memory caps are enforced every {tick_s:g} s")
+    return Enforcement(True, "Enforced", f"policy {policy.value}: compute shares and memory caps are enforced every {tick_s:g} s")
 
 
 class EventRecorder(Protocol):

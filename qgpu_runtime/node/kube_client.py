@@ -13,7 +13,9 @@ API use, and so the manager's RBAC (templates/kubernetes/qgpu-manager.yaml.j2 gr
 ``pods``: ``list`` and ``watch`` (this node's pods, by field selector: node/podwatch.py's cache) and
 ``patch`` (``qgpu.io/assigned``);
 ``nodes``: ``get`` (the isolation-policy label, once at start) and ``patch`` (GPU labels and
-annotations of its own node); ``events``: ``create`` (Warning Events when isolation acts on a pod). (``qgpu status``
+annotations of its own node); ``nodes/status``: ``patch`` (HAMi's share sizes, the
+``QGPUSharesEnforced`` condition); ``events``: ``create`` (Warning Events when isolation acts on a
+pod, and on its Node when shares are not enforced). (``qgpu status``
 reads the cluster with the user's own credentials through ``kube/reader.py``, not through this.) With ``--dra``:
 ``resourceclaims`` (resource.k8s.io) ``get`` (the claims kubelet asks it to prepare) and, through
 ``KubeSlices``, ``resourceslices`` ``get``, ``watch`` (by name), ``create``, ``update``.
@@ -39,6 +41,7 @@ T = TypeVar("T")
 # Said explicitly: the generated client labels every PATCH as a JSON *patch* (a list of operations)
 # and only its REST layer quietly rewrites dict bodies; metadata maps merge the same either way.
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # lists merge by their key (conditions: type)
 
 
 class OpenStreams:
@@ -166,6 +169,30 @@ class KubePodSource:
         }
         drain(self._call(f"recording event {reason} on pod {namespace}/{pod}", lambda: self._core.create_namespaced_event(
             namespace, body, _preload_content=False, _request_timeout=self._timeout)))
+
+
+    def set_node_condition(self, node: str, condition: Mapping[str, str]) -> None:
+        """One condition of the Node's status, by strategic merge (conditions merge by type: the
+        kubelet's stay as they are). The roles' admission policy lets the manager write only
+        names.SHARES_ENFORCED_CONDITION there."""
+        body = {"status": {"conditions": [dict(condition)]}}
+        drain(self._call(f"setting condition {condition.get('type')} of node {node}", lambda: self._core.patch_node_status(
+            node, body, _content_type=STRATEGIC_MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
+
+    def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None:
+        """An Event on the Node (in namespace default, as the kubelet's are), so ``kubectl describe
+        node`` shows it."""
+        from datetime import datetime, timezone
+
+        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "metadata": {"generateName": f"{node}.qgpu-", "namespace": "default"},
+            "involvedObject": {"kind": "Node", "apiVersion": "v1", "name": node, "uid": node},
+            "reason": reason, "message": message, "type": event_type,
+            "source": {"component": "qgpu-manager", "host": node}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        drain(self._call(f"recording event {reason} on node {node}", lambda: self._core.create_namespaced_event(
+            "default", body, _preload_content=False, _request_timeout=self._timeout)))
 
 
 class KubeSlices:

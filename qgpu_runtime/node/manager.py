@@ -42,7 +42,7 @@ from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.deviceplugin.response import ContainerGrant
 from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher
-from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, resolve_policy
+from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, enforcement, resolve_policy
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET
@@ -174,6 +174,8 @@ class NodeManager:
                 self._isolation_backend, self.metrics, self.pods, self.config.isolation_tick_s,
                 self.config.isolation_refresh_s, self.config.memory_tolerance_mib)
         self.store.set_meta({"node": self.config.node, "policy": self.policy.value, "kind": "node"})
+        self.publisher.enforcement = enforcement(self.policy, self.isolation is not None, self.backend.name,
+                                                 self.config.isolation_tick_s)
         self.publisher.publish()
         self.registration.serve()
         self.sample_once()

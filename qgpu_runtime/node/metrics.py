@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from qgpu_runtime.contract import names
 from qgpu_runtime.gpu.types import CardInfo, CardUsage
 from qgpu_runtime.node.cgroups import container_id, pod_and_container
 from qgpu_runtime.node.store import Share
@@ -124,9 +125,9 @@ def render(snap: Snapshot) -> list[GaugeMetricFamily]:
                                    labels=["node", "namespace", "pod", "container", "card", "class"])
     q_req_mem = GaugeMetricFamily("qgpu_container_memory_requested_bytes", "GPU memory reserved on a card",
                                   labels=["node", "namespace", "pod", "container", "card", "class"])
-    q_used_core = GaugeMetricFamily("qgpu_container_core_used_ratio", "SM utilisation of the container on a card",
+    q_used_core = GaugeMetricFamily(names.CONTAINER_CORE_USED, "SM utilisation of the container on a card",
                                     labels=["node", "namespace", "pod", "container", "card"])
-    q_used_mem = GaugeMetricFamily("qgpu_container_memory_used_bytes", "GPU memory used by the container on a card",
+    q_used_mem = GaugeMetricFamily(names.CONTAINER_MEMORY_USED, "GPU memory used by the container on a card",
                                    labels=["node", "namespace", "pod", "container", "card"])
     alloc_core: dict[int, int] = {}
     alloc_mem: dict[int, int] = {}
@@ -151,8 +152,8 @@ def render(snap: Snapshot) -> list[GaugeMetricFamily]:
     info = GaugeMetricFamily("qgpu_card_info", "a GPU of this node (value 1)", labels=["node", "card", "uuid", "model"])
     healthy = GaugeMetricFamily("qgpu_card_healthy", "1 healthy, 0 unhealthy (XID, ECC, lost)", labels=["node", "card"])
     total = GaugeMetricFamily("qgpu_card_memory_total_bytes", "memory of the card", labels=["node", "card"])
-    used = GaugeMetricFamily("qgpu_card_memory_used_bytes", "memory in use on the card", labels=["node", "card"])
-    card_util = GaugeMetricFamily("qgpu_card_utilization_ratio", "whole-card utilisation", labels=["node", "card"])
+    used = GaugeMetricFamily(names.CARD_MEMORY_USED, "memory in use on the card", labels=["node", "card"])
+    card_util = GaugeMetricFamily(names.CARD_UTILIZATION, "whole-card utilisation", labels=["node", "card"])
     core_alloc = GaugeMetricFamily("qgpu_card_core_allocated_ratio", "compute promised to workloads", labels=["node", "card"])
     mem_alloc = GaugeMetricFamily("qgpu_card_memory_allocated_bytes", "memory promised to workloads", labels=["node", "card"])
     for card in snap.cards:

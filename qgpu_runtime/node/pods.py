@@ -38,6 +38,11 @@ class PodSource(Protocol):
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None: ...
 
+    def set_node_condition(self, node: str, condition: Mapping[str, str]) -> None:
+        """Add or replace the condition of ``condition["type"]`` in the Node's status, others kept."""
+
+    def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None: ...
+
 
 class FilePodSource:
     """Pods from a JSON file (``{"items": [pod, ...]}`` or a bare list), re-read when it changes.
@@ -124,6 +129,19 @@ class FilePodSource:
             return dict((self._node(node).get("metadata") or {}).get("labels") or {})
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
-        line = json.dumps({"namespace": namespace, "pod": pod, "uid": pod_uid, "reason": reason, "message": message})
+        self._append_event({"namespace": namespace, "pod": pod, "uid": pod_uid, "reason": reason, "message": message})
+
+    def set_node_condition(self, node: str, condition: Mapping[str, str]) -> None:
+        with self._lock:
+            obj = self._node(node)
+            status = obj.setdefault("status", {})
+            status["conditions"] = [c for c in status.get("conditions") or [] if c.get("type") != condition["type"]]
+            status["conditions"].append(dict(condition))
+            self._write_node(obj)
+
+    def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None:
+        self._append_event({"node": node, "type": event_type, "reason": reason, "message": message})
+
+    def _append_event(self, event: Mapping[str, str]) -> None:
         with self._lock, open(self.path.with_suffix(".events.jsonl"), "a") as f:
-            f.write(line + "\n")
+            f.write(json.dumps(event) + "\n")

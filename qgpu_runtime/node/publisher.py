@@ -1,7 +1,9 @@
 """What the node tells the cluster and Prometheus about its cards.
 
 ``NodePublisher`` writes the GPU labels and the inventory annotation (node/nodeinfo.py) on the
-Node, and HAMi's share sizes into its capacity, retrying from the kubelet watcher until it lands. ``PodCache`` hands the metrics sampler and
+Node, HAMi's share sizes into its capacity and the ``QGPUSharesEnforced`` condition into its status
+(with a Warning Event on the Node when shares are not enforced), retrying from the kubelet watcher
+until it lands. ``PodCache`` hands the metrics sampler and
 the isolation loop the watched pods (node/podwatch.py), or lists them at most once per
 ``--pod-refresh`` while the watch is not synced (and always with ``--pods-file``).
 ``MetricsSampler`` builds one snapshot per interval from the backend's sample, the store and the
@@ -15,9 +17,11 @@ import threading
 import time
 from typing import Any, Callable
 
+from qgpu_runtime.contract.names import SHARES_ENFORCED_CONDITION
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.model.requests import NVIDIA_GPU
+from qgpu_runtime.node.enforcer import Enforcement
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.metrics import ManagerMetrics, build_snapshot
 from qgpu_runtime.node.nodeinfo import node_metadata, share_size_capacity
@@ -38,7 +42,9 @@ class NodePublisher:
         self.health = health
         self.pods = pods
         self.policy = policy
+        self.enforcement: Enforcement | None = None  # set by the manager once it knows; None: not reported
         self.due: float | None = None  # monotonic time of the next attempt; None: published
+        self._reported: Enforcement | None = None  # what the Node's condition (and Event) already say
 
     def publish(self) -> None:
         if not self.config.label_node:
@@ -48,12 +54,28 @@ class NodePublisher:
             self.pods.patch_node(self.config.node, labels, notes)
             if self.publishes_share_sizes:
                 self.pods.patch_node_capacity(self.config.node, share_size_capacity(list(self.cards.values())))
+            self._report_enforcement()
         except Exception as exc:  # retried from the kubelet watcher until it lands
             self.due = time.monotonic() + NODE_PUBLISH_RETRY_S
-            log.warning("node %s: could not write GPU labels/annotations (retrying in %.0f s): %s",
+            log.warning("node %s: could not write GPU labels/annotations/condition (retrying in %.0f s): %s",
                         self.config.node, NODE_PUBLISH_RETRY_S, exc)
             return
         self.due = None
+
+    def _report_enforcement(self) -> None:
+        """The Node's QGPUSharesEnforced condition, and a Warning Event once when shares are not
+        enforced; written again only when what it says changes."""
+        state = self.enforcement
+        if state is None or state == self._reported:
+            return
+        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.pods.set_node_condition(self.config.node, {
+            "type": SHARES_ENFORCED_CONDITION, "status": "True" if state.enforced else "False",
+            "reason": state.reason, "message": state.message, "lastTransitionTime": now, "lastHeartbeatTime": now})
+        if not state.enforced:
+            self.pods.record_node_event(self.config.node, "Warning", "SharesNotEnforced", f"{state.reason}: {state.message}")
+            log.warning("node %s: shares are not enforced (%s): %s", self.config.node, state.reason, state.message)
+        self._reported = state
 
     @property
     def publishes_share_sizes(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -29,6 +30,9 @@ from qgpu_runtime.standalone.store import JobRecord, Store, process_start_ticks
 log = logging.getLogger("qgpu.standalone.manager")
 
 REAP_EVERY_S = 1.0
+USAGE_EVERY_S = 1.0
+"""How often what the jobs used (the engine's per-tick samples, averaged) is written to the store
+for `qgpu status`."""
 
 
 def job_groups(job: JobRecord | None, start_of: Callable[[int], int | None] = process_start_ticks) -> list[int]:
@@ -72,6 +76,10 @@ class StandaloneManager:
         self._usage_file = usage_file
         self.engine: IsolationEngine | None = None
         self._last_reap = 0.0
+        self._used_milli_s: dict[tuple[str, int], float] = {}  # (job, card) -> milli-card-seconds since the last write
+        self._memory: dict[tuple[str, int], int] = {}  # (job, card) -> MiB at the latest tick
+        self._used_span_s = 0.0
+        self._last_usage = 0.0
 
     # -- setup ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,7 +154,28 @@ class StandaloneManager:
             self._sim.sync(running)
         report = self.engine.tick([workload_of(j) for j in running], dt_s)
         self.signals.reap()
+        self._account(report, dt_s, now)
         return report
+
+    def _account(self, report: TickReport, dt_s: float, now: float) -> None:
+        """Add the tick's use per job and card; every USAGE_EVERY_S write the means to the store."""
+        self._used_span_s += dt_s
+        for card, per_job in report.usage.items():
+            for job, use in per_job.items():
+                key = (job, card)
+                self._used_milli_s[key] = self._used_milli_s.get(key, 0.0) + use.used_milli * dt_s
+                self._memory[key] = use.memory_mib
+        if now - self._last_usage < USAGE_EVERY_S or self._used_span_s <= 0:
+            return
+        live = set(self._running)
+        jobs = {key: (min(100, round(milli_s / self._used_span_s / 10)), self._memory.get(key, 0))
+                for key, milli_s in self._used_milli_s.items() if key[0] in live}
+        cards: dict[int, tuple[int, int]] = {}
+        for (_, card), (sm, mib) in jobs.items():
+            total_sm, total_mib = cards.get(card, (0, 0))
+            cards[card] = (min(100, total_sm + sm), total_mib + mib)
+        self.store.write_usage(jobs, cards, time.time())
+        self._used_milli_s, self._memory, self._used_span_s, self._last_usage = {}, {}, 0.0, now
 
     def serve(self, stop: threading.Event) -> None:
         try:

@@ -236,6 +236,18 @@ class Store:
             self._db.execute("DELETE FROM jobs WHERE id=?", (job_id,))
             self._db.execute("DELETE FROM shares WHERE workload_id=?", (job_id,))
 
+    # -- usage ----------------------------------------------------------------------------------
+    def write_usage(self, jobs: Mapping[tuple[str, int], tuple[int, int]], cards: Mapping[int, tuple[int, int]],
+                    sampled: float) -> None:
+        """Replace what was last sampled as used: per (job, card) and per card, (SM %, memory MiB)
+        (the ``usage`` table of contract/store.py, read by `qgpu status`)."""
+        with self.transaction():
+            self._db.execute("DELETE FROM usage")
+            self._db.executemany("INSERT INTO usage VALUES (?, '', ?, ?, ?, ?)",
+                                 [(job, card, sm, mib, sampled) for (job, card), (sm, mib) in sorted(jobs.items())])
+            self._db.executemany("INSERT INTO usage VALUES ('', '', ?, ?, ?, ?)",
+                                 [(card, sm, mib, sampled) for card, (sm, mib) in sorted(cards.items())])
+
     # -- events ---------------------------------------------------------------------------------
     def emit(self, event: IsolationEvent) -> None:
         """EventSink for the memory watchdog: a durable record `qgpu status` and users can read."""

@@ -30,7 +30,7 @@ from qgpu_runtime.contract.names import LABEL_GPU_MODEL as LABEL_MODEL
 from qgpu_runtime.contract.names import NODE_ISOLATION_POLICY as ANNOTATION_POLICY
 from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from tests.k8s.conftest import Cluster
-from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, wait_for
+from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
 from tests.k8s.rbac import edit_user, render_template, wait_pod_policies_lifted
 
@@ -262,6 +262,29 @@ def test_manager_writes_hamis_share_sizes_into_its_own_nodes_capacity_and_nothin
     assert "status changed beyond its capacity" in message, message
 
 
+STRATEGIC = "application/strategic-merge-patch+json"
+
+
+def test_manager_sets_its_own_nodes_shares_enforced_condition_and_no_other(world):
+    """The QGPUSharesEnforced condition, as node/kube_client.py writes it (a strategic merge of one
+    condition); the kubelet's conditions stay its own, another node's status is refused."""
+    ready = {"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "kubelet is posting ready status"}
+    world.api.patch_node_status(world.node_a, {"status": {"conditions": [ready]}}, _content_type=STRATEGIC)  # as the kubelet
+    ours = {"type": "QGPUSharesEnforced", "status": "False", "reason": "PolicyBestEffort", "message": "policy best-effort"}
+    world.manager.patch_node_status(world.node_a, {"status": {"conditions": [ours]}}, _content_type=STRATEGIC)
+    world.manager.patch_node_status(world.node_a, {"status": {"conditions": [{**ours, "status": "True", "reason": "Enforced"}]}},
+                                    _content_type=STRATEGIC)
+    got = {c.type: (c.status, c.reason) for c in world.api.read_node_status(world.node_a).status.conditions}
+    assert got == {"Ready": ("True", "KubeletReady"), "QGPUSharesEnforced": ("True", "Enforced")}
+    for forged in ({**ready, "status": "False"}, {"type": "MemoryPressure", "status": "False"}):
+        message = refusal(lambda: world.manager.patch_node_status(
+            world.node_a, {"status": {"conditions": [forged]}}, _content_type=STRATEGIC))
+        assert "status changed beyond its capacity" in message and "QGPUSharesEnforced" in message, message
+    message = refusal(lambda: world.manager.patch_node_status(world.node_b, {"status": {"conditions": [ours]}},
+                                                              _content_type=STRATEGIC))
+    assert f"Node {world.node_b} is not its own" in message, message
+
+
 def test_manager_writes_the_assigned_annotation_of_a_pod_bound_to_its_node(world):
     world.manager.patch_namespaced_pod(name(world.gpu_pod_here), world.ns,
                                        metadata_patch(annotations={ASSIGNED: '["c"]'}), _content_type=MERGE)
@@ -431,6 +454,15 @@ def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_toke
         assert node.kubelet.admit(read_pod(world.api, world.ns, "served"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
         notes = read_pod(world.api, world.ns, "served")["metadata"]["annotations"]
         assert json.loads(notes[ASSIGNED]) == ["c0"]
+        # simulated cards: the node says its shares are not enforced, and why, in its status and an Event
+        condition = wait_for("the manager's condition on its node", lambda: next(
+            (c for c in read_node(world.api, node.name).get("status", {}).get("conditions") or []
+             if c["type"] == "QGPUSharesEnforced"), None))
+        assert (condition["status"], condition["reason"]) == ("False", "SimulatedGPUs"), condition
+        (event,) = wait_for("the manager's Event on its node", lambda: [
+            e for e in events_for(world.api, "default", node.name) if e["reason"] == "SharesNotEnforced"])
+        assert event["type"] == "Warning" and event["involvedObject"]["kind"] == "Node", event
+        assert event["message"].startswith("SimulatedGPUs: the cards are simulated"), event
         assert "forbidden" not in node.log().lower(), node.log()  # RBAC's and the policy's refusals say so
     finally:
         node.close()

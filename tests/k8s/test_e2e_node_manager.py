@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -23,7 +24,7 @@ from qgpu_runtime.placement.state import CardSpec
 from tests.k8s.controlplane import ROOT, free_port, kubeconfig
 from tests.k8s.kubeobjects import bound, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import CORE, MEMORY, ManagedNode, bare_node, bind_with_record, read_node
-from tests.k8s.rbac import kubeconfig_bound_to, template_cluster_role
+from tests.k8s.rbac import kubeconfig_bound_to, template_cluster_role, unbind
 
 NONE_SCHEDULER = "qgpu-test-nobody"  # pods the real scheduler must leave alone: the test binds them itself
 
@@ -33,11 +34,11 @@ def managed(cluster, label) -> Iterator[Callable[..., ManagedNode]]:
     """Factory: a fresh node (API object + test kubelet + running manager, admin kubeconfig)."""
     nodes: list[ManagedNode] = []
 
-    def make(spec: str = "2xT4-16G", start: bool = True, create: bool = True) -> ManagedNode:
+    def make(spec: str = "2xT4-16G", start: bool = True, create: bool = True, extra_args: tuple[str, ...] = ()) -> ManagedNode:
         name = f"nm-{uuid.uuid4().hex[:8]}"
         if create:
             bare_node(cluster.api, name, label)
-        node = ManagedNode(name, spec, cluster.cp.admin_kubeconfig)
+        node = ManagedNode(name, spec, cluster.cp.admin_kubeconfig, extra_args=extra_args)
         nodes.append(node)
         if start:
             node.start()
@@ -191,7 +192,8 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
     cluster.api.create_namespaced_pod(ns, pending_pod("train", 30, 5))
     bind_with_record(cluster.api, ns, "train", node.name, [(1, cards[1].uuid, 300, 5120)], time.time_ns())
     node.kubelet.admit(read_pod(cluster.api, ns, "train"))
-    kubeconfig_arg = ["--kubeconfig", str(cluster.cp.admin_kubeconfig), "--node", node.name]
+    # what is used: test_qgpu_status_reads_what_is_used_from_the_nodes_manager_through_the_pod_proxy
+    kubeconfig_arg = ["--kubeconfig", str(cluster.cp.admin_kubeconfig), "--node", node.name, "--no-usage"]
 
     verify = ["--record-verify-key", str(node.root / "keys" / "record-verify.pub")]  # the key the manager runs with
     out = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", *kubeconfig_arg, *verify, "--json"])
@@ -202,7 +204,8 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
         (c.index, c.uuid, "T4", 16384) for c in cards]
     assert status["cards"][0]["workloads"] == [] and status["cards"][0]["core_allocated_milli"] == 0
     assert status["cards"][1]["workloads"] == [{"name": f"{ns}/train", "core_milli": 300, "memory_mib": 5120, "klass": "normal",
-                                                "unverified": False}]
+                                                "unverified": False, "container": "c0", "used_core_pct": None,
+                                                "used_memory_mib": None}]
     assert (status["cards"][1]["core_allocated_milli"], status["cards"][1]["memory_allocated_mib"]) == (300, 5120)
 
     table = run_cli([sys.executable, "-m", "qgpu_runtime.cli", "status", *kubeconfig_arg])
@@ -210,7 +213,7 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
     header, row0, row1 = table.stdout.splitlines()
     assert header.split()[:4] == ["NODE", "POLICY", "CARD", "MODEL"]
     assert row0.split()[:5] == [node.name, "fixed-share", "0", "T4", "16384MiB"] and row0.endswith("-")
-    assert row1.split() == [node.name, "fixed-share", "1", "T4", "16384MiB", "30%", "5120MiB", f"{ns}/train(30%/5120MiB)"]
+    assert row1.split() == [node.name, "fixed-share", "1", "T4", "16384MiB", "30%", "5120MiB", "-", f"{ns}/train(30%/5120MiB)"]
 
     # the console script, and kubectl finding it as a plugin on PATH
     plugin = Path(sys.executable).parent / "kubectl-qgpu"
@@ -222,6 +225,78 @@ def test_qgpu_status_and_kubectl_qgpu_show_node_cards_allocations_and_policy(clu
     via_kubectl = run_cli([kubectl, "qgpu", "status", *kubeconfig_arg],
                           env={"PATH": f"{plugin.parent}{os.pathsep}{os.environ.get('PATH', '')}"})
     assert via_kubectl.returncode == 0 and via_kubectl.stdout == table.stdout, via_kubectl.stderr
+
+
+def host_address() -> str | None:
+    """This machine's address on its default route (no packet is sent), or None: the apiserver's
+    pod proxy refuses loopback addresses, so a stand-in manager pod needs another one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))
+        except OSError:
+            return None
+        address = s.getsockname()[0]
+    return None if address.startswith("127.") else address
+
+
+def test_qgpu_status_reads_what_is_used_from_the_nodes_manager_through_the_pod_proxy(cluster, ns, managed, tmp_path):
+    """A real manager serving /metrics, reached as the roles deploy it: a pod labelled qgpu-manager
+    with a `metrics` port on the node, through the apiserver's pod proxy with the caller's own
+    credentials. The pod object stands in for the DaemonSet's (no kubelet runs here): its IP is
+    this host's, where the manager listens. A caller without pods/proxy still gets the allocations,
+    and the reason the figures are missing."""
+    address = host_address()
+    if address is None:
+        pytest.skip("no non-loopback IPv4 address: the apiserver's pod proxy refuses loopback")
+    port = free_port()
+    node = managed("2xT4-16G", extra_args=("--metrics-port", str(port)))
+    cards = node.cards
+    cluster.api.create_namespaced_pod(ns, pending_pod("train", 30, 5))
+    bind_with_record(cluster.api, ns, "train", node.name, [(1, cards[1].uuid, 300, 5120)], time.time_ns())
+    node.kubelet.admit(read_pod(cluster.api, ns, "train"))
+    uid, cid = read_pod(cluster.api, ns, "train")["metadata"]["uid"], "f" * 64
+    cluster.api.patch_namespaced_pod_status("train", ns, {"status": {
+        "phase": "Running", "containerStatuses": [{"name": "c0", "containerID": f"containerd://{cid}", "image": "pause",
+                                                   "imageID": "", "ready": True, "restartCount": 0}]}})
+    node.control.write_text(json.dumps({"processes": [
+        {"pid": 4242, "card_index": 1, "memory_mib": 1800, "sm_util_pct": 12, "cgroup": f"0::/kubepods/pod{uid}/{cid}"},
+        {"pid": 4343, "card_index": 0, "memory_mib": 300, "sm_util_pct": 4, "cgroup": "0::/user.slice/someone"}]}))
+    cluster.api.create_namespaced_pod(ns, {
+        "metadata": {"name": "manager", "labels": {"app.kubernetes.io/name": "qgpu-manager"}},
+        "spec": {"nodeName": node.name, "containers": [{"name": "manager", "image": "pause",
+                                                        "ports": [{"name": "metrics", "containerPort": port}]}]}})
+    cluster.api.patch_namespaced_pod_status("manager", ns, {"status": {
+        "phase": "Running", "podIP": address, "podIPs": [{"ip": address}]}})
+    argv = [sys.executable, "-m", "qgpu_runtime.cli", "status", "--node", node.name, "--manager-namespace", ns, "--json"]
+
+    def status(kubeconfig: Path) -> dict[str, Any]:
+        out = run_cli([*argv, "--kubeconfig", str(kubeconfig)])
+        assert out.returncode == 0, out.stderr
+        (got,) = json.loads(out.stdout)["nodes"]
+        return got
+
+    def used() -> bool:
+        got = status(cluster.cp.admin_kubeconfig)
+        return got["cards"][1]["workloads"][0]["used_memory_mib"] == 1800 and got["cards"][0]["memory_used_mib"] == 300
+    wait_for("qgpu status shows the manager's sample", used, timeout=30)
+    got = status(cluster.cp.admin_kubeconfig)
+    assert got["usage_error"] == ""
+    assert [(c["index"], c["util_pct"], c["memory_used_mib"]) for c in got["cards"]] == [(0, 4, 300), (1, 12, 1800)]
+    (train,) = got["cards"][1]["workloads"]
+    assert (train["name"], train["container"], train["used_core_pct"], train["used_memory_mib"]) == (f"{ns}/train", "c0", 12, 1800)
+    table = run_cli([*argv[:-1], "--kubeconfig", str(cluster.cp.admin_kubeconfig)])
+    assert f"{ns}/train(30%/5120MiB,used 12%/1800MiB)" in table.stdout, table.stdout
+
+    # the same as a user who may list pods and nodes, and nothing else: allocations, and why no figures
+    reader = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole", "metadata": {},
+              "rules": [{"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["list"]}]}
+    name = f"status-reader-{uuid.uuid4().hex[:6]}"
+    try:
+        limited = status(kubeconfig_bound_to(cluster, reader, name, tmp_path / "reader.kubeconfig"))
+    finally:
+        unbind(cluster, name)
+    assert limited["cards"][1]["core_allocated_milli"] == 300 and limited["cards"][1]["memory_used_mib"] is None
+    assert "HTTP 403" in limited["usage_error"] and "pods/proxy" in limited["usage_error"], limited["usage_error"]
 
 
 def test_qgpu_status_lists_pending_gpu_pods_with_the_schedulers_reason(cluster, ns):

@@ -282,6 +282,12 @@ class _Pods:
     def record_event(self, *args):
         pass
 
+    def set_node_condition(self, node, condition):
+        pass
+
+    def record_node_event(self, node, event_type, reason, message):
+        pass
+
 
 def _config(tmp_path, dra_on: bool) -> ManagerConfig:
     return ManagerConfig(NODE, (CATALOG["tke.cloud.tencent.com/qgpu-core"],), plugin_dir=tmp_path / "plugins",

@@ -30,6 +30,8 @@ class Pods:
 
     def __init__(self, pods: list[dict]) -> None:
         self.pods, self.patches, self.nodes, self.capacity = pods, [], [], []
+        self.conditions: list[tuple[str, dict]] = []
+        self.node_events: list[tuple[str, str, str, str]] = []
 
     def pods_on_node(self, node):
         return list(self.pods)
@@ -48,6 +50,12 @@ class Pods:
 
     def record_event(self, *args):
         pass
+
+    def set_node_condition(self, node, condition):
+        self.conditions.append((node, dict(condition)))
+
+    def record_node_event(self, node, event_type, reason, message):
+        self.node_events.append((node, event_type, reason, message))
 
 
 @pytest.fixture()
@@ -151,5 +159,80 @@ def test_hamis_share_sizes_are_published_as_node_capacity_where_nvidia_gpu_is_se
     assert pods.capacity == (expected if published else [])
 
 
+@pytest.mark.parametrize(("policy", "isolation", "backend", "enforced", "reason"), [
+    (Policy.FIXED_SHARE, True, "nvml", True, "Enforced"),
+    (Policy.BURST_SHARE, True, "nvml", True, "Enforced"),
+    (Policy.BEST_EFFORT, True, "nvml", False, "PolicyBestEffort"),
+    (Policy.FIXED_SHARE, False, "nvml", False, "IsolationOff"),
+    (Policy.FIXED_SHARE, True, "simulated", False, "SimulatedGPUs"),
+    (Policy.BEST_EFFORT, False, "simulated", False, "IsolationOff"),  # the first missing piece is named
+])
+def test_whether_shares_are_enforced_follows_the_isolation_loop_the_backend_and_the_policy(policy, isolation, backend,
+                                                                                          enforced, reason):
+    from qgpu_runtime.node.enforcer import enforcement
+
+    got = enforcement(policy, isolation, backend, 0.05)
+    assert (got.enforced, got.reason) == (enforced, reason)
+    assert policy.value in got.message or reason == "SimulatedGPUs" and backend in got.message
+
+
+def test_the_node_says_once_whether_its_shares_are_enforced_and_warns_when_not(parts):
+    """The condition lands with the labels (retried with them); the Warning Event is written once
+    per change of what the condition says, not on every publish."""
+    from qgpu_runtime.node.enforcer import enforcement
+
+    config, _, health = parts
+    pods = Pods([])
+    publisher = NodePublisher(config, CARDS, health, pods, lambda: Policy.BEST_EFFORT)
+    publisher.publish()
+    assert pods.conditions == [] and pods.node_events == []  # nothing known yet: nothing claimed
+    publisher.enforcement = enforcement(Policy.BEST_EFFORT, True, "nvml", 0.05)
+    publisher.publish()
+    publisher.publish()
+    ((node, condition),) = pods.conditions
+    assert node == NODE and {k: condition[k] for k in ("type", "status", "reason")} == {
+        "type": "QGPUSharesEnforced", "status": "False", "reason": "PolicyBestEffort"}
+    assert pods.node_events == [(NODE, "Warning", "SharesNotEnforced", f"PolicyBestEffort: {condition['message']}")]
+    publisher.enforcement = enforcement(Policy.FIXED_SHARE, True, "nvml", 0.05)
+    publisher.publish()
+    assert [c["status"] for _, c in pods.conditions] == ["False", "True"] and len(pods.node_events) == 1
+
+
+def test_a_refused_condition_is_retried_with_the_labels(parts):
+    from qgpu_runtime.node.enforcer import enforcement
+
+    config, _, health = parts
+
+    class Refusing(Pods):
+        def set_node_condition(self, node, condition):
+            raise RuntimeError("denied by the admission policy")
+
+    publisher = NodePublisher(config, CARDS, health, Refusing([]), lambda: Policy.FIXED_SHARE)
+    publisher.enforcement = enforcement(Policy.FIXED_SHARE, False, "nvml", 0.05)
+    publisher.publish()
+    assert publisher.due is not None and publisher.pods.node_events == []
+    working = Pods([])
+    publisher.pods, publisher.due = working, 0.0
+    publisher.retry_if_due()
+    assert publisher.due is None and working.conditions[0][1]["reason"] == "IsolationOff" and len(working.node_events) == 1
+
+
 def test_the_manager_is_what_the_device_plugin_talks_to():
     assert isinstance(NodeManager, type) and all(hasattr(NodeManager, m) for m in DeviceService.__dict__ if not m.startswith("_"))
+
+
+def test_the_pods_file_source_keeps_the_nodes_other_conditions_and_appends_node_events(tmp_path):
+    import json
+
+    from qgpu_runtime.node.pods import FilePodSource
+
+    source = FilePodSource(tmp_path / "pods.json")
+    (tmp_path / "pods.node.json").write_text(json.dumps({"metadata": {"name": NODE}, "status": {"conditions": [
+        {"type": "Ready", "status": "True"}, {"type": "QGPUSharesEnforced", "status": "True", "reason": "Enforced"}]}}))
+    source.set_node_condition(NODE, {"type": "QGPUSharesEnforced", "status": "False", "reason": "IsolationOff"})
+    conditions = json.loads((tmp_path / "pods.node.json").read_text())["status"]["conditions"]
+    assert conditions == [{"type": "Ready", "status": "True"},
+                          {"type": "QGPUSharesEnforced", "status": "False", "reason": "IsolationOff"}]
+    source.record_node_event(NODE, "Warning", "SharesNotEnforced", "IsolationOff: off")
+    events = [json.loads(line) for line in (tmp_path / "pods.events.jsonl").read_text().splitlines()]
+    assert events == [{"node": NODE, "type": "Warning", "reason": "SharesNotEnforced", "message": "IsolationOff: off"}]

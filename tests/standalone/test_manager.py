@@ -145,3 +145,41 @@ def test_children_left_by_a_killed_qgpu_run_stay_under_the_policy(db, manager, t
         assert _stopped_fraction(child, 0.5) == 0.0
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+def test_qgpu_status_shows_what_each_job_uses_beside_what_it_booked(db, manager, tmp_path):
+    """The manager writes the jobs' sampled use to the store every second; `qgpu status` shows it
+    beside each booking and per card, and stops showing it once it is stale."""
+    import json
+
+    from qgpu_runtime.status_cmd import USAGE_STALE_S, read_store_status
+
+    manager("best-effort", "2xT4-16G")
+    job = qgpu("run", "--dbfile", str(db), "--core", "50", "--memory", "4", "--name", "web", "--", "sleep", "60")
+    wait_for(lambda: job_pgids(db).get("web"))
+    job_id = rows(db, "SELECT id FROM jobs WHERE name='web'")[0][0]
+    write_json(tmp_path / "usage.json", {job_id: {"demand_milli": 300, "memory_mib": 1500}})
+
+    def shown():
+        out = qgpu_done("status", "--standalone-db", str(db), "--json")
+        assert out.returncode == 0, out.stderr
+        (node,) = json.loads(out.stdout)["nodes"]
+        (card,) = [c for c in node["cards"] if c["workloads"]]
+        return node, card
+    wait_for(lambda: shown()[1]["workloads"][0]["used_memory_mib"] == 1500, timeout=10)
+    time.sleep(1.5)  # a whole write interval at the new demand
+    node, card = shown()
+    (web,) = card["workloads"]
+    assert node["usage_error"] == "" and web["name"] == "web" and web["core_milli"] == 500
+    assert 25 <= web["used_core_pct"] <= 35, web  # best-effort: the job runs at its own demand, 30 %
+    assert (card["memory_used_mib"], 25 <= card["util_pct"] <= 35) == (1500, True), card
+    idle = [c for c in node["cards"] if not c["workloads"]]
+    assert [(c["util_pct"], c["memory_used_mib"]) for c in idle] == [(0, 0)]
+    table = qgpu_done("status", "--standalone-db", str(db)).stdout
+    assert "web(50%/4096MiB,used " in table and "%/1500MiB)" in table, table
+    stop(job)
+
+    sampled = rows(db, "SELECT max(sampled) FROM usage")[0][0]
+    late = read_store_status(db, now=sampled + USAGE_STALE_S + 5)
+    assert all(c.util_pct is None and all(w.used_memory_mib is None for w in c.workloads) for c in late.cards)
+    assert "last sample is 35 s old" in late.usage_error
