@@ -10,9 +10,30 @@ XID needs a reset before it is used again. This module knows cards, never a door
 from __future__ import annotations
 
 import threading
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.node.store import PreparedClaim, Share
+
+UNHEALTHY_EVENT = "GPUCardUnhealthy"
+"""Reason of the Warning Event each pod holding a share of a card gets when the card turns unhealthy."""
+
+
+def pods_on_card(index: int, shares: Iterable[Share], claims: Iterable[PreparedClaim]) -> list[tuple[str, str, str]]:
+    """Pure: (namespace, pod, pod uid) of every pod holding a share of card ``index``, once each. A
+    device-plugin share names its pod (workload_id is the pod's UID); a DRA share names its claim
+    (workload_id is the claim's UID), whose pods are those it was reserved for at prepare."""
+    by_claim = {c.claim_uid: c for c in claims}
+    out: set[tuple[str, str, str]] = set()
+    for share in shares:
+        if share.card_index != index:
+            continue
+        claim = by_claim.get(share.workload_id)
+        if claim is None:
+            out.add((share.namespace, share.workload, share.workload_id))
+        else:
+            out.update((claim.namespace, pod.name, pod.uid) for pod in claim.pods)
+    return sorted(out)
 
 
 class CardHealth:

@@ -43,7 +43,7 @@ from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.deviceplugin.response import ContainerGrant
 from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, enforcement, resolve_policy
-from qgpu_runtime.node.health import CardHealth
+from qgpu_runtime.node.health import UNHEALTHY_EVENT, CardHealth, pods_on_card
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.podresources import DEFAULT_SOCKET
 from qgpu_runtime.node.pods import PodSource, PodSourceError
@@ -270,11 +270,19 @@ class NodeManager:
         """Sticky until restart: a card that raised a fatal XID needs a reset before reuse."""
         if not self.health.mark(index, reason):
             return
-        log.warning("card %d (%s) unhealthy: %s", index, self.cards[index].uuid, reason)
+        uuid = self.cards[index].uuid
+        log.warning("card %d (%s) unhealthy: %s", index, uuid, reason)
         self.store.set_card_health(index, False, reason)
         self.publisher.publish()
         if self.slices is not None:
             self.slices.publish()
+        message = (f"card {index} ({uuid}) of node {self.config.node} is unhealthy ({reason}): no new share is placed on it "
+                   "and this pod's share on it may fail; delete the pod to have it placed on a healthy card")
+        for namespace, pod, uid in pods_on_card(index, self.store.shares(), self.store.prepared_claims()):
+            try:
+                self.pods.record_event(namespace, pod, uid, UNHEALTHY_EVENT, message)
+            except Exception as exc:  # noqa: BLE001 - the card is out of the pool either way; say so in the log
+                log.warning("pod %s/%s on unhealthy card %d: could not record the Event: %s", namespace, pod, index, exc)
 
     # ---- DeviceService (node/deviceplugin/devices.py), and what tests and benchmarks drive directly ---------
     def wait_devices(self, kind: ResourceKind, seen: int, timeout_s: float) -> tuple[int, list[tuple[str, bool]]]:

@@ -22,7 +22,7 @@ import yaml
 from qgpu_runtime.extender.nodes import node_spec
 from qgpu_runtime.placement.state import CardSpec
 from tests.k8s.controlplane import ROOT, free_port, kubeconfig
-from tests.k8s.kubeobjects import bound, gpu_pod, read_pod, record, wait_for
+from tests.k8s.kubeobjects import bound, events_for, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import CORE, MEMORY, ManagedNode, bare_node, bind_with_record, read_node
 from tests.k8s.rbac import kubeconfig_bound_to, template_cluster_role, unbind
 
@@ -87,14 +87,21 @@ def test_node_object_created_after_the_manager_started_is_labelled_on_a_later_at
              timeout=60)
 
 
-def test_card_gone_unhealthy_is_republished_and_leaves_placement(cluster, managed):
+def test_card_gone_unhealthy_is_republished_and_leaves_placement(cluster, ns, managed):
+    """The card leaves placement, and the pod holding a share of it gets a Warning Event saying so."""
     node = managed("2xT4-16G")
+    cluster.api.create_namespaced_pod(ns, pending_pod("on-card-1", 30, 5))
+    bind_with_record(cluster.api, ns, "on-card-1", node.name, [(1, node.cards[1].uuid, 300, 5120)], time.time_ns())
+    node.kubelet.admit(read_pod(cluster.api, ns, "on-card-1"))
     node.control.write_text(json.dumps({"unhealthy": {"1": "XID 79"}}))
     obj = wait_for("card 1 unhealthy on the node", lambda: (n := read_node(cluster.api, node.name))
                    and not json.loads(n["metadata"]["annotations"]["qgpu.io/gpus"])[1]["healthy"] and n)
     card1 = json.loads(obj["metadata"]["annotations"]["qgpu.io/gpus"])[1]
     assert card1["reason"] == "XID 79"
     assert [c.index for c in node_spec(obj).cards] == [0]
+    (event,) = wait_for("the pod's Event", lambda: [e for e in events_for(cluster.api, ns, "on-card-1")
+                                                    if e["reason"] == "GPUCardUnhealthy"])
+    assert event["type"] == "Warning" and "is unhealthy (XID 79)" in event["message"], event
 
 
 # ---- (b) a pod placed by the real scheduler + extender is admitted with its record's cards -------

@@ -236,3 +236,18 @@ def test_the_pods_file_source_keeps_the_nodes_other_conditions_and_appends_node_
     source.record_node_event(NODE, "Warning", "SharesNotEnforced", "IsolationOff: off")
     events = [json.loads(line) for line in (tmp_path / "pods.events.jsonl").read_text().splitlines()]
     assert events == [{"node": NODE, "type": "Warning", "reason": "SharesNotEnforced", "message": "IsolationOff: off"}]
+
+
+def test_the_pods_of_a_card_are_its_device_plugin_pods_and_the_pods_of_its_claims():
+    from qgpu_runtime.node.health import pods_on_card
+    from qgpu_runtime.node.store import PreparedClaim, ReservedPod, Share
+
+    shares = [Share("uid-a", "team", "a", "c1", 1, "GPU-1", 300, 2048, "normal", 1),
+              Share("uid-a", "team", "a", "c2", 1, "GPU-1", 200, 2048, "normal", 1),  # a second container: one pod
+              Share("uid-b", "team", "b", "main", 0, "GPU-0", 300, 2048, "normal", 2),  # another card
+              Share("claim-1", "ml", "train-gpu", "share", 1, "GPU-1", 500, 4096, "normal", 3)]
+    claims = [PreparedClaim("claim-1", "ml", "train-gpu", (), "", 3, (ReservedPod("uid-t", "train"), ReservedPod("uid-u", "eval"))),
+              PreparedClaim("claim-2", "ml", "idle", (), "", 4, (ReservedPod("uid-i", "idle"),))]
+    assert pods_on_card(1, shares, claims) == [("ml", "eval", "uid-u"), ("ml", "train", "uid-t"), ("team", "a", "uid-a")]
+    assert pods_on_card(0, shares, claims) == [("team", "b", "uid-b")]
+    assert pods_on_card(2, shares, claims) == []

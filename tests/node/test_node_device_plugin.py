@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import grpc
 import pytest
@@ -224,6 +225,25 @@ def test_allocate_refuses_device_ids_never_advertised(node, resource, ids, says)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert says in err.value.details()
     assert node.store.grants() == []
+
+
+def test_each_pod_on_a_card_that_turns_unhealthy_gets_a_warning_event_and_the_others_none(node):
+    on_1 = pod("on-1", "gpu-node-1", [("main", qgpu(30, 2), [(1, node.uuid(1), 300, 2048)])], bind_time=1)
+    also_1 = pod("also-1", "gpu-node-1", [("main", qgpu(20, 1), [(1, node.uuid(1), 200, 1024)])], bind_time=2)
+    on_0 = pod("on-0", "gpu-node-1", [("main", qgpu(40, 3), [(0, node.uuid(0), 400, 3072)])], bind_time=3)
+    node.set_pods([on_1, also_1, on_0])
+    for p in (on_1, also_1, on_0):
+        node.kubelet.admit(p)
+    node.control_write({"unhealthy": {"1": "XID 79"}})
+    events = node.root / "pods.events.jsonl"
+
+    def written():
+        return [json.loads(line) for line in events.read_text().splitlines()] if events.exists() else []
+    node.kubelet.wait_for(lambda: len([e for e in written() if e.get("reason") == "GPUCardUnhealthy"]) >= 2)
+    time.sleep(0.5)  # an Event for the healthy card's pod, or a second one per pod, would land by now
+    got = [e for e in written() if e.get("reason") == "GPUCardUnhealthy"]
+    assert sorted((e["pod"], e["uid"]) for e in got) == sorted((p["metadata"]["name"], p["metadata"]["uid"]) for p in (on_1, also_1))
+    assert all(f"card 1 ({node.uuid(1)}) of node gpu-node-1 is unhealthy (XID 79)" in e["message"] for e in got), got
 
 
 def test_xid_marks_the_cards_devices_unhealthy_and_allocate_refuses_them(node):
