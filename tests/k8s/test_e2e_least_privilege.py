@@ -452,7 +452,9 @@ def test_node_manager_publishes_its_node_and_serves_allocate_with_its_bound_toke
         wait_for("the manager's labels on its node",
                  lambda: read_node(world.api, node.name)["metadata"].get("labels", {}).get(LABEL_COUNT) == "1")
         assert node.kubelet.admit(read_pod(world.api, world.ns, "served"))["c0"]["NVIDIA_VISIBLE_DEVICES"] == node.cards[0].uuid
-        notes = read_pod(world.api, world.ns, "served")["metadata"]["annotations"]
+        # written after Allocate returned (node/annotationwriter.py), off the admission path: it lands soon
+        notes = wait_for("the manager's qgpu.io/assigned on the pod", lambda: (
+            n := read_pod(world.api, world.ns, "served")["metadata"]["annotations"]) and ASSIGNED in n and n)
         assert json.loads(notes[ASSIGNED]) == ["c0"]
         # simulated cards: the node says its shares are not enforced, and why, in its status and an Event
         condition = wait_for("the manager's condition on its node", lambda: next(
