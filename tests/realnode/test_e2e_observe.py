@@ -1,8 +1,8 @@
 """Seeing it on the real node (issue 26 §1): a real Prometheus (Debian's package, installed by
-scripts/local-cluster-deps) discovers the node managers through the Service the roles deployed
-(`gpu-manager-metric`, its prometheus.io/* annotations read by the annotation-driven scrape config
-most clusters ship) and finds a running pod's share; `qgpu status` reads the manager DaemonSet's
-pod through the apiserver's pod proxy; the Node says whether its shares are enforced."""
+scripts/local-cluster-deps) scrapes the node managers at the endpoints of the Service the roles
+deployed (`gpu-manager-metric`, at the port and path of its prometheus.io/* annotations) and finds
+a running pod's share; `qgpu status` reads the manager DaemonSet's pod through the apiserver's pod
+proxy; the Node says whether its shares are enforced."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 import yaml
+from kubernetes import client
 
 from tests.polling import poll
 from tests.realnode import kube
@@ -37,21 +38,30 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def scrape_config(kubeconfig: Path) -> dict[str, Any]:
-    """The annotation-driven job of Prometheus' own example configuration and most charts:
-    endpoints of Services annotated prometheus.io/scrape, path and port from the annotations."""
+SERVICE = "gpu-manager-metric"  # qgpu_manager_metrics_service_name's default, gpu-manager's name
+
+
+def service_targets(cluster: LocalCluster) -> list[dict[str, Any]]:
+    """What the annotation-driven job of an upstream Prometheus derives from the Service (its
+    kubernetes_sd_configs, docs/operations.md), as a file_sd target list: Debian's Prometheus is built
+    without Kubernetes service discovery. The ready endpoints of the Service's EndpointSlices, at the
+    port and path its prometheus.io/* annotations name; nothing when it is not annotated for scraping."""
+    api = kube.core(cluster)
+    service = api.read_namespaced_service(SERVICE, QGPU_NAMESPACE)
+    notes = service.metadata.annotations or {}
+    if notes.get("prometheus.io/scrape") != "true":
+        return []
+    slices = client.DiscoveryV1Api(api.api_client).list_namespaced_endpoint_slice(
+        QGPU_NAMESPACE, label_selector=f"kubernetes.io/service-name={SERVICE}").items
+    addresses = sorted({a for s in slices for e in s.endpoints or [] if e.conditions is None or e.conditions.ready is not False
+                        for a in e.addresses})
+    return [{"targets": [f"{a}:{notes['prometheus.io/port']}" for a in addresses],
+             "labels": {"service": SERVICE, "__metrics_path__": notes.get("prometheus.io/path", "/metrics")}}] if addresses else []
+
+
+def scrape_config(targets_file: Path) -> dict[str, Any]:
     return {"global": {"scrape_interval": "2s", "scrape_timeout": "2s"}, "scrape_configs": [{
-        "job_name": "kubernetes-service-endpoints",
-        "kubernetes_sd_configs": [{"role": "endpointslice", "kubeconfig_file": str(kubeconfig),
-                                   "namespaces": {"names": [QGPU_NAMESPACE]}}],
-        "relabel_configs": [
-            {"source_labels": ["__meta_kubernetes_service_annotation_prometheus_io_scrape"], "action": "keep", "regex": "true"},
-            {"source_labels": ["__meta_kubernetes_service_annotation_prometheus_io_path"], "action": "replace",
-             "target_label": "__metrics_path__", "regex": "(.+)"},
-            {"source_labels": ["__address__", "__meta_kubernetes_service_annotation_prometheus_io_port"], "action": "replace",
-             "regex": r"([^:]+)(?::\d+)?;(\d+)", "replacement": "$1:$2", "target_label": "__address__"},
-            {"source_labels": ["__meta_kubernetes_service_name"], "target_label": "service"},
-        ]}]}
+        "job_name": "kubernetes-service-endpoints", "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "2s"}]}]}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +69,9 @@ def prometheus(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFac
     binary = shutil.which("prometheus")
     assert binary, "prometheus is not installed: scripts/local-cluster-deps installs Debian's package"
     work = tmp_path_factory.mktemp("prometheus")
-    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(local_cluster.admin_kubeconfig)))
+    targets = poll(lambda: service_targets(local_cluster), timeout=60, what=f"the endpoints of Service {SERVICE}")
+    (work / "targets.json").write_text(json.dumps(targets))
+    (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(work / "targets.json")))
     port = _free_port()
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
