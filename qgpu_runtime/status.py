@@ -70,8 +70,8 @@ class UsageError(ValueError):
 
 
 MAX_METRICS_BYTES = 8 * 1024 * 1024
-"""A node manager's /metrics larger than this is refused (a node of 16 cards and 110 pods writes
-well under 1 MiB)."""
+"""A node manager's /metrics larger than this is refused. node/metrics.py's series for 16 cards and
+110 one-container pods, each with a GPU process, render to 202 KB (measured 2026-11-28)."""
 MAX_CARD_INDEX = 63
 MIB = 1024 * 1024
 

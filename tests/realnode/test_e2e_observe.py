@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import urllib.parse
@@ -20,6 +19,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tests.k8s.controlplane import free_port
 from tests.polling import poll
 from tests.realnode import kube
 from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
@@ -30,12 +30,6 @@ MEMORY = "tke.cloud.tencent.com/qgpu-memory"
 ROOT = Path(__file__).resolve().parents[2]
 
 ns = kube.namespace_fixture("observe")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 SERVICE = "gpu-manager-metric"  # qgpu_manager_metrics_service_name's default, gpu-manager's name
@@ -72,7 +66,7 @@ def prometheus(local_cluster: LocalCluster, tmp_path_factory: pytest.TempPathFac
     targets = poll(lambda: service_targets(local_cluster), timeout=60, what=f"the endpoints of Service {SERVICE}")
     (work / "targets.json").write_text(json.dumps(targets))
     (work / "prometheus.yml").write_text(yaml.safe_dump(scrape_config(work / "targets.json")))
-    port = _free_port()
+    port = free_port()
     log = (work / "prometheus.log").open("w")
     proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT)
