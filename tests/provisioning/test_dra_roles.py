@@ -231,6 +231,9 @@ def test_the_dra_manager_may_publish_slices_and_read_claims_nothing_more(mixed_m
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["get"]}]
     base = by_kind(mixed_modes, "ClusterRole")["qgpu-manager"]
     assert not [r for r in base["rules"] if r["apiGroups"] == ["resource.k8s.io"]]
+    # the core rules are the device-plugin manager's: its pods, its node, the node's status (the
+    # QGPUSharesEnforced condition every manager sets), events
+    assert [r for r in role["rules"] if r["apiGroups"] == [""]] == base["rules"]
     binding = by_kind(mixed_modes, "ClusterRoleBinding")["qgpu-manager-dra"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "qgpu-manager-dra", "namespace": "qgpu-system"}]
 

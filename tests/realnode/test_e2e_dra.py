@@ -169,6 +169,12 @@ def test_the_manager_publishes_the_nodes_slice_and_the_roles_the_device_classes(
     assert {dra.SHARED_CLASS, dra.WHOLE_CLASS} <= {c["metadata"]["name"] for c in classes}
     # No device plugin on a DRA pool: the node advertises no qgpu extended resource.
     assert not [r for r in kube.allocatable(kube.core(dra_cluster)) if r.startswith(kube.GPU_RESOURCE_PREFIXES)]
+    # The DRA manager, with its own ClusterRole, says whether the node's shares are enforced.
+    api = kube.core(dra_cluster)
+    condition = poll(lambda: next((c for c in api.api_client.sanitize_for_serialization(api.read_node_status(NODE))
+                                   ["status"]["conditions"] if c["type"] == "QGPUSharesEnforced"), None),
+                     timeout=60, what="the QGPUSharesEnforced condition")
+    assert (condition["status"], condition["reason"]) == ("False", "SimulatedGPUs"), condition
 
 
 def test_a_share_runs_and_its_container_sees_card_and_share_from_the_cdi_spec(dra_cluster: LocalCluster, ns: str) -> None:
