@@ -90,15 +90,13 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
             pods = api.list_pods()
             nodes = cluster_status(listed_nodes, pods, verifier)
             pending = pending_gpu_pods(pods)
-            if args.node:  # Pending pods are on no node: listed only for the whole cluster
-                nodes, pending = [n for n in nodes if n.name in set(args.node)], []
-            if not args.no_usage:
-                nodes = with_usage(nodes, read_usage(api, [n.name for n in nodes], pods, args.manager_namespace))
+        if args.node:  # Pending pods are on no node: listed only for the whole cluster
+            nodes, pending = [n for n in nodes if n.name in set(args.node)], []
+        if store is None and not args.no_usage:  # only the shown nodes' managers are read
+            nodes = with_usage(nodes, read_usage(api, [n.name for n in nodes], pods, args.manager_namespace))
     except (StatusSourceError, ApiCallError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1
-    if args.node:  # (a store's one node; a cluster's nodes were chosen before their usage was read)
-        nodes, pending = [n for n in nodes if n.name in set(args.node)], []
     print(render_json(nodes, pending) if args.json else render_table(nodes, pending))
     return 0
 

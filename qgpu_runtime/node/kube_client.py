@@ -158,18 +158,8 @@ class KubePodSource:
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
         """A Warning Event on the pod, so ``kubectl describe pod`` shows why qgpu acted on it."""
-        from datetime import datetime, timezone
-
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "metadata": {"generateName": f"{pod}.qgpu-", "namespace": namespace},
-            "involvedObject": {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": pod, "uid": pod_uid},
-            "reason": reason, "message": message, "type": "Warning",
-            "source": {"component": "qgpu-manager"}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
-        drain(self._call(f"recording event {reason} on pod {namespace}/{pod}", lambda: self._core.create_namespaced_event(
-            namespace, body, _preload_content=False, _request_timeout=self._timeout)))
-
+        self._create_event(namespace, {"kind": "Pod", "apiVersion": "v1", "namespace": namespace, "name": pod, "uid": pod_uid},
+                           "Warning", reason, message, {"component": "qgpu-manager"}, f"pod {namespace}/{pod}")
 
     def set_node_condition(self, node: str, condition: Mapping[str, str]) -> None:
         """One condition of the Node's status, by strategic merge (conditions merge by type: the
@@ -182,17 +172,21 @@ class KubePodSource:
     def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None:
         """An Event on the Node (in namespace default, as the kubelet's are), so ``kubectl describe
         node`` shows it."""
+        self._create_event("default", {"kind": "Node", "apiVersion": "v1", "name": node, "uid": node},
+                           event_type, reason, message, {"component": "qgpu-manager", "host": node}, f"node {node}")
+
+    def _create_event(self, namespace: str, involved: Mapping[str, str], event_type: str, reason: str, message: str,
+                      source: Mapping[str, str], what: str) -> None:
         from datetime import datetime, timezone
 
         now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
-            "metadata": {"generateName": f"{node}.qgpu-", "namespace": "default"},
-            "involvedObject": {"kind": "Node", "apiVersion": "v1", "name": node, "uid": node},
-            "reason": reason, "message": message, "type": event_type,
-            "source": {"component": "qgpu-manager", "host": node}, "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+            "metadata": {"generateName": f"{involved['name']}.qgpu-", "namespace": namespace},
+            "involvedObject": dict(involved), "reason": reason, "message": message, "type": event_type,
+            "source": dict(source), "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        drain(self._call(f"recording event {reason} on node {node}", lambda: self._core.create_namespaced_event(
-            "default", body, _preload_content=False, _request_timeout=self._timeout)))
+        drain(self._call(f"recording event {reason} on {what}", lambda: self._core.create_namespaced_event(
+            namespace, body, _preload_content=False, _request_timeout=self._timeout)))
 
 
 class KubeSlices:
