@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "status": ("qgpu_runtime.status_cmd", "show GPU allocations per node and card"),
     "extender": ("qgpu_runtime.extender.cli", "kube-scheduler extender: filter, prioritize and bind GPU pods"),
     "webhook": ("qgpu_runtime.webhook.cli", "admission webhook: validate and complete GPU requests"),
+    "scheduler-wiring": ("qgpu_runtime.wiring.cli", "on a master: keep kube-scheduler wired to the extender across upgrades"),
 }
 
 

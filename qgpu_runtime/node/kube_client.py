@@ -32,6 +32,7 @@ from kubernetes import client
 
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
 from qgpu_runtime.kube.errors import NotFound, described
+from qgpu_runtime.kube.events import event_body, node_reference
 from qgpu_runtime.kube.reader import ApiCaller, load_client
 from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.node.podwatch import WatchExpired, watch_event
@@ -172,19 +173,12 @@ class KubePodSource:
     def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None:
         """An Event on the Node (in namespace default, as the kubelet's are), so ``kubectl describe
         node`` shows it."""
-        self._create_event("default", {"kind": "Node", "apiVersion": "v1", "name": node, "uid": node},
-                           event_type, reason, message, {"component": "qgpu-manager", "host": node}, f"node {node}")
+        self._create_event("default", node_reference(node), event_type, reason, message,
+                           {"component": "qgpu-manager", "host": node}, f"node {node}")
 
     def _create_event(self, namespace: str, involved: Mapping[str, str], event_type: str, reason: str, message: str,
                       source: Mapping[str, str], what: str) -> None:
-        from datetime import datetime, timezone
-
-        now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
-            "metadata": {"generateName": f"{involved['name']}.qgpu-", "namespace": namespace},
-            "involvedObject": dict(involved), "reason": reason, "message": message, "type": event_type,
-            "source": dict(source), "firstTimestamp": now, "lastTimestamp": now, "count": 1,
-        }
+        body = event_body(namespace, involved, event_type, reason, message, source)
         drain(self._call(f"recording event {reason} on {what}", lambda: self._core.create_namespaced_event(
             namespace, body, _preload_content=False, _request_timeout=self._timeout)))
 

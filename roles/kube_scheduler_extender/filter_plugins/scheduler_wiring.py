@@ -2,202 +2,47 @@
 
 Why Python and not Jinja: choosing the config format from the running version and editing the
 kubeadm-generated manifest are small pure functions with many cases (every Kubernetes minor from
-1.14 on, foreign flags, re-wiring after an upgrade); here they are unit-tested directly
-(tests/provisioning/test_scheduler_wiring.py) and the role only moves files.
+1.14 on, foreign flags, re-wiring after an upgrade). They live in the runtime package
+(qgpu_runtime/wiring/formats.py) because the master's re-wiring watcher (`qgpu scheduler-wiring
+watch`) applies the same wiring after a master upgrade: one definition of "wired" for both. The
+filters take that module from this checkout (the one the roles deploy) and turn its errors into
+Ansible's.
 """
 
 from __future__ import annotations
 
-import copy
-import re
-from dataclasses import dataclass
-from typing import Any
+import functools
+import sys
+from pathlib import Path
+from typing import Any, Callable
 
 from ansible.errors import AnsibleFilterError
 
-CONFIG_VOLUME = "qgpu-scheduler-config"
-CHECKSUM_ANNOTATION = "qgpu.io/scheduler-config-checksum"
-# Flags that select a scheduler configuration; the wiring owns them.
-CONFIG_FLAGS = ("--config", "--policy-config-file", "--use-legacy-policy-config",
-                "--policy-configmap", "--policy-configmap-namespace")
-OLDEST_SUPPORTED = (1, 14)
-# resource.k8s.io/v1 (DRA, GA): the first kube-scheduler that allocates ResourceClaims by default.
-DRA_FIRST = (1, 34)
+_CHECKOUT = str(Path(__file__).resolve().parents[3])
+if _CHECKOUT not in sys.path:
+    sys.path.insert(0, _CHECKOUT)
+
+from qgpu_runtime.wiring import formats  # noqa: E402  (after the checkout is on the path)
 
 
-@dataclass(frozen=True)
-class FormatSpan:
-    """Kubernetes minors (inclusive) in which kube-scheduler reads a config format."""
-
-    first: tuple[int, int]
-    last: tuple[int, int] | None  # None: still current
-
-    def covers(self, version: tuple[int, int]) -> bool:
-        return self.first <= version and (self.last is None or version <= self.last)
-
-    def describe(self) -> str:
-        first = f"1.{self.first[1]}"
-        return f"{first}-1.{self.last[1]}" if self.last else f"{first}+"
+def _ansible_errors(function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except formats.WiringError as exc:
+            raise AnsibleFilterError(str(exc)) from exc
+    return wrapped
 
 
-# Policy: removed in 1.23 (kubernetes#105424). v1beta1: 1.19-1.22; v1beta2: 1.22-1.27;
-# v1beta3: 1.23-1.28; v1: 1.25 onwards (kube-scheduler config/<ver>/types.go per tag).
-FORMATS: dict[str, FormatSpan] = {
-    "policy": FormatSpan(OLDEST_SUPPORTED, (1, 22)),
-    "v1beta1": FormatSpan((1, 19), (1, 22)),
-    "v1beta2": FormatSpan((1, 22), (1, 27)),
-    "v1beta3": FormatSpan((1, 23), (1, 28)),
-    "v1": FormatSpan((1, 25), None),
-}
-
-
-def parse_minor(version: str) -> tuple[int, int]:
-    """'v1.28.3', '1.28', '1.22.17-tke.1' -> (1, 28)."""
-    match = re.match(r"^v?(\d+)\.(\d+)", str(version).strip())
-    if not match:
-        raise AnsibleFilterError(f"kube-scheduler version {version!r}: expected MAJOR.MINOR[.PATCH], e.g. 1.22.17")
-    return int(match.group(1)), int(match.group(2))
-
-
-def default_format(version: str) -> str:
-    """The newest format the version reads, except that 1.22 keeps v1beta2 and 1.23-1.24 v1beta3."""
-    minor = parse_minor(version)
-    if minor < OLDEST_SUPPORTED:
-        raise AnsibleFilterError(f"kube-scheduler {version}: qgpu supports Kubernetes 1.14 and later")
-    if minor <= (1, 18):
-        return "policy"
-    if minor <= (1, 21):
-        return "v1beta1"
-    if minor == (1, 22):
-        return "v1beta2"
-    if minor <= (1, 24):
-        return "v1beta3"
-    return "v1"
-
-
-def scheduler_config_format(version: str, requested: str = "auto") -> str:
-    """Resolve ``auto`` for ``version``, or check that ``requested`` is readable by it."""
-    if requested == "auto":
-        return default_format(version)
-    if requested not in FORMATS:
-        raise AnsibleFilterError(
-            f"kube_scheduler_extender_config_format {requested!r}: choose auto or one of {', '.join(FORMATS)}")
-    minor = parse_minor(version)
-    span = FORMATS[requested]
-    if not span.covers(minor):
-        readable = [name for name, s in FORMATS.items() if s.covers(minor)]
-        raise AnsibleFilterError(
-            f"kube_scheduler_extender_config_format {requested!r}: kube-scheduler {version} cannot read it "
-            f"({requested} works with Kubernetes {span.describe()}); {version} reads {', '.join(readable) or 'none of them'}")
-    return requested
-
-
-def scheduler_has_dra(version: str) -> bool:
-    """True when kube-scheduler ``version`` allocates ResourceClaims (resource.k8s.io/v1, 1.34 on)."""
-    return parse_minor(version) >= DRA_FIRST
-
-
-def scheduler_version_from_manifest(manifest: dict[str, Any]) -> str:
-    """Version from the kube-scheduler container's image tag (kubeadm: registry/kube-scheduler:v1.28.3)."""
-    container = _scheduler_container(manifest)
-    image = str(container.get("image", ""))
-    tag = image.rsplit(":", 1)[-1] if ":" in image.rsplit("/", 1)[-1] else ""
-    if not re.match(r"^v?\d+\.\d+", tag):
-        raise AnsibleFilterError(
-            f"kube-scheduler manifest: image {image!r} has no version tag; set kube_scheduler_extender_kubernetes_version")
-    return tag.lstrip("v")
-
-
-def _scheduler_container(manifest: dict[str, Any]) -> dict[str, Any]:
-    containers = (manifest.get("spec") or {}).get("containers") or []
-    for container in containers:
-        if container.get("name") == "kube-scheduler":
-            return container
-    if len(containers) == 1:
-        return containers[0]
-    raise AnsibleFilterError("kube-scheduler manifest: no container named kube-scheduler in spec.containers")
-
-
-def _flag_name(arg: str) -> str:
-    return str(arg).split("=", 1)[0]
-
-
-def wiring_flags(config_format: str, config_file: str) -> list[str]:
-    """The kube-scheduler flags that load ``config_file`` in ``config_format``."""
-    if config_format == "policy":
-        return [f"--policy-config-file={config_file}", "--use-legacy-policy-config=true"]
-    return [f"--config={config_file}"]
-
-
-def scheduler_wire(manifest: dict[str, Any], config_format: str, config_file: str, config_dir: str,
-                   checksum: str) -> dict[str, Any]:
-    """Return a copy of the static pod ``manifest`` that loads the qgpu scheduler config.
-
-    The flags go to the container's ``args`` (kubeadm writes every flag into ``command``, and
-    kubelet appends ``args``), the config directory is mounted read-only, and the config's
-    checksum is a pod annotation: a changed config changes the manifest, so kubelet restarts
-    kube-scheduler exactly when the config changed, and never otherwise.
-    """
-    wired = copy.deepcopy(manifest)
-    container = _scheduler_container(wired)
-    for field in ("command", "args"):
-        for arg in container.get(field) or []:
-            if _flag_name(arg) in ("--config", "--policy-config-file") and not _is_ours(arg, config_dir):
-                raise AnsibleFilterError(
-                    f"kube-scheduler manifest: {field} already has {arg}; qgpu will not replace a configuration it did "
-                    f"not write. Add the qgpu extender to that file, or remove the flag and re-run.")
-    if container.get("command"):
-        container["command"] = [a for a in container["command"] if _flag_name(a) not in CONFIG_FLAGS]
-    args = [a for a in container.get("args") or [] if _flag_name(a) not in CONFIG_FLAGS]
-    container["args"] = args + wiring_flags(config_format, config_file)
-
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != CONFIG_VOLUME]
-    container["volumeMounts"] = mounts + [{"name": CONFIG_VOLUME, "mountPath": config_dir, "readOnly": True}]
-    spec = wired.setdefault("spec", {})
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != CONFIG_VOLUME]
-    spec["volumes"] = volumes + [{"name": CONFIG_VOLUME, "hostPath": {"path": config_dir, "type": "DirectoryOrCreate"}}]
-    metadata = wired.setdefault("metadata", {})
-    annotations = dict(metadata.get("annotations") or {})
-    annotations[CHECKSUM_ANNOTATION] = checksum
-    metadata["annotations"] = annotations
-    return wired
-
-
-def _is_ours(arg: str, config_dir: str) -> bool:
-    value = str(arg).split("=", 1)[1] if "=" in str(arg) else ""
-    return value.startswith(config_dir.rstrip("/") + "/")
-
-
-def scheduler_unwire(manifest: dict[str, Any], config_dir: str) -> dict[str, Any]:
-    """Undo :func:`scheduler_wire`: drop the qgpu flags, mount and annotation."""
-    unwired = copy.deepcopy(manifest)
-    container = _scheduler_container(unwired)
-    for field in ("command", "args"):
-        if field in container:
-            container[field] = [a for a in container[field]
-                                if not (_flag_name(a) in CONFIG_FLAGS and (_is_ours(a, config_dir) or _flag_name(a) == "--use-legacy-policy-config"))]
-    if container.get("args") == []:
-        del container["args"]
-    if "volumeMounts" in container:
-        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != CONFIG_VOLUME]
-    spec = unwired.get("spec") or {}
-    if "volumes" in spec:
-        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") != CONFIG_VOLUME]
-    annotations = (unwired.get("metadata") or {}).get("annotations")
-    if annotations is not None:
-        annotations.pop(CHECKSUM_ANNOTATION, None)
-        if not annotations:
-            del unwired["metadata"]["annotations"]
-    return unwired
-
-
-def scheduler_is_wired(manifest: dict[str, Any], config_format: str, config_file: str, config_dir: str) -> bool:
-    """True when the manifest loads ``config_file`` (whatever the checksum): False after kubeadm regenerated it."""
-    container = _scheduler_container(manifest)
-    flags = list(container.get("command") or []) + list(container.get("args") or [])
-    mounted = any(m.get("name") == CONFIG_VOLUME and m.get("mountPath") == config_dir
-                  for m in container.get("volumeMounts") or [])
-    return all(flag in flags for flag in wiring_flags(config_format, config_file)) and mounted
+scheduler_config_format = _ansible_errors(formats.scheduler_config_format)
+scheduler_has_dra = _ansible_errors(formats.scheduler_has_dra)
+scheduler_version_from_manifest = _ansible_errors(formats.scheduler_version_from_manifest)
+scheduler_wire = _ansible_errors(formats.scheduler_wire)
+scheduler_unwire = _ansible_errors(formats.scheduler_unwire)
+scheduler_is_wired = _ansible_errors(formats.scheduler_is_wired)
+scheduler_config_file_name = _ansible_errors(formats.config_file_name)
+scheduler_restart_checksum = _ansible_errors(formats.restart_checksum)
 
 
 class FilterModule:
@@ -211,4 +56,6 @@ class FilterModule:
             "scheduler_wire": scheduler_wire,
             "scheduler_unwire": scheduler_unwire,
             "scheduler_is_wired": scheduler_is_wired,
+            "scheduler_config_file_name": scheduler_config_file_name,
+            "scheduler_restart_checksum": scheduler_restart_checksum,
         }
