@@ -92,6 +92,9 @@ def _write_atomically(path: Path, text: str, mode: int) -> None:
 
 
 def _version(manifest: dict[str, Any], state: Mapping[str, Any]) -> str:
+    if state.get("pinned_version"):
+        # the operator set kube_scheduler_extender_kubernetes_version: the role wired for it, and so does the watcher
+        return str(state["pinned_version"])
     try:
         return formats.scheduler_version_from_manifest(manifest)
     except formats.WiringError:

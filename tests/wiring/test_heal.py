@@ -202,3 +202,14 @@ def test_check_names_a_manifest_that_does_not_parse(master, capsys) -> None:
     Path(state["root"] + state["manifest"]).write_text("spec: [unclosed\n")
     assert main(["scheduler-wiring", "check", "--state", str(state_path)]) == 2
     assert "qgpu scheduler-wiring:" in capsys.readouterr().err
+
+
+def test_a_pinned_version_is_what_the_watcher_wires_for_as_the_role_did(master) -> None:
+    state_path = master("1.28", "v1")
+    state = json.loads(state_path.read_text())
+    state["pinned_version"] = "1.28"  # kube_scheduler_extender_kubernetes_version, beside an image tagged v1.28.15
+    state_path.write_text(json.dumps(state))
+    manifest = manifest_of(state_path)
+    manifest["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-scheduler:v1.28.15"
+    Path(state["root"] + state["manifest"]).write_text(yaml.safe_dump(manifest))
+    assert not heal(state_path).changed
