@@ -1,0 +1,82 @@
+"""A card fails on the real node (issue 26 §4): the simulated backend raises XID 79 for the card a
+running GPU pod holds a share of (its control file, as NVML would report the event). Within one
+health period the card's units leave the kubelet's allocatable, the node's `qgpu.io/gpus`
+annotation marks it unhealthy, the running pod gets the Warning Event `GPUCardUnhealthy` and keeps
+running (docs/operations.md, "A card fails"), and a new pod is placed on the healthy card only.
+The card is sticky-unhealthy until the manager restarts; the test restarts it and sees the
+capacity come back."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from qgpu_runtime.contract.inventory import parse_inventory
+from qgpu_runtime.contract.names import ALLOCATION, INVENTORY
+from qgpu_runtime.contract.record import parse_record
+from tests.polling import poll
+from tests.realnode import kube
+from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
+from tests.realnode.test_e2e_dialects import delete
+from tests.realnode.test_e2e_restarts import CORE, MEMORY, gpu_pod, manager_pod
+
+ns = kube.namespace_fixture("cardfail")
+
+
+def allocatable(cluster: LocalCluster) -> tuple[int, int]:
+    status = kube.core(cluster).read_node("localhost").status
+    return int(status.allocatable.get(CORE, "0")), int(status.allocatable.get(MEMORY, "0"))
+
+
+def card_of(pod: dict) -> int:
+    return parse_record(pod["metadata"]["annotations"][ALLOCATION]).containers[0].shares[0].index
+
+
+def test_a_failed_card_leaves_the_pool_its_pods_are_told_and_new_pods_go_elsewhere(local_cluster: LocalCluster, ns: str) -> None:
+    cluster = local_cluster
+    api = kube.core(cluster)
+    cards = parse_inventory("localhost", api.read_node("localhost").metadata.annotations[INVENTORY])
+    core_before, memory_before = allocatable(cluster)
+    card_core, card_memory = core_before // len(cards), memory_before // len(cards)
+    victim = gpu_pod(cluster, ns, "on-card", core="30", memory="4")
+    failed = card_of(victim)
+    started = time.monotonic()
+    cluster.simulated_control().write_text(json.dumps({"unhealthy": {str(failed): "XID 79: GPU has fallen off the bus"}}))
+    try:
+        poll(lambda: allocatable(cluster) == (core_before - card_core, memory_before - card_memory), timeout=60, interval=0.2,
+             what=f"card {failed}'s {card_core} core and {card_memory} memory units out of the node's allocatable")
+        gone = time.monotonic() - started
+        (card,) = [c for c in parse_inventory("localhost", api.read_node("localhost").metadata.annotations[INVENTORY])
+                   if c.index == failed]
+        assert not card.healthy and "XID 79" in card.reason
+
+        def warned() -> list | None:
+            events = api.list_namespaced_event(ns, field_selector="involvedObject.kind=Pod,involvedObject.name=on-card").items
+            return [e for e in events if e.reason == "GPUCardUnhealthy"] or None
+
+        (event,) = poll(warned, timeout=30, what="the GPUCardUnhealthy Event on the pod")
+        assert event.type == "Warning" and "XID 79" in event.message and f"card {failed}" in event.message
+        still = kube.read(api, ns, "on-card")
+        assert still["status"]["phase"] == "Running"
+        assert still["status"]["containerStatuses"][0]["containerID"] == victim["status"]["containerStatuses"][0]["containerID"]
+        # a new pod that the failed card could have held lands on the healthy one
+        assert card_of(gpu_pod(cluster, ns, "after", core="60", memory="8")) != failed
+        print(f"card {failed} out of the allocatable {gone:.1f} s after XID 79")
+    finally:
+        cluster.simulated_control().write_text("{}\n")
+    # unhealthy is sticky (the card needs a reset); a manager restart brings it back
+    restarted_from = manager_pod(cluster)["metadata"]["uid"]
+    api.delete_namespaced_pod(manager_pod(cluster)["metadata"]["name"], QGPU_NAMESPACE)
+    poll(lambda: (p := manager_pod_or_none(cluster)) is not None and p["metadata"]["uid"] != restarted_from
+         and (p["status"].get("containerStatuses") or [{}])[0].get("ready"), timeout=120, interval=0.5,
+         what="the manager recreated and Ready")
+    poll(lambda: allocatable(cluster) == (core_before, memory_before), timeout=60, interval=0.5,
+         what="the card's units back in the allocatable")
+    assert all(c.healthy for c in parse_inventory("localhost", api.read_node("localhost").metadata.annotations[INVENTORY]))
+    delete(cluster, ns, "on-card")
+    delete(cluster, ns, "after")
+
+
+def manager_pod_or_none(cluster: LocalCluster) -> dict | None:
+    pods = kube.core(cluster).list_namespaced_pod(QGPU_NAMESPACE, label_selector="app.kubernetes.io/name=qgpu-manager").items
+    return kube.core(cluster).api_client.sanitize_for_serialization(pods[0]) if len(pods) == 1 else None
