@@ -8,9 +8,10 @@ master's re-wiring watcher (wiring/heal.py) both call them: one definition of "w
 from __future__ import annotations
 
 import copy
+import functools
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 
 class WiringError(ValueError):
@@ -101,27 +102,70 @@ def scheduler_has_dra(version: str) -> bool:
 
 def scheduler_version_from_manifest(manifest: dict[str, Any]) -> str:
     """Version from the kube-scheduler container's image tag (kubeadm: registry/kube-scheduler:v1.28.3)."""
-    container = _scheduler_container(manifest)
-    image = str(container.get("image", ""))
-    tag = image.rsplit(":", 1)[-1] if ":" in image.rsplit("/", 1)[-1] else ""
-    if not re.match(r"^v?\d+\.\d+", tag):
-        raise WiringError(
-            f"kube-scheduler manifest: image {image!r} has no version tag; set kube_scheduler_extender_kubernetes_version")
-    return tag.lstrip("v")
+    return component_version(manifest, "kube-scheduler", "kube_scheduler_extender_kubernetes_version")
 
 
-def _scheduler_container(manifest: dict[str, Any]) -> dict[str, Any]:
+# --- kubeadm static pods, whichever component (kube-scheduler here, kube-apiserver in the
+# kube_apiserver_admission role's filters) ------------------------------------------------------
+
+def static_pod_container(manifest: dict[str, Any], component: str) -> dict[str, Any]:
+    """The container named ``component`` of a static pod manifest, or its only container."""
     containers = (manifest.get("spec") or {}).get("containers") or []
     for container in containers:
-        if container.get("name") == "kube-scheduler":
+        if container.get("name") == component:
             return container
     if len(containers) == 1:
         return containers[0]
-    raise WiringError("kube-scheduler manifest: no container named kube-scheduler in spec.containers")
+    raise WiringError(f"{component} manifest: no container named {component} in spec.containers")
 
 
-def _flag_name(arg: str) -> str:
+def component_version(manifest: dict[str, Any], component: str, version_variable: str) -> str:
+    """Version from the ``component`` container's image tag (kubeadm: registry/<component>:v1.28.3);
+    without a version tag the error names the variable that sets it."""
+    image = str(static_pod_container(manifest, component).get("image", ""))
+    tag = image.rsplit(":", 1)[-1] if ":" in image.rsplit("/", 1)[-1] else ""
+    if not re.match(r"^v?\d+\.\d+", tag):
+        raise WiringError(f"{component} manifest: image {image!r} has no version tag; set {version_variable}")
+    return tag.lstrip("v")
+
+
+def flag_name(arg: str) -> str:
+    """``--config=/x`` -> ``--config``."""
     return str(arg).split("=", 1)[0]
+
+
+def flag_under(arg: str, directory: str) -> bool:
+    """True when the flag's value is a path under ``directory`` (a file qgpu wrote)."""
+    value = str(arg).split("=", 1)[1] if "=" in str(arg) else ""
+    return value.startswith(directory.rstrip("/") + "/")
+
+
+def drop_volume(manifest: dict[str, Any], container: dict[str, Any], volume: str) -> None:
+    """Remove the volume named ``volume`` and the container's mount of it, in place."""
+    if "volumeMounts" in container:
+        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != volume]
+    spec = manifest.get("spec") or {}
+    if "volumes" in spec:
+        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") != volume]
+
+
+def translated(function: Callable[..., Any], error: type[Exception]) -> Callable[..., Any]:
+    """``function`` raising ``error`` (e.g. Ansible's AnsibleFilterError) where it raises WiringError:
+    how the roles' filter plugins call this module."""
+    @functools.wraps(function)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except WiringError as exc:
+            raise error(str(exc)) from exc
+    return wrapped
+
+
+def _scheduler_container(manifest: dict[str, Any]) -> dict[str, Any]:
+    return static_pod_container(manifest, "kube-scheduler")
+
+
+
 
 
 def wiring_flags(config_format: str, config_file: str) -> list[str]:
@@ -144,13 +188,13 @@ def scheduler_wire(manifest: dict[str, Any], config_format: str, config_file: st
     container = _scheduler_container(wired)
     for field in ("command", "args"):
         for arg in container.get(field) or []:
-            if _flag_name(arg) in ("--config", "--policy-config-file") and not _is_ours(arg, config_dir):
+            if flag_name(arg) in ("--config", "--policy-config-file") and not flag_under(arg, config_dir):
                 raise WiringError(
                     f"kube-scheduler manifest: {field} already has {arg}; qgpu will not replace a configuration it did "
                     f"not write. Add the qgpu extender to that file, or remove the flag and re-run.")
     if container.get("command"):
-        container["command"] = [a for a in container["command"] if _flag_name(a) not in CONFIG_FLAGS]
-    args = [a for a in container.get("args") or [] if _flag_name(a) not in CONFIG_FLAGS]
+        container["command"] = [a for a in container["command"] if flag_name(a) not in CONFIG_FLAGS]
+    args = [a for a in container.get("args") or [] if flag_name(a) not in CONFIG_FLAGS]
     container["args"] = args + wiring_flags(config_format, config_file)
 
     mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != CONFIG_VOLUME]
@@ -165,11 +209,6 @@ def scheduler_wire(manifest: dict[str, Any], config_format: str, config_file: st
     return wired
 
 
-def _is_ours(arg: str, config_dir: str) -> bool:
-    value = str(arg).split("=", 1)[1] if "=" in str(arg) else ""
-    return value.startswith(config_dir.rstrip("/") + "/")
-
-
 def scheduler_unwire(manifest: dict[str, Any], config_dir: str) -> dict[str, Any]:
     """Undo :func:`scheduler_wire`: drop the qgpu flags, mount and annotation."""
     unwired = copy.deepcopy(manifest)
@@ -177,14 +216,10 @@ def scheduler_unwire(manifest: dict[str, Any], config_dir: str) -> dict[str, Any
     for field in ("command", "args"):
         if field in container:
             container[field] = [a for a in container[field]
-                                if not (_flag_name(a) in CONFIG_FLAGS and (_is_ours(a, config_dir) or _flag_name(a) == "--use-legacy-policy-config"))]
+                                if not (flag_name(a) in CONFIG_FLAGS and (flag_under(a, config_dir) or flag_name(a) == "--use-legacy-policy-config"))]
     if container.get("args") == []:
         del container["args"]
-    if "volumeMounts" in container:
-        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != CONFIG_VOLUME]
-    spec = unwired.get("spec") or {}
-    if "volumes" in spec:
-        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") != CONFIG_VOLUME]
+    drop_volume(unwired, container, CONFIG_VOLUME)
     annotations = (unwired.get("metadata") or {}).get("annotations")
     if annotations is not None:
         annotations.pop(CHECKSUM_ANNOTATION, None)

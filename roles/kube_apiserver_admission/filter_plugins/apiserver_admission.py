@@ -13,10 +13,19 @@ from __future__ import annotations
 
 import copy
 import re
+import sys
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from ansible.errors import AnsibleFilterError
+
+_CHECKOUT = str(Path(__file__).resolve().parents[3])
+if _CHECKOUT not in sys.path:
+    sys.path.insert(0, _CHECKOUT)
+
+# kubeadm static pod helpers shared with kube_scheduler_extender (this checkout's runtime package)
+from qgpu_runtime.wiring import formats  # noqa: E402
 
 CONFIG_FLAG = "--admission-control-config-file"
 CONFIG_VOLUME = "qgpu-admission-config"
@@ -75,31 +84,16 @@ def admission_kubeconfig(names: list[str], cert_file: str, key_file: str) -> dic
 
 def apiserver_version_from_manifest(manifest: dict[str, Any]) -> str:
     """Version from the kube-apiserver container's image tag (kubeadm: registry/kube-apiserver:v1.28.3)."""
-    image = str(_container(manifest).get("image", ""))
-    tag = image.rsplit(":", 1)[-1] if ":" in image.rsplit("/", 1)[-1] else ""
-    if not re.match(r"^v?\d+\.\d+", tag):
-        raise AnsibleFilterError(
-            f"kube-apiserver manifest: image {image!r} has no version tag; set kube_apiserver_admission_kubernetes_version")
-    return tag.lstrip("v")
+    version = formats.translated(formats.component_version, AnsibleFilterError)
+    return version(manifest, "kube-apiserver", "kube_apiserver_admission_kubernetes_version")
 
 
 def _container(manifest: dict[str, Any]) -> dict[str, Any]:
-    containers = (manifest.get("spec") or {}).get("containers") or []
-    for container in containers:
-        if container.get("name") == "kube-apiserver":
-            return container
-    if len(containers) == 1:
-        return containers[0]
-    raise AnsibleFilterError("kube-apiserver manifest: no container named kube-apiserver in spec.containers")
+    return formats.translated(formats.static_pod_container, AnsibleFilterError)(manifest, "kube-apiserver")
 
 
-def _flag_name(arg: str) -> str:
-    return str(arg).split("=", 1)[0]
-
-
-def _is_ours(arg: str, config_dir: str) -> bool:
-    value = str(arg).split("=", 1)[1] if "=" in str(arg) else ""
-    return value.startswith(config_dir.rstrip("/") + "/")
+_flag_name = formats.flag_name
+_is_ours = formats.flag_under
 
 
 def apiserver_admission_wire(manifest: dict[str, Any], config_file: str, config_dir: str, checksum: str) -> dict[str, Any]:
@@ -152,11 +146,7 @@ def apiserver_admission_unwire(manifest: dict[str, Any], config_dir: str) -> dic
             container[field] = [a for a in container[field] if not (_flag_name(a) == CONFIG_FLAG and _is_ours(a, config_dir))]
     if container.get("args") == []:
         del container["args"]
-    if "volumeMounts" in container:
-        container["volumeMounts"] = [m for m in container["volumeMounts"] if m.get("name") != CONFIG_VOLUME]
-    spec = unwired.get("spec") or {}
-    if "volumes" in spec:
-        spec["volumes"] = [v for v in spec["volumes"] if v.get("name") != CONFIG_VOLUME]
+    formats.drop_volume(unwired, container, CONFIG_VOLUME)
     annotations = (unwired.get("metadata") or {}).get("annotations")
     if annotations and CHECKSUM_ANNOTATION in annotations:
         del annotations[CHECKSUM_ANNOTATION]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ansible.errors import AnsibleFilterError
 
@@ -24,16 +24,7 @@ if _CHECKOUT not in sys.path:
 
 from qgpu_runtime.wiring import formats  # noqa: E402  (after the checkout is on the path)
 
-
-def _ansible_errors(function: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return function(*args, **kwargs)
-        except formats.WiringError as exc:
-            raise AnsibleFilterError(str(exc)) from exc
-    return wrapped
-
+_ansible_errors = functools.partial(formats.translated, error=AnsibleFilterError)
 
 scheduler_config_format = _ansible_errors(formats.scheduler_config_format)
 scheduler_has_dra = _ansible_errors(formats.scheduler_has_dra)
