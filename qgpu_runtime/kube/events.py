@@ -5,6 +5,10 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Mapping
 
+# An Event's message is for a person reading `kubectl describe`; the events.k8s.io API caps its
+# `note` at 1 KiB, and a message built from a file's error text (the re-wiring watcher) could be longer.
+MAX_MESSAGE = 1024
+
 
 def node_reference(node: str) -> dict[str, str]:
     """A Node as an Event's involvedObject (uid = name, as the kubelet writes it; `kubectl describe
@@ -18,7 +22,7 @@ def event_body(namespace: str, involved: Mapping[str, str], event_type: str, rea
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "metadata": {"generateName": f"{involved['name']}.qgpu-", "namespace": namespace},
-        "involvedObject": dict(involved), "reason": reason, "message": message, "type": event_type,
+        "involvedObject": dict(involved), "reason": reason, "message": message[:MAX_MESSAGE], "type": event_type,
         "source": dict(source), "firstTimestamp": now, "lastTimestamp": now, "count": 1,
     }
 

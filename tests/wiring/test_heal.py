@@ -213,3 +213,10 @@ def test_a_pinned_version_is_what_the_watcher_wires_for_as_the_role_did(master) 
     manifest["spec"]["containers"][0]["image"] = "registry.k8s.io/kube-scheduler:v1.28.15"
     Path(state["root"] + state["manifest"]).write_text(yaml.safe_dump(manifest))
     assert not heal(state_path).changed
+
+
+def test_an_event_message_is_bounded() -> None:
+    from qgpu_runtime.kube.events import MAX_MESSAGE, event_body, node_reference
+
+    body = event_body("default", node_reference("m-1"), "Warning", "SchedulerWiringFailed", "x" * 5000, {"component": "c"})
+    assert len(body["message"]) == MAX_MESSAGE and body["involvedObject"]["name"] == "m-1"
