@@ -110,15 +110,20 @@ def test_requests_past_the_in_flight_cap_get_503():
 
 
 def test_bodies_past_the_memory_budget_get_503():
-    limits = ServerLimits(body_budget=1000, header_timeout_s=5.0, body_timeout_s=5.0, watch_interval_s=0.05)
+    # the slow body's deadline outlives any stall of a loaded machine: the test closes it itself
+    limits = ServerLimits(body_budget=1000, header_timeout_s=5.0, body_timeout_s=60.0, watch_interval_s=0.05)
     srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={}), limits=limits)
     srv.start()
     try:
         with ExitStack() as stack:
             slow = opened(stack, srv.port, SLOW_BODY)  # reserves 1000 bytes, sends 10
-            # the server thread reserves asynchronously: wait for the refusal, then pin its words
-            status, doc = poll(lambda: (answer := post(srv.port, "/echo", b"{}"))[0] == 503 and answer, what="a 503")
-            assert doc == {"Error": "busy: 1000 bytes of request bodies in memory; retry"}
+            # Its thread reserves asynchronously. A request sent before that could hold its own 2
+            # bytes at that moment and get the slow body refused instead, leaving the budget never
+            # full again; so the request waits until the server counts the whole budget held.
+            poll(lambda: srv.stats.body_bytes_peak == limits.body_budget, what="the slow body to hold the budget")
+            status, doc = post(srv.port, "/echo", b"{}")
+            assert (status, doc) == (503, {"Error": "busy: 1000 bytes of request bodies in memory; retry"})
+            assert srv.stats.refused_budget == 1
             slow.close()
         poll(lambda: post(srv.port, "/echo", b"{}") == (200, {"got": 2}), what="the budget to be given back")
     finally:
