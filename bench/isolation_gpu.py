@@ -131,10 +131,13 @@ def control(nvml, policy: Policy, workers: list[Worker], until, enforce_compute=
     actuator = SignalActuator(groups, grace_s=2.0)
     sink = Sink()
     watchdog = MemoryWatchdog(CollectorRegistry(), sink, actuator.stop)
-    sampler = NvmlSampler(ProcessSampler(nvml, [0]).reader(), owner)
+    raw: list[tuple[float, str | None, int, int]] = []  # (read at, workload, driver ts, SM %): the sampling as seen
+    reader = RecordingReader(ProcessSampler(nvml, [0]).reader(), owner, raw)
+    sampler = NvmlSampler(reader, owner)
     engine = IsolationEngine(policy, sampler, actuator, ControlParams(), watchdog, 0, enforce_compute)
     pending = list(later)
     held_log: list[tuple[float, list[str]]] = []
+    ticks: list = []  # (time, dt, held, usage given to the law, buckets after it)
     last = time.monotonic()
     try:
         while True:
@@ -151,11 +154,44 @@ def control(nvml, policy: Policy, workers: list[Worker], until, enforce_compute=
             now = time.monotonic()
             report = engine.tick([Workload(w.key, w.klass, (CardQuota(0, w.core, w.memory),)) for w in live], now - last)
             actuator.reap()
+            state = engine._states.get(0)
+            ticks.append((round(now, 4), round(now - last, 4), sorted(report.held),
+                          {k: round(u.used_milli, 1) for k, u in report.usage.get(0, {}).items()},
+                          {k: round(t.bucket, 1) for k, t in state.tenants.items()} if state else {}))
             last = now
             held_log.append((now, sorted(report.held)))
     finally:
         engine.close()
-    return {"held_log": held_log, "events": [e.__dict__ for e in sink.events]}
+    return {"held_log": held_log, "events": [e.__dict__ for e in sink.events], "raw_samples": raw, "ticks": ticks,
+            "sampling": sampling_summary(raw)}
+
+
+class RecordingReader:
+    """The gpu edge's reader, recording every driver sample the engine is given."""
+
+    def __init__(self, inner, owner, raw: list) -> None:
+        self._inner, self._owner, self._raw = inner, owner, raw
+        self.indices = inner.indices
+
+    def card(self, index: int):
+        procs = self._inner.card(index)
+        now = time.time()  # NVML's timestamps are the CPU's wall clock
+        for p in procs:
+            for s in p.sm:
+                self._raw.append((round(now, 4), self._owner(p.pid), s.ts_us, s.sm_pct))
+        return procs
+
+
+def sampling_summary(raw: list) -> dict:
+    """Per workload: samples seen, how many said 0 %, and the spacing of its driver timestamps."""
+    out: dict = {}
+    for key in sorted({r[1] for r in raw if r[1]}):
+        ts = [r[2] for r in raw if r[1] == key]
+        gaps = sorted((b - a) / 1e6 for a, b in zip(ts, ts[1:]))
+        out[key] = {"samples": len(ts), "zero_pct_samples": sum(1 for r in raw if r[1] == key and r[3] == 0),
+                    "gap_s_min_p20_median_max": [round(gaps[int(q * (len(gaps) - 1))], 3) for q in (0, 0.2, 0.5, 1)] if gaps else None,
+                    "read_lag_s_median": round(sorted(r[0] - r[2] / 1e6 for r in raw if r[1] == key)[len(ts) // 2], 3) if ts else None}
+    return out
 
 
 def finish(workers: list[Worker]) -> None:
@@ -175,7 +211,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--only", help="comma-separated scenario names to run (the bare baseline always runs)")
+    ap.add_argument("--trace", help="also write each duty-cycled scenario's NVML samples and per-tick law state here")
     a = ap.parse_args()
+    traces: dict = {}
     nvml = load_nvml()
     results: dict = {"device": nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(0)),
                      "driver": nvml.nvmlSystemGetDriverVersion(), "cuda_driver_version": cuda_driver_version(nvml),
@@ -186,9 +225,16 @@ def main() -> int:
     def save():
         with open(a.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
+        if a.trace:
+            with open(a.trace, "w") as f:
+                json.dump(traces, f, default=str)
+
+    only = set(a.only.split(",")) if a.only else None
 
     def scenario(name):
         def wrap(fn):
+            if only is not None and name not in only:
+                return
             t = time.monotonic()
             try:
                 results[name] = fn()
@@ -235,7 +281,9 @@ def main() -> int:
         finish(ws)
         t0, t1 = share_window(ws)
         shares = [round(100 * rate(w.series(), t0, t1) / T0, 1) for w in ws]
+        traces[name] = {"raw_samples": out["raw_samples"], "ticks": out["ticks"], "window": [t0, t1]}
         return {"mechanism": "duty cycling (SIGSTOP/SIGCONT) + NVML", "quota_pct": list(cores), "share_pct": shares,
+                "sampling": out["sampling"],
                 "error_points": [round(s - c, 1) for s, c in zip(shares, cores)],
                 "held_fraction": [round(sum(1 for _, h in out["held_log"] if w.key in h) / max(1, len(out["held_log"])), 3) for w in ws]}
 
@@ -256,8 +304,9 @@ def main() -> int:
 
         wait_started([a_])
         launched = time.monotonic()
-        control(nvml, Policy.BURST_SHARE, ws, until=lambda: False,
-                later=[(lambda: time.monotonic() - launched > 4.0, start_b)])
+        out = control(nvml, Policy.BURST_SHARE, ws, until=lambda: False,
+                      later=[(lambda: time.monotonic() - launched > 4.0, start_b)])
+        traces["burst"] = {"raw_samples": out["raw_samples"], "ticks": out["ticks"]}
         finish(ws)
         b = holder[0]
         b_start = started_at(b)
@@ -273,6 +322,7 @@ def main() -> int:
         after_b = rate(b.series(), b_start + 2.0, b_end - 0.2) / T0
         return {"quota_pct": [30, 70], "a_alone_share_pct": round(100 * before, 1),
                 "after_owner_returns_share_pct": [round(100 * after_a, 1), round(100 * after_b, 1)],
+                "sampling": out["sampling"],
                 "fallback_s": None if fell is None else round(fell, 2)}
 
     @scenario("offline_throttling")
@@ -317,7 +367,7 @@ def main() -> int:
 
     mps_bin = MpsDaemon.find()
     results["mps_available"] = bool(mps_bin)
-    if mps_bin:
+    if mps_bin and (only is None or any(n.startswith("mps") for n in only)):
         daemon = MpsDaemon(os.path.join(tmp, "mps-pipe"), os.path.join(tmp, "mps-log"))
         daemon.start()
         pinned = pinned_limits_supported(cuda_driver_version(nvml))

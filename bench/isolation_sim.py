@@ -4,8 +4,10 @@
 
 Figures:
 - fixed-share accuracy: card time achieved / quota, alone on an idle card and in pairs, with exact
-  per-tick measurement and with NVML-like sampling (one sample per process every 200 ms covering
-  the last 200 ms, as measured on an H100; bench/results/isolation_nvml_sampling_h100_*.json);
+  per-tick measurement and with NVML-like sampling (one sample every 200 ms covering the last
+  200 ms for each process that used the card in it, as measured on an H100 and an H200; with
+  ``_card``, each such process reported at the whole card's use, as the H200's driver reported
+  tenants taking turns);
 - burst-share fall-back time: from the moment the owner of the borrowed capacity starts until the
   borrower's 0.5 s running mean is back at its share (+3 points) and stays there;
 - offline throttling time: from the moment an online tenant starts until the offline tenant is held.
@@ -41,8 +43,8 @@ class _Drop:
         pass
 
 
-def setup(policy: Policy, sampling: float | None, drain_s: float = 0.002) -> tuple[SimBackend, IsolationEngine]:
-    backend = SimBackend({0: SimulatedGPU(0, "GPU-sim-0", "SIM", 81920, drain_s)}, sample_period_s=sampling)
+def setup(policy: Policy, sampling: float | None, drain_s: float = 0.002, attribution: str = "exact") -> tuple[SimBackend, IsolationEngine]:
+    backend = SimBackend({0: SimulatedGPU(0, "GPU-sim-0", "SIM", 81920, drain_s)}, sample_period_s=sampling, attribution=attribution)
     watchdog = MemoryWatchdog(CollectorRegistry(), _Drop(), backend.stop, clock=lambda: 0.0)
     return backend, IsolationEngine(policy, backend, backend, watchdog=watchdog)
 
@@ -55,16 +57,16 @@ def card_time_pct(backend: SimBackend, pid: int, seconds: float) -> float:
     return backend.gpus[0].processes[pid].used_total / seconds / DEMAND * 100
 
 
-def fixed_share(sampling: float | None, cores: list[int], seconds: float = 30.0) -> list[float]:
-    backend, engine = setup(Policy.FIXED_SHARE, sampling)
+def fixed_share(sampling: float | None, cores: list[int], seconds: float = 30.0, attribution: str = "exact") -> list[float]:
+    backend, engine = setup(Policy.FIXED_SHARE, sampling, attribution=attribution)
     for i, _ in enumerate(cores):
         backend.start(f"t{i}", 0, i + 1, DEMAND)
     drive(backend, engine, [wl(f"t{i}", c * 10) for i, c in enumerate(cores)], seconds, TICK)
     return [round(card_time_pct(backend, i + 1, seconds), 1) for i in range(len(cores))]
 
 
-def burst_fallback(sampling: float | None) -> dict:
-    backend, engine = setup(Policy.BURST_SHARE, sampling)
+def burst_fallback(sampling: float | None, attribution: str = "exact") -> dict:
+    backend, engine = setup(Policy.BURST_SHARE, sampling, attribution=attribution)
     backend.start("a", 0, 1, DEMAND)
     start_tick = 100
     series: list[tuple[float, float]] = []
@@ -90,8 +92,8 @@ def burst_fallback(sampling: float | None) -> dict:
             "owner_after_pct": round(card_time_pct(backend, 2, 15.0 - t_owner), 1)}
 
 
-def offline_throttle(sampling: float | None, policy: Policy) -> dict:
-    backend, engine = setup(policy, sampling)
+def offline_throttle(sampling: float | None, policy: Policy, attribution: str = "exact") -> dict:
+    backend, engine = setup(policy, sampling, attribution=attribution)
     backend.start("batch", 0, 1, DEMAND)
     start_tick = 60
     held_at: list[float] = []
@@ -110,15 +112,15 @@ def main() -> int:
     ap.add_argument("--json")
     a = ap.parse_args()
     out: dict = {"source": "simulated GPU", "tick_s": TICK, "workload_demand_milli": DEMAND}
-    for label, sampling in (("exact", None), ("nvml_200ms", 0.2)):
+    for label, sampling, attribution in (("exact", None, "exact"), ("nvml_200ms", 0.2, "exact"), ("nvml_200ms_card", 0.2, "card")):
         rows = {}
         for cores in ([10], [30], [50], [70], [90], [30, 60], [20, 30, 50]):
-            got = fixed_share(sampling, cores)
+            got = fixed_share(sampling, cores, attribution=attribution)
             rows["/".join(map(str, cores))] = {"quota_pct": cores, "card_time_pct": got,
                                               "achieved_over_quota": [round(g / c, 3) for g, c in zip(got, cores)]}
         out[f"fixed_share_{label}"] = rows
-        out[f"burst_share_{label}"] = burst_fallback(sampling)
-        out[f"offline_{label}"] = {p.value: offline_throttle(sampling, p) for p in Policy}
+        out[f"burst_share_{label}"] = burst_fallback(sampling, attribution)
+        out[f"offline_{label}"] = {p.value: offline_throttle(sampling, p, attribution) for p in Policy}
     text = json.dumps(out, indent=1)
     if a.json:
         with open(a.json, "w") as f:

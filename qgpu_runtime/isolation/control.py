@@ -6,12 +6,14 @@ through NVML sampling and SIGSTOP/SIGCONT, so what the tests pin is what runs in
 The law is time division with a token bucket per tenant, in milli-card-seconds. Every tick a
 tenant earns its *allowance rate*. Each tick at most one busy capped tenant gets the card's time
 slot (the one owed the most, with a non-negative bucket); it pays the whole slot, and the other
-busy capped tenants are held (suspended). Held tenants pay what was measured (queued kernels still
-draining), and debt is repaid. So over any window a tenant's card time stays within
-rate x window + the bucket cap + one tick, and tenants never overlap, which is what makes the
-shares exact: measured on an H100, charging measured utilization instead (NVML samples arrive every
-200 ms) overshot a 30 % cap by 6 points and starved the smaller of two tenants. Policies differ only
-in the allowance rate:
+busy capped tenants are held (suspended). Held tenants pay what the sampler charges them (queued
+kernels still draining, where the driver's figure can be believed: estimator.py), and debt is
+repaid. So over any window a tenant's card time stays within rate x window + the bucket cap + one
+tick, and tenants never overlap, which is what makes the shares exact: measured on an H100,
+charging measured utilization instead (NVML samples arrive every 200 ms) overshot a 30 % cap by 6
+points and starved the smaller of two tenants; measured on an H200 (2026-11-28), this law gives
+tenants 30.0 + 60.1 % of the card's time for shares of 30 + 60. Policies differ only in the
+allowance rate:
 
 - best-effort: unlimited (no throttling; the card's time slicing splits it among the busy).
 - fixed-share: the core share, whatever the rest of the card does.

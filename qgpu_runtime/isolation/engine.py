@@ -37,11 +37,13 @@ class Workload:
 
 
 class Sampler(Protocol):
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str]) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str],
+               slotted: Mapping[int, frozenset[str]] = ...) -> Mapping[int, Mapping[str, Usage]]:
         """Per card index, per workload key: use over the last ``dt_s`` seconds and memory now.
 
-        ``held`` names the workloads that were suspended during that tick (samplers that estimate
-        between sparse measurements need it)."""
+        ``held`` names the workloads that were suspended during that tick and ``slotted``, per card,
+        those that held the card's time slot (samplers that estimate between sparse measurements
+        need both: a slot is charged by time, so a measurement of it corrects nothing)."""
 
 
 class Actuator(Protocol):
@@ -87,7 +89,8 @@ class IsolationEngine:
         return frozenset(self._held)
 
     def tick(self, workloads: Sequence[Workload], dt_s: float) -> TickReport:
-        usage = self._sampler.sample(workloads, dt_s, frozenset(self._held))
+        slotted = {index: frozenset(k for k, t in state.tenants.items() if t.scheduled) for index, state in self._states.items()}
+        usage = self._sampler.sample(workloads, dt_s, frozenset(self._held), slotted)
         tenants_by_card: dict[int, list[Tenant]] = {}
         for w in workloads:
             for c in w.cards:

@@ -29,18 +29,24 @@ class NvmlSampler:
         self._owner = owner
         self._estimators: dict[int, UsageEstimator] = {i: UsageEstimator() for i in processes.indices}
 
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str]) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str],
+               slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
         wanted = {w.key for w in workloads}
         out: dict[int, dict[str, Usage]] = {}
         for index, estimator in self._estimators.items():
             procs = self._processes.card(index)
+            owners = {proc.pid: self._owner(proc.pid) for proc in procs}
+            busy = {owners[proc.pid] or proc.pid for proc in procs if any(s.sm_pct > 0 for s in proc.sm)}
+            slots = (slotted or {}).get(index, frozenset())
             per_key: dict[str, tuple[float, int]] = {}
             for proc in procs:
-                key = self._owner(proc.pid)
+                key = owners[proc.pid]
                 if key is None or key not in wanted:
                     continue
                 samples = [RawSample(s.ts_us, float(s.sm_pct)) for s in proc.sm]
-                charged = estimator.charge(proc.pid, dt_s, key not in held, samples)
+                # whether another workload held the slot, another process (anyone's) used the card
+                charged = estimator.charge(proc.pid, dt_s, key not in held, samples, key in slots,
+                                           bool(slots - {key}), bool(busy - {key}))
                 used, mib = per_key.get(key, (0.0, 0))
                 per_key[key] = (used + charged / dt_s, mib + proc.memory_mib)
             estimator.forget_except(p.pid for p in procs)

@@ -22,7 +22,8 @@ class SimProcessSampler:
     This is how the NVML sampler sees a real node (processes first, owners second), so a caller
     that maps processes to workloads itself (the node manager, through cgroups) is tested on the
     same path it runs in production. With ``sample_period_s`` set, utilization is reported the way
-    NVML does it on real cards: one sample per process every period, averaged over it, charged
+    NVML does it on real cards: one sample every period per process that used the card during it
+    (none for a process held or idle all period), averaged over the period, charged
     through the same :class:`UsageEstimator` the NVML sampler uses. Without it, every tick is
     measured exactly. Several processes of one workload on one card are summed.
     """
@@ -30,11 +31,16 @@ class SimProcessSampler:
     gpus: Mapping[int, SimulatedGPU]
     owner: Callable[[int], str | None]
     sample_period_s: float | None = None
+    # "card": each process that used the card during a period is reported at the whole card's use
+    # over it, as the H200's driver reported tenants taking turns (2026-11-28); "exact" otherwise
+    attribution: str = "exact"
     _estimators: dict[int, UsageEstimator] = field(default_factory=dict)
     _pending: dict[tuple[int, int], float] = field(default_factory=dict)  # (card, pid) -> milli-s since last sample
     _since_sample: float = 0.0
+    _card_window: dict[int, float] = field(default_factory=dict)  # card -> milli-s used by all since the last sample
 
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset()) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset(),
+               slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
         wanted = {w.key for w in workloads}
         sparse = self.sample_period_s is not None
         emit = False
@@ -43,8 +49,14 @@ class SimProcessSampler:
             emit = self._since_sample >= self.sample_period_s - 1e-9
         out: dict[int, dict[str, Usage]] = {}
         for card, gpu in self.gpus.items():
-            for pid, seen in gpu.sample(dt_s).items():
-                key = self.owner(pid)
+            seen_now = gpu.sample(dt_s)
+            if sparse:
+                self._card_window[card] = self._card_window.get(card, 0.0) + sum(p.used_milli for p in seen_now.values()) * dt_s
+            owners = {pid: self.owner(pid) for pid in seen_now}
+            busy = {owners[pid] or pid for pid, seen in seen_now.items() if seen.used_milli > 0}
+            slots = (slotted or {}).get(card, frozenset())
+            for pid, seen in seen_now.items():
+                key = owners[pid]
                 if key is None or key not in wanted:
                     continue
                 used = seen.used_milli
@@ -53,14 +65,21 @@ class SimProcessSampler:
                     self._pending[slot] = self._pending.get(slot, 0.0) + seen.used_milli * dt_s
                     raw = ()
                     if emit:
-                        now_us = round(gpu.now * 1e6)
-                        raw = (RawSample(now_us, self._pending.pop(slot) / self._since_sample / 10.0),)
+                        # NVML reports a process only when it used the card during the driver's
+                        # last sample period: a process held (or idle) through it gets no sample
+                        window_used = self._pending.pop(slot)
+                        if window_used > 0:
+                            if self.attribution == "card":
+                                window_used = self._card_window[card]
+                            raw = (RawSample(round(gpu.now * 1e6), window_used / self._since_sample / 10.0),)
                     estimator = self._estimators.setdefault(card, UsageEstimator())
-                    used = estimator.charge(pid, dt_s, key not in held, raw) / dt_s
+                    used = estimator.charge(pid, dt_s, key not in held, raw, key in slots,
+                                            bool(slots - {key}), bool(busy - {key})) / dt_s
                 before = out.setdefault(card, {}).get(key, Usage(0.0, 0))
                 out[card][key] = Usage(before.used_milli + used, before.memory_mib + seen.memory_mib)
         if emit:
             self._since_sample = 0.0
+            self._card_window.clear()
         return out
 
 
@@ -69,13 +88,14 @@ class SimBackend:
     """Simulated cards plus which simulated pid runs each workload on each card.
 
     Sampling goes through :class:`SimProcessSampler` with the pid table as the owner map;
-    ``sample_period_s`` is passed on (see there).
+    ``sample_period_s`` and ``attribution`` are passed on (see there).
     """
 
     gpus: dict[int, SimulatedGPU]
     pids: dict[str, dict[int, int]] = field(default_factory=dict)  # workload key -> card -> pid
     stopped: dict[str, str] = field(default_factory=dict)  # workload key -> why
     sample_period_s: float | None = None
+    attribution: str = "exact"
     _sampler: SimProcessSampler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -92,9 +112,11 @@ class SimBackend:
         return next((key for key, cards in self.pids.items() if pid in cards.values()), None)
 
     # Sampler
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset()) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset(),
+               slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
         self._sampler.sample_period_s = self.sample_period_s
-        return self._sampler.sample(workloads, dt_s, held)
+        self._sampler.attribution = self.attribution
+        return self._sampler.sample(workloads, dt_s, held, slotted)
 
     # Actuator
     def hold(self, key: str) -> None:

@@ -114,7 +114,8 @@ class BackendSampler:
         self._backend = backend
         self._owner = owner
 
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str]) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str],
+               slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
         wanted = {w.key for w in workloads}
         out: dict[int, dict[str, Usage]] = {}
         for card in self._backend.sample():

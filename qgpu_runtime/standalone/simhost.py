@@ -66,9 +66,10 @@ class SimulatedHost:
                 proc.memory_mib = memory  # pretend allocations: set, not checked against the card
 
     # Sampler
-    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str]) -> Mapping[int, Mapping[str, Usage]]:
+    def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str],
+               slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
         self.sim.advance(dt_s)
-        return self.sim.sample(workloads, dt_s, held)
+        return self.sim.sample(workloads, dt_s, held, slotted)
 
     # Actuator
     def hold(self, key: str) -> None:

@@ -88,7 +88,7 @@ class AdvancingSampler:
         self._gpus = gpus
         self._sampler = SimProcessSampler(gpus, owner)
 
-    def sample(self, workloads, dt_s, held):
+    def sample(self, workloads, dt_s, held, slotted=None):
         for gpu in self._gpus.values():
             gpu.advance(dt_s)
-        return self._sampler.sample(workloads, dt_s, held)
+        return self._sampler.sample(workloads, dt_s, held, slotted)

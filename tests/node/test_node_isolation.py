@@ -406,10 +406,10 @@ class LostCard:
         self.sampler = sampler
         self.back = False
 
-    def sample(self, workloads, dt_s, held):
+    def sample(self, workloads, dt_s, held, slotted=None):
         if not self.back:
             raise RuntimeError("nvmlDeviceGetProcessUtilization: GPU is lost")
-        return self.sampler.sample(workloads, dt_s, held)
+        return self.sampler.sample(workloads, dt_s, held, slotted)
 
 
 def test_a_failing_tick_is_counted_logged_once_and_the_loop_goes_on(world_of, caplog):
