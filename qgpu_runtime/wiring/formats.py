@@ -140,6 +140,20 @@ def flag_under(arg: str, directory: str) -> bool:
     return value.startswith(directory.rstrip("/") + "/")
 
 
+def mount_config_dir(manifest: dict[str, Any], container: dict[str, Any], volume: str, config_dir: str,
+                     annotation: str, checksum: str) -> None:
+    """In place: mount ``config_dir`` read-only into ``container`` as ``volume`` (replacing an
+    earlier one of that name) and set the pod annotation ``annotation`` to ``checksum``, so a
+    changed file changes the manifest and kubelet restarts the component exactly then."""
+    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != volume]
+    container["volumeMounts"] = mounts + [{"name": volume, "mountPath": config_dir, "readOnly": True}]
+    spec = manifest.setdefault("spec", {})
+    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != volume]
+    spec["volumes"] = volumes + [{"name": volume, "hostPath": {"path": config_dir, "type": "DirectoryOrCreate"}}]
+    metadata = manifest.setdefault("metadata", {})
+    metadata["annotations"] = {**(metadata.get("annotations") or {}), annotation: checksum}
+
+
 def drop_volume(manifest: dict[str, Any], container: dict[str, Any], volume: str) -> None:
     """Remove the volume named ``volume`` and the container's mount of it, in place."""
     if "volumeMounts" in container:
@@ -197,15 +211,7 @@ def scheduler_wire(manifest: dict[str, Any], config_format: str, config_file: st
     args = [a for a in container.get("args") or [] if flag_name(a) not in CONFIG_FLAGS]
     container["args"] = args + wiring_flags(config_format, config_file)
 
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != CONFIG_VOLUME]
-    container["volumeMounts"] = mounts + [{"name": CONFIG_VOLUME, "mountPath": config_dir, "readOnly": True}]
-    spec = wired.setdefault("spec", {})
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != CONFIG_VOLUME]
-    spec["volumes"] = volumes + [{"name": CONFIG_VOLUME, "hostPath": {"path": config_dir, "type": "DirectoryOrCreate"}}]
-    metadata = wired.setdefault("metadata", {})
-    annotations = dict(metadata.get("annotations") or {})
-    annotations[CHECKSUM_ANNOTATION] = checksum
-    metadata["annotations"] = annotations
+    mount_config_dir(wired, container, CONFIG_VOLUME, config_dir, CHECKSUM_ANNOTATION, checksum)
     return wired
 
 

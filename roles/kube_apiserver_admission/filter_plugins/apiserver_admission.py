@@ -121,13 +121,7 @@ def apiserver_admission_wire(manifest: dict[str, Any], config_file: str, config_
         container["args"] = (container.get("args") or []) + [flag]
     if container.get("args") == []:
         del container["args"]
-    mounts = [m for m in container.get("volumeMounts") or [] if m.get("name") != CONFIG_VOLUME]
-    container["volumeMounts"] = mounts + [{"name": CONFIG_VOLUME, "mountPath": config_dir, "readOnly": True}]
-    spec = wired.setdefault("spec", {})
-    volumes = [v for v in spec.get("volumes") or [] if v.get("name") != CONFIG_VOLUME]
-    spec["volumes"] = volumes + [{"name": CONFIG_VOLUME, "hostPath": {"path": config_dir, "type": "DirectoryOrCreate"}}]
-    metadata = wired.setdefault("metadata", {})
-    metadata["annotations"] = {**(metadata.get("annotations") or {}), CHECKSUM_ANNOTATION: checksum}
+    formats.mount_config_dir(wired, container, CONFIG_VOLUME, config_dir, CHECKSUM_ANNOTATION, checksum)
     return wired
 
 
