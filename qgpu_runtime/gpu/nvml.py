@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from qgpu_runtime.gpu.nvml_lib import MIB, NvmlUnavailable, list_cards, load_nvml, text
 from qgpu_runtime.gpu.nvml_processes import ProcessSampler
@@ -42,12 +42,17 @@ class NvmlBackend:
     name = "nvml"
 
     def __init__(self, skip_xids: frozenset[int] = APPLICATION_XIDS, nv: Any = None,
-                 proc_root: Path = Path("/proc")) -> None:
+                 proc_root: Path = Path("/proc"), recheck_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``nv``: an initialised pynvml module or a fake of it (tests); loaded here when None.
-        ``proc_root``: where processes' cgroup files are read."""
+        ``proc_root``: where processes' cgroup files are read. ``recheck_s``: how long a card stays
+        out after its last health event before it is checked again (see :meth:`_fit`)."""
         self._nv = nv if nv is not None else load_nvml()
         self._skip_xids = skip_xids
         self._proc_root = proc_root
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._out: dict[int, float] = {}  # card index -> when it was last reported or found unfit
         try:
             self._cards = list_cards(self._nv)
             if not self._cards:
@@ -102,6 +107,9 @@ class NvmlBackend:
         return tuple(out)
 
     def wait_health_events(self, timeout_s: float) -> list[HealthEvent]:
+        back = self._returned()
+        if back:
+            return back
         nv = self._nv
         try:
             data = nv.nvmlEventSetWait_v2(self._events, int(timeout_s * 1000))
@@ -118,8 +126,44 @@ class NvmlBackend:
         for card in self._cards:
             if card.uuid == uuid:
                 kind = "XID" if data.eventType == nv.nvmlEventTypeXidCriticalError else f"event type {data.eventType}"
+                self._out[card.index] = self._clock()
                 return [HealthEvent(card.index, f"{kind} {xid}")]
         return []
+
+    def _returned(self) -> list[HealthEvent]:
+        """Cards reported unhealthy that are fit again, each checked at most every ``recheck_s``
+        and only once that long has passed without a new event for it."""
+        now = self._clock()
+        back = []
+        for index, since in sorted(self._out.items()):
+            if now - since < self._recheck_s:
+                continue
+            if self._fit(self._handles[index]):
+                del self._out[index]
+                back.append(HealthEvent(index, "answers NVML again with no page retirement or row remapping pending",
+                                        healthy=True))
+            else:
+                self._out[index] = now
+        return back
+
+    def _fit(self, handle: Any) -> bool:
+        """The card answers NVML and needs no reset: a card fallen off the bus fails the memory
+        query; ECC damage leaves page retirement or row remapping pending until the card is reset."""
+        nv = self._nv
+        try:
+            nv.nvmlDeviceGetMemoryInfo(handle)
+        except nv.NVMLError:
+            return False
+        for check in (lambda: nv.nvmlDeviceGetRetiredPagesPendingStatus(handle) != 0,
+                      lambda: bool(nv.nvmlDeviceGetRemappedRows(handle)[2])):
+            try:
+                if check():
+                    return False
+            except nv.NVMLError_NotSupported:
+                continue  # this card has no such feature (no ECC, or too old for row remapping)
+            except nv.NVMLError:
+                return False
+        return True
 
     def close(self) -> None:
         try:

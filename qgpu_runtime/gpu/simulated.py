@@ -9,6 +9,9 @@ it changes, so a test or a demo can make a card busy or raise an XID on a runnin
      "processes": [{"pid": 4242, "card_index": 0, "memory_mib": 1024, "sm_util_pct": 30,
                     "cgroup": "0::/kubepods/pod<uid>/<container-id>"}],
      "unhealthy": {"1": "XID 79"}}
+
+A card listed under "unhealthy" is reported once; taken out of the list again, it is reported fit
+(what a reset of a real card does).
 """
 
 from __future__ import annotations
@@ -149,8 +152,12 @@ class SimulatedBackend:
         unhealthy = self._read_control().get("unhealthy") or {}
         events = [HealthEvent(int(i), str(reason)) for i, reason in sorted(unhealthy.items())
                   if int(i) not in self._reported_unhealthy and 0 <= int(i) < len(self._cards)]
+        # a card taken out of the control file's "unhealthy" is fit again (what a reset does)
+        events += [HealthEvent(i, "no longer marked unhealthy in the control file", healthy=True)
+                   for i in sorted(self._reported_unhealthy - {int(k) for k in unhealthy})]
         if events:
-            self._reported_unhealthy.update(e.card_index for e in events)
+            for e in events:
+                (self._reported_unhealthy.discard if e.healthy else self._reported_unhealthy.add)(e.card_index)
             return events
         self._closed.wait(timeout_s)
         return []

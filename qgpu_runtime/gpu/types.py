@@ -49,10 +49,12 @@ class CardUsage:
 
 @dataclass(frozen=True)
 class HealthEvent:
-    """A card turned unhealthy (XID error, lost from the bus, ECC). ``reason`` is for people."""
+    """A card turned unhealthy (XID error, lost from the bus, ECC), or, with ``healthy``, is fit
+    to use again (the backend checked it). ``reason`` is for people."""
 
     card_index: int
     reason: str
+    healthy: bool = False
 
 
 class BackendError(RuntimeError):

@@ -3,8 +3,9 @@
 Both doors' health streams wait in ``wait_change`` until the version moves, so a card marked
 unhealthy reaches every stream at once: the device plugin's ListAndWatch through its per-kind view
 (node/deviceplugin/devices.py ``wait_devices``), the DRA plugin's ``NodeWatchResources``
-(node/dra/health.py). Unhealthy is sticky until the manager restarts: a card that raised a fatal
-XID needs a reset before it is used again. This module knows cards, never a door's device names.
+(node/dra/health.py). Unhealthy lasts until the GPU backend reports the card fit again (after a
+reset: NVML answers and no page retirement or row remapping is pending; gpu/nvml.py) or the manager
+restarts. This module knows cards, never a door's device names.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ class CardHealth:
             if index in self._unhealthy or index not in self._cards:
                 return False
             self._unhealthy[index] = reason
+            self._version += 1
+            self._changed.notify_all()
+        return True
+
+    def clear(self, index: int) -> bool:
+        """The card is fit again; False when it was not unhealthy."""
+        with self._changed:
+            if self._unhealthy.pop(index, None) is None:
+                return False
             self._version += 1
             self._changed.notify_all()
         return True

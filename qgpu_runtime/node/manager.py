@@ -264,10 +264,24 @@ class NodeManager:
                 log.warning("health events: %s", exc)
                 events = []
             for event in events:
-                self.mark_unhealthy(event.card_index, event.reason)
+                if event.healthy:
+                    self.mark_healthy(event.card_index, event.reason)
+                else:
+                    self.mark_unhealthy(event.card_index, event.reason)
+
+    def mark_healthy(self, index: int, reason: str) -> None:
+        """The backend found the card fit again: back in the pool on both doors, no restart."""
+        if not self.health.clear(index):
+            return
+        log.warning("card %d (%s) healthy again: %s", index, self.cards[index].uuid, reason)
+        self.store.set_card_health(index, True, "")
+        self.publisher.publish()
+        if self.slices is not None:
+            self.slices.publish()
 
     def mark_unhealthy(self, index: int, reason: str) -> None:
-        """Sticky until restart: a card that raised a fatal XID needs a reset before reuse."""
+        """Until the backend reports the card fit again (a card that raised a fatal XID needs a
+        reset first) or the manager restarts."""
         if not self.health.mark(index, reason):
             return
         uuid = self.cards[index].uuid

@@ -24,6 +24,10 @@ class NVMLError_Timeout(NVMLError):  # noqa: N801
     pass
 
 
+class NVMLError_NotSupported(NVMLError):  # noqa: N801
+    pass
+
+
 @dataclass
 class FakeCard:
     uuid: str
@@ -35,12 +39,15 @@ class FakeCard:
     procs: list[tuple[int, int | None]] = field(default_factory=list)  # (pid, bytes or None)
     samples: list[tuple[int, int, int]] = field(default_factory=list)  # (pid, timestamp µs, SM %)
     fail: str | None = None  # name of a call that fails on this card
+    retirement_pending: bool | None = False  # None: the card has no page retirement (NOT_SUPPORTED)
+    remap_pending: bool | None = False  # None: the card has no row remapping (NOT_SUPPORTED)
 
 
 class FakeNvml:
     NVMLError = NVMLError
     NVMLError_NotFound = NVMLError_NotFound
     NVMLError_Timeout = NVMLError_Timeout
+    NVMLError_NotSupported = NVMLError_NotSupported
     nvmlEventTypeSingleBitEccError = 1
     nvmlEventTypeDoubleBitEccError = 2
     nvmlEventTypeXidCriticalError = 8
@@ -76,7 +83,7 @@ class FakeNvml:
         return self._check(h, "nvmlDeviceGetMinorNumber").minor
 
     def nvmlDeviceGetMemoryInfo(self, h: int) -> SimpleNamespace:
-        card = self.cards[h]
+        card = self._check(h, "nvmlDeviceGetMemoryInfo")
         return SimpleNamespace(total=card.memory_mib * MIB, used=card.used_mib * MIB)
 
     def nvmlDeviceGetUtilizationRates(self, h: int) -> SimpleNamespace:
@@ -113,6 +120,18 @@ class FakeNvml:
         if not self.events:
             raise NVMLError_Timeout("Timeout")
         return self.events.pop(0)
+
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, h: int) -> int:
+        card = self._check(h, "nvmlDeviceGetRetiredPagesPendingStatus")
+        if card.retirement_pending is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return int(card.retirement_pending)
+
+    def nvmlDeviceGetRemappedRows(self, h: int) -> tuple[int, int, int, int]:
+        card = self._check(h, "nvmlDeviceGetRemappedRows")
+        if card.remap_pending is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return (0, 1 if card.remap_pending else 0, int(card.remap_pending), 0)
 
     def xid(self, index: int, xid: int) -> None:
         self.events.append(SimpleNamespace(eventType=self.nvmlEventTypeXidCriticalError, eventData=xid, device=index))

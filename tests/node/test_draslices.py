@@ -302,6 +302,8 @@ def test_the_manager_with_dra_retaints_the_slice_when_a_card_turns_unhealthy(man
     manager.slices.sync()
     manager.mark_unhealthy(0, "XID 79")
     assert api.objects[NAME]["spec"]["devices"][0]["taints"][0]["key"] == dra.UNHEALTHY_TAINT
+    manager.mark_healthy(0, "reset")
+    assert not any(d.get("taints") for d in api.objects[NAME]["spec"]["devices"])
 
 
 def test_the_manager_refuses_dra_without_an_api_to_write_slices_to(manager_parts):

@@ -116,6 +116,15 @@ def test_health_marks_once_and_moves_the_device_list_version(parts):
     assert all(not ok for d, ok in after if d.startswith("qgpu-core-0-")) and all(ok for _, ok in devices)
 
 
+def test_a_card_cleared_is_healthy_again_and_moves_the_device_list_version(parts):
+    _, _, health = parts
+    health.mark(0, "XID 48")
+    version, _ = wait_devices(health, CORE, -1, 0)
+    assert health.clear(0) and not health.clear(0) and not health.clear(1)
+    moved, devices = wait_devices(health, CORE, version, 0)
+    assert moved == version + 1 and all(ok for _, ok in devices) and health.unhealthy() == {}
+
+
 def test_the_reconciler_releases_pods_that_are_gone(parts):
     config, store, _ = parts
     gone = pod("gone", NODE, [("main", qgpu(30, 4), [(0, "GPU-0", 300, 4096)])])

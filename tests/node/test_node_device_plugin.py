@@ -262,6 +262,19 @@ def test_xid_marks_the_cards_devices_unhealthy_and_allocate_refuses_them(node):
     assert node.store.cards()[1][1] == "XID 79"
 
 
+def test_a_card_reset_returns_its_devices_without_a_manager_restart(node):
+    node.control_write({"unhealthy": {"1": "XID 79"}})
+    node.kubelet.wait_for(lambda: node.kubelet.devices(CORE)["qgpu-core-1-0"] == "Unhealthy")
+    before = node.kubelet.plugins[CORE].updates
+    node.control_write({"unhealthy": {}})  # the card was reset
+    node.kubelet.wait_for(lambda: node.kubelet.plugins[CORE].updates > before
+                          and all(h == "Healthy" for h in node.kubelet.devices(CORE).values()))
+    p = pod("after-reset", "gpu-node-1", [("main", qgpu(10, 1), [(1, node.uuid(1), 100, 1024)])])
+    node.set_pods([p])
+    assert node.kubelet.admit(p)["main"]["NVIDIA_VISIBLE_DEVICES"] == node.uuid(1)
+    assert node.store.cards()[1][1] == ""
+
+
 def test_plugin_re_registers_after_kubelet_restart(node):
     first = len(node.kubelet.registrations)
     node.kubelet.restart()

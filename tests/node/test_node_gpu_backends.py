@@ -30,6 +30,11 @@ def test_config_file_with_control_file(tmp_path):
     assert [s.util_pct for s in backend.sample()] == [0, 40]
     assert [(e.card_index, e.reason) for e in backend.wait_health_events(0.01)] == [(0, "XID 79")]
     assert backend.wait_health_events(0.01) == []  # reported once
+    (tmp_path / "ctl.json").write_text('{"unhealthy": {}}')  # the card was reset
+    assert [(e.card_index, e.healthy) for e in backend.wait_health_events(0.01)] == [(0, True)]
+    assert backend.wait_health_events(0.01) == []
+    (tmp_path / "ctl.json").write_text('{"unhealthy": {"0": "XID 48"}}')  # and fails again
+    assert [(e.card_index, e.reason, e.healthy) for e in backend.wait_health_events(0.01)] == [(0, "XID 48", False)]
 
 
 def test_simulated_is_never_implied():

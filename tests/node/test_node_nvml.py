@@ -73,6 +73,35 @@ def test_health_events_skip_application_xids():
     assert nv.shut_down
 
 
+def test_a_card_returns_once_it_answers_and_needs_no_reset_checked_after_a_quiet_period():
+    nv = two_cards()
+    now = [100.0]
+    backend = NvmlBackend(nv=nv, recheck_s=30.0, clock=lambda: now[0])
+    nv.xid(1, 48)  # double-bit ECC: page retirement pending until the card is reset
+    nv.cards[1].retirement_pending = True
+    assert backend.wait_health_events(0.01) == [HealthEvent(1, "XID 48")]
+    now[0] += 29.0
+    assert backend.wait_health_events(0.01) == []  # not checked before the quiet period
+    now[0] += 1.0
+    assert backend.wait_health_events(0.01) == []  # checked: still pending, out for another period
+    nv.cards[1].retirement_pending = False  # reset
+    nv.cards[1].fail = "nvmlDeviceGetMemoryInfo"  # ... but fallen off the bus
+    now[0] += 30.0
+    assert backend.wait_health_events(0.01) == []
+    nv.cards[1].fail = None
+    nv.cards[1].remap_pending = True
+    now[0] += 30.0
+    assert backend.wait_health_events(0.01) == []
+    nv.cards[1].remap_pending = None  # a card without row remapping: that check does not apply
+    nv.cards[1].retirement_pending = None
+    now[0] += 30.0
+    [back] = backend.wait_health_events(0.01)
+    assert (back.card_index, back.healthy) == (1, True) and "answers NVML again" in back.reason
+    now[0] += 300.0
+    assert backend.wait_health_events(0.01) == []  # reported once
+    backend.close()
+
+
 def test_each_reader_sees_every_driver_sample_once_and_nvml_is_asked_from_the_newest():
     nv = FakeNvml([FakeCard("GPU-aaaa", "T4", 15360, 0, procs=[(101, 1024 * MIB)], samples=[(101, 1000, 30)])])
     sampler = ProcessSampler(nv, [0])
