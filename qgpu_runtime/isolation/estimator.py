@@ -85,7 +85,8 @@ class UsageEstimator:
     min_gaps: int = 8
     _tracks: dict[int, _PidTrack] = field(default_factory=dict)
     _gaps: deque = field(default_factory=lambda: deque(maxlen=64))
-    _period: float | None = None  # cached period_s() of the current gaps
+    _period: float | None = None  # period_s() as last worked out
+    _new_gaps: int = 0  # gaps seen since then
 
     def period_s(self) -> float:
         """The driver's sample period: the longest period of which (nearly) every recent spacing of
@@ -93,8 +94,11 @@ class UsageEstimator:
         while has a spacing of several periods, so the shortest spacing alone can overstate it."""
         if len(self._gaps) < self.min_gaps:
             return self.initial_period_s
-        if self._period is None:
+        # worked out again after every min_gaps new spacings: a node's many processes each bring
+        # one every period, and the search is quadratic in the 64 spacings kept
+        if self._period is None or self._new_gaps >= self.min_gaps:
             self._period = _common_period(list(self._gaps)) or self.initial_period_s
+            self._new_gaps = 0
         return self._period
 
     def charge(self, pid: int, dt_s: float, running: bool, samples: Iterable[RawSample], slot: bool = False,
@@ -161,7 +165,7 @@ class UsageEstimator:
         for s in fresh:
             if previous is not None and s.ts_us - previous >= 1000:  # same-instant duplicates say nothing
                 self._gaps.append((s.ts_us - previous) / 1e6)
-                self._period = None
+                self._new_gaps += 1
             previous = s.ts_us
         return self.period_s()
 
