@@ -51,6 +51,9 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
     serve.add_argument("--dra", action="store_true",
                        help="serve qgpu as a DRA driver (gpu.qgpu.io): kubelet plugin and this node's ResourceSlice, no device plugins")
+    serve.add_argument("--dra-unhealthy-effect", choices=("NoSchedule", "NoExecute"), default="NoSchedule",
+                       help="with --dra: the effect of an unhealthy card's device taint; NoExecute has "
+                            "kube-controller-manager evict the pods whose claims use the card")
     serve.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),
                        help="with --dra: where CDI specs of prepared claims are written (a cdi_spec_dirs entry of the runtime)")
     serve.add_argument("--kubelet-plugins-dir", type=Path, default=Path("/var/lib/kubelet/plugins"),
@@ -155,7 +158,7 @@ def _config(args: argparse.Namespace):
         # --tick and --memory-tolerance are shared with `serve --standalone` (qgpu_runtime/manager_cmd.py)
         isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
         memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
-        dra=args.dra, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
+        dra=args.dra, dra_unhealthy_effect=args.dra_unhealthy_effect, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
         plugins_registry_dir=args.plugins_registry_dir,
         record_verifier=load_verify_key(args.record_verify_key, needed=not args.pods_file and not args.dra))
 

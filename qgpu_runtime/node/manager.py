@@ -41,7 +41,7 @@ from qgpu_runtime.node.deviceplugin.matching import Examined, examine
 from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.deviceplugin.response import ContainerGrant
-from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher
+from qgpu_runtime.node.dra.slices import UNHEALTHY_EFFECTS, SliceApi, SlicePublisher
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, enforcement, resolve_policy
 from qgpu_runtime.node.health import UNHEALTHY_EVENT, CardHealth, pods_on_card
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -77,6 +77,7 @@ class ManagerConfig:
     memory_tolerance_mib: int = 0
     api_retry_max_s: float = 30.0  # longest wait between attempts to reach an unavailable apiserver
     dra: bool = False  # serve the DRA kubelet plugin (node/dra/plugin.py) instead of device plugins
+    dra_unhealthy_effect: str = "NoSchedule"  # the unhealthy card's device taint; NoExecute evicts its pods
     cdi_dir: Path = Path("/var/run/cdi")
     kubelet_plugins_dir: Path = Path("/var/lib/kubelet/plugins")
     plugins_registry_dir: Path = Path("/var/lib/kubelet/plugins_registry")
@@ -93,6 +94,9 @@ class ManagerConfig:
             raise ValueError(f"--tick: {self.isolation_tick_s!r} is not allowed: must be 0.005..5 seconds")
         if self.memory_tolerance_mib < 0:
             raise ValueError(f"--memory-tolerance: {self.memory_tolerance_mib!r} is not allowed: must be >= 0")
+        if self.dra_unhealthy_effect not in UNHEALTHY_EFFECTS:
+            raise ValueError(f"--dra-unhealthy-effect: {self.dra_unhealthy_effect!r} is not allowed: "
+                             f"must be one of {', '.join(UNHEALTHY_EFFECTS)}")
 
     @property
     def kubelet_socket(self) -> Path:
@@ -144,7 +148,7 @@ class NodeManager:
                 raise ValueError("--dra: the ResourceSlice is written through the Kubernetes API, "
                                  "which this manager was given none of (--pods-file?)")
             self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy,
-                                         retry_max_s=config.api_retry_max_s)
+                                         retry_max_s=config.api_retry_max_s, unhealthy_effect=config.dra_unhealthy_effect)
 
     def _examine(self, pod: dict) -> Examined | None:
         if self.config.dra:

@@ -154,6 +154,16 @@ def test_an_unhealthy_card_is_tainted_no_schedule_and_the_pool_generation_moves(
     assert publisher.sync() == "unchanged"
 
 
+def test_with_no_execute_chosen_the_unhealthy_cards_taint_evicts_and_an_unknown_effect_is_refused():
+    api, health = FakeSlices(), CardHealth(CARDS)
+    publisher = SlicePublisher(api, NODE, CARDS, health, lambda: Policy.FIXED_SHARE, retry_max_s=0.2, unhealthy_effect="NoExecute")
+    health.mark(0, "XID 48")
+    publisher.sync()
+    assert api.objects[NAME]["spec"]["devices"][0]["taints"][0]["effect"] == "NoExecute"
+    with pytest.raises(ValueError, match=r"--dra-unhealthy-effect: 'Evict' is not allowed: must be one of NoSchedule, NoExecute"):
+        SlicePublisher(api, NODE, CARDS, health, lambda: Policy.FIXED_SHARE, unhealthy_effect="Evict")
+
+
 def test_a_deleted_slice_is_created_again_with_a_higher_generation_and_the_nodes_current_uid():
     api, health = FakeSlices(), CardHealth(CARDS)
     publisher = _publisher(api, health)

@@ -190,6 +190,7 @@ def test_dra_pools_get_a_dra_manager_on_their_nodes_only(mixed_modes: list[dict[
         container = pod["containers"][0]
         assert container["command"] == ["qgpu", "manager", "serve"]
         assert "--dra" in container["args"]
+        assert "--dra-unhealthy-effect=NoSchedule" in container["args"]  # the default: running pods stay
         assert not [a for a in container["args"] if a.startswith(("--resources", "--device-plugin-dir", "--pod-resources"))]
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
         assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
@@ -275,6 +276,19 @@ def test_the_manager_refuses_an_unknown_pool_mode(tmp_path: Path) -> None:
     run, _ = render_manager(tmp_path, {"qgpu_pool_x": (["gpu-x"], {"qgpu_pool_mode": "DRA"})})
     assert run.returncode != 0
     assert 'gpu-x: qgpu_pool_mode "DRA" is not allowed; allowed values: device-plugin, dra' in one_line(run.output)
+
+
+def test_the_operator_can_have_an_unhealthy_cards_pods_evicted_on_dra_pools(tmp_path: Path) -> None:
+    (tmp_path / "ok").mkdir()
+    (tmp_path / "bad").mkdir()
+    run, docs = render_manager(tmp_path / "ok", MIXED_MODES, qgpu_manager_dra_unhealthy_effect="NoExecute")
+    assert run.returncode == 0, run.output[-4000:]
+    daemonsets = by_kind(docs, "DaemonSet")
+    assert all("--dra-unhealthy-effect=NoExecute" in daemonsets[f"qgpu-manager-dra-{p}"]["spec"]["template"]["spec"]["containers"][0]["args"]
+               for p in POLICIES)
+    run, _ = render_manager(tmp_path / "bad", MIXED_MODES, qgpu_manager_dra_unhealthy_effect="Evict")
+    assert run.returncode != 0
+    assert "qgpu_manager_dra_unhealthy_effect" in one_line(run.output) and "NoExecute" in one_line(run.output)
 
 
 # --- the preflight: which modes the cluster supports ---------------------------------------------

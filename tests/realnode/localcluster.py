@@ -654,6 +654,9 @@ class LocalCluster:
             "qgpu_node_pool_manage_services": False,
             # The webhook's DRA conversion of T9k percent requests needs the pool's card sizes.
             "qgpu_webhook_dra_card_memory_mib": sorted({int(c["memory_mib"]) for c in self.simulated_cards}),
+            # An unhealthy card's pods evicted by kube-controller-manager: the operator's option,
+            # shown on the real node (tests/realnode/test_e2e_dra.py)
+            "qgpu_manager_dra_unhealthy_effect": "NoExecute",
         }
 
 

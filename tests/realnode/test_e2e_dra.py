@@ -8,6 +8,7 @@ every dialect are converted by the webhook's /mutate-dra in a namespace labelled
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -346,3 +347,45 @@ def test_the_peers_documented_pod_runs_unchanged_on_the_dra_pool_with_its_share(
         claims = [c["name"] for c in pod["spec"].get("resourceClaims") or []]
         # Every GPU pod becomes claims but NVIDIA's, which the whole-card DeviceClass maps as it is.
         assert bool(claims) == (example.share is not None and example.peer != "nvidia"), claims
+
+
+def taint_effects(cluster: LocalCluster, device: str) -> list[str]:
+    devices = ((read_slice(cluster) or {}).get("spec") or {}).get("devices") or []
+    return [t.get("effect") for d in devices if d.get("name") == device for t in d.get("taints") or []]
+
+
+def test_a_failed_cards_pods_are_evicted_with_no_execute_and_the_card_returns_after_its_reset(
+        dra_cluster: LocalCluster, ns: str) -> None:
+    """The cluster's pool runs with qgpu_manager_dra_unhealthy_effect NoExecute (localcluster.py):
+    XID 79 on the card a claim pod uses taints the card's device NoExecute, and kube-controller-
+    manager's device taint eviction controller deletes the pod; once the card is reset (dropped
+    from the control file) the taint goes, from the same manager."""
+    template(dra_cluster, ns, "card1-30", core=300, memory_mib=4096, card=1)
+    api = kube.core(dra_cluster)
+    api.create_namespaced_pod(ns, claim_pod(dra_cluster, "victim", "card1-30"))
+    kube.wait_phase(api, ns, "victim", ("Running",))
+    manager_uid = manager_pod(dra_cluster)["metadata"]["uid"]
+    started = time.monotonic()
+    dra_cluster.simulated_control().write_text(json.dumps({"unhealthy": {"1": "XID 79: GPU has fallen off the bus"}}))
+    try:
+        poll(lambda: taint_effects(dra_cluster, "gpu-1") == ["NoExecute"], timeout=30, interval=0.2,
+             what="card 1's device tainted NoExecute in the slice")
+        measured("XID 79 -> NoExecute taint in the slice", started)
+
+        def evicted() -> bool:
+            try:
+                pod = api.read_namespaced_pod("victim", ns)
+            except client.ApiException as exc:
+                return exc.status == 404
+            return pod.metadata.deletion_timestamp is not None
+
+        poll(evicted, timeout=90, interval=0.2, what="the pod on card 1 evicted by the device taint eviction controller")
+        measured("XID 79 -> the pod on the card being deleted", started)
+        assert taint_effects(dra_cluster, "gpu-0") == []
+    finally:
+        dra_cluster.simulated_control().write_text("{}\n")
+    reset = time.monotonic()
+    poll(lambda: taint_effects(dra_cluster, "gpu-1") == [], timeout=30, interval=0.2, what="card 1's taint gone after its reset")
+    measured("reset -> the taint gone", reset)
+    assert manager_pod(dra_cluster)["metadata"]["uid"] == manager_uid
+    kube.wait_gone(api, ns, "victim", timeout=90)

@@ -4,7 +4,9 @@ One slice per node (``contract.dra.slice_name``), alone in its pool (``pool_name
 shareable device per card (``slice_device``) with ``nodeName`` set and the Node as its owner, so the
 slice goes when the node object goes. An unhealthy card keeps its device with the
 ``UNHEALTHY_TAINT`` (NoSchedule): kube-scheduler gives it to no new claim, and claims already on it
-stay valid, the way kubelet treats an unhealthy device-plugin device.
+stay valid, the way kubelet treats an unhealthy device-plugin device. With the effect NoExecute
+(``--dra-unhealthy-effect``, the operator's choice) kube-controller-manager's device taint eviction
+controller also deletes the pods whose claims use it, unless a claim tolerates the taint.
 
 Writes happen only when the content changed: the slice carries a digest of the spec qgpu wrote
 (``SLICE_CONTENT``), and every change raises the pool generation. The slice must come back when
@@ -32,6 +34,7 @@ from qgpu_runtime.node.pods import PodSourceError
 
 log = logging.getLogger("qgpu_runtime.node.draslices")  # the name from before node/ became two doors: the logger keeps it
 
+UNHEALTHY_EFFECTS = ("NoSchedule", "NoExecute")  # NoExecute: kube-controller-manager evicts the card's pods
 WATCH_TIMEOUT_S = 300.0  # the apiserver ends each watch after this long; the next one starts at once
 RETRY_MIN_S = 1.0
 
@@ -59,14 +62,16 @@ class SliceApi(Protocol):
 
 
 def slice_devices(cards: Mapping[int, CardInfo], unhealthy: Mapping[int, str], policy: Policy,
-                  limits: CardLimits = DEFAULT_LIMITS) -> list[dict[str, Any]]:
-    """The slice's devices, in card order; unhealthy cards carry the NoSchedule taint."""
+                  limits: CardLimits = DEFAULT_LIMITS, unhealthy_effect: str = "NoSchedule") -> list[dict[str, Any]]:
+    """The slice's devices, in card order; unhealthy cards carry the taint, of ``unhealthy_effect``."""
+    if unhealthy_effect not in UNHEALTHY_EFFECTS:
+        raise ValueError(f"--dra-unhealthy-effect: {unhealthy_effect!r} is not allowed: must be one of {', '.join(UNHEALTHY_EFFECTS)}")
     devices = []
     for index in sorted(cards):
         device = slice_device(cards[index], policy.value, limits)
         if index in unhealthy:
             device["taints"] = [{"key": UNHEALTHY_TAINT, "value": label_value(unhealthy[index]) or "unhealthy",
-                                 "effect": "NoSchedule"}]
+                                 "effect": unhealthy_effect}]
         devices.append(device)
     return devices
 
@@ -116,7 +121,10 @@ class SlicePublisher:
     """Keeps ``node``'s ResourceSlice equal to its cards and their health."""
 
     def __init__(self, api: SliceApi, node: str, cards: Mapping[int, CardInfo], health: CardHealth,
-                 policy: Callable[[], Policy], limits: CardLimits = DEFAULT_LIMITS, retry_max_s: float = 30.0) -> None:
+                 policy: Callable[[], Policy], limits: CardLimits = DEFAULT_LIMITS, retry_max_s: float = 30.0,
+                 unhealthy_effect: str = "NoSchedule") -> None:
+        slice_devices({}, {}, Policy.BEST_EFFORT, limits, unhealthy_effect)  # refuses an unknown effect now
+        self.unhealthy_effect = unhealthy_effect
         self.api = api
         self.node = node
         self.name = slice_name(node)
@@ -133,7 +141,7 @@ class SlicePublisher:
         """Create or update the slice when it differs from the cards: "created", "updated" or
         "unchanged". Raises PodSourceError when the API refuses or cannot be reached."""
         with self._lock:
-            devices = slice_devices(self.cards, self.health.unhealthy(), self.policy(), self.limits)
+            devices = slice_devices(self.cards, self.health.unhealthy(), self.policy(), self.limits, self.unhealthy_effect)
             digest = content_digest(self.node, devices)
             existing = self.api.read_slice(self.name)
             if existing is None:
