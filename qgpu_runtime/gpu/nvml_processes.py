@@ -16,8 +16,12 @@ Two NVML calls per card and poll:
   yields a new sample per process every 200-800 ms, each covering the driver's last window;
   NVML_ERROR_NOT_FOUND means nothing new.
 
-The timestamps are handled here, once: ``since`` is the newest timestamp already taken from the
-driver, so each driver sample enters the log exactly once. Consumers read at their own pace
+The timestamps are handled here, once: ``since`` reaches one second behind the newest timestamp
+already taken from the driver, and a sample enters the log only when it is newer than the last one
+taken for its process, so each driver sample enters the log exactly once, also one stamped before
+another process's sample that was already taken (under contention the H200's driver named one
+process per period; a sample stamped earlier and written later would otherwise be lost behind
+``since``). Consumers read at their own pace
 (isolation every tick, metrics every ``--sample-interval``) through a :class:`ProcessReader`, a
 cursor into that log: every read polls NVML and returns each sample that reader has not seen yet,
 so a read by one consumer never takes samples away from the other. Samples every reader has seen
@@ -27,7 +31,7 @@ are dropped.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from qgpu_runtime.gpu.nvml_lib import MIB
@@ -56,11 +60,16 @@ class ProcessSample:
         return max((s.sm_pct for s in self.sm), default=0)
 
 
+LOOKBACK_US = 1_000_000  # how far behind the newest timestamp taken each poll asks again
+
+
 @dataclass
 class _Card:
     handle: Any
     since_us: int = 0  # newest driver timestamp taken so far
-    log: tuple[tuple[int, SmSample], ...] = ()  # (pid, sample) not yet seen by every reader
+    taken: dict[int, int] = field(default_factory=dict)  # pid -> its newest timestamp taken
+    log: tuple[tuple[int, int, SmSample], ...] = ()  # (sequence, pid, sample) not yet seen by every reader
+    next_seq: int = 1
     memory: tuple[tuple[int, int], ...] = ()  # (pid, MiB) from the last poll
 
 
@@ -92,7 +101,7 @@ class ProcessSampler:
             procs = nv.nvmlDeviceGetComputeRunningProcesses(card.handle)
             call = "nvmlDeviceGetProcessUtilization"
             try:
-                got = nv.nvmlDeviceGetProcessUtilization(card.handle, card.since_us)
+                got = nv.nvmlDeviceGetProcessUtilization(card.handle, max(0, card.since_us - LOOKBACK_US))
             except nv.NVMLError_NotFound:
                 got = []  # no process has a sample newer than since_us
         except nv.NVMLError as err:
@@ -102,10 +111,16 @@ class ProcessSampler:
             memory[int(p.pid)] = memory.get(int(p.pid), 0) + int(p.usedGpuMemory or 0) // MIB
         card.memory = tuple(sorted(memory.items()))
         new = sorted(((int(s.pid), SmSample(int(s.timeStamp), int(s.smUtil))) for s in got
-                      if int(s.timeStamp) > card.since_us), key=lambda e: e[1].ts_us)
-        if new:
-            card.log += tuple(new)
-            card.since_us = new[-1][1].ts_us
+                      if int(s.timeStamp) > card.taken.get(int(s.pid), 0)), key=lambda e: e[1].ts_us)
+        for pid, sample in new:
+            if sample.ts_us > card.taken.get(pid, 0):  # one process's samples twice in one answer: once
+                card.taken[pid] = sample.ts_us
+                card.log += ((card.next_seq, pid, sample),)
+                card.next_seq += 1
+                card.since_us = max(card.since_us, sample.ts_us)
+        # a process is forgotten once it has no context and its last sample is behind the lookback
+        card.taken = {pid: ts for pid, ts in card.taken.items()
+                      if pid in memory or ts > card.since_us - LOOKBACK_US}
 
     def _read(self, index: int, cursor: dict[int, int]) -> tuple[ProcessSample, ...]:
         card = self._cards[index]
@@ -113,12 +128,12 @@ class ProcessSampler:
             self._poll(index, card)
             seen = cursor[index]
             fresh: dict[int, list[SmSample]] = {}
-            for pid, s in card.log:
-                if s.ts_us > seen:
+            for seq, pid, s in card.log:
+                if seq > seen:
                     fresh.setdefault(pid, []).append(s)
-            cursor[index] = card.since_us
+            cursor[index] = card.next_seq - 1
             oldest = min(c[index] for c in self._cursors)
-            card.log = tuple(e for e in card.log if e[1].ts_us > oldest)
+            card.log = tuple(e for e in card.log if e[0] > oldest)
             memory = dict(card.memory)
         return tuple(ProcessSample(pid, memory.get(pid, 0), tuple(fresh.get(pid, ())))
                      for pid in sorted(set(memory) | set(fresh)))

@@ -115,7 +115,21 @@ def test_each_reader_sees_every_driver_sample_once_and_nvml_is_asked_from_the_ne
     # the other reader was not robbed by the first one's polls
     [seen] = slow.card(0)
     assert (seen.sm, seen.sm_util_pct) == ((SmSample(1000, 30), SmSample(2000, 50)), 50)
-    assert [since for _, since in nv.utilization_calls] == [0, 1000, 1000, 2000]
+    # asked from a second behind the newest timestamp taken (here: from the start)
+    assert [since for _, since in nv.utilization_calls] == [0, 0, 0, 0]
+
+
+def test_a_sample_stamped_before_one_already_taken_is_not_lost():
+    # the driver wrote pid 102's sample for a period after pid 101's newer one had been read:
+    # asking only for samples newer than the newest taken would never return it
+    nv = FakeNvml([FakeCard("GPU-aaaa", "T4", 15360, 0, procs=[(101, 1024 * MIB), (102, 1024 * MIB)],
+                            samples=[(101, 5_000_000, 90)])])
+    reader = ProcessSampler(nv, [0]).reader()
+    assert {p.pid: p.sm for p in reader.card(0)} == {101: (SmSample(5_000_000, 90),), 102: ()}
+    nv.cards[0].samples.append((102, 4_990_000, 80))
+    assert {p.pid: p.sm for p in reader.card(0)} == {101: (), 102: (SmSample(4_990_000, 80),)}
+    assert {p.pid: p.sm for p in reader.card(0)} == {101: (), 102: ()}  # each once
+    assert [since for _, since in nv.utilization_calls] == [0, 4_000_000, 4_000_000]
 
 
 def test_processes_with_a_sample_or_a_context_are_listed_and_contexts_summed():
@@ -190,4 +204,4 @@ def test_metrics_and_isolation_read_the_same_per_process_sample(tmp_path):
     assert used == (70, 2560)
     assert (milli, mib) == (pytest.approx(700), 2560)
     # one stream of driver timestamps for both consumers (card 1: isolation, metrics, metrics, isolation)
-    assert [since for index, since in nv.utilization_calls if index == 1] == [0, 1_000_000, 1_000_000, 1_050_000]
+    assert [since for index, since in nv.utilization_calls if index == 1] == [0, 0, 0, 50_000]
