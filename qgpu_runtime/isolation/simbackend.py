@@ -41,6 +41,8 @@ class SimProcessSampler:
 
     def sample(self, workloads: Sequence[Workload], dt_s: float, held: frozenset[str] = frozenset(),
                slotted: Mapping[int, frozenset[str]] | None = None) -> Mapping[int, Mapping[str, Usage]]:
+        if self.attribution not in ("exact", "card"):
+            raise ValueError(f"attribution: {self.attribution!r} is not allowed: must be 'exact' or 'card'")
         wanted = {w.key for w in workloads}
         sparse = self.sample_period_s is not None
         emit = False
