@@ -15,7 +15,7 @@ from typing import Iterator
 import pytest
 import yaml
 
-from tests.realnode.localcluster import KUBELET_SYSCTLS, ROOT, LocalCluster
+from tests.realnode.localcluster import KUBELET_SYSCTLS, QGPU_NAMESPACE, ROOT, LocalCluster
 
 # No `pytestmark` here: pytest reads it from test modules only. tests/conftest.py marks every test
 # of this directory `realnode` (and `slow`).
@@ -63,7 +63,8 @@ def running_cluster(env: str, prefix: str, dra: bool = False) -> Iterator[LocalC
         cluster.up()
         out = site_yml(cluster)
         if out.returncode != 0:
-            raise AssertionError(f"site.yml failed on the local cluster{' in DRA mode' if dra else ''}:\n{out.stdout[-6000:]}")
+            raise AssertionError(f"site.yml failed on the local cluster{' in DRA mode' if dra else ''}:\n{out.stdout[-6000:]}\n"
+                                 f"{qgpu_namespace_state(cluster)}")
         cluster.first_site_yml = out.stdout  # type: ignore[attr-defined]
         yield cluster
     finally:
@@ -98,3 +99,22 @@ def host_state(workdir: Path) -> dict[str, object]:
         "processes": procs,
         "var_lib_kubelet": Path("/var/lib/kubelet").exists(),
     }
+
+
+def qgpu_namespace_state(cluster: LocalCluster) -> str:
+    """What a failed rollout leaves to read: qgpu's workloads, their pods and the namespace's Warning
+    Events (a pod its controller could not create shows only there)."""
+    from tests.realnode import kube
+    try:
+        api = kube.core(cluster)
+        lines = ["qgpu namespace:"]
+        for pod in api.list_namespaced_pod(QGPU_NAMESPACE).items:
+            states = [f"{c.name}: ready={c.ready} restarts={c.restart_count} {c.state.waiting or c.state.terminated or ''}"
+                      for c in pod.status.container_statuses or []]
+            lines.append(f"  pod {pod.metadata.name} {pod.status.phase} {states}")
+        for event in api.list_namespaced_event(QGPU_NAMESPACE).items:
+            if event.type == "Warning":
+                lines.append(f"  {event.involved_object.kind}/{event.involved_object.name} {event.reason}: {event.message}")
+        return "\n".join(lines)[-6000:]
+    except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the failure it explains
+        return f"(qgpu namespace not readable: {exc})"

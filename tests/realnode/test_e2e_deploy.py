@@ -1,5 +1,5 @@
-"""site.yml on a real node: every qgpu component runs as a pod of the image qgpu_image built, the
-node advertises every dialect, kube-scheduler (a static pod) is wired to the extender, and a second
+"""site.yml on a real node: every qgpu component runs as a pod of the image qgpu_image built (its
+digest in the pod template), the node advertises every dialect, kube-scheduler (a static pod) is wired to the extender, and a second
 run changes nothing."""
 
 from __future__ import annotations
@@ -32,6 +32,15 @@ def test_every_component_runs_as_a_ready_pod_of_the_built_image(local_cluster: L
         # Imported into the node's containerd by site.yml, never pulled.
         assert local_cluster.image_present(image), image
         assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
+        # ... and its digest in the pod template, so that a rebuilt image rolls the pods
+        assert pod["metadata"]["annotations"]["rollout.qgpu.io/image-digest"] == image_digest(local_cluster, image)
+
+
+def image_digest(cluster: LocalCluster, ref: str) -> str:
+    """The manifest digest containerd holds for ``ref``."""
+    rows = [line.split() for line in cluster.ctr("images", "list", f"name=={ref}").stdout.decode().splitlines()[1:]]
+    (digest,) = {row[2] for row in rows if row and row[0] == ref}
+    return digest
 
 
 def test_the_node_advertises_every_dialect_with_its_unit_counts(local_cluster: LocalCluster) -> None:

@@ -1,0 +1,35 @@
+"""A rebuilt image under the same reference rolls qgpu's pods: each role puts the image's manifest
+digest (qgpu_image_digest, which site.yml takes from the image it built) into its pod template."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_dra_prioritize_roles import render_scheduler
+from test_dra_roles import MIXED_MODES, by_kind, render_manager
+from test_webhook_dra_render import render
+
+DIGEST = "sha256:" + "5e" * 32
+ANNOTATION = "rollout.qgpu.io/image-digest"
+
+
+def templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The pod templates' annotations of every DaemonSet and Deployment, by name."""
+    return {d["metadata"]["name"]: d["spec"]["template"]["metadata"].get("annotations") or {}
+            for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
+
+
+@pytest.mark.parametrize("digest", [DIGEST, ""])
+def test_every_pod_template_carries_the_images_digest_when_it_is_known(tmp_path: Path, digest: str) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "s").mkdir()
+    run, manager = render_manager(tmp_path / "m", MIXED_MODES, qgpu_image_digest=digest)
+    assert run.returncode == 0, run.output[-4000:]
+    scheduler = render_scheduler(tmp_path / "s", MIXED_MODES, qgpu_image_digest=digest)
+    webhook = render(tmp_path / "w", "device-plugin", qgpu_image_digest=digest)
+    found = {**templates(manager), **templates(scheduler), **templates(webhook)}
+    assert set(by_kind(manager, "DaemonSet")) <= set(found) and "qgpu-scheduler" in found and "qgpu-webhook" in found
+    for name, notes in found.items():
+        assert notes.get(ANNOTATION) == (digest or None), name
