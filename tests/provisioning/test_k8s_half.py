@@ -559,6 +559,26 @@ def test_a_second_run_changes_nothing(site: Site) -> None:
     assert "Find this role's objects an earlier release left in" not in second.output, second.output[-6000:]
 
 
+def test_a_manager_rollout_that_does_not_complete_stops_and_says_why(site: Site, tmp_path: Path) -> None:
+    """No controller runs the DaemonSets here, so a rollout that waits never completes: the role
+    stops after the wait with the DaemonSets' state instead of a bare timeout. (The manifest is the
+    one already applied: nothing in the cluster changes.)"""
+    playbook = tmp_path / "roll.yml"
+    playbook.write_text(yaml.safe_dump([{
+        "name": "Roll the node managers and wait", "hosts": "qgpu_kube_api", "gather_facts": False,
+        "tasks": [{"name": "Deploy the node manager", "ansible.builtin.include_role": {"name": "qgpu_manager"},
+                   "vars": {"qgpu_manager_mode": "kubernetes", "qgpu_manager_wait": True, "qgpu_manager_wait_timeout": 2}}]}]))
+    run = ansible_playbook("-i", str(site.inventory), str(playbook))
+    assert run.returncode != 0
+    text = " ".join(run.output.split())
+    assert "The node manager rollout did not complete" in text, run.output[-4000:]
+    message = text[text.index("The node manager rollout did not complete"):][:3000]
+    for policy in ("best-effort", "burst-share", "fixed-share"):  # this control plane runs no controller-manager
+        assert (f"DaemonSet qgpu-manager-{policy}: no DaemonSet controller has processed this version yet "
+                "(is kube-controller-manager running?)") in message, message
+    assert "roll back by running site.yml from the previous checkout" in message, message
+
+
 def test_a_label_change_in_group_vars_is_reported_and_applied(site: Site) -> None:
     """Runs after the idempotence test on purpose: it edits the inventory. Only the labelling play
     runs, changed and restored (the whole of KUBE_PLAYS ran twice above)."""
