@@ -82,6 +82,10 @@ POD_TEMPLATE_ANNOTATIONS: Final = frozenset({
 """Annotations only the roles write on their own objects, to roll pods when config changes. Two sit
 on the masters' static pods (kube-scheduler's, kube-apiserver's), whose mirror pods the kubelet
 creates: the pod-annotation policy must leave them open or it refuses those mirror pods."""
+IMAGE_DIGEST: Final = "rollout.qgpu.io/image-digest"
+"""The image's manifest digest on qgpu's own pod templates (cluster.yml takes it from the image it
+built): a rebuilt image under the same reference rolls the pods. Outside the ``qgpu.io/`` prefix the
+pod-annotation policy keeps for qgpu's state on pods: nothing reads it but the controllers."""
 RETIRED_FROM: Final = frozenset({
     "qgpu.io/retired-scheduler-from", "qgpu.io/retired-webhook-from", "qgpu.io/retired-manager-from"})
 """Annotations the roles leave on qgpu's namespace once nothing of an earlier release is left in the
@@ -129,5 +133,5 @@ SHARED: Final = frozenset({
     ALLOCATION, BIND_TIME, ALLOCATION_SIGNATURE, ASSIGNED, INVENTORY, NODE_ISOLATION_POLICY, LABEL_GPU_COUNT, LABEL_GPU_MODEL,
     LABEL_GPU_MEMORY, ISOLATION_POLICY_LABEL, MIXED_LABEL, ALLOC_MODE_LABEL, ACCELERATOR_LABEL, DEVICE_ENABLE_LABEL, XGN_TAINT_KEY,
     POOL_MODE_LABEL, COMMITMENTS, BINDERS, CLAIM_RESERVATIONS, WEBHOOK_OPT_OUT_LABEL, GPU_MODE, GROUP_MIN_MEMBER,
-    *POD_TEMPLATE_ANNOTATIONS, *RETIRED_FROM})
+    IMAGE_DIGEST, *POD_TEMPLATE_ANNOTATIONS, *RETIRED_FROM})
 """Every name above, for the check against the roles."""

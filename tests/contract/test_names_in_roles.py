@@ -8,13 +8,15 @@ from pathlib import Path
 
 import yaml
 
-from qgpu_runtime.contract import names
+from qgpu_runtime.contract import dra, names
 from qgpu_runtime.model.requests import GPU_RESOURCES
 
 ROOT = Path(__file__).resolve().parents[2]
 PROVISIONING = [p for d in ("roles", "templates", "playbooks", "inventories") for p in (ROOT / d).rglob("*")
                 if p.is_file() and p.suffix in {".yml", ".yaml", ".j2", ".json"}]
-NAME = re.compile(r"\b(?:qgpu\.io|sched\.tensorstack\.dev|tke\.cloud\.tencent\.com)/[a-z0-9][a-z0-9.-]*[a-z0-9]|\b(?:mixed-qgpu-enable|qgpu-device-enable)\b")
+# qgpu.io and its subdomains (rollout.qgpu.io, the DRA driver's gpu.qgpu.io), each name whole
+NAME = re.compile(r"\b(?:(?:[a-z0-9-]+\.)*qgpu\.io|sched\.tensorstack\.dev|tke\.cloud\.tencent\.com)/[a-z0-9][a-z0-9.-]*[a-z0-9]"
+                  r"|\b(?:mixed-qgpu-enable|qgpu-device-enable)\b")
 
 
 def _named() -> dict[str, set[str]]:
@@ -27,7 +29,7 @@ def _named() -> dict[str, set[str]]:
 
 def test_every_name_the_roles_write_is_one_the_contract_knows():
     # the dialects' resource names belong to model/requests.py; the roles also name their prefix
-    known = names.SHARED | set(GPU_RESOURCES) | {"tke.cloud.tencent.com/qgpu"}
+    known = names.SHARED | set(GPU_RESOURCES) | {"tke.cloud.tencent.com/qgpu", dra.UNHEALTHY_TAINT}
     unknown = {n: sorted(where) for n, where in _named().items() if n not in known}
     assert not unknown, f"names in the roles that qgpu_runtime/contract/names.py does not define: {unknown}"
 
@@ -50,6 +52,7 @@ def test_the_xgn_taint_the_role_applies_is_the_one_the_webhook_tolerates():
 
 def test_the_check_would_catch_a_misspelt_label(tmp_path):
     assert NAME.findall("labels: {qgpu.io/gpu-modle: x}") == ["qgpu.io/gpu-modle"]
+    assert NAME.findall("annotations: {rollout.qgpu.io/image-digset: x}") == ["rollout.qgpu.io/image-digset"]
     assert "qgpu.io/gpu-modle" not in names.SHARED
 
 

@@ -11,8 +11,10 @@ from test_dra_prioritize_roles import render_scheduler
 from test_dra_roles import MIXED_MODES, by_kind, render_manager
 from test_webhook_dra_render import render
 
+from qgpu_runtime.contract.names import IMAGE_DIGEST
+
 DIGEST = "sha256:" + "5e" * 32
-ANNOTATION = "rollout.qgpu.io/image-digest"
+ANNOTATION = IMAGE_DIGEST
 
 
 def templates(docs: list[dict[str, Any]]) -> dict[str, dict[str, str]]:

@@ -8,6 +8,7 @@ import re
 
 import yaml
 
+from qgpu_runtime.contract.names import IMAGE_DIGEST
 from tests.realnode import kube
 from tests.realnode.conftest import site_yml
 from tests.realnode.localcluster import QGPU_NAMESPACE, LocalCluster
@@ -33,7 +34,7 @@ def test_every_component_runs_as_a_ready_pod_of_the_built_image(local_cluster: L
         assert local_cluster.image_present(image), image
         assert pod["spec"]["containers"][0]["imagePullPolicy"] == "Never"
         # ... and its digest in the pod template, so that a rebuilt image rolls the pods
-        assert pod["metadata"]["annotations"]["rollout.qgpu.io/image-digest"] == image_digest(local_cluster, image)
+        assert pod["metadata"]["annotations"][IMAGE_DIGEST] == image_digest(local_cluster, image)
 
 
 def image_digest(cluster: LocalCluster, ref: str) -> str:

@@ -11,7 +11,7 @@ import re
 import sqlite3
 import time
 
-from qgpu_runtime.contract.names import ALLOCATION
+from qgpu_runtime.contract.names import ALLOCATION, IMAGE_DIGEST
 from qgpu_runtime.contract.store import SCHEMA_VERSION, file_version
 from tests.realnode import kube
 from tests.realnode.conftest import site_yml
@@ -62,7 +62,7 @@ def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_clus
     assert not components & {p["metadata"]["uid"] for p in after}
     for pod in after:
         ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-        assert ready["Ready"] == "True" and pod["metadata"]["annotations"]["rollout.qgpu.io/image-digest"] == new_digest
+        assert ready["Ready"] == "True" and pod["metadata"]["annotations"][IMAGE_DIGEST] == new_digest
     # the GPU pods: same containers, never restarted, same record, same shares, same schema
     for name, was in before.items():
         now = kube.read(api, ns, name)
