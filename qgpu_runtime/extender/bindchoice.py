@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from typing import Any, Callable
 
 from qgpu_runtime.contract.leases import Commitment, CommitmentError
@@ -36,6 +36,8 @@ from qgpu_runtime.placement.engine import Unschedulable
 from qgpu_runtime.placement.state import Placement, StateError
 
 log = logging.getLogger("qgpu_runtime.extender.binder")  # the binder's log, as before the split
+
+WRITTEN_ENTRIES = 4096  # own Lease entries remembered (older ones are another process's to this one)
 
 
 class BindChoice:
@@ -56,6 +58,9 @@ class BindChoice:
         self._seen = FirstSeen()  # node -> when this binder first saw each entry of its Lease
         self._node_locks: defaultdict[str, threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
+        # (node, pod UID) -> the stamp of the entry this binder last wrote for it: an entry of the
+        # pod with another stamp is another binder's (or an earlier process's) and is not overwritten
+        self._written: OrderedDict[tuple[str, str], int] = OrderedDict()
 
     def _node_lock(self, node: str) -> threading.Lock:
         with self._locks_guard:
@@ -151,10 +156,11 @@ class BindChoice:
                 held = snapshot.commitments
                 ages = self._seen.ages(node, observed(held), self.monotonic_ns())
                 held = held.without(stale(held, committed.fates(held.pods, node), ages, self.commitment_grace_ns))
+                self._refuse_rival_entry(key, node, held.pods.get(uid or key), ages.get(uid or key, 0))
                 record = self._reserve(pod, request, node, now, committed.foreign_commitments(held, uid))
                 mine = Commitment.of(uid or key, key, Placement.of_record(record), now)
                 # Records first: for a bound pod the record on it is the truth, and a Lease entry of the
-                # same UID (another binder's guess for it, overwritten by its loser) is not counted.
+                # same UID (written before an uncommitted bind's record, until corrected) is not counted.
                 problems = over_commitment(committed.card_capacity(node),
                                            [*committed.booked_on(node, key), *held.pods.values()], mine)
                 if problems:
@@ -163,6 +169,7 @@ class BindChoice:
                                     f"{'; '.join(problems)}")
                 try:
                     self.commitments.write(snapshot, held.with_pod(mine))
+                    self._wrote(node, mine)
                 except CommitmentConflict:
                     self.cache.unreserve(pod)
                     self.conflicts += 1
@@ -174,6 +181,32 @@ class BindChoice:
                 return record, now
         raise BindError(f"pod {key}: node {node}'s commitments changed under {self.commit_attempts} attempts in a row "
                         f"(other binders are busy on it); not bound, the scheduler will retry")
+
+    def _refuse_rival_entry(self, key: str, node: str, entry: Commitment | None, age_ns: float) -> None:
+        """Refuse to decide a pod that the node's Lease already holds under another binder's entry.
+
+        Both kube-schedulers run every pod's cycle, so two binders bind the same pod at once. Were
+        the second to write its own choice over the first's entry, the Lease would say card A while
+        the first binder's Binding puts the record's card B on the pod; until the second binder's
+        watch delivered that record (or it corrected the entry after its Binding failed), its own
+        next decisions on the node would count the pod on A and could fill B past its capacity. The
+        first entry stands; this bind fails and kube-scheduler retries the pod (which by then is
+        bound, or its entry pruned as gone, bound elsewhere or unbound past the grace)."""
+        if entry is None:
+            return
+        with self._locks_guard:
+            if self._written.get((node, entry.uid)) == entry.since_ns:
+                return  # our own entry (an earlier attempt whose withdrawal did not go through)
+        raise BindError(f"pod {key}: not bound to {node}: another binder committed this pod there "
+                        f"{age_ns / 1e9:.1f} s ago (cards {', '.join(str(u.index) for u in entry.cards) or 'none'}) "
+                        f"and its choice stands; the scheduler will retry the pod")
+
+    def _wrote(self, node: str, entry: Commitment) -> None:
+        with self._locks_guard:
+            self._written[(node, entry.uid)] = entry.since_ns
+            self._written.move_to_end((node, entry.uid))
+            while len(self._written) > WRITTEN_ENTRIES:
+                self._written.popitem(last=False)
 
     def _read_commitments(self, key: str, node: str) -> Snapshot:
         assert self.commitments is not None

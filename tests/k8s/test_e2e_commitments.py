@@ -19,6 +19,7 @@ from qgpu_runtime.extender.commitments import LeaseCommitments, Snapshot
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.placement.state import Placement
 from tests.k8s.kubeobjects import cards, gpu_node, gpu_pod, read_pod, record
 from tests.recordkeys import SIGNER, VERIFIER
 
@@ -177,3 +178,56 @@ def test_a_lease_deleted_behind_the_store_is_written_again_with_what_it_knew(clu
     assert binder.conflicts == 0 and store.fresh_reads == 1
     assert set(LeaseCommitments(coordination, ns).read(node).commitments.pods) == set(uids)
     assert read_pod(cluster.api, ns, "p1")["spec"]["nodeName"] == node
+
+
+def test_a_pod_another_binder_committed_on_the_node_is_not_decided_again_over_its_entry(cluster, ns, label):
+    """Both kube-schedulers run every pod's cycle. Had the second binder written its own choice over
+    the first's entry of the same pod, the Lease would name one card while the first's Binding put
+    another card's record on the pod, and the second binder's next decisions there (its watch not
+    having delivered that record yet) would count the pod on the wrong card: a card over-committed
+    (issue 23's race test failed so under load). The first entry stands and this bind fails."""
+    node = f"{ns}-same"
+    api, cache, coordination = setup(cluster, ns, label, node)
+    uid = pending_pod(cluster, ns, label, "p")
+    rival = LeaseCommitments(coordination, ns)
+    seen = rival.read(node)
+    theirs = Commitment(uid, f"{ns}/p", time.time_ns(), (CardUse(1, 300, 4096),))
+    rival.write(seen, seen.commitments.with_pod(theirs))
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=LeaseCommitments(coordination, ns), signer=SIGNER)
+    with pytest.raises(BindError, match=f"not bound to {node}: another binder committed this pod there .*cards 1\\)"):
+        binder.bind(ns, "p", uid, node)
+    pod = read_pod(cluster.api, ns, "p")
+    assert not pod["spec"].get("nodeName") and record(pod) is None
+    assert LeaseCommitments(coordination, ns).read(node).commitments.pods[uid] == theirs
+    assert cache.booking(f"{ns}/p") is None
+
+
+class WithdrawFails(LeaseCommitments):
+    """Writes like the real store, except that taking an entry out fails (the apiserver unreachable
+    right after a failed Binding)."""
+
+    def write(self, snapshot: Snapshot, commitments) -> None:
+        if set(snapshot.commitments.pods) - set(commitments.pods):
+            raise ConnectionError("apiserver unreachable")
+        super().write(snapshot, commitments)
+
+
+def test_this_binders_own_leftover_entry_is_decided_again_on_the_retry(cluster, ns, label, monkeypatch):
+    """A Binding that failed and an entry that could not be withdrawn: the pod's retry through the
+    same binder replaces its own entry (it remembers what it wrote) instead of waiting out the grace."""
+    node = f"{ns}-retry"
+    api, cache, coordination = setup(cluster, ns, label, node)
+    uid = pending_pod(cluster, ns, label, "p")
+    store = WithdrawFails(coordination, ns)
+    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=store, signer=SIGNER)
+    real = binder.pods.create_binding
+    monkeypatch.setattr(binder.pods, "create_binding", lambda *a, **k: (_ for _ in ()).throw(ConnectionError("reset")))
+    with pytest.raises(BindError, match="binding to .* failed"):
+        binder.bind(ns, "p", uid, node)
+    first = LeaseCommitments(coordination, ns).read(node).commitments.pods[uid]  # left behind
+    monkeypatch.setattr(binder.pods, "create_binding", real)
+    binder.bind(ns, "p", uid, node)
+    pod = read_pod(cluster.api, ns, "p")
+    assert pod["spec"]["nodeName"] == node
+    entry = LeaseCommitments(coordination, ns).read(node).commitments.pods[uid]
+    assert entry.since_ns > first.since_ns and entry.cards == Commitment.of(uid, f"{ns}/p", Placement.of_record(record(pod)), 0).cards
