@@ -37,6 +37,7 @@ from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.extender.bookings import Bookings
 from qgpu_runtime.extender.budgets import DisruptionBudgets
 from qgpu_runtime.extender.committed import CommittedView
+from qgpu_runtime.extender.evictor import FailedCard, Target, targets
 from qgpu_runtime.extender.groups import (
     DEFAULT_GROUP_TIMEOUT_S,
     GroupError,
@@ -164,6 +165,14 @@ class AllocationCache:
     def node_names(self) -> list[str]:
         with self.lock:
             return self._nodes.names()
+
+    def failed_cards(self) -> tuple[dict[str, dict[int, FailedCard]], list[Target]]:
+        """The unhealthy cards of device-plugin nodes (DRA pools have device taints) and the pods whose
+        signed records hold them (extender/evictor.py). Scans the pods only while a card is failed."""
+        with self.lock:
+            failed = {node: {i: FailedCard(i, uuid, reason) for i, (uuid, reason) in cards.items()}
+                      for node, cards in self._nodes.failed.items() if node not in self._nodes.dra_pool}
+            return failed, (targets(failed, self._pods.entries()) if failed else [])
 
     def untrusted(self) -> dict[str, str]:
         """Pods whose records are refused as not qgpu's, with the reason (a copy)."""

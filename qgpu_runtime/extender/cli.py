@@ -30,6 +30,7 @@ from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import DEFAULT_MAX_HOLDS, AllocationCache
 from qgpu_runtime.extender.commitments import LeaseCommitments
 from qgpu_runtime.extender.dra import DraView
+from qgpu_runtime.extender.evictor import UnhealthyCardEvictor
 from qgpu_runtime.extender.groups import (
     DEFAULT_GROUP_SETTLE_S,
     DEFAULT_GROUP_TIMEOUT_S,
@@ -47,6 +48,7 @@ from qgpu_runtime.serving import JsonServer, Routes
 
 PRIORITIES = ("binpack", "spread", "frag")
 PRESENCE_LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "binders"}
+DEFAULT_EVICT_PERIOD_S = 2.0
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -105,6 +107,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "(watches ResourceSlices, ResourceClaims and ResourceClaimTemplates: needs list and "
                             "watch on them); configure kube-scheduler with a prioritize-only extender entry for "
                             "them (docs/dra.md)")
+    serve.add_argument("--evict-on-unhealthy-card", action=argparse.BooleanOptionalAction, default=False,
+                       help="evict (Eviction API, PodDisruptionBudgets honoured) the pods whose signed records hold a "
+                            "card that its node marks unhealthy, on device-plugin pools; a pod tolerating "
+                            "gpu.qgpu.io/unhealthy (operator Exists, effect NoExecute or none) stays, for its "
+                            "tolerationSeconds if set; needs create on pods/eviction (docs/operations.md)")
+    serve.add_argument("--evict-period", type=float, default=DEFAULT_EVICT_PERIOD_S,
+                       help="seconds between two looks for pods on failed cards with --evict-on-unhealthy-card "
+                            f"(default {DEFAULT_EVICT_PERIOD_S:g}, 0.1 to 60)")
     serve.add_argument("--record-signing-key", metavar="FILE", default=None,
                        help="Ed25519 private key (PEM) the extender signs every allocation record with; node "
                             "managers and the cache believe only records it signed (required)")
@@ -153,6 +163,8 @@ def _check(args: argparse.Namespace) -> None:
     if not (0 <= args.group_settle <= MAX_GROUP_SETTLE_S and args.group_settle < args.group_timeout):
         raise SystemExit(f"qgpu extender serve: --group-settle {args.group_settle}: must be >= 0, <= "
                          f"{MAX_GROUP_SETTLE_S:g} and below --group-timeout ({args.group_timeout:g}) seconds")
+    if not 0.1 <= args.evict_period <= 60:
+        raise SystemExit(f"qgpu extender serve: --evict-period {args.evict_period}: must be from 0.1 to 60 seconds")
     if args.binder_identity is not None and not 1 <= len(args.binder_identity) <= 253:
         raise SystemExit(f"qgpu extender serve: --binder-identity {args.binder_identity!r}: must have 1..253 characters")
     if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
@@ -244,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
     period = max(0.5, min(10.0, args.assume_timeout / 4, args.group_timeout / 4))
     threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop, binder.expire_groups),
                      name="expire", daemon=True).start()
+    if args.evict_on_unhealthy_card:
+        evictor = UnhealthyCardEvictor(binder.pods.api, app.cache.failed_cards, app.cache.verifier)
+        threading.Thread(target=evictor.run, args=(stop, args.evict_period), name="evict-unhealthy", daemon=True).start()
     presence = binder.choice.presence
     if presence is not None:
         threading.Thread(target=presence.run, args=(stop,), name="binder-presence", daemon=True).start()

@@ -22,7 +22,7 @@ from qgpu_runtime.contract.names import POOL_MODE_LABEL
 from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.placement.state import ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL, MIXED_LABEL, CardSpec, NodeSpec
 
-__all__ = ["NodeInventoryError", "dra_pool", "node_spec", "refused_spec"]
+__all__ = ["NodeInventoryError", "dra_pool", "failed_cards", "node_spec", "refused_spec"]
 
 DRA_POOL_REASON = ("node of a DRA pool: its cards reach pods through ResourceClaims (label the namespace "
                    "qgpu.io/gpu-mode=dra, docs/dra.md); only nvidia.com/gpu is mapped there")
@@ -89,3 +89,17 @@ def node_spec(node: Mapping[str, Any]) -> NodeSpec:
         cards=cards,
         labels=labels,
     )
+
+
+def failed_cards(node: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
+    """The cards the node's inventory marks unhealthy: index -> (UUID, reason); empty for a node
+    without the annotation or whose annotation is refused (its cards are out of placement then)."""
+    meta = node.get("metadata") or {}
+    raw = (meta.get("annotations") or {}).get(CARDS)
+    if raw is None:
+        return {}
+    try:
+        cards = parse_inventory(str(meta.get("name") or ""), raw)
+    except NodeInventoryError:
+        return {}
+    return {c.index: (c.uuid, c.reason) for c in cards if not c.healthy}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, node_spec, refused_spec
+from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, failed_cards, node_spec, refused_spec
 from qgpu_runtime.placement.state import NodeSpec
 
 
@@ -23,6 +23,7 @@ class NodeView:
         self._specs: dict[str, NodeSpec] = {}
         self.dra_pool: set[str] = set()  # nodes of DRA pools (extender/nodes.py dra_pool)
         self._invalid: dict[str, str] = {}  # node -> why its data was refused (extender/nodes.py)
+        self.failed: dict[str, dict[int, tuple[str, str]]] = {}  # node -> its unhealthy cards (index -> UUID, reason)
         self._report = report
 
     def apply(self, event: str, node: Mapping[str, Any]) -> bool:
@@ -31,7 +32,13 @@ class NodeView:
         if event == "DELETED":
             self.dra_pool.discard(name)
             self._invalid.pop(name, None)
+            self.failed.pop(name, None)
             return self._specs.pop(name, None) is not None
+        failed = failed_cards(node)
+        if failed:
+            self.failed[name] = failed
+        else:
+            self.failed.pop(name, None)
         try:
             spec = node_spec(node)
             self._invalid.pop(name, None)

@@ -641,7 +641,9 @@ class LocalCluster:
             "qgpu_local_cluster_webhook_client_ca_pem": (self.pki / "webhook-client" / "ca.crt").read_text(),
             "qgpu_local_cluster_metrics_port": self.port("manager-metrics"),
             "qgpu_local_cluster_kubelet_root": str(self.dir / "host" / "kubelet"),
-            **(self._dra_vars() if self.dra else {}),
+            # the pods of a failed card evicted unless they tolerate it (tests/realnode/test_e2e_card_failure.py);
+            # a DRA pool has its device taints instead
+            **(self._dra_vars() if self.dra else {"qgpu_scheduler_evict_unhealthy_cards": True}),
         }
 
     def _dra_vars(self) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 builds the image again from a changed source (another source fingerprint, as a new checkout gives)
 and rolls every qgpu component to it. The managers, extender and webhook are new pods of the new
 image; no GPU pod restarts, each keeps its share in the node's store, its allocation record and its
-card, and the store keeps its schema (docs/operations.md, "Upgrading qgpu")."""
+card, and the store keeps its schema (docs/operations.md, "Upgrading qgpu"). Then the rollback:
+site.yml from the original source builds the original digest again (reproducible builds) and rolls
+every component back to it, and again no GPU pod notices."""
 
 from __future__ import annotations
 
@@ -73,5 +75,24 @@ def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_clus
     assert store_shares(cluster) == shares and store_schema(cluster) == schema == SCHEMA_VERSION
     changed = re.findall(r"^changed: .*$", out.stdout, re.M)
     assert changed, "a rebuilt image changes the image and the rollouts"
+
+    # rollback: site.yml from the previous source (its own fingerprint) brings the previous digest back
+    upgraded = {p["metadata"]["uid"] for p in after}
+    started = time.monotonic()
+    out = site_yml(cluster)
+    assert out.returncode == 0, out.stdout[-6000:]
+    print(f"site.yml rolling back to the previous image: {time.monotonic() - started:.0f} s", flush=True)
+    assert image_digest(cluster, image) == old_digest
+    back = qgpu_pods(cluster)
+    assert not upgraded & {p["metadata"]["uid"] for p in back}
+    for pod in back:
+        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        assert ready["Ready"] == "True" and pod["metadata"]["annotations"][IMAGE_DIGEST] == old_digest
+    for name, was in before.items():
+        now = kube.read(api, ns, name)
+        (status,) = now["status"]["containerStatuses"]
+        assert status["containerID"] == was["status"]["containerStatuses"][0]["containerID"] and status["restartCount"] == 0
+        assert now["metadata"]["annotations"][ALLOCATION] == was["metadata"]["annotations"][ALLOCATION]
+    assert store_shares(cluster) == shares and store_schema(cluster) == SCHEMA_VERSION
     for name in PODS:
         delete(cluster, ns, name)
