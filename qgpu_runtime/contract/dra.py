@@ -160,6 +160,7 @@ def consumed_memory(requested_mib: int, limits: CardLimits = DEFAULT_LIMITS) -> 
 
 # ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler and the extender read it) ---
 UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
+UNHEALTHY_EFFECTS: Final = ("NoSchedule", "NoExecute")  # of that taint; NoExecute: kube-controller-manager evicts
 """Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
 to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
 device. Its value is the reason, cut to a label value."""

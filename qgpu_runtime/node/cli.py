@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qgpu_runtime.contract.dra import UNHEALTHY_EFFECTS
 from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--no-node-labels", action="store_true", help="do not write GPU labels/annotations on the node")
     serve.add_argument("--dra", action="store_true",
                        help="serve qgpu as a DRA driver (gpu.qgpu.io): kubelet plugin and this node's ResourceSlice, no device plugins")
-    serve.add_argument("--dra-unhealthy-effect", choices=("NoSchedule", "NoExecute"), default="NoSchedule",
+    serve.add_argument("--dra-unhealthy-effect", choices=UNHEALTHY_EFFECTS, default="NoSchedule",
                        help="with --dra: the effect of an unhealthy card's device taint; NoExecute has "
                             "kube-controller-manager evict the pods whose claims use the card")
     serve.add_argument("--cdi-dir", type=Path, default=Path("/var/run/cdi"),

@@ -41,7 +41,7 @@ from qgpu_runtime.node.deviceplugin.matching import Examined, examine
 from qgpu_runtime.node.deviceplugin.registration import KubeletRegistration
 from qgpu_runtime.node.deviceplugin.resources import ResourceKind
 from qgpu_runtime.node.deviceplugin.response import ContainerGrant
-from qgpu_runtime.node.dra.slices import UNHEALTHY_EFFECTS, SliceApi, SlicePublisher
+from qgpu_runtime.node.dra.slices import SliceApi, SlicePublisher, check_unhealthy_effect
 from qgpu_runtime.node.enforcer import IsolationBackend, NodeIsolation, enforcement, resolve_policy
 from qgpu_runtime.node.health import UNHEALTHY_EVENT, CardHealth, pods_on_card
 from qgpu_runtime.node.metrics import ManagerMetrics
@@ -94,9 +94,7 @@ class ManagerConfig:
             raise ValueError(f"--tick: {self.isolation_tick_s!r} is not allowed: must be 0.005..5 seconds")
         if self.memory_tolerance_mib < 0:
             raise ValueError(f"--memory-tolerance: {self.memory_tolerance_mib!r} is not allowed: must be >= 0")
-        if self.dra_unhealthy_effect not in UNHEALTHY_EFFECTS:
-            raise ValueError(f"--dra-unhealthy-effect: {self.dra_unhealthy_effect!r} is not allowed: "
-                             f"must be one of {', '.join(UNHEALTHY_EFFECTS)}")
+        check_unhealthy_effect(self.dra_unhealthy_effect)
 
     @property
     def kubelet_socket(self) -> Path:

@@ -24,7 +24,16 @@ import logging
 import threading
 from typing import Any, Callable, Mapping, Protocol
 
-from qgpu_runtime.contract.dra import API_VERSION, DRIVER, SLICE_CONTENT, UNHEALTHY_TAINT, pool_name, slice_device, slice_name
+from qgpu_runtime.contract.dra import (
+    API_VERSION,
+    DRIVER,
+    SLICE_CONTENT,
+    UNHEALTHY_EFFECTS,
+    UNHEALTHY_TAINT,
+    pool_name,
+    slice_device,
+    slice_name,
+)
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
@@ -34,7 +43,14 @@ from qgpu_runtime.node.pods import PodSourceError
 
 log = logging.getLogger("qgpu_runtime.node.draslices")  # the name from before node/ became two doors: the logger keeps it
 
-UNHEALTHY_EFFECTS = ("NoSchedule", "NoExecute")  # NoExecute: kube-controller-manager evicts the card's pods
+
+
+def check_unhealthy_effect(effect: str) -> str:
+    """``effect`` if it is one of :data:`UNHEALTHY_EFFECTS`; raises ValueError naming the flag otherwise."""
+    if effect not in UNHEALTHY_EFFECTS:
+        raise ValueError(f"--dra-unhealthy-effect: {effect!r} is not allowed: must be one of {', '.join(UNHEALTHY_EFFECTS)}")
+    return effect
+
 WATCH_TIMEOUT_S = 300.0  # the apiserver ends each watch after this long; the next one starts at once
 RETRY_MIN_S = 1.0
 
@@ -64,8 +80,7 @@ class SliceApi(Protocol):
 def slice_devices(cards: Mapping[int, CardInfo], unhealthy: Mapping[int, str], policy: Policy,
                   limits: CardLimits = DEFAULT_LIMITS, unhealthy_effect: str = "NoSchedule") -> list[dict[str, Any]]:
     """The slice's devices, in card order; unhealthy cards carry the taint, of ``unhealthy_effect``."""
-    if unhealthy_effect not in UNHEALTHY_EFFECTS:
-        raise ValueError(f"--dra-unhealthy-effect: {unhealthy_effect!r} is not allowed: must be one of {', '.join(UNHEALTHY_EFFECTS)}")
+    check_unhealthy_effect(unhealthy_effect)
     devices = []
     for index in sorted(cards):
         device = slice_device(cards[index], policy.value, limits)
@@ -123,8 +138,7 @@ class SlicePublisher:
     def __init__(self, api: SliceApi, node: str, cards: Mapping[int, CardInfo], health: CardHealth,
                  policy: Callable[[], Policy], limits: CardLimits = DEFAULT_LIMITS, retry_max_s: float = 30.0,
                  unhealthy_effect: str = "NoSchedule") -> None:
-        slice_devices({}, {}, Policy.BEST_EFFORT, limits, unhealthy_effect)  # refuses an unknown effect now
-        self.unhealthy_effect = unhealthy_effect
+        self.unhealthy_effect = check_unhealthy_effect(unhealthy_effect)
         self.api = api
         self.node = node
         self.name = slice_name(node)
