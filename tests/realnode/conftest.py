@@ -112,9 +112,16 @@ def qgpu_namespace_state(cluster: LocalCluster) -> str:
             states = [f"{c.name}: ready={c.ready} restarts={c.restart_count} {c.state.waiting or c.state.terminated or ''}"
                       for c in pod.status.container_statuses or []]
             lines.append(f"  pod {pod.metadata.name} {pod.status.phase} {states}")
+            for c in pod.status.container_statuses or []:
+                if not c.ready:  # why it is not Ready is usually in its last lines
+                    try:
+                        tail = api.read_namespaced_pod_log(pod.metadata.name, QGPU_NAMESPACE, container=c.name, tail_lines=25)
+                    except Exception as exc:  # noqa: BLE001
+                        tail = f"(log not readable: {exc})"
+                    lines.extend(f"    {line}" for line in str(tail).splitlines())
         for event in api.list_namespaced_event(QGPU_NAMESPACE).items:
             if event.type == "Warning":
                 lines.append(f"  {event.involved_object.kind}/{event.involved_object.name} {event.reason}: {event.message}")
-        return "\n".join(lines)[-6000:]
+        return "\n".join(lines)[-12000:]
     except Exception as exc:  # noqa: BLE001 - a diagnostic must not hide the failure it explains
         return f"(qgpu namespace not readable: {exc})"

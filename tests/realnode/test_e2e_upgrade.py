@@ -12,11 +12,12 @@ import hashlib
 import re
 import sqlite3
 import time
+from pathlib import Path
 
 from qgpu_runtime.contract.names import ALLOCATION, IMAGE_DIGEST
 from qgpu_runtime.contract.store import SCHEMA_VERSION, file_version
 from tests.realnode import kube
-from tests.realnode.conftest import site_yml
+from tests.realnode.conftest import qgpu_namespace_state, site_yml
 from tests.realnode.localcluster import LocalCluster
 from tests.realnode.test_e2e_deploy import image_digest, qgpu_pods
 from tests.realnode.test_e2e_dialects import delete
@@ -29,7 +30,19 @@ PODS = {  # one pod of each dialect family the device plugin serves
     "vcuda": {"tencent.com/vcuda-core": "20", "tencent.com/vcuda-memory": "8"},
     "whole": {"nvidia.com/gpu": "1"},
 }
-CHANGED_SOURCE = hashlib.sha256(b"qgpu upgrade test: another checkout").hexdigest()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def changed_source() -> str:
+    """A source fingerprint other than the checkout's, as another checkout gives, yet one that follows
+    this checkout's source: the roles cache wheels and image layers per fingerprint, so a constant
+    one would reuse a wheel built from whatever source ran the test first (a later run then rolled
+    out an older extender)."""
+    digest = hashlib.sha256(b"qgpu upgrade test: another checkout\n")
+    for path in sorted([*(ROOT / "qgpu_runtime").rglob("*"), ROOT / "pyproject.toml"]):
+        if path.is_file() and "__pycache__" not in path.parts and path.suffix not in (".pyc", ".pyo"):
+            digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def store_schema(cluster: LocalCluster) -> int | None:
@@ -53,8 +66,8 @@ def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_clus
     old_digest = image_digest(cluster, image)
 
     started = time.monotonic()
-    out = site_yml(cluster, "-e", f"qgpu_runtime_fingerprint={CHANGED_SOURCE}")
-    assert out.returncode == 0, out.stdout[-6000:]
+    out = site_yml(cluster, "-e", f"qgpu_runtime_fingerprint={changed_source()}")
+    assert out.returncode == 0, f"{out.stdout[-6000:]}\n{qgpu_namespace_state(cluster)}"
     print(f"site.yml with a rebuilt image: {time.monotonic() - started:.0f} s", flush=True)
 
     new_digest = image_digest(cluster, image)
@@ -80,7 +93,7 @@ def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_clus
     upgraded = {p["metadata"]["uid"] for p in after}
     started = time.monotonic()
     out = site_yml(cluster)
-    assert out.returncode == 0, out.stdout[-6000:]
+    assert out.returncode == 0, f"{out.stdout[-6000:]}\n{qgpu_namespace_state(cluster)}"
     print(f"site.yml rolling back to the previous image: {time.monotonic() - started:.0f} s", flush=True)
     assert image_digest(cluster, image) == old_digest
     back = qgpu_pods(cluster)
