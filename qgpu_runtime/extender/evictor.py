@@ -43,8 +43,13 @@ from qgpu_runtime.kube.errors import brief as short
 log = logging.getLogger(__name__)
 
 MAX_EVICTIONS_PER_SCAN = 64
-"""Evictions one scan sends at most; the rest wait for the next scan (one burst of failed cards
-does not turn into thousands of API calls at once)."""
+"""Pods one scan reads (and evicts) at most; the rest wait for the next scan (one burst of failed
+cards does not turn into thousands of API calls at once)."""
+
+RECHECK_TOLERATING_S = 60.0
+"""A pod that tolerates a failed card for ever is read again only this often (a pod update may
+add tolerations, never remove one), not at every scan; nor is a pod just evicted, until the watch
+shows it terminating."""
 
 RETRY_FIRST_S, RETRY_MAX_S = 5.0, 300.0
 FORGET_AFTER = 16384  # pods remembered for their retry delays, oldest forgotten first
@@ -136,6 +141,7 @@ class UnhealthyCardEvictor:
         self.monotonic = monotonic
         self._first_seen: dict[tuple[str, str], float] = {}  # (node, card UUID) -> when first seen failed
         self._retry: dict[str, tuple[float, float]] = {}  # pod UID -> (next try, delay)
+        self._not_before: dict[str, float] = {}  # pod UID -> when its toleration may have run out
         self.evicted = 0
 
     def scan(self) -> list[str]:
@@ -145,22 +151,25 @@ class UnhealthyCardEvictor:
         current = {(node, c.uuid) for node, by_index in cards.items() for c in by_index.values()}
         self._first_seen = {k: self._first_seen.get(k, now) for k in current}  # a card back healthy is forgotten
         done: list[str] = []
+        reads = 0
         for target in found:
-            if len(done) >= MAX_EVICTIONS_PER_SCAN:
+            if reads >= MAX_EVICTIONS_PER_SCAN:
                 break
             retry = self._retry.get(target.uid)
-            if retry is not None and now < retry[0]:
+            if (retry is not None and now < retry[0]) or now < self._not_before.get(target.uid, now):
                 continue
+            reads += 1
             since = min(self._first_seen.get((target.node, c.uuid), now) for c in target.cards)
-            if self._evict(target, now - since, now):
+            if self._evict(target, since, now):
                 done.append(target.key)
         live = {t.uid for t in found}
         self._retry = {uid: r for uid, r in self._retry.items() if uid in live}
+        self._not_before = {uid: t for uid, t in self._not_before.items() if uid in live}
         while len(self._retry) > FORGET_AFTER:
             self._retry.pop(next(iter(self._retry)))
         return done
 
-    def _evict(self, target: Target, failed_for_s: float, now: float) -> bool:
+    def _evict(self, target: Target, failed_since: float, now: float) -> bool:
         namespace, name = target.key.split("/", 1)
         try:
             pod = self.api.read_namespaced_pod(name, namespace, _preload_content=False)
@@ -172,7 +181,8 @@ class UnhealthyCardEvictor:
         if not self._still_on(pod, target):
             return False
         wait = tolerated_for(pod)
-        if wait is None or failed_for_s < wait:
+        if wait is None or now - failed_since < wait:
+            self._not_before[target.uid] = now + RECHECK_TOLERATING_S if wait is None else failed_since + wait
             return False
         cards = ", ".join(f"card {c.index} ({c.uuid}: {c.reason or 'unhealthy'})" for c in target.cards)
         body = {"apiVersion": "policy/v1", "kind": "Eviction",
@@ -188,6 +198,7 @@ class UnhealthyCardEvictor:
             self._later(target.uid, now, f"pod {target.key} on {target.node} holds failed {cards}; eviction refused: {why}")
             return False
         self._retry.pop(target.uid, None)
+        self._not_before[target.uid] = now + RECHECK_TOLERATING_S  # until the watch shows it terminating
         self.evicted += 1
         log.warning("evicted pod %s from node %s: it holds failed %s", target.key, target.node, cards)
         return True

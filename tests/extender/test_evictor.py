@@ -37,8 +37,10 @@ class FakeApi:
         self.pods = {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods}
         self.evictions: list[tuple[str, dict]] = []
         self.refuse: list[int] = []  # statuses the next Evictions answer
+        self.reads = 0
 
     def read_namespaced_pod(self, name, namespace, _preload_content=True):
+        self.reads += 1
         p = self.pods.get(f"{namespace}/{name}")
         if p is None:
             raise ApiException(status=404, reason="Not Found")
@@ -237,3 +239,24 @@ def test_a_card_of_another_uuid_at_that_index_is_not_the_failed_one():
     n["metadata"]["annotations"]["qgpu.io/gpus"] = json.dumps(doc)
     c.apply_node("MODIFIED", copy.deepcopy(n))
     assert c.failed_cards()[1] == []
+
+
+def test_a_tolerating_pod_is_not_read_again_at_every_scan():
+    """A thousand pods that tolerate a failed card for ever must not cost a thousand GETs every 2 s:
+    such a pod is read again once a minute (an update may add a toleration, never remove one), one
+    with tolerationSeconds when they have run out."""
+    forever = {"tolerations": [{"key": "gpu.qgpu.io/unhealthy", "operator": "Exists"}]}
+    for_30 = {"tolerations": [{"key": "gpu.qgpu.io/unhealthy", "operator": "Exists", "tolerationSeconds": 30}]}
+    c, api, _ = world(("stays", "a", 30, forever), ("waits", "a", 30, for_30))
+    c.apply_node("MODIFIED", failed_node("a", {0: "XID 79"}))
+    clock = Clock()
+    ev = UnhealthyCardEvictor(api, c.failed_cards, VERIFIER, clock)
+    assert ev.scan() == [] and api.reads == 2
+    for _ in range(10):
+        clock.t += 2
+        assert ev.scan() == []
+    assert api.reads == 2
+    clock.t += 10  # 30 s since the card failed
+    assert ev.scan() == ["ns/waits"] and api.reads == 3
+    clock.t += 30  # a minute since "stays" was read
+    assert ev.scan() == [] and api.reads == 4
