@@ -1,0 +1,57 @@
+"""The real-node benchmark's stage split (issue 23 §3): which stage a pod shows, how a pod's time is
+cut into stages when the watch shows several at once or a later one first, and the arms' order."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.realnode_bench import STAGES, arm_order, split, stages_seen, summarize
+
+
+def pod(node: str = "", start: str = "", sandbox: str = "", running: bool = False, phase: str = "Pending") -> dict:
+    status: dict = {"phase": phase, "conditions": []}
+    if start:
+        status["startTime"] = start
+    if sandbox:
+        status["conditions"].append({"type": "PodReadyToStartContainers", "status": sandbox})
+    status["containerStatuses"] = [{"name": "main", "state": {"running": {"startedAt": "t"}} if running else {"waiting": {}}}]
+    return {"spec": {"nodeName": node} if node else {}, "status": status}
+
+
+@pytest.mark.parametrize("p, expected", [
+    (pod(), set()),
+    (pod(node="n"), {"scheduled"}),
+    (pod(node="n", start="t"), {"scheduled", "admitted"}),
+    (pod(node="n", start="t", sandbox="False"), {"scheduled", "admitted"}),
+    (pod(node="n", start="t", sandbox="True"), {"scheduled", "admitted", "sandbox"}),
+    (pod(node="n", start="t", sandbox="True", running=True), {"scheduled", "admitted", "sandbox", "started"}),
+    (pod(node="n", start="t", sandbox="True", running=True, phase="Running"), set(STAGES)),
+])
+def test_each_stage_is_read_from_the_pod(p, expected):
+    assert stages_seen(p) == expected
+
+
+def test_stages_add_up_to_the_total_and_each_counts_from_the_one_before():
+    seen = {"scheduled": 10.5, "admitted": 11.0, "sandbox": 13.0, "started": 14.0, "running": 14.25}
+    cut = split(10.0, seen)
+    assert cut == {"scheduled": 0.5, "admitted": 0.5, "sandbox": 2.0, "started": 1.0, "running": 0.25}
+    assert sum(cut.values()) == pytest.approx(seen["running"] - 10.0)
+
+
+def test_stages_shown_together_or_out_of_order_take_no_time_of_their_own():
+    # admitted and sandbox arrived in one event with started; scheduled was only seen after it
+    seen = {"started": 12.0, "admitted": 12.0, "scheduled": 13.0, "running": 13.5}
+    cut = split(10.0, seen)
+    assert cut == {"scheduled": 2.0, "admitted": 0.0, "sandbox": 0.0, "started": 0.0, "running": 1.5}
+    assert sum(cut.values()) == pytest.approx(3.5)
+
+
+def test_arms_alternate_and_swap_every_round():
+    assert [arm_order(r, ("plain", "gpu")) for r in range(3)] == [("plain", "gpu"), ("gpu", "plain"), ("plain", "gpu")]
+
+
+def test_the_summary_has_every_stage_and_the_total():
+    rows = [{"total": float(i), **{s: i / 5 for s in STAGES}} for i in range(1, 101)]
+    out = summarize(rows)
+    assert out["pods"] == 100 and out["total"] == {"p50_s": 50.0, "p99_s": 99.0}
+    assert set(out) == {"pods", "total", *STAGES}
