@@ -60,6 +60,7 @@ class ExtenderMetrics:
     refused: Counter
     commitment_conflicts: Counter
     untrusted_records: Gauge
+    evictions: Counter
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -87,6 +88,10 @@ class ExtenderMetrics:
             untrusted_records=Gauge("qgpu_extender_untrusted_records",
                                     "Live pods whose allocation record the extender's key did not sign for them "
                                     "(written by a tenant or edited); they book nothing", registry=registry),
+            evictions=Counter("qgpu_extender_unhealthy_card_evictions",
+                              "Eviction API calls for pods on failed cards (--evict-on-unhealthy-card) by result: "
+                              "evicted, or refused (a PodDisruptionBudget, the apiserver; asked again later)",
+                              ["result"], registry=registry),
         )
 
 

@@ -257,7 +257,8 @@ def run(args: argparse.Namespace) -> int:
     threading.Thread(target=expire_loop, args=(app.cache, binder.delete_expired, period, stop, binder.expire_groups),
                      name="expire", daemon=True).start()
     if args.evict_on_unhealthy_card:
-        evictor = UnhealthyCardEvictor(binder.pods.api, app.cache.failed_cards, app.cache.verifier)
+        evictor = UnhealthyCardEvictor(binder.pods.api, app.cache.failed_cards, app.cache.verifier,
+                                       on_result=lambda result: app.metrics.evictions.labels(result).inc())
         threading.Thread(target=evictor.run, args=(stop, args.evict_period), name="evict-unhealthy", daemon=True).start()
     presence = binder.choice.presence
     if presence is not None:

@@ -134,11 +134,13 @@ class UnhealthyCardEvictor:
     """Evicts the pods of failed cards on device-plugin pools; :meth:`scan` once, :meth:`run` a loop."""
 
     def __init__(self, api: Any, failed: Callable[[], tuple[dict[str, dict[int, FailedCard]], list[Target]]],
-                 verifier: RecordVerifier, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 verifier: RecordVerifier, monotonic: Callable[[], float] = time.monotonic,
+                 on_result: Callable[[str], None] = lambda result: None) -> None:
         self.api = api  # kubernetes.client.CoreV1Api
         self.failed = failed  # the cache's failed cards and the pods it books on them
         self.verifier = verifier
         self.monotonic = monotonic
+        self.on_result = on_result  # "evicted" or "refused", for the extender's metrics
         self._first_seen: dict[tuple[str, str], float] = {}  # (node, card UUID) -> when first seen failed
         self._retry: dict[str, tuple[float, float]] = {}  # pod UID -> (next try, delay)
         self._not_before: dict[str, float] = {}  # pod UID -> when its toleration may have run out
@@ -195,11 +197,13 @@ class UnhealthyCardEvictor:
             if status in (404, 409):
                 return False  # gone, or another pod under the name now
             why = "a PodDisruptionBudget allows no disruption now" if status == 429 else short(exc)
+            self.on_result("refused")
             self._later(target.uid, now, f"pod {target.key} on {target.node} holds failed {cards}; eviction refused: {why}")
             return False
         self._retry.pop(target.uid, None)
         self._not_before[target.uid] = now + RECHECK_TOLERATING_S  # until the watch shows it terminating
         self.evicted += 1
+        self.on_result("evicted")
         log.warning("evicted pod %s from node %s: it holds failed %s", target.key, target.node, cards)
         return True
 

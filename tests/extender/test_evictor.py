@@ -193,7 +193,8 @@ def test_a_budget_that_refuses_is_asked_again_later_with_a_growing_delay(caplog)
     c, api, _ = world(("guarded", "a", 30, None))
     c.apply_node("MODIFIED", failed_node("a", {0: "XID 79"}))
     clock = Clock()
-    ev = UnhealthyCardEvictor(api, c.failed_cards, VERIFIER, clock)
+    results: list[str] = []
+    ev = UnhealthyCardEvictor(api, c.failed_cards, VERIFIER, clock, on_result=results.append)
     api.refuse = [429, 429]
     assert ev.scan() == []
     assert "a PodDisruptionBudget allows no disruption now; trying again in 5 s" in caplog.text
@@ -204,6 +205,7 @@ def test_a_budget_that_refuses_is_asked_again_later_with_a_growing_delay(caplog)
     assert "trying again in 10 s" in caplog.text
     clock.t += 10
     assert ev.scan() == ["ns/guarded"]
+    assert results == ["refused", "refused", "evicted"]  # the extender's metric counts these
 
 
 def test_a_pod_gone_or_replaced_meanwhile_ends_the_matter():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.request
 
 from kubernetes.client.exceptions import ApiException
 
@@ -79,6 +80,10 @@ def test_a_failed_card_leaves_the_pool_its_pods_are_told_and_new_pods_go_elsewhe
         if "gone" not in out:  # the Eviction API marks why it deleted the pod
             (condition,) = [c for c in out["status"].get("conditions") or [] if c["type"] == "DisruptionTarget"]
             assert condition["reason"] == "EvictionByEvictionAPI"
+        # the extender counts it (its /metrics: plain HTTP on loopback in this cluster)
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.port('extender')}/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        assert 'qgpu_extender_unhealthy_card_evictions_total{result="evicted"} 1.0' in metrics
         still = kube.read(api, ns, "on-card")
         assert still["status"]["phase"] == "Running"
         assert still["status"]["containerStatuses"][0]["containerID"] == victim["status"]["containerStatuses"][0]["containerID"]
