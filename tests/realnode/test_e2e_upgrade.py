@@ -54,6 +54,28 @@ def store_schema(cluster: LocalCluster) -> int | None:
         db.close()
 
 
+def rolled(cluster: LocalCluster, previous: set[str], digest: str) -> set[str]:
+    """Every qgpu component is a new pod (none of ``previous``), Ready, of ``digest``; their UIDs."""
+    pods = qgpu_pods(cluster)
+    assert not previous & {p["metadata"]["uid"] for p in pods}
+    for pod in pods:
+        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
+        assert ready["Ready"] == "True" and pod["metadata"]["annotations"][IMAGE_DIGEST] == digest
+    return {p["metadata"]["uid"] for p in pods}
+
+
+def untouched(cluster: LocalCluster, ns: str, before: dict[str, dict], shares: dict) -> None:
+    """The GPU pods: same containers, never restarted, same record; the node's shares and schema kept."""
+    api = kube.core(cluster)
+    for name, was in before.items():
+        now = kube.read(api, ns, name)
+        assert now["status"]["phase"] == "Running", name
+        (status,) = now["status"]["containerStatuses"]
+        assert status["containerID"] == was["status"]["containerStatuses"][0]["containerID"] and status["restartCount"] == 0
+        assert now["metadata"]["annotations"][ALLOCATION] == was["metadata"]["annotations"][ALLOCATION]
+    assert store_shares(cluster) == shares and store_schema(cluster) == SCHEMA_VERSION
+
+
 def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_cluster: LocalCluster, ns: str) -> None:
     cluster = local_cluster
     api = kube.core(cluster)
@@ -73,39 +95,19 @@ def test_a_rebuilt_image_rolls_every_component_and_no_gpu_pod_notices(local_clus
     new_digest = image_digest(cluster, image)
     assert new_digest != old_digest
     # every component a new pod, Ready, of the new image's digest (the rollout waited for them)
-    after = qgpu_pods(cluster)
-    assert not components & {p["metadata"]["uid"] for p in after}
-    for pod in after:
-        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-        assert ready["Ready"] == "True" and pod["metadata"]["annotations"][IMAGE_DIGEST] == new_digest
-    # the GPU pods: same containers, never restarted, same record, same shares, same schema
-    for name, was in before.items():
-        now = kube.read(api, ns, name)
-        assert now["status"]["phase"] == "Running", name
-        (status,) = now["status"]["containerStatuses"]
-        assert status["containerID"] == was["status"]["containerStatuses"][0]["containerID"] and status["restartCount"] == 0
-        assert now["metadata"]["annotations"][ALLOCATION] == was["metadata"]["annotations"][ALLOCATION]
-    assert store_shares(cluster) == shares and store_schema(cluster) == schema == SCHEMA_VERSION
+    upgraded = rolled(cluster, components, new_digest)
+    untouched(cluster, ns, before, shares)
+    assert schema == SCHEMA_VERSION
     changed = re.findall(r"^changed: .*$", out.stdout, re.M)
     assert changed, "a rebuilt image changes the image and the rollouts"
 
     # rollback: site.yml from the previous source (its own fingerprint) brings the previous digest back
-    upgraded = {p["metadata"]["uid"] for p in after}
     started = time.monotonic()
     out = site_yml(cluster)
     assert out.returncode == 0, f"{out.stdout[-6000:]}\n{qgpu_namespace_state(cluster)}"
     print(f"site.yml rolling back to the previous image: {time.monotonic() - started:.0f} s", flush=True)
     assert image_digest(cluster, image) == old_digest
-    back = qgpu_pods(cluster)
-    assert not upgraded & {p["metadata"]["uid"] for p in back}
-    for pod in back:
-        ready = {c["type"]: c["status"] for c in pod["status"]["conditions"]}
-        assert ready["Ready"] == "True" and pod["metadata"]["annotations"][IMAGE_DIGEST] == old_digest
-    for name, was in before.items():
-        now = kube.read(api, ns, name)
-        (status,) = now["status"]["containerStatuses"]
-        assert status["containerID"] == was["status"]["containerStatuses"][0]["containerID"] and status["restartCount"] == 0
-        assert now["metadata"]["annotations"][ALLOCATION] == was["metadata"]["annotations"][ALLOCATION]
-    assert store_shares(cluster) == shares and store_schema(cluster) == SCHEMA_VERSION
+    rolled(cluster, upgraded, old_digest)
+    untouched(cluster, ns, before, shares)
     for name in PODS:
         delete(cluster, ns, name)
