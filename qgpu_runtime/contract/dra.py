@@ -160,10 +160,10 @@ def consumed_memory(requested_mib: int, limits: CardLimits = DEFAULT_LIMITS) -> 
 
 # ---- the node's ResourceSlice (node/draslices.py writes it; kube-scheduler and the extender read it) ---
 UNHEALTHY_TAINT: Final = f"{DRIVER}/unhealthy"
-UNHEALTHY_EFFECTS: Final = ("NoSchedule", "NoExecute")  # of that taint; NoExecute: kube-controller-manager evicts
 """Device taint (effect NoSchedule) on a card that raised a fatal error: kube-scheduler allocates it
 to no new claim, claims already allocated keep it, as kubelet does with an unhealthy device-plugin
 device. Its value is the reason, cut to a label value."""
+UNHEALTHY_EFFECTS: Final = ("NoSchedule", "NoExecute")  # of that taint; NoExecute: kube-controller-manager evicts
 SLICE_CONTENT: Final = f"{DRIVER}/content"
 """Annotation on the slice: a digest of the spec qgpu wrote, so an unchanged node writes nothing
 (the apiserver rewrites quantities, e.g. ``1000`` reads back as ``1k``, so specs are not compared)."""

@@ -28,7 +28,6 @@ gone). Evictions refused (a budget, the apiserver) are retried with a growing de
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -38,6 +37,7 @@ from typing import Any, Callable, Iterable, Mapping
 from qgpu_runtime.contract.dra import UNHEALTHY_TAINT
 from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
 from qgpu_runtime.kube.errors import brief as short
 
 log = logging.getLogger(__name__)
@@ -174,8 +174,8 @@ class UnhealthyCardEvictor:
     def _evict(self, target: Target, failed_since: float, now: float) -> bool:
         namespace, name = target.key.split("/", 1)
         try:
-            pod = self.api.read_namespaced_pod(name, namespace, _preload_content=False)
-            pod = _json(pod)
+            pod = raw_json(self.api.read_namespaced_pod(name, namespace, _preload_content=False,
+                                                        _request_timeout=REQUEST_TIMEOUT))
         except Exception as exc:  # noqa: BLE001 - gone (404) or unreadable: the next scan decides again
             if getattr(exc, "status", None) != 404:
                 self._later(target.uid, now, f"cannot read pod {target.key}: {short(exc)}")
@@ -191,7 +191,8 @@ class UnhealthyCardEvictor:
                 "metadata": {"name": name, "namespace": namespace},
                 "deleteOptions": {"preconditions": {"uid": target.uid}}}
         try:
-            self.api.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False)
+            self.api.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False,
+                                                    _request_timeout=REQUEST_TIMEOUT)
         except Exception as exc:  # noqa: BLE001 - each kind of refusal is retried later or ends the matter
             status = getattr(exc, "status", None)
             if status in (404, 409):
@@ -231,7 +232,3 @@ class UnhealthyCardEvictor:
             except Exception as exc:  # noqa: BLE001 - the next period tries again
                 log.warning("unhealthy-card eviction scan failed: %s", short(exc))
 
-
-def _json(response: Any) -> dict[str, Any]:
-    data = response.data if hasattr(response, "data") else response
-    return json.loads(data) if isinstance(data, (bytes, str)) else data

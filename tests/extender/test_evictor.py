@@ -39,14 +39,14 @@ class FakeApi:
         self.refuse: list[int] = []  # statuses the next Evictions answer
         self.reads = 0
 
-    def read_namespaced_pod(self, name, namespace, _preload_content=True):
+    def read_namespaced_pod(self, name, namespace, _preload_content=True, _request_timeout=None):
         self.reads += 1
         p = self.pods.get(f"{namespace}/{name}")
         if p is None:
             raise ApiException(status=404, reason="Not Found")
         return Response(p)
 
-    def create_namespaced_pod_eviction(self, name, namespace, body, _preload_content=True):
+    def create_namespaced_pod_eviction(self, name, namespace, body, _preload_content=True, _request_timeout=None):
         if self.refuse:
             raise ApiException(status=self.refuse.pop(0), reason="refused")
         self.evictions.append((f"{namespace}/{name}", body))

@@ -44,12 +44,12 @@ from qgpu_runtime.node.pods import PodSourceError
 log = logging.getLogger("qgpu_runtime.node.draslices")  # the name from before node/ became two doors: the logger keeps it
 
 
-
 def check_unhealthy_effect(effect: str) -> str:
     """``effect`` if it is one of :data:`UNHEALTHY_EFFECTS`; raises ValueError naming the flag otherwise."""
     if effect not in UNHEALTHY_EFFECTS:
         raise ValueError(f"--dra-unhealthy-effect: {effect!r} is not allowed: must be one of {', '.join(UNHEALTHY_EFFECTS)}")
     return effect
+
 
 WATCH_TIMEOUT_S = 300.0  # the apiserver ends each watch after this long; the next one starts at once
 RETRY_MIN_S = 1.0
