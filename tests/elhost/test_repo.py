@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,11 @@ class Root:
             raise AssertionError(f"dnf {' '.join(args)} failed (rc={proc.returncode}):\n{out}")
         return proc
 
+    def close(self) -> None:
+        """Stop the gpg-agent that librepo starts (and leaves running) for each repo_gpgcheck keyring."""
+        for pubring in self.path.glob("var/cache/dnf/*/pubring"):
+            subprocess.run(["gpgconf", "--homedir", str(pubring), "--kill", "gpg-agent"], capture_output=True)
+
     def rpm(self, *args: str) -> str:
         proc = subprocess.run(["rpm", f"--root={self.path}", *args], capture_output=True, text=True)
         return proc.stdout + proc.stderr
@@ -105,8 +111,10 @@ class Root:
 
 
 @pytest.fixture
-def root(tmp_path: Path, repos: Repos) -> Root:
-    return Root(tmp_path / "root", repos.repo_file())
+def root(tmp_path: Path, repos: Repos) -> Iterator[Root]:
+    r = Root(tmp_path / "root", repos.repo_file())
+    yield r
+    r.close()
 
 
 def pinned(version: str) -> list[str]:
@@ -231,7 +239,11 @@ def test_container_repo_checks_the_repomd_signature(root: Root, repos: Repos, tm
     repomd = tampered / "x86_64/repodata/repomd.xml"
     repomd.write_text(repomd.read_text().replace("</repomd>", "<!-- tampered --></repomd>"))
     text = repos.repo_file().replace(f"{repos.root.as_uri()}/libnvidia-container/stable/rpm/", f"{tampered.as_uri()}/")
-    bad = Root(tmp_path / "bad", text).dnf("makecache", "--repo", "nvidia-container-toolkit", check=False)
+    bad_root = Root(tmp_path / "bad", text)
+    try:
+        bad = bad_root.dnf("makecache", "--repo", "nvidia-container-toolkit", check=False)
+    finally:
+        bad_root.close()
     assert bad.returncode == 1
     assert "repomd.xml GPG signature verification error" in bad.stdout + bad.stderr
 
