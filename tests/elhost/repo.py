@@ -65,6 +65,7 @@ CUDA_DRIVERS_VERSION = "465.19.01"  # cuda-drivers of CUDA 11.3.1: wants a drive
 CONTAINER_VERSIONS = ("1.17.7-1", "1.17.8-1")
 DKMS_VERSION = "3.0.10-1.el8"
 BASH_VERSION = "4.4.20-1.el8_4"
+VERSIONLOCK_VERSION = "4.0.21-3.el8"
 
 KERNEL_RULE = (
     "an EL kernel release VERSION-RELEASE.ARCH: VERSION digits and dots (4.18.0), one '-', "
@@ -367,9 +368,10 @@ def kernel_packages(kernel: str) -> list[Pkg]:
 
 
 def baseos_packages() -> list[Pkg]:
-    """dkms and the file-less bash (kernel_packages gives the kernel's)."""
+    """dkms, the file-less bash and the versionlock plugin (kernel_packages gives the kernel's)."""
     dv, dr = DKMS_VERSION.split("-")
     bv, br = BASH_VERSION.split("-")
+    lv, lr = VERSIONLOCK_VERSION.split("-")
     return [
         Pkg(
             "dkms",
@@ -385,6 +387,19 @@ def baseos_packages() -> list[Pkg]:
             br,
             "The GNU Bourne Again shell (file-less: the test host's own shell is used)",
             provides=("/bin/sh", "/bin/bash", "/usr/bin/sh", "/usr/bin/bash"),
+        ),
+        # The plugin's code comes with the test host's dnf (Debian's dnf-plugins-core); as on EL8,
+        # this package's config is what turns it on.
+        Pkg(
+            "python3-dnf-plugin-versionlock",
+            lv,
+            lr,
+            "Version Lock Plugin for DNF (qgpu stand-in: its configuration)",
+            arch="noarch",
+            files={
+                "/etc/dnf/plugins/versionlock.conf": _text("[main]\nenabled = 1\nlocklist = /etc/dnf/plugins/versionlock.list\n"),
+                "/etc/dnf/plugins/versionlock.list": _text(""),
+            },
         ),
     ]
 
