@@ -126,6 +126,9 @@ def test_site_installs_the_driver_reboots_and_settles(node) -> None:
     assert 'default_runtime_name = "nvidia"' in dump, dump[-3000:]
     assert "/usr/bin/nvidia-container-runtime" in dump
     assert host.ssh("/usr/local/bin/qgpu --version").stdout.startswith("qgpu ")
+    # The standalone manager runs on the node, on the simulated cards chosen for it.
+    status = host.ssh("/usr/local/bin/qgpu status --standalone-db /var/lib/qgpu/meta.db").stdout
+    assert re.search(r"^el8-gpu-node\s+\S+\s+0\s+V100\s", status, re.M) and re.search(r"\s1\s+T4\s", status), status
 
     second = site(host, work)
     assert second.returncode == 0, second.output[-6000:]
