@@ -137,7 +137,7 @@ def test_site_installs_the_driver_reboots_and_settles(node) -> None:
 
 
 def test_the_version_lock_keeps_dnf_update_off_the_driver(node) -> None:
-    host, _work = node
+    host, work = node
     offered = host.ssh("dnf -q list --showduplicates --available nvidia-driver").stdout
     assert NEWER in offered, offered  # the stream carries a newer build ...
     host.ssh("dnf -y -q upgrade")
@@ -145,6 +145,12 @@ def test_the_version_lock_keeps_dnf_update_off_the_driver(node) -> None:
         "nvidia-driver": PIN,
         "kmod-nvidia-latest-dkms": PIN,
     }
+    # Turned off, the lock is released (left behind it would hold the next pin back); the next
+    # test's run, with it on again, locks the new pin.
+    off = site(host, work, "-e", "nvidia_driver_versionlock=false")
+    assert off.returncode == 0, off.output[-4000:]
+    assert not [lock for lock in locks(host) if re.match(r"(nvidia|kmod)-", lock)], locks(host)
+    assert host.boots() == 2
 
 
 def test_the_pin_upgrades_and_downgrades_through_the_roles(node) -> None:
