@@ -34,7 +34,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,7 +206,7 @@ class ElHost:
     kernel: str = KERNEL
     gpus: Sequence[tuple] = DEFAULT_GPUS
     port: int = field(default_factory=free_port)
-    progress: object = print
+    progress: Callable[[str], object] = print
     _supervisor: subprocess.Popen | None = None
 
     @property
@@ -258,8 +258,6 @@ class ElHost:
         w = self._write
         # Identity: TencentOS Server 3.1.
         w("/etc/os-release", OS_RELEASE)
-        if (self.root / "usr/lib/os-release").exists() or (self.root / "usr/lib/os-release").is_symlink():
-            (self.root / "usr/lib/os-release").unlink()
         w("/usr/lib/os-release", OS_RELEASE)
         w("/etc/tencentos-release", "TencentOS Server release 3.1 (Final)\n")
         for alias in ("etc/redhat-release", "etc/system-release", "etc/centos-release"):
