@@ -10,19 +10,58 @@ node/ and standalone/ never import each other: this module, at the command layer
 from __future__ import annotations
 
 import argparse
+import sys
 
 from qgpu_runtime.node import cli as node_cli
 from qgpu_runtime.standalone import manager_cmd as standalone_cli
+
+# The node manager's options that the standalone manager honours too; every other option of one
+# manager is refused by the other (given, it would be silently ignored).
+SHARED = frozenset({"--nodename", "--dbfile", "--gpu-backend", "--simulated-gpus", "--log-level", "--isolation-policy"})
+
+
+class _Recorder:
+    """The parser, recording the options added through it."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        self._parser = parser
+        self.actions: list[argparse.Action] = []
+
+    def add_argument(self, *names: str, **kwargs) -> argparse.Action:
+        action = self._parser.add_argument(*names, **kwargs)
+        self.actions.append(action)
+        return action
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="ACTION")
     serve = sub.add_parser("serve", help="run the node manager")
-    node_cli.add_serve_arguments(serve)
-    standalone_cli.add_standalone_arguments(serve, with_backend=False)
+    node, standalone = _Recorder(serve), _Recorder(serve)
+    node_cli.add_serve_arguments(node)
+    standalone_cli.add_standalone_arguments(standalone, with_backend=False)
+    own = [a for a in standalone.actions if a.dest != "standalone"]
+    serve.set_defaults(
+        _node_only=[a for a in node.actions if not SHARED.intersection(a.option_strings)],
+        _standalone_only=own,
+    )
+
+
+def foreign_options(args: argparse.Namespace) -> list[str]:
+    """The options given that belong to the other manager than the one --standalone chose."""
+    others = getattr(args, "_node_only" if args.standalone else "_standalone_only", [])
+    return [a.option_strings[0] for a in others if getattr(args, a.dest, a.default) != a.default]
 
 
 def run(args: argparse.Namespace) -> int:
+    foreign = foreign_options(args)
+    if foreign:
+        mode, other = ("--standalone", "the cluster node manager") if args.standalone else ("without --standalone", "the standalone manager")
+        print(
+            f"qgpu manager serve {mode}: {', '.join(foreign)} belong(s) to {other} and would be ignored here; "
+            f"drop them (shared by both: {', '.join(sorted(SHARED))})",
+            file=sys.stderr,
+        )
+        return 2
     if args.standalone:
         return standalone_cli.serve_standalone(args)
     return node_cli.run(args)

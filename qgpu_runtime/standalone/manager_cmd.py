@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from qgpu_runtime.gpu.nvml_lib import NvmlUnavailable
 from qgpu_runtime.isolation.mps import MpsError
+from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
@@ -45,7 +46,18 @@ def serve_standalone(args: argparse.Namespace) -> int:
     logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("qgpu.standalone")
     overrides = {k: getattr(args, k, None) for k in ("policy", "placement", "mps", "tick_s", "memory_tolerance_mib", "gpu_backend", "simulated_gpus")}
+    # The node manager's --nodename and --isolation-policy mean the same here (one command line
+    # describes a host both ways); --policy is this manager's own spelling of the latter.
+    overrides["node_name"] = getattr(args, "nodename", None)
+    node_policy = getattr(args, "isolation_policy", None)
+    overrides["policy"] = args.policy if args.policy is not None else node_policy
     try:
+        if (
+            node_policy is not None
+            and args.policy is not None
+            and parse_policy(args.policy, field="--policy") != parse_policy(node_policy, field="--isolation-policy")
+        ):
+            raise ValueError(f"--policy {args.policy!r} and --isolation-policy {node_policy!r} disagree: give one")
         config = load_config(args.config, overrides)
         store = Store(str(args.dbfile))
         registry = CollectorRegistry()
@@ -64,4 +76,3 @@ def serve_standalone(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
-

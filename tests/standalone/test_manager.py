@@ -97,6 +97,31 @@ def test_manager_without_standalone_is_the_cluster_node_manager(db):
     assert done.returncode == 2 and "--nodename is required" in done.stderr
 
 
+def test_standalone_refuses_the_node_managers_options_instead_of_ignoring_them(db):
+    done = qgpu_done("manager", "serve", "--standalone", "--dbfile", str(db), "--gpu-backend", "simulated",
+                     "--simulated-gpus", "1xT4-16G", "--metrics-address", "127.0.0.1", "--metrics-port", "9999")
+    assert done.returncode == 2, done.stderr
+    assert "--metrics-address, --metrics-port belong(s) to the cluster node manager" in done.stderr
+    assert not db.exists()  # refused before anything started
+
+
+def test_the_node_manager_refuses_the_standalone_options(db):
+    done = qgpu_done("manager", "serve", "--nodename", "n1", "--dbfile", str(db), "--policy", "fs")
+    assert done.returncode == 2 and "--policy belong(s) to the standalone manager" in done.stderr
+
+
+def test_standalone_takes_the_node_spelling_of_name_and_policy(db, manager):
+    manager("fixed-share", "1xT4-16G", "--isolation-policy", "fs", "--nodename", "host-a")  # agreeing spellings
+    assert dict(rows(db, "SELECT key, value FROM meta WHERE key IN ('node', 'policy')")) == {
+        "node": "host-a", "policy": "fixed-share"}
+
+
+def test_standalone_refuses_disagreeing_policies(db):
+    done = qgpu_done("manager", "serve", "--standalone", "--dbfile", str(db), "--gpu-backend", "simulated",
+                     "--simulated-gpus", "1xT4-16G", "--policy", "be", "--isolation-policy", "fs")
+    assert done.returncode == 2 and "--policy 'be' and --isolation-policy 'fs' disagree" in done.stderr
+
+
 def _job(pgid: int, pgid_start: int) -> JobRecord:
     return JobRecord("j-1", "j", "normal", 300, 1024, (), "sleep", 0.0, 1, 1, pgid=pgid, pgid_start=pgid_start)
 
