@@ -66,6 +66,7 @@ def node_vars(**extra) -> dict:
         # so the manager's simulated backend is chosen, explicitly, with the host's two cards.
         "qgpu_manager_gpu_backend": "simulated",
         "qgpu_manager_simulated_gpus": "1xV100-32G,1xT4-16G",
+        "qgpu_manager_isolation_policy": "fixed-share",
         **extra,
     }
 
@@ -126,9 +127,9 @@ def test_site_installs_the_driver_reboots_and_settles(node) -> None:
     assert 'default_runtime_name = "nvidia"' in dump, dump[-3000:]
     assert "/usr/bin/nvidia-container-runtime" in dump
     assert host.ssh("/usr/local/bin/qgpu --version").stdout.startswith("qgpu ")
-    # The standalone manager runs on the node, on the simulated cards chosen for it.
+    # The standalone manager runs on the node, on the simulated cards and with the policy chosen for it.
     status = host.ssh("/usr/local/bin/qgpu status --standalone-db /var/lib/qgpu/meta.db").stdout
-    assert re.search(r"^el8-gpu-node\s+\S+\s+0\s+V100\s", status, re.M) and re.search(r"\s1\s+T4\s", status), status
+    assert re.search(r"^el8-gpu-node\s+fixed-share\s+0\s+V100\s", status, re.M) and re.search(r"\s1\s+T4\s", status), status
 
     second = site(host, work)
     assert second.returncode == 0, second.output[-6000:]
