@@ -15,7 +15,7 @@ import pytest
 
 from tests.elhost import host as elhost
 from tests.elhost.repo import cached_repos
-from tests.provisioning import ansible_tools
+from tests.provisioning.ansible_tools import Run, ansible_playbook
 
 PIN = "450.102.04"
 NEWER = "450.119.04"
@@ -71,9 +71,9 @@ def node_vars(**extra) -> dict:
     }
 
 
-def site(host: elhost.ElHost, tmp: Path, *extra: str) -> ansible_tools.Run:
+def site(host: elhost.ElHost, tmp: Path, *extra: str) -> Run:
     inventory = host.inventory(tmp / "hosts.yml", node_vars())
-    return ansible_tools.ansible_playbook("-i", str(inventory), "playbooks/site.yml", *extra, timeout=900)
+    return ansible_playbook("-i", str(inventory), "playbooks/site.yml", *extra, timeout=900)
 
 
 def rpm_versions(host: elhost.ElHost, *names: str) -> dict[str, str]:
