@@ -39,10 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     node, standalone = _Recorder(serve), _Recorder(serve)
     node_cli.add_serve_arguments(node)
     standalone_cli.add_standalone_arguments(standalone, with_backend=False)
-    own = [a for a in standalone.actions if a.dest != "standalone"]
     serve.set_defaults(
         _node_only=[a for a in node.actions if not SHARED.intersection(a.option_strings)],
-        _standalone_only=own,
+        _standalone_only=[a for a in standalone.actions if a.dest != "standalone"],
     )
 
 

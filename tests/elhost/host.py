@@ -30,13 +30,14 @@ import hashlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from tests.k8s.controlplane import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CACHE = REPO_ROOT / ".cache" / "elhost"
@@ -118,12 +119,6 @@ def base_rootfs(progress=print) -> Path:
     # Debian's apt and dpkg stay (they own the base), but nothing in the host may use them.
     tmp.rename(base)
     return base
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 OS_RELEASE = """NAME="TencentOS Server"
@@ -323,7 +318,8 @@ class ElHost:
         self.boots_file.write_text("")
         log = open(self.workdir / "console.log", "ab")  # noqa: SIM115 (the supervisor owns it)
         self._supervisor = subprocess.Popen(
-            [sys.executable, __file__, "supervise", str(self.root), str(self.repos), str(self.boots_file)],
+            [sys.executable, "-m", "tests.elhost.host", "supervise", str(self.root), str(self.repos), str(self.boots_file)],
+            cwd=REPO_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
