@@ -119,9 +119,12 @@ def refusal(call: Callable[[], Any]) -> str:
 
 
 def wait_until_enforced(d: Deployed, timeout: float = 30.0) -> None:
-    """Admission policies reach the admission chain through an informer: poll a dry-run write that
-    RBAC allows and only a policy refuses (the extender renaming a pod's label, one of the same
-    template's policies, applied after the Lease policies) until it is refused."""
+    """Admission policies reach the admission chain through informers, each policy and binding on its
+    own: poll, for each template, a dry-run write that RBAC allows and only that template's LAST
+    policy refuses, until it is refused — the extender renaming a pod's label (the scheduler
+    template's last policy) and the webhook creating a Lease of a name not its own (the webhook
+    template's only one). Probing one template only raced the other's policy (a CI run saw the
+    webhook's writes allowed for a moment after the extender's were refused)."""
     pods = d.cluster.api
     name = f"probe-{uuid.uuid4().hex[:6]}"
     pods.create_namespaced_pod(d.ns, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
@@ -132,19 +135,28 @@ def wait_until_enforced(d: Deployed, timeout: float = 30.0) -> None:
     conf.ssl_ca_cert = str(d.cluster.cp.ca.cert_path)
     conf.api_key = {"authorization": f"Bearer {token.status.token}"}
     core = client.CoreV1Api(client.ApiClient(conf))
+    assert d.webhook is not None
+    webhook = d.webhook
+    probes: dict[str, Callable[[], Any]] = {
+        "qgpu-scheduler-allocation-only": lambda: core.patch_namespaced_pod(
+            name, d.ns, {"metadata": {"labels": {"probe": "x"}}}, dry_run="All",
+            _content_type="application/merge-patch+json"),
+        "qgpu-webhook-own-names": lambda: webhook.create_namespaced_lease(
+            d.ns, lease(f"probe-{uuid.uuid4().hex[:6]}"), dry_run="All"),
+    }
     deadline = time.monotonic() + timeout
     try:
-        while True:
-            try:
-                core.patch_namespaced_pod(name, d.ns, {"metadata": {"labels": {"probe": "x"}}}, dry_run="All",
-                                          _content_type="application/merge-patch+json")
-            except ApiException as exc:
-                if exc.status == 403 and "qgpu" in (exc.body or ""):
-                    return
-                raise
-            if time.monotonic() > deadline:
-                raise AssertionError(f"the admission policies were not enforced within {timeout:g} s")
-            time.sleep(0.3)
+        for policy, probe in probes.items():
+            while True:
+                try:
+                    probe()
+                except ApiException as exc:
+                    if exc.status == 403 and "qgpu" in (exc.body or ""):
+                        break
+                    raise
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"admission policy {policy} was not enforced within {timeout:g} s")
+                time.sleep(0.3)
     finally:
         quietly(lambda: pods.delete_namespaced_pod(name, d.ns, grace_period_seconds=0))
 
