@@ -121,3 +121,49 @@ def test_keys_load_from_pem_and_refuse_other_kinds():
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
     with pytest.raises(SigningKeyError, match="need an Ed25519 public key"):
         RecordVerifier.from_pem(other)
+
+
+class CountingKey:
+    """An Ed25519 public key that counts its verifications (and makes them)."""
+
+    def __init__(self, key) -> None:
+        self.key, self.calls = key, 0
+
+    def verify(self, signature: bytes, message: bytes) -> None:
+        self.calls += 1
+        self.key.verify(signature, message)
+
+
+def test_a_good_signature_is_verified_once_then_remembered_a_bad_one_every_time():
+    key = CountingKey(SIGNER.verifier.public_key)
+    verifier = RecordVerifier(key)  # type: ignore[arg-type]
+    pod = _pod()
+    for _ in range(3):  # the pod's watch events: the same record, signature and bind-time each time
+        assert trusted_record(copy.deepcopy(pod), verifier) is not None
+    assert key.calls == 1
+    bad = copy.deepcopy(pod)
+    bad["metadata"]["annotations"][BIND_TIME] = str(BIND_NS + 1)  # signed for another bind-time
+    for _ in range(2):
+        with pytest.raises(UntrustedRecord, match="does not verify"):
+            trusted_record(bad, verifier)
+    assert key.calls == 3  # a refusal is never remembered: each attempt is checked, and refused again
+    other = copy.deepcopy(pod)
+    other["metadata"]["uid"] = "6b1f0d3e-0000-4000-8000-000000000002"  # the same record on another pod
+    with pytest.raises(UntrustedRecord, match="does not verify"):
+        trusted_record(other, verifier)
+
+
+def test_the_memory_of_good_signatures_is_bounded(monkeypatch):
+    import qgpu_runtime.contract.signature as signature
+
+    monkeypatch.setattr(signature, "VERIFIED_MEMO", 3)
+    key = CountingKey(SIGNER.verifier.public_key)
+    verifier = RecordVerifier(key)  # type: ignore[arg-type]
+    pods = [_pod(uid=f"6b1f0d3e-0000-4000-8000-00000000010{i}") for i in range(5)]
+    for pod in pods:
+        trusted_record(pod, verifier)
+    assert len(verifier._verified) == 3 and key.calls == 5
+    trusted_record(pods[0], verifier)  # forgotten (the oldest go first): verified again
+    assert key.calls == 6
+    trusted_record(pods[4], verifier)  # still remembered
+    assert key.calls == 6
