@@ -239,6 +239,7 @@ class _Handler(BaseHTTPRequestHandler):
     bodies: _Budget
     stats: ServerStats
     client_auth: bool
+    peer_certified: bool  # this connection's handshake verified a client certificate (set in setup)
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
@@ -247,10 +248,15 @@ class _Handler(BaseHTTPRequestHandler):
         if self.routes.on_connection is not None:
             self.routes.on_connection()
         self.timeout = self.limits.idle_timeout_s  # a backstop; the watchdog's deadlines are what bind
+        self.peer_certified = False
         if isinstance(self.request, ssl.SSLSocket):
             self.connections.phase(self.request, "handshake", self.limits.header_timeout_s)
             self.request.settimeout(self.limits.header_timeout_s)
             self.request.do_handshake()
+            # Once per connection, not per request (getpeercert decodes the certificate each call):
+            # the context refuses renegotiation and never asks for a certificate after the
+            # handshake, so what the handshake verified holds for the connection's life.
+            self.peer_certified = bool(self.client_auth and self.request.getpeercert())
         super().setup()
 
     def handle_one_request(self) -> None:
@@ -283,7 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
         verifies what is sent); here a connection that sent none is refused, and closed."""
         if not self.client_auth or open_path:
             return True
-        if isinstance(self.request, ssl.SSLSocket) and self.request.getpeercert():
+        if self.peer_certified:
             return True
         self.close_connection = True
         self.stats.count("refused_unauthenticated")
@@ -452,6 +458,7 @@ class JsonServer:
         if cert_file and key_file:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
             context.minimum_version = ssl.TLSVersion.TLSv1_2
+            context.options |= ssl.OP_NO_RENEGOTIATION  # a connection's peer is the one its handshake verified
             context.load_cert_chain(cert_file, key_file)
             if client_ca_file:
                 context.load_verify_locations(cafile=client_ca_file)

@@ -229,6 +229,23 @@ def test_the_scheduler_certificate_calls_every_verb_and_probes_need_none(mtls):
     assert conn.getresponse().status == 200
 
 
+def test_a_certified_connection_stays_certified_for_every_request_and_an_uncertified_one_is_refused_and_closed(mtls):
+    """The handshake's verdict is kept per connection (not re-read per request); the context
+    refuses renegotiation, so no later handshake can change who is on the other end."""
+    server, ca, _ = mtls
+    assert server.httpd.socket.context.options & ssl.OP_NO_RENEGOTIATION
+    scheduler = ca.issue("scheduler-keepalive", "system:kube-scheduler", client=True)
+    conn = _client(server, ca, scheduler)
+    for _ in range(3):  # one connection, keep-alive
+        status, doc = _post(conn, "/filter", filter_body(pod("p")))
+        assert status == 200 and doc["NodeNames"] == ["a", "b"], doc
+    bare = _client(server, ca)
+    conn_status, _ = _post(bare, "/filter", filter_body(pod("p")))
+    assert conn_status == 401
+    with pytest.raises((http.client.HTTPException, ConnectionError, ssl.SSLError, OSError)):
+        _post(bare, "/filter", filter_body(pod("p")))  # the server closed it after the 401
+
+
 def test_a_client_ca_without_a_serving_certificate_is_refused():
     routes = Routes(post={}, get={})
     with pytest.raises(ValueError, match="client CA without a serving certificate"):
