@@ -17,12 +17,12 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any, Mapping
 
-from qgpu_runtime.contract.inventory import CARDS, NodeInventoryError, parse_inventory
+from qgpu_runtime.contract.inventory import CARDS, InventoryCard, NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import POOL_MODE_LABEL
 from qgpu_runtime.model.requests import parse_quantity
 from qgpu_runtime.placement.state import ALLOC_MODE_LABEL, ISOLATION_POLICY_LABEL, MIXED_LABEL, CardSpec, NodeSpec
 
-__all__ = ["NodeInventoryError", "dra_pool", "failed_cards", "node_spec", "refused_spec"]
+__all__ = ["NodeInventoryError", "dra_pool", "failed_cards", "node_inventory", "node_spec", "refused_spec"]
 
 DRA_POOL_REASON = ("node of a DRA pool: its cards reach pods through ResourceClaims (label the namespace "
                    "qgpu.io/gpu-mode=dra, docs/dra.md); only nvidia.com/gpu is mapped there")
@@ -69,19 +69,29 @@ def refused_spec(node: Mapping[str, Any]) -> NodeSpec:
     return NodeSpec(str(meta.get("name") or ""), 0, 0, (), _read_labels(meta))
 
 
-def node_spec(node: Mapping[str, Any]) -> NodeSpec:
+def node_inventory(node: Mapping[str, Any]) -> tuple[InventoryCard, ...]:
+    """Every card of the node's inventory annotation, healthy or not; none without the annotation.
+
+    Raises :class:`NodeInventoryError` for an inventory out of bounds."""
+    meta = node.get("metadata") or {}
+    raw = (meta.get("annotations") or {}).get(CARDS)
+    return () if raw is None else parse_inventory(str(meta.get("name") or ""), raw)
+
+
+def node_spec(node: Mapping[str, Any], inventory: tuple[InventoryCard, ...] | None = None) -> NodeSpec:
     """NodeSpec of an API node; a node without the annotation has no cards (CPU-only).
+    ``inventory``: :func:`node_inventory` of this node when the caller read it already.
 
     Raises :class:`NodeInventoryError` for an inventory or a capacity out of bounds."""
     meta = node.get("metadata") or {}
     name = str(meta.get("name") or "")
-    annotations = meta.get("annotations") or {}
     allocatable = (node.get("status") or {}).get("allocatable") or {}
     labels = _read_labels(meta)
     cpu = _capacity(name, "cpu", allocatable.get("cpu", 0), Decimal(MAX_NODE_CPU_CORES))
     memory = _capacity(name, "memory", allocatable.get("memory", 0), Decimal(2**63 - 1))
-    cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib)
-                  for c in parse_inventory(name, annotations[CARDS]) if c.healthy) if CARDS in annotations else ()
+    if inventory is None:
+        inventory = node_inventory(node)
+    cards = tuple(CardSpec(c.index, c.uuid, c.model, c.memory_mib) for c in inventory if c.healthy)
     return NodeSpec(
         name=name,
         cpu_milli=int(cpu * 1000),
@@ -91,15 +101,6 @@ def node_spec(node: Mapping[str, Any]) -> NodeSpec:
     )
 
 
-def failed_cards(node: Mapping[str, Any]) -> dict[int, tuple[str, str]]:
-    """The cards the node's inventory marks unhealthy: index -> (UUID, reason); empty for a node
-    without the annotation or whose annotation is refused (its cards are out of placement then)."""
-    meta = node.get("metadata") or {}
-    raw = (meta.get("annotations") or {}).get(CARDS)
-    if raw is None:
-        return {}
-    try:
-        cards = parse_inventory(str(meta.get("name") or ""), raw)
-    except NodeInventoryError:
-        return {}
-    return {c.index: (c.uuid, c.reason) for c in cards if not c.healthy}
+def failed_cards(inventory: tuple[InventoryCard, ...]) -> dict[int, tuple[str, str]]:
+    """The cards a node's inventory (:func:`node_inventory`) marks unhealthy: index -> (UUID, reason)."""
+    return {c.index: (c.uuid, c.reason) for c in inventory if not c.healthy}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, failed_cards, node_spec, refused_spec
+from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, failed_cards, node_inventory, node_spec, refused_spec
 from qgpu_runtime.placement.state import NodeSpec
 
 
@@ -34,13 +34,17 @@ class NodeView:
             self._invalid.pop(name, None)
             self.failed.pop(name, None)
             return self._specs.pop(name, None) is not None
-        failed = failed_cards(node)
+        try:
+            inventory = node_inventory(node)  # read once: for the unhealthy cards and the spec
+        except NodeInventoryError:
+            inventory = None  # refused: no card is placed on, nor reported failed (node_spec says why)
+        failed = failed_cards(inventory) if inventory is not None else {}
         if failed:
             self.failed[name] = failed
         else:
             self.failed.pop(name, None)
         try:
-            spec = node_spec(node)
+            spec = node_spec(node, inventory)
             self._invalid.pop(name, None)
         except NodeInventoryError as exc:
             # The node's own data is out of bounds: it takes nothing, and filter says why.
