@@ -609,6 +609,15 @@ def main() -> int:
         PIN = ({cpus[0]}, set(cpus[1:]))
         os.sched_setaffinity(0, PIN[1])
     pods = args.peer_pods or args.pods if peers else args.pods
+    # Every arm's pods stay bound (each arm has a namespace of its own): the nodes must hold them
+    # all, or an arm waits out its 600 s for pods that cannot fit.
+    # (with peers, the plain-HTTP and best arms are left out and HAMi's pods ask HAMi's resources)
+    arms = len(COMMITMENT_ARMS) + 2 if args.compare_commitments else (4 if peers else 6)
+    per_node = min(100 * CARDS // 25, 32 * CARDS // 4, 250)  # each pod asks qgpu-core 25, qgpu-memory 4
+    if arms * pods > args.nodes * per_node:
+        parser.error(f"--pods {pods} in {arms} throughput arms needs room for {arms * pods} pods; --nodes {args.nodes} "
+                     f"hold {args.nodes * per_node} ({per_node} each): raise --nodes to at least "
+                     f"{-(-arms * pods // per_node)} or lower --pods")
     hami_binary = hami_peer.build() if HAMI_NODES else None  # before the clock starts: cached after the first time
 
     if args.compare_commitments:
