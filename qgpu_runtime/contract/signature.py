@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import threading
 from dataclasses import dataclass, field
@@ -63,11 +64,11 @@ class RecordVerifier:
     """The extender's public key: believes what the extender signed and nothing else."""
 
     public_key: Ed25519PublicKey
-    # (uid, node, record, bind-time, signature) that verified with this key, oldest first. Only good
-    # ones: a verification is a pure function of the key and these strings, so a remembered one is
-    # the answer the key would give again; a bad one is checked (and refused) every time.
-    _verified: dict[tuple[str, str, str, str, str], None] = field(default_factory=dict, init=False, repr=False,
-                                                                 compare=False)
+    # SHA-256 of (message, signature) pairs that verified with this key, oldest first: 32 bytes each
+    # whatever the record's size. Only good ones: a verification is a pure function of the key, the
+    # message and the signature, so a remembered one is the answer the key would give again; a bad
+    # one is checked (and refused) every time.
+    _verified: dict[bytes, None] = field(default_factory=dict, init=False, repr=False, compare=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     @classmethod
@@ -82,25 +83,28 @@ class RecordVerifier:
 
     def verify(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str, signature: str) -> None:
         """Raises :class:`UntrustedRecord` unless ``signature`` is the extender's over exactly these."""
-        key = (pod_uid, node, record_raw, bind_time_raw, signature)
+        if not signature.startswith(SIGNATURE_PREFIX) or len(signature) > _MAX_SIGNATURE_CHARS:
+            raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}={signature[:40]!r}: not a signature this qgpu reads "
+                                  f"(expected {SIGNATURE_PREFIX}<base64url Ed25519 signature>)")
+        message = _message(pod_uid, node, record_raw, bind_time_raw)
+        # JSON text (ASCII, escaped) holds no raw newline; surrogatepass: a lone surrogate decoded
+        # from the pod's JSON is hashed, and then refused by base64, not an exception here
+        key = hashlib.sha256(message + b"\n" + signature.encode("utf-8", "surrogatepass")).digest()
         if key in self._verified:
             return
-        self._verify(pod_uid, node, record_raw, bind_time_raw, signature)
+        self._verify(message, pod_uid, node, bind_time_raw, signature)
         with self._lock:
             if len(self._verified) >= VERIFIED_MEMO:
                 del self._verified[next(iter(self._verified))]
             self._verified[key] = None
 
-    def _verify(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str, signature: str) -> None:
-        if not signature.startswith(SIGNATURE_PREFIX) or len(signature) > _MAX_SIGNATURE_CHARS:
-            raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}={signature[:40]!r}: not a signature this qgpu reads "
-                                  f"(expected {SIGNATURE_PREFIX}<base64url Ed25519 signature>)")
+    def _verify(self, message: bytes, pod_uid: str, node: str, bind_time_raw: str, signature: str) -> None:
         try:
             raw = base64.urlsafe_b64decode(signature[len(SIGNATURE_PREFIX):] + "==")
         except (binascii.Error, ValueError):
             raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}: not base64url") from None
         try:
-            self.public_key.verify(raw, _message(pod_uid, node, record_raw, bind_time_raw))
+            self.public_key.verify(raw, message)
         except InvalidSignature:
             raise UntrustedRecord(
                 f"{ALLOCATION_SIGNATURE}: does not verify for pod uid {pod_uid!r} on node {node!r} with this record and "

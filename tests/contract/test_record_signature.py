@@ -167,3 +167,13 @@ def test_the_memory_of_good_signatures_is_bounded(monkeypatch):
     assert key.calls == 6
     trusted_record(pods[4], verifier)  # still remembered
     assert key.calls == 6
+
+
+@pytest.mark.parametrize("signature", ["ed25519.v1.\ud800" + "A" * 85, "ed25519.v1." + "é" * 86, "ed25519.v1." + "A" * 200])
+def test_a_signature_of_odd_characters_is_refused_by_rule_not_by_an_exception(signature):
+    """A pod's JSON can carry any string, lone surrogates included; the verifier's memory key must
+    not be where such a value raises."""
+    pod = _pod()
+    pod["metadata"]["annotations"][ALLOCATION_SIGNATURE] = signature
+    with pytest.raises(UntrustedRecord):
+        trusted_record(pod, VERIFIER)
