@@ -192,3 +192,26 @@ def wait_pod_policies_lifted(api: Any, namespace: str, timeout: float = 60.0) ->
         except ApiException:
             pass
         return
+
+
+def wait_policies_enforced(probes: dict[str, Any], timeout: float = 30.0) -> None:
+    """Admission policies reach the apiserver's admission chain through informers, each policy and
+    binding on its own. ``probes``: policy name -> a dry-run write that RBAC allows and only that
+    policy refuses; each is polled until it is refused with qgpu's message (any other error is
+    raised), within ``timeout`` for them all."""
+    import time
+
+    from kubernetes.client.exceptions import ApiException
+
+    deadline = time.monotonic() + timeout
+    for policy, probe in probes.items():
+        while True:
+            try:
+                probe()
+            except ApiException as exc:
+                if exc.status == 403 and "qgpu" in (exc.body or ""):
+                    break
+                raise
+            if time.monotonic() > deadline:
+                raise AssertionError(f"admission policy {policy} was not enforced within {timeout:g} s")
+            time.sleep(0.3)

@@ -12,7 +12,6 @@ to another component's Lease are dry runs: a policy that failed to refuse one ch
 from __future__ import annotations
 
 import json
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -24,7 +23,7 @@ from kubernetes.dynamic import DynamicClient
 
 from qgpu_runtime.contract.names import CLAIM_QUOTA_LEASE_PREFIX, COMMITMENTS_LEASE_PREFIX
 from tests.k8s.conftest import Cluster
-from tests.k8s.rbac import render_template, wait_pod_policies_lifted
+from tests.k8s.rbac import render_template, wait_pod_policies_lifted, wait_policies_enforced
 
 PAUSE = "registry.k8s.io/pause:3.10"
 KUBE_SYSTEM = "kube-system"
@@ -137,26 +136,14 @@ def wait_until_enforced(d: Deployed, timeout: float = 30.0) -> None:
     core = client.CoreV1Api(client.ApiClient(conf))
     assert d.webhook is not None
     webhook = d.webhook
-    probes: dict[str, Callable[[], Any]] = {
-        "qgpu-scheduler-allocation-only": lambda: core.patch_namespaced_pod(
-            name, d.ns, {"metadata": {"labels": {"probe": "x"}}}, dry_run="All",
-            _content_type="application/merge-patch+json"),
-        "qgpu-webhook-own-names": lambda: webhook.create_namespaced_lease(
-            d.ns, lease(f"probe-{uuid.uuid4().hex[:6]}"), dry_run="All"),
-    }
-    deadline = time.monotonic() + timeout
     try:
-        for policy, probe in probes.items():
-            while True:
-                try:
-                    probe()
-                except ApiException as exc:
-                    if exc.status == 403 and "qgpu" in (exc.body or ""):
-                        break
-                    raise
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"admission policy {policy} was not enforced within {timeout:g} s")
-                time.sleep(0.3)
+        wait_policies_enforced({
+            "qgpu-scheduler-allocation-only": lambda: core.patch_namespaced_pod(
+                name, d.ns, {"metadata": {"labels": {"probe": "x"}}}, dry_run="All",
+                _content_type="application/merge-patch+json"),
+            "qgpu-webhook-own-names": lambda: webhook.create_namespaced_lease(
+                d.ns, lease(f"probe-{uuid.uuid4().hex[:6]}"), dry_run="All"),
+        }, timeout)
     finally:
         quietly(lambda: pods.delete_namespaced_pod(name, d.ns, grace_period_seconds=0))
 

@@ -32,7 +32,7 @@ from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
-from tests.k8s.rbac import edit_user, render_template, wait_pod_policies_lifted
+from tests.k8s.rbac import edit_user, render_template, wait_pod_policies_lifted, wait_policies_enforced
 
 PAUSE = "registry.k8s.io/pause:3.10"
 CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
@@ -164,28 +164,17 @@ def world(cluster: Cluster) -> Iterator[Identities]:
 
 
 def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
-    """Admission policies reach the apiserver's admission chain through an informer: poll a dry-run
-    escalation (nothing is changed) until it is refused."""
-    deadline = time.monotonic() + timeout
-    probes = [
-        lambda: w.manager.patch_node(w.node_b, metadata_patch(annotations={ANNOTATION_POLICY: "x"}),
-                                     dry_run="All", _content_type=MERGE),
-        lambda: w.extender.patch_namespaced_pod(w.gpu_pod_here["metadata"]["name"], w.ns,
-                                                metadata_patch(labels={"probe": "x"}), dry_run="All", _content_type=MERGE),
-        lambda: w.api.patch_namespaced_pod(w.gpu_pod_here["metadata"]["name"], w.ns,  # qgpu-pod-annotations
-                                           metadata_patch(annotations={BIND_TIME: "1"}), dry_run="All", _content_type=MERGE),
-    ]
-    for probe in probes:
-        while True:
-            try:
-                probe()
-            except ApiException as exc:
-                if exc.status == 403 and "qgpu" in (exc.body or ""):
-                    break
-                raise
-            if time.monotonic() > deadline:
-                raise AssertionError("the admission policies were not enforced within 30 s")
-            time.sleep(0.3)
+    """Poll a dry-run escalation per admission policy (nothing is changed) until each is refused."""
+    wait_policies_enforced({
+        "qgpu-manager-own-node": lambda: w.manager.patch_node(
+            w.node_b, metadata_patch(annotations={ANNOTATION_POLICY: "x"}), dry_run="All", _content_type=MERGE),
+        "qgpu-scheduler-allocation-only": lambda: w.extender.patch_namespaced_pod(
+            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(labels={"probe": "x"}), dry_run="All",
+            _content_type=MERGE),
+        "qgpu-pod-annotations": lambda: w.api.patch_namespaced_pod(
+            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={BIND_TIME: "1"}), dry_run="All",
+            _content_type=MERGE),
+    }, timeout)
 
 
 def name(pod: dict[str, Any]) -> str:
