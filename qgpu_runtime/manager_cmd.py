@@ -20,8 +20,23 @@ from qgpu_runtime.standalone import manager_cmd as standalone_cli
 SHARED = frozenset({"--nodename", "--dbfile", "--gpu-backend", "--simulated-gpus", "--log-level", "--isolation-policy"})
 
 
+_GIVEN = "_given"  # the namespace's set of the dests whose option was on the command line
+_MARKING: dict[type, type] = {}
+
+
+def _marking(cls: type) -> type:
+    """``cls`` that also records, when argparse calls it (only for an option on the command line,
+    never for a default), that its option was given: a value equal to the default counts too."""
+    if cls not in _MARKING:
+        def __call__(self, parser, namespace, values, option_string=None):  # noqa: N807
+            setattr(namespace, _GIVEN, getattr(namespace, _GIVEN, frozenset()) | {self.dest})
+            return cls.__call__(self, parser, namespace, values, option_string)
+        _MARKING[cls] = type(f"Marking{cls.__name__}", (cls,), {"__call__": __call__})
+    return _MARKING[cls]
+
+
 class _Recorder:
-    """The parser, recording the options added through it."""
+    """The parser, recording the options added through it and marking them when given."""
 
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self._parser = parser
@@ -29,6 +44,7 @@ class _Recorder:
 
     def add_argument(self, *names: str, **kwargs) -> argparse.Action:
         action = self._parser.add_argument(*names, **kwargs)
+        action.__class__ = _marking(type(action))
         self.actions.append(action)
         return action
 
@@ -46,9 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def foreign_options(args: argparse.Namespace) -> list[str]:
-    """The options given that belong to the other manager than the one --standalone chose."""
+    """The options given that belong to the other manager than the one --standalone chose, whatever
+    their value: `--standalone --metrics-port 5678` (the node manager's default) is refused too."""
     others = getattr(args, "_node_only" if args.standalone else "_standalone_only", [])
-    return [a.option_strings[0] for a in others if getattr(args, a.dest, a.default) != a.default]
+    given = getattr(args, _GIVEN, frozenset())
+    return [a.option_strings[0] for a in others if a.dest in given]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from qgpu_runtime.standalone.manager import job_groups
 from qgpu_runtime.standalone.store import JobRecord, process_start_ticks
 
@@ -105,9 +107,24 @@ def test_standalone_refuses_the_node_managers_options_instead_of_ignoring_them(d
     assert not db.exists()  # refused before anything started
 
 
+@pytest.mark.parametrize("given", [["--metrics-port", "5678"], ["--metrics-address", "0.0.0.0"]])
+def test_standalone_refuses_a_node_option_even_at_its_default_value(db, given):
+    """Given is given: an option of the other manager is refused even when its value is the default."""
+    done = qgpu_done("manager", "serve", "--standalone", "--dbfile", str(db), "--gpu-backend", "simulated",
+                     "--simulated-gpus", "1xT4-16G", *given)
+    assert done.returncode == 2, done.stderr
+    assert f"{given[0]} belong(s) to the cluster node manager" in done.stderr
+    assert not db.exists()
+
+
 def test_the_node_manager_refuses_the_standalone_options(db):
     done = qgpu_done("manager", "serve", "--nodename", "n1", "--dbfile", str(db), "--policy", "fs")
     assert done.returncode == 2 and "--policy belong(s) to the standalone manager" in done.stderr
+
+
+def test_the_node_manager_refuses_a_standalone_option_at_its_default_value(db):
+    done = qgpu_done("manager", "serve", "--nodename", "n1", "--dbfile", str(db), "--standalone-metrics-port", "0")
+    assert done.returncode == 2 and "--standalone-metrics-port belong(s) to the standalone manager" in done.stderr
 
 
 def test_standalone_takes_the_node_spelling_of_name_and_policy(db, manager):
