@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import argparse
 import gc
-import http.server
 import json
-import socketserver
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -38,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubernetes import client  # noqa: E402
 
+from bench.answering_server import AnsweringServer  # noqa: E402
 from qgpu_runtime.extender.app import ExtenderApp  # noqa: E402
 from qgpu_runtime.extender.binder import Binder  # noqa: E402
 from qgpu_runtime.extender.cache import AllocationCache  # noqa: E402
@@ -47,31 +45,6 @@ from tests.extender.test_kube_cache import node, pod  # noqa: E402
 from tests.recordkeys import SIGNER, VERIFIER  # noqa: E402
 
 WARM_UP = 20
-
-
-class BindingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """Answers every POST with 201 and keeps the last Binding's annotations (what the watch then shows)."""
-
-    daemon_threads = True
-    last: dict[str, Any] = {}
-
-
-class BindingHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out in two writes: no delayed-ACK stall
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-        BindingServer.last = body
-        answer = b'{"kind":"Status","apiVersion":"v1","status":"Success","code":201}'
-        self.send_response(201)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(answer)))
-        self.end_headers()
-        self.wfile.write(answer)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 def decoded(answer: Any) -> Any:
@@ -107,10 +80,9 @@ def main() -> int:
     server = None
     binder = None
     if args.bind:
-        server = BindingServer(("127.0.0.1", 0), BindingHandler)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
+        server = AnsweringServer(b'{"kind":"Status","apiVersion":"v1","status":"Success","code":201}').start()
         conf = client.Configuration()
-        conf.host = f"http://127.0.0.1:{server.server_address[1]}"
+        conf.host = server.url
         binder = Binder(client.CoreV1Api(client.ApiClient(conf)), cache, DEFAULT_LIMITS, signer=SIGNER)
     app = ExtenderApp(cache, binder, DEFAULT_LIMITS)
     if args.bind:
@@ -161,7 +133,7 @@ def main() -> int:
             if result.get("Error"):
                 raise SystemExit(f"pod {meta['name']}: bind refused: {result['Error']}")
             note("bind", w, c)
-            annotations = dict((BindingServer.last.get("metadata") or {}).get("annotations") or {})
+            annotations = dict((server.last.get("metadata") or {}).get("annotations") or {})
             bound = {**p, "metadata": {**meta, "annotations": annotations, "resourceVersion": str(2 * i + 2)},
                      "spec": {**p["spec"], "nodeName": best}}
             _, w, c = timed(cache.apply_pod, "MODIFIED", bound)

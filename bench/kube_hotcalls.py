@@ -12,11 +12,8 @@ Run: .venv/bin/python bench/kube_hotcalls.py [--calls 400 --rounds 3]
 from __future__ import annotations
 
 import argparse
-import http.server
 import json
-import socketserver
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -24,32 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kubernetes import client  # noqa: E402
 
+from bench.answering_server import AnsweringServer  # noqa: E402
 from qgpu_runtime.kube.hotcalls import HotCalls  # noqa: E402
 
 ANSWER = json.dumps({"kind": "Lease", "apiVersion": "coordination.k8s.io/v1",
                      "metadata": {"name": "x", "namespace": "n", "resourceVersion": "12"}, "spec": {}}).encode()
 NOTE = "x" * 300  # an allocation record's size
-
-
-class Handler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def answer(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(201)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(ANSWER)))
-        self.end_headers()
-        self.wfile.write(ANSWER)
-
-    do_POST = do_PUT = do_GET = answer
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    daemon_threads = True
 
 
 def main() -> int:
@@ -59,10 +36,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.calls < 1 or args.rounds < 1:
         parser.error("--calls and --rounds must be >= 1")
-    server = Server(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = AnsweringServer(ANSWER).start()
     configuration = client.Configuration()
-    configuration.host = f"http://127.0.0.1:{server.server_address[1]}"
+    configuration.host = server.url
     configuration.api_key = {"authorization": "Bearer token"}
     api_client = client.ApiClient(configuration)
     core, coordination, hot = client.CoreV1Api(api_client), client.CoordinationV1Api(api_client), HotCalls(api_client)
