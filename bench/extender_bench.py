@@ -287,6 +287,7 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
                         if len(bound_at) == pods:
                             done.set()
                             w.stop()
+                done.wait(0.05)  # closed: follow again, but never in a tight loop
         except Exception as exc:  # noqa: BLE001 - reported; the list below still finds the bound pods
             print(f"watch failed: {exc!r}", file=sys.stderr)
 
