@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +44,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubernetes import client, config, watch  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from qgpu_runtime.contract.names import GPU_MODE  # noqa: E402
 from tests.realnode import kube  # noqa: E402
 from tests.realnode.conftest import _bin, _run, site_yml  # noqa: E402
-from tests.realnode.localcluster import LocalCluster  # noqa: E402
+from tests.realnode.localcluster import NODE, LocalCluster  # noqa: E402
 from tests.realnode.test_e2e_dialects import cluster_image  # noqa: E402
 
 # Eight simulated 80 GiB cards: 100 pods of 1 % core and 1 GiB fit with room to spare (a card
@@ -97,6 +99,59 @@ def split(created: float, first_seen: dict[str, float]) -> dict[str, float]:
     return out
 
 
+# Histograms that time the admission stage from both sides: kubelet's (device plugin Allocate and
+# DRA calls as kubelet waited for them) and the node manager's own (its Allocate answer).
+ADMISSION_HISTOGRAMS = ("kubelet_device_plugin_alloc_duration_seconds", "dra_grpc_operations_duration_seconds",
+                        "dra_operations_duration_seconds", "qgpu_allocate_duration_seconds")
+
+
+def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each admission histogram in a Prometheus text page, keyed by name and
+    the labels that tell the calls apart (resource, method or operation)."""
+    out: dict[str, tuple[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name not in ADMISSION_HISTOGRAMS:
+            continue
+        for sample in family.samples:
+            if not sample.name.endswith(("_sum", "_count")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                              if k in ("resource_name", "resource", "method_name", "operation_name", "is_error"))
+            key = f"{family.name}{{{labels}}}"
+            total, count = out.get(key, (0.0, 0.0))
+            out[key] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+    return out
+
+
+def admission_totals(cluster: LocalCluster, api: client.CoreV1Api) -> dict[str, tuple[float, float]]:
+    """kubelet's histograms (through the apiserver's node proxy) and the node manager's (its metrics
+    port on the host); a source that does not answer adds nothing."""
+    out: dict[str, tuple[float, float]] = {}
+    try:
+        kubelet = api.connect_get_node_proxy_with_path(NODE, "metrics", _preload_content=False).data.decode()
+        out.update(histogram_totals(kubelet))
+    except Exception as exc:  # noqa: BLE001 - reported; the stages are measured anyway
+        print(f"realnode_bench: kubelet metrics: {exc}", file=sys.stderr)
+    try:
+        url = f"http://127.0.0.1:{cluster.port('manager-metrics')}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - our own local port
+            out.update(histogram_totals(r.read().decode()))
+    except Exception as exc:  # noqa: BLE001
+        print(f"realnode_bench: manager metrics: {exc}", file=sys.stderr)
+    return out
+
+
+def admission_delta(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, dict[str, float]]:
+    """Per histogram series: calls during the round, their mean and total milliseconds."""
+    out = {}
+    for key, (total, count) in after.items():
+        t0, c0 = before.get(key, (0.0, 0.0))
+        calls = count - c0
+        if calls > 0:
+            out[key] = {"calls": calls, "mean_ms": round(1000 * (total - t0) / calls, 2), "total_ms": round(1000 * (total - t0), 1)}
+    return out
+
+
 class StageWatch:
     """Records the moment each pod of a namespace is first seen in each stage."""
 
@@ -114,9 +169,9 @@ class StageWatch:
         while not self._stop.is_set():
             w = watch.Watch()
             try:
-                for event in w.stream(self.api.list_namespaced_pod, self.ns, timeout_seconds=5):
+                for event in w.stream(self.api.list_namespaced_pod, self.ns, timeout_seconds=5, deserialize=False):
                     now = time.monotonic()
-                    pod = self.api.api_client.sanitize_for_serialization(event["object"])
+                    pod = event["object"]  # the API's JSON: no model objects to build on a busy node
                     mine = self.seen.setdefault(pod["metadata"]["name"], {})
                     for stage in stages_seen(pod):
                         mine.setdefault(stage, now)
@@ -146,11 +201,12 @@ def settle(cluster: LocalCluster, api: client.CoreV1Api, ns: str, timeout: float
 
 
 def round_stages(cluster: LocalCluster, api: client.CoreV1Api, ns: str, prefix: str, pods: int, burst: int,
-                 limits: dict[str, str], timeout: float) -> tuple[list[dict[str, float]], float]:
+                 limits: dict[str, str], timeout: float) -> tuple[list[dict[str, float]], float, dict[str, dict[str, float]]]:
     """One arm's round: per pod, the total (create -> Running) and each stage; and the round's
     makespan (first create to last Running), which a per-pod figure hides when an earlier stage
     paces the pods (pods admitted one by one queue less for their sandboxes)."""
     image = cluster_image(cluster)
+    admission_before = admission_totals(cluster, api)
     sw = StageWatch(api, ns)
     created: dict[str, float] = {}
     try:
@@ -164,6 +220,7 @@ def round_stages(cluster: LocalCluster, api: client.CoreV1Api, ns: str, prefix: 
             time.sleep(0.2)
     finally:
         sw.stop()
+    admission = admission_delta(admission_before, admission_totals(cluster, api))
     missing = sorted(n for n in created if "running" not in sw.seen.get(n, {}))
     if missing:
         raise RuntimeError(f"{len(missing)} pod(s) not Running after {timeout:.0f}s, e.g. {missing[:3]}: "
@@ -177,7 +234,7 @@ def round_stages(cluster: LocalCluster, api: client.CoreV1Api, ns: str, prefix: 
         row["total"] = sw.seen[name]["running"] - at
         out.append(row)
     makespan = max(sw.seen[n]["running"] for n in created) - min(created.values())
-    return out, makespan
+    return out, makespan, admission
 
 
 def summarize(rows: list[dict[str, float]]) -> dict[str, Any]:
@@ -223,14 +280,17 @@ def main() -> int:
         limits = {"plain": {}, gpu_arm: GPU_LIMITS}
         rows: dict[str, list[dict[str, float]]] = {"plain": [], gpu_arm: []}
         makespans: dict[str, list[float]] = {"plain": [], gpu_arm: []}
+        admissions: dict[str, list[dict[str, dict[str, float]]]] = {"plain": [], gpu_arm: []}
         for r in range(args.rounds):
             for arm in arm_order(r, ("plain", gpu_arm)):
                 print(f"realnode_bench: round {r + 1}/{args.rounds}, {arm}: {args.pods} pods", file=sys.stderr, flush=True)
-                got, makespan = round_stages(cluster, api, namespaces[arm], f"{arm}-{r}", args.pods, args.burst,
-                                             limits[arm], args.timeout)
+                got, makespan, admission = round_stages(cluster, api, namespaces[arm], f"{arm}-{r}", args.pods, args.burst,
+                                                        limits[arm], args.timeout)
                 rows[arm] += got
+                admissions[arm].append(admission)
                 makespans[arm].append(round(makespan, 2))
-        summary = {arm: {**summarize(v), "makespan_s": makespans[arm]} for arm, v in rows.items()}
+        summary = {arm: {**summarize(v), "makespan_s": makespans[arm], "admission_calls_per_round": admissions[arm]}
+                   for arm, v in rows.items()}
         result = {
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()} {platform.release()}",

@@ -55,3 +55,26 @@ def test_the_summary_has_every_stage_and_the_total():
     out = summarize(rows)
     assert out["pods"] == 100 and out["total"] == {"p50_s": 50.0, "p99_s": 99.0}
     assert set(out) == {"pods", "total", *STAGES}
+
+
+KUBELET_PAGE = """# HELP kubelet_device_plugin_alloc_duration_seconds [ALPHA] Duration in seconds to serve a device plugin Allocation request.
+# TYPE kubelet_device_plugin_alloc_duration_seconds histogram
+kubelet_device_plugin_alloc_duration_seconds_bucket{resource_name="tke.cloud.tencent.com/qgpu-core",le="0.005"} 3
+kubelet_device_plugin_alloc_duration_seconds_bucket{resource_name="tke.cloud.tencent.com/qgpu-core",le="+Inf"} 4
+kubelet_device_plugin_alloc_duration_seconds_sum{resource_name="tke.cloud.tencent.com/qgpu-core"} 0.04
+kubelet_device_plugin_alloc_duration_seconds_count{resource_name="tke.cloud.tencent.com/qgpu-core"} 4
+# HELP kubelet_running_pods [ALPHA] Number of pods that have a running pod sandbox
+# TYPE kubelet_running_pods gauge
+kubelet_running_pods 7
+"""
+
+
+def test_admission_histograms_are_read_by_series_and_differenced_per_round():
+    from bench.realnode_bench import admission_delta, histogram_totals
+
+    before = histogram_totals(KUBELET_PAGE)
+    key = "kubelet_device_plugin_alloc_duration_seconds{resource_name=tke.cloud.tencent.com/qgpu-core}"
+    assert before == {key: (0.04, 4.0)}  # other families (a gauge) are not read
+    after = {key: (0.24, 14.0)}
+    assert admission_delta(before, after) == {key: {"calls": 10.0, "mean_ms": 20.0, "total_ms": 200.0}}
+    assert admission_delta(after, after) == {}  # no call in the round: nothing reported
