@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import platform
+import ssl
 import sys
 import tempfile
 import threading
@@ -49,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from qgpu_runtime.contract.names import GPU_MODE  # noqa: E402
 from tests.realnode import kube  # noqa: E402
 from tests.realnode.conftest import _bin, _run, site_yml  # noqa: E402
-from tests.realnode.localcluster import NODE, LocalCluster  # noqa: E402
+from tests.realnode.localcluster import LocalCluster  # noqa: E402
 from tests.realnode.test_e2e_dialects import cluster_image  # noqa: E402
 
 # Eight simulated 80 GiB cards: 100 pods of 1 % core and 1 GiB fit with room to spare (a card
@@ -123,13 +124,16 @@ def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
     return out
 
 
-def admission_totals(cluster: LocalCluster, api: client.CoreV1Api) -> dict[str, tuple[float, float]]:
-    """kubelet's histograms (through the apiserver's node proxy) and the node manager's (its metrics
-    port on the host); a source that does not answer adds nothing."""
+def admission_totals(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
+    """kubelet's histograms (its own port, as the cluster admin: kube-apiserver's node proxy refuses
+    a loopback node address) and the node manager's (its metrics port on the host); a source that
+    does not answer adds nothing."""
     out: dict[str, tuple[float, float]] = {}
     try:
-        kubelet = api.connect_get_node_proxy_with_path(NODE, "metrics", _preload_content=False).data.decode()
-        out.update(histogram_totals(kubelet))
+        ctx = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
+        ctx.load_cert_chain(str(cluster.pki / "admin.crt"), str(cluster.pki / "admin.key"))
+        with urllib.request.urlopen(f"https://127.0.0.1:{cluster.port('kubelet')}/metrics", timeout=10, context=ctx) as r:  # noqa: S310
+            out.update(histogram_totals(r.read().decode()))
     except Exception as exc:  # noqa: BLE001 - reported; the stages are measured anyway
         print(f"realnode_bench: kubelet metrics: {exc}", file=sys.stderr)
     try:
@@ -206,7 +210,7 @@ def round_stages(cluster: LocalCluster, api: client.CoreV1Api, ns: str, prefix: 
     makespan (first create to last Running), which a per-pod figure hides when an earlier stage
     paces the pods (pods admitted one by one queue less for their sandboxes)."""
     image = cluster_image(cluster)
-    admission_before = admission_totals(cluster, api)
+    admission_before = admission_totals(cluster)
     sw = StageWatch(api, ns)
     created: dict[str, float] = {}
     try:
@@ -220,7 +224,7 @@ def round_stages(cluster: LocalCluster, api: client.CoreV1Api, ns: str, prefix: 
             time.sleep(0.2)
     finally:
         sw.stop()
-    admission = admission_delta(admission_before, admission_totals(cluster, api))
+    admission = admission_delta(admission_before, admission_totals(cluster))
     missing = sorted(n for n in created if "running" not in sw.seen.get(n, {}))
     if missing:
         raise RuntimeError(f"{len(missing)} pod(s) not Running after {timeout:.0f}s, e.g. {missing[:3]}: "
