@@ -1,7 +1,9 @@
 """Benchmark of the scheduler extender under the real control plane (issue 3, section 6).
 
 1. Throughput: N GPU pods created while no scheduler runs, then kube-scheduler is started and the
-   time from the first to the last binding is measured through a watch. Once without the extender
+   time from the first to the last binding is measured on kube-scheduler's own log of each bind
+   (a watch only tells when all are bound: a saturated kube-apiserver closes watchers that fall
+   behind, and a watch-timed rate was off by up to 4x, docs/benchmarks.md 2026-11-29). Once without the extender
    (nodes advertise qgpu-core/qgpu-memory in allocatable and the scheduler counts them, like a
    plain device-plugin setup) and once with it (same pods, resources ignoredByScheduler, the
    extender filters, prioritizes and binds). Reported: pods/s of each and their ratio.
