@@ -32,8 +32,7 @@ from qgpu_runtime.placement.policies import FragPolicy, WorkloadShapes  # noqa: 
 from qgpu_runtime.sim.replay import ReplayOptions, replay_arrivals  # noqa: E402
 from qgpu_runtime.sim.trace import TracePod, load_nodes, load_pods  # noqa: E402
 from qgpu_runtime.sim.variants import with_demand_share  # noqa: E402
-
-DATA = ROOT.parent / "shared" / "data" / "gpu-trace-v2023"
+from tests.tracedata import openb_trace_dir  # noqa: E402
 
 
 class FrozenShapes(WorkloadShapes):
@@ -63,8 +62,8 @@ def fgd_policy(shapes: WorkloadShapes) -> FragPolicy:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=Path, default=DATA / "openb_node_list_gpu_node.csv")
-    parser.add_argument("--pods", type=Path, default=DATA / "openb_pod_list_default.csv")
+    parser.add_argument("--nodes", type=Path, help="node list CSV (default: the bundled trace's, found as the tests find it)")
+    parser.add_argument("--pods", type=Path, help="pod list CSV (default: the bundled trace's default list)")
     parser.add_argument("--multi-card-fraction", type=float, help="replay this multi-card mix (as `qgpu simulate`)")
     parser.add_argument("--variant-seed", type=int, default=0)
     parser.add_argument("--seeds", default="42", help="comma-separated replay seeds")
@@ -74,6 +73,13 @@ def main() -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: must be comma-separated integers")
+    if args.nodes is None or args.pods is None:
+        data = openb_trace_dir()
+        if data is None:
+            parser.error("the bundled trace was not found ($QGPU_TRACE_DIR, ../shared/data/gpu-trace-v2023 or "
+                         "/work/shared/data/gpu-trace-v2023): set QGPU_TRACE_DIR or give --nodes and --pods")
+        args.nodes = args.nodes or data / "openb_node_list_gpu_node.csv"
+        args.pods = args.pods or data / "openb_pod_list_default.csv"
     nodes = load_nodes(args.nodes)
     pods = load_pods(args.pods)
     if args.multi_card_fraction is not None:

@@ -1,8 +1,8 @@
 """How long the engine takes to choose a node and cards for one pod.
 
 Builds a cluster of N nodes shaped like the bundled trace's fleet (node kinds drawn from the trace
-node list, or a fixed 8-card mix when it is absent), fills it to a target utilisation with trace
-pods through the engine itself, then times `place` for a sample of further pods per policy.
+node list; the trace is found as the tests find it, ``$QGPU_TRACE_DIR`` first), fills it to a
+target utilisation with trace pods through the engine itself, then times `place` for a sample of further pods per policy.
 Reports median and p99 in milliseconds. Usage:
 
     .venv/bin/python bench/placement_latency.py --nodes 5000 --fill 60 --samples 300
@@ -14,17 +14,19 @@ import argparse
 import json
 import random
 import statistics
+import sys
 import time
 from pathlib import Path
 
-from qgpu_runtime.placement import ClusterState, NodeSpec, Unschedulable, make_policy, place
-from qgpu_runtime.sim.trace import load_nodes, load_pods
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "gpu-trace-v2023"
+from qgpu_runtime.placement import ClusterState, NodeSpec, Unschedulable, make_policy, place  # noqa: E402
+from qgpu_runtime.sim.trace import load_nodes, load_pods  # noqa: E402
+from tests.tracedata import openb_trace_dir  # noqa: E402
 
 
-def fleet(n: int, rng: random.Random) -> list[NodeSpec]:
-    kinds = load_nodes(TRACE / "openb_node_list_gpu_node.csv")
+def fleet(trace: Path, n: int, rng: random.Random) -> list[NodeSpec]:
+    kinds = load_nodes(trace / "openb_node_list_gpu_node.csv")
     return [NodeSpec(f"node-{i:05d}", k.cpu_milli, k.memory_mib, k.cards, k.labels)
             for i, k in enumerate(rng.choice(kinds) for _ in range(n))]
 
@@ -38,11 +40,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    trace = openb_trace_dir()
+    if trace is None:
+        ap.error("the bundled trace was not found ($QGPU_TRACE_DIR, ../shared/data/gpu-trace-v2023 or "
+                 "/work/shared/data/gpu-trace-v2023): set QGPU_TRACE_DIR")
     rng = random.Random(args.seed)
-    pods = load_pods(TRACE / "openb_pod_list_default.csv")
+    pods = load_pods(trace / "openb_pod_list_default.csv")
     results = {}
     for name in args.policy.split(","):
-        state = ClusterState(fleet(args.nodes, random.Random(args.seed)), enforce_pod_limit=False)
+        state = ClusterState(fleet(trace, args.nodes, random.Random(args.seed)), enforce_pod_limit=False)
         policy = make_policy(name)
         target = state.gpu_capacity_milli() * args.fill / 100
         i = 0
