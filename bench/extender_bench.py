@@ -152,24 +152,26 @@ def control_plane_cpus() -> Iterator[None]:
         os.sched_setaffinity(0, PIN[1])
 
 
-def scrape(url: str, ctx: ssl.SSLContext | None = None) -> dict[tuple[str, str], float]:
-    """Prometheus text of ``url`` as {(metric name, label text): value} (insecure TLS without a context)."""
+def metric_samples(url: str, ctx: ssl.SSLContext | None = None) -> list[Any]:
+    """The samples of the Prometheus page at ``url`` (prometheus_client's parser; each has ``name``,
+    ``labels`` and ``value``). Without a context, TLS is not verified: the bench's own local plane."""
     import urllib.request
-    if ctx is None:
+    if ctx is None and url.startswith("https"):
         ctx = ssl.create_default_context()
         ctx.check_hostname = False
         ctx.verify_mode = ssl.CERT_NONE
+    with urllib.request.urlopen(url, context=ctx if url.startswith("https") else None, timeout=10) as r:  # noqa: S310
+        text = r.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def scrape(url: str, ctx: ssl.SSLContext | None = None) -> dict[tuple[str, str], float]:
+    """Prometheus page of ``url`` as {(sample name, label text): value}; the label text is
+    ``k="v"`` pairs joined by commas, in the page's order."""
     out: dict[tuple[str, str], float] = {}
-    with urllib.request.urlopen(url, context=ctx if url.startswith("https") else None, timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if not line or line.startswith("#"):
-                continue
-            head, _, value = line.rpartition(" ")
-            name, _, labels = head.partition("{")
-            try:
-                out[(name, labels.rstrip("}"))] = float(value)
-            except ValueError:
-                continue
+    for sample in metric_samples(url, ctx):
+        labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+        out[(sample.name, labels)] = out.get((sample.name, labels), 0.0) + sample.value
     return out
 
 

@@ -32,7 +32,6 @@ import random
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kubernetes import client, watch  # noqa: E402
 from kubernetes.client.rest import ApiException  # noqa: E402
 
-from bench.extender_bench import admin_client, finish, new_plane  # noqa: E402
+from bench.extender_bench import admin_client, finish, new_plane, scrape  # noqa: E402
 from tests.k8s.controlplane import ControlPlane, extender_server  # noqa: E402
 from tests.k8s.kubeobjects import MANAGED_RESOURCES, cards, gpu_node, gpu_pod, list_pods, record  # noqa: E402
 
@@ -134,18 +133,11 @@ class Watcher:
 
 def preempt_time(extender: Any) -> tuple[float, float]:
     """(seconds, calls) the extender spent answering preempt, from its request-duration histogram."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(extender.url + "/metrics", timeout=5, context=extender.ssl_context()) as response:
-        text = response.read().decode()
-    total = count = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("verb") == "preempt":
-                if sample.name == "qgpu_extender_request_duration_seconds_sum":
-                    total += sample.value
-                elif sample.name == "qgpu_extender_request_duration_seconds_count":
-                    count += sample.value
+    metrics = scrape(extender.url + "/metrics", extender.ssl_context())
+    total = sum(v for (name, labels), v in metrics.items()
+                if name == "qgpu_extender_request_duration_seconds_sum" and 'verb="preempt"' in labels)
+    count = sum(v for (name, labels), v in metrics.items()
+                if name == "qgpu_extender_request_duration_seconds_count" and 'verb="preempt"' in labels)
     return total, count
 
 

@@ -37,16 +37,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kubernetes import client, config, watch  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from bench.extender_bench import metric_samples  # noqa: E402
 from qgpu_runtime.contract.names import GPU_MODE  # noqa: E402
 from tests.realnode import kube  # noqa: E402
 from tests.realnode.conftest import _bin, _run, site_yml  # noqa: E402
@@ -106,21 +105,20 @@ ADMISSION_HISTOGRAMS = ("kubelet_device_plugin_alloc_duration_seconds", "dra_grp
                         "dra_operations_duration_seconds", "qgpu_allocate_duration_seconds")
 
 
-def histogram_totals(text: str) -> dict[str, tuple[float, float]]:
-    """(sum seconds, count) of each admission histogram in a Prometheus text page, keyed by name and
-    the labels that tell the calls apart (resource, method or operation)."""
+def histogram_totals(samples: Iterable[Any]) -> dict[str, tuple[float, float]]:
+    """(sum seconds, count) of each admission histogram among Prometheus samples (as
+    extender_bench.metric_samples gives them), keyed by name and the labels that tell the calls
+    apart (resource, method or operation)."""
     out: dict[str, tuple[float, float]] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name not in ADMISSION_HISTOGRAMS:
+    for sample in samples:
+        family, _, suffix = sample.name.rpartition("_")
+        if family not in ADMISSION_HISTOGRAMS or suffix not in ("sum", "count"):
             continue
-        for sample in family.samples:
-            if not sample.name.endswith(("_sum", "_count")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
-                              if k in ("resource_name", "resource", "method_name", "operation_name", "is_error"))
-            key = f"{family.name}{{{labels}}}"
-            total, count = out.get(key, (0.0, 0.0))
-            out[key] = (total + sample.value, count) if sample.name.endswith("_sum") else (total, count + sample.value)
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items())
+                          if k in ("resource_name", "resource", "method_name", "operation_name", "is_error"))
+        key = f"{family}{{{labels}}}"
+        total, count = out.get(key, (0.0, 0.0))
+        out[key] = (total + sample.value, count) if suffix == "sum" else (total, count + sample.value)
     return out
 
 
@@ -132,14 +130,11 @@ def admission_totals(cluster: LocalCluster) -> dict[str, tuple[float, float]]:
     try:
         ctx = ssl.create_default_context(cafile=str(cluster.pki / "ca.crt"))
         ctx.load_cert_chain(str(cluster.pki / "admin.crt"), str(cluster.pki / "admin.key"))
-        with urllib.request.urlopen(f"https://127.0.0.1:{cluster.port('kubelet')}/metrics", timeout=10, context=ctx) as r:  # noqa: S310
-            out.update(histogram_totals(r.read().decode()))
+        out.update(histogram_totals(metric_samples(f"https://127.0.0.1:{cluster.port('kubelet')}/metrics", ctx)))
     except Exception as exc:  # noqa: BLE001 - reported; the stages are measured anyway
         print(f"realnode_bench: kubelet metrics: {exc}", file=sys.stderr)
     try:
-        url = f"http://127.0.0.1:{cluster.port('manager-metrics')}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as r:  # noqa: S310 - our own local port
-            out.update(histogram_totals(r.read().decode()))
+        out.update(histogram_totals(metric_samples(f"http://127.0.0.1:{cluster.port('manager-metrics')}/metrics")))
     except Exception as exc:  # noqa: BLE001
         print(f"realnode_bench: manager metrics: {exc}", file=sys.stderr)
     return out

@@ -70,9 +70,11 @@ kubelet_running_pods 7
 
 
 def test_admission_histograms_are_read_by_series_and_differenced_per_round():
+    from prometheus_client.parser import text_string_to_metric_families
+
     from bench.realnode_bench import admission_delta, histogram_totals
 
-    before = histogram_totals(KUBELET_PAGE)
+    before = histogram_totals(s for family in text_string_to_metric_families(KUBELET_PAGE) for s in family.samples)
     key = "kubelet_device_plugin_alloc_duration_seconds{resource_name=tke.cloud.tencent.com/qgpu-core}"
     assert before == {key: (0.04, 4.0)}  # other families (a gauge) are not read
     after = {key: (0.24, 14.0)}
