@@ -182,9 +182,22 @@ def mean_ms(metrics: dict[tuple[str, str], float], name: str, must: str = "") ->
     return round(1000 * total / count, 3) if count else None
 
 
-def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
+CONNECTION_COUNTERS = ("qgpu_extender_connections_total", "qgpu_extender_http2_connections_total")
+
+
+def connection_counts(extender: Any | None) -> dict[str, float]:
+    """The extender's connection counters now (empty for an extender without them)."""
+    if extender is None:
+        return {}
+    metrics = scrape(f"{extender.url}/metrics", extender.ssl_context())
+    return {name: metrics[(name, "")] for name in CONNECTION_COUNTERS if (name, "") in metrics}
+
+
+def time_split(cp: ControlPlane, extender: Any | None, connections_before: dict[str, float] | None = None) -> dict[str, Any]:
     """Where a pod's time went: kube-scheduler's own histograms (the scheduling cycle, which is
-    serial, and the binding cycle, which is not), and the extender's time per verb as it saw it."""
+    serial, and the binding cycle, which is not), and the extender's time per verb as it saw it;
+    with ``connections_before``, the connections the extender accepted since (its readiness probes
+    before the arm not counted: they were in the totals published before 2026-11-29 afternoon)."""
     sched = scrape(f"https://127.0.0.1:{cp.scheduler_port}/metrics")
     split: dict[str, Any] = {
         "scheduler_algorithm_ms": mean_ms(sched, "scheduler_scheduling_algorithm_duration_seconds"),
@@ -195,9 +208,11 @@ def time_split(cp: ControlPlane, extender: Any | None) -> dict[str, Any]:
         ext = scrape(f"{extender.url}/metrics", extender.ssl_context())
         for verb in ("filter", "prioritize", "bind"):
             split[f"extender_{verb}_ms"] = mean_ms(ext, "qgpu_extender_request_duration_seconds", f'verb="{verb}"')
-        connections = ext.get(("qgpu_extender_connections_total", ""))
-        if connections is not None:
-            split["extender_connections"] = connections
+        if connections_before is not None:
+            # one scrape of ours (this one) is a connection of its own
+            for name, before in connections_before.items():
+                key = "extender_connections" if name == CONNECTION_COUNTERS[0] else "extender_http2_connections"
+                split[key] = ext.get((name, ""), before) - before - (1 if key == "extender_connections" else 0)
     return split
 
 
@@ -308,6 +323,7 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     time.sleep(IDLE_SAMPLE_S)
     idle_rate = {name: (cpu_seconds(pid) - idle_from[name]) / (time.perf_counter() - idle_t) for name, pid in pids.items()}
     requests_before = apiserver_requests(api)
+    connections_before = connection_counts(extender)
     apiserver_log = cp.processes["kube-apiserver"].log
     closed_before = count_lines(apiserver_log, WATCHER_CLOSED)
     cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -339,7 +355,7 @@ def throughput(cp: ControlPlane, api: client.CoreV1Api, extenders: list[dict[str
     if len(logged) != pods:
         raise RuntimeError(f"kube-scheduler's log has {len(logged)} of the {pods} binds of {ns} (is it still at --v=2?)")
     span = logged[-1] - logged[0]
-    split = time_split(cp, extender)
+    split = time_split(cp, extender, connections_before)
     return {"pods": pods, "time_split": split, "first_bind_after_start_s": round(times[0] - started, 3), "span_s": round(span, 3),
             "pods_per_s": round((len(logged) - 1) / span, 1), "namespace": ns,
             # as the benchmark's watch saw them (before 2026-11-29 the rate was timed so)
