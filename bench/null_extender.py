@@ -69,13 +69,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-cert-file", required=True)
     parser.add_argument("--tls-private-key-file", required=True)
     parser.add_argument("--client-ca-file", required=True)
+    parser.add_argument("--http2", choices=("on", "off"), default="on", help="as `qgpu extender serve --http2`")
     args = parser.parse_args(argv)
     app = NullExtender(client.CoreV1Api(api_client(args.kubeconfig)))
     routes = Routes(post={"/": app.handle}, get={"/healthz": lambda: (200, "text/plain", b"ok"),
                                                  "/readyz": lambda: (200, "text/plain", b"ok")},
                     open_paths=frozenset({"/healthz", "/readyz"}))
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
-                        client_ca_file=args.client_ca_file)
+                        client_ca_file=args.client_ca_file, http2=args.http2 == "on")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     server.serve_forever()
     return 0

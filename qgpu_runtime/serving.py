@@ -39,13 +39,22 @@ from __future__ import annotations
 import io
 import json
 import logging
+import select
 import socket
 import ssl
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable, Mapping
+
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.errors import ErrorCodes
+from h2.events import ConnectionTerminated, DataReceived, RequestReceived, StreamEnded, StreamReset
+from h2.exceptions import H2Error, NoSuchStreamError, StreamIDTooLowError
+from h2.settings import SettingCodes, Settings
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +80,7 @@ class Routes:
     post: dict[str, PostHandler]
     get: dict[str, GetHandler]
     on_connection: Callable[[], None] | None = None  # called once per accepted connection
+    on_http2: Callable[[], None] | None = None  # called once per connection that negotiated HTTP/2
     body_limits: Mapping[str, int] = field(default_factory=dict)
     # exact POST path → the most JSON tokens (bytes among ``{ [ , :``) its body may hold, counted
     # before the handler decodes it: what bounds the decoded objects' memory (others: no limit).
@@ -114,6 +124,8 @@ class ServerStats:
     refused_busy: int = 0  # 503: no handler slot within busy_wait_s
     refused_unauthenticated: int = 0  # 401: no client certificate on a path that needs one
     incomplete_bodies: int = 0  # the client left, or was closed, before its body was in
+    http2_connections: int = 0  # connections that negotiated HTTP/2 (ALPN "h2")
+    http2_protocol_errors: int = 0  # HTTP/2 connections closed for breaking the protocol
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def count(self, name: str) -> None:
@@ -216,6 +228,10 @@ class _Budget:
         with self._lock:
             self._left += n
 
+    def held(self) -> int:
+        with self._lock:
+            return self._total - self._left
+
 
 def _shut(sock: socket.socket) -> None:
     try:
@@ -239,7 +255,9 @@ class _Handler(BaseHTTPRequestHandler):
     bodies: _Budget
     stats: ServerStats
     client_auth: bool
+    workers: ThreadPoolExecutor | None  # runs HTTP/2 streams' handlers (None: HTTP/2 not offered)
     peer_certified: bool  # this connection's handshake verified a client certificate (set in setup)
+    http2: bool  # this connection negotiated HTTP/2 (set in setup)
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
@@ -249,6 +267,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.routes.on_connection()
         self.timeout = self.limits.idle_timeout_s  # a backstop; the watchdog's deadlines are what bind
         self.peer_certified = False
+        self.http2 = False
         if isinstance(self.request, ssl.SSLSocket):
             self.connections.phase(self.request, "handshake", self.limits.header_timeout_s)
             self.request.settimeout(self.limits.header_timeout_s)
@@ -257,7 +276,17 @@ class _Handler(BaseHTTPRequestHandler):
             # the context refuses renegotiation and never asks for a certificate after the
             # handshake, so what the handshake verified holds for the connection's life.
             self.peer_certified = bool(self.client_auth and self.request.getpeercert())
+            self.http2 = self.workers is not None and self.request.selected_alpn_protocol() == "h2"
         super().setup()
+
+    def handle(self) -> None:
+        if self.http2:
+            self.stats.count("http2_connections")
+            if self.routes.on_http2 is not None:
+                self.routes.on_http2()
+            _H2Session(self).run()
+            return
+        super().handle()
 
     def handle_one_request(self) -> None:
         self.connections.phase(self.request, "idle", self.limits.idle_timeout_s)
@@ -376,6 +405,10 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _dispatch(self, path: str, body: bytes) -> tuple[int, Any]:
         self.connections.phase(self.request, "working", None)
+        return self._run(path, body)
+
+    def _run(self, path: str, body: bytes) -> tuple[int, Any]:
+        """The POST handler for ``path`` within the in-flight limit (both protocols)."""
         if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
             self.close_connection = True
             self.stats.count("refused_busy")
@@ -395,6 +428,304 @@ class _Handler(BaseHTTPRequestHandler):
                     log.exception("handler for %s failed", path)
                     return 500, {"Error": "internal error; see the server log"}
         return 404, {"Error": f"no POST route {path}"}
+
+
+H2_WINDOW = 1024 * 1024  # each stream's receive window (and the connection's): a NodeNames body in a few frames
+
+
+@dataclass
+class _H2Stream:
+    method: str
+    path: str
+    limit: int  # the most body bytes accepted (the path's limit, or a smaller Content-Length)
+    started: float
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+    held: int = 0  # body bytes reserved in the budget
+    refused: bool = False  # answered already; what else arrives is dropped
+
+
+class _H2Session:
+    """One HTTP/2 connection (ALPN "h2": kube-scheduler and kube-apiserver negotiate it, and then
+    keep one connection instead of opening one per concurrent call, each a TLS handshake).
+
+    The connection's thread reads; handlers run on the server's worker pool and send their answers
+    themselves. Every use of the socket and of the protocol state is under one lock (an SSL socket
+    must not be read and written from two threads at once); the thread waits for data outside it,
+    and reads without blocking. The limits are those of HTTP/1.1, per stream: a
+    client certificate for every path outside ``open_paths``; the path's body limit, checked against
+    Content-Length when sent and against the bytes as they arrive; body bytes reserved in the
+    server's budget as they arrive; the JSON token limit before decoding; at most ``max_in_flight``
+    open streams (SETTINGS_MAX_CONCURRENT_STREAMS) and as many handlers running for the connection
+    (a stream reset after its request was complete leaves its handler running: new ones wait their
+    turn with a 503). h2 bounds a header block (64 KiB decoded, 64 CONTINUATION frames). Deadlines
+    are the connection's phases, as for HTTP/1.1: ``idle`` with no stream open, ``body`` while a
+    request is incomplete (from the oldest such stream: ``body_timeout_s`` + its limit at
+    ``min_body_rate``), ``writing`` while an answer waits for the client to open its window, and a
+    socket timeout of ``write_timeout_s`` on every send."""
+
+    def __init__(self, handler: _Handler) -> None:
+        self.h = handler
+        self.sock: ssl.SSLSocket = handler.request
+        # inbound headers are validated (a client's); outbound ones are ours, four fixed names
+        self.conn = H2Connection(H2Configuration(client_side=False, header_encoding="utf-8",
+                                                 validate_outbound_headers=False, normalize_outbound_headers=False))
+        self.conn.local_settings = Settings(client=False, initial_values={
+            SettingCodes.MAX_CONCURRENT_STREAMS: handler.limits.max_in_flight,
+            SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
+            SettingCodes.INITIAL_WINDOW_SIZE: H2_WINDOW,
+        })
+        self.lock = threading.Lock()  # the socket, the protocol state and everything below
+        self.streams: dict[int, _H2Stream] = {}
+        self.outbound: dict[int, bytes] = {}  # answers' bytes the client's window does not take yet
+        self.working = 0  # handlers running for this connection
+        self.phase: tuple[str, int] | None = None
+        self.closing = False
+        self.closed = False  # the reading thread has ended: handlers finishing later send nothing
+
+    # -- the I/O loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        try:
+            with self.lock:
+                self.conn.initiate_connection()
+                self.conn.increment_flow_control_window(H2_WINDOW - 65535)
+                self._flush()
+                self._settle()
+            while not self.closing:
+                with self.lock:
+                    pending = self.sock.pending()
+                if not pending:
+                    select.select([self.sock], [], [])
+                with self.lock:
+                    data = self._receive()
+                    if data is None:
+                        break
+                    if data:
+                        self._events(self.conn.receive_data(data))
+                    self._push()
+                    self._flush()
+                    self._settle()
+            with self.lock:
+                self._goodbye(ErrorCodes.NO_ERROR)
+        except H2Error as exc:
+            self.h.stats.count("http2_protocol_errors")
+            log.debug("HTTP/2 connection from %s closed: %s", self.h.address_string(), exc)
+            with self.lock:
+                self._goodbye(ErrorCodes.PROTOCOL_ERROR)
+        except (OSError, ValueError):
+            pass  # the client left, or the watchdog shut the socket past its deadline
+        finally:
+            with self.lock:
+                self.closed = True
+                for stream in self.streams.values():
+                    self.h.bodies.release(stream.held)
+                self.streams.clear()
+
+    def _receive(self) -> bytes | None:
+        """What the socket has now (b"" when nothing), or None when the client closed it."""
+        self.sock.settimeout(0.0)
+        try:
+            data = self.sock.recv(65536)
+        except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+            return b""
+        return data or None
+
+    def _flush(self) -> None:
+        out = self.conn.data_to_send()
+        if out:
+            self.sock.settimeout(self.h.limits.write_timeout_s)  # sendall's whole duration
+            self.sock.sendall(out)
+
+    def _goodbye(self, code: ErrorCodes) -> None:
+        try:
+            self.conn.close_connection(code)
+            self._flush()
+        except (H2Error, OSError):
+            pass
+
+    def _settle(self) -> None:
+        """The connection's phase for the watchdog, set when it changes (see the class docstring)."""
+        limits = self.h.limits
+        incomplete = [(sid, s) for sid, s in self.streams.items() if not s.refused]
+        if self.outbound:
+            want, timeout = ("writing", 0), limits.write_timeout_s
+        elif incomplete:
+            sid, oldest = min(incomplete, key=lambda item: item[1].started)
+            want = ("body", sid)
+            timeout = oldest.started + limits.body_timeout_s + oldest.limit / limits.min_body_rate - time.monotonic()
+        elif self.working:
+            want, timeout = ("working", 0), None
+        else:
+            want, timeout = ("idle", 0), limits.idle_timeout_s
+        if want != self.phase:
+            self.phase = want
+            self.h.connections.phase(self.sock, want[0], None if timeout is None else max(0.0, timeout))
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def _events(self, events: list[Any]) -> None:
+        for event in events:
+            if isinstance(event, RequestReceived):
+                self._request(event.stream_id, dict(event.headers))
+            elif isinstance(event, DataReceived):
+                self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                self._data(event.stream_id, event.data)
+            elif isinstance(event, StreamEnded):
+                self._ended(event.stream_id)
+            elif isinstance(event, StreamReset):
+                self._drop(event.stream_id)
+                self.outbound.pop(event.stream_id, None)
+            elif isinstance(event, ConnectionTerminated):
+                self.closing = True
+
+    def _request(self, sid: int, headers: dict[str, str]) -> None:
+        method, path = headers.get(":method", ""), headers.get(":path", "").split("?", 1)[0]
+        routes = self.h.routes
+        if method not in ("GET", "POST"):
+            self._refuse(sid, 501, {"Error": f"method {method!r}: only GET and POST are served"})
+            return
+        if self.h.client_auth and not self.h.peer_certified and not (method == "GET" and path in routes.open_paths):
+            self.h.stats.count("refused_unauthenticated")
+            self._refuse(sid, 401, {"Error": f"{path}: a client certificate signed by the server's client CA "
+                                             "(--client-ca-file) is required"})
+            self.closing = True  # as HTTP/1.1 closes the connection
+            return
+        limit = routes.body_limits.get(path, MAX_BODY) if method == "POST" else 0
+        length = headers.get("content-length")
+        if length is not None:
+            try:
+                announced = int(length)
+            except ValueError:
+                self._refuse(sid, 400, {"Error": f"Content-Length {length!r}: not a number"})
+                return
+            if announced < 0 or announced > limit:
+                self.h.stats.count("refused_too_large")
+                self._refuse(sid, 413, {"Error": f"Content-Length {announced}: must be within 0..{limit} for {path}"})
+                return
+            limit = announced
+        self.streams[sid] = _H2Stream(method, path, limit, time.monotonic())
+
+    def _data(self, sid: int, data: bytes) -> None:
+        stream = self.streams.get(sid)
+        if stream is None or stream.refused or not data:
+            return
+        if stream.size + len(data) > stream.limit:
+            self.h.stats.count("refused_too_large")
+            self._refuse(sid, 413, {"Error": f"body of {stream.path}: more than {stream.limit} bytes"})
+            return
+        if not self.h.bodies.reserve(len(data)):
+            self.h.stats.count("refused_budget")
+            self._refuse(sid, 503, {"Error": f"busy: {self.h.limits.body_budget} bytes of request bodies in memory; retry"})
+            return
+        stream.held += len(data)
+        stream.size += len(data)
+        stream.chunks.append(data)
+
+    def _ended(self, sid: int) -> None:
+        stream = self.streams.pop(sid, None)
+        if stream is None or stream.refused:
+            if stream is not None:
+                self.h.bodies.release(stream.held)
+            return
+        if self.working >= self.h.limits.max_in_flight:
+            # streams reset after their request was complete still hold handlers: no more for now
+            self.h.bodies.release(stream.held)
+            self.h.stats.count("refused_busy")
+            self._send(sid, 503, "application/json",
+                       _encode({"Error": f"busy: {self.h.limits.max_in_flight} requests in flight; retry"}))
+            return
+        self.working += 1
+        assert self.h.workers is not None
+        self.h.workers.submit(self._work, sid, stream)
+
+    def _work(self, sid: int, stream: _H2Stream) -> None:
+        """On a worker: the handler's answer, sent on the connection (under its lock)."""
+        try:
+            if stream.method == "GET":
+                handler = self.h.routes.get.get(stream.path)
+                if handler is None:
+                    status, content_type, body = 404, "application/json", _encode({"Error": f"no GET route {stream.path}"})
+                else:
+                    status, content_type, body = handler()
+            else:
+                data = stream.chunks[0] if len(stream.chunks) == 1 else b"".join(stream.chunks)
+                stream.chunks.clear()
+                tokens = self.h.routes.token_limits.get(stream.path)
+                if tokens is not None and (count := json_tokens(data)) > tokens:
+                    self.h.stats.count("refused_too_large")
+                    status, value = 413, {"Error": f"body of {stream.path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
+                else:
+                    status, value = self.h._run(stream.path, data)
+                del data
+                content_type, body = "application/json", _encode(value)
+        except Exception:  # noqa: BLE001 - answer, log, keep serving
+            log.exception("handler for %s failed", stream.path)
+            status, content_type, body = 500, "application/json", _encode({"Error": "internal error; see the server log"})
+        finally:
+            self.h.bodies.release(stream.held)
+        with self.lock:
+            self.working -= 1
+            if self.closed:
+                return
+            try:
+                self._send(sid, status, content_type, body)
+                self._push()
+                self._flush()
+                self._settle()
+            except (OSError, ValueError):
+                pass  # the client left, or the watchdog shut the socket: the reading thread ends it
+            except H2Error:
+                log.debug("HTTP/2 answer on stream %d not sent", sid, exc_info=True)
+
+    # -- answers -----------------------------------------------------------------------------------
+
+    def _refuse(self, sid: int, status: int, value: Any) -> None:
+        """Answer now; whatever else the stream sends is dropped (its flow control still credited)."""
+        stream = self.streams.get(sid)
+        if stream is not None:
+            stream.refused = True
+            stream.chunks.clear()
+            self.h.bodies.release(stream.held)
+            stream.held = 0
+        self._send(sid, status, "application/json", _encode(value))
+
+    def _drop(self, sid: int) -> None:
+        stream = self.streams.pop(sid, None)
+        if stream is not None:
+            self.h.bodies.release(stream.held)
+
+    def _send(self, sid: int, status: int, content_type: str, body: bytes) -> None:
+        headers = [(":status", str(status)), ("content-type", content_type), ("content-length", str(len(body))),
+                   ("server", self.h.server_version)]
+        try:
+            self.conn.send_headers(sid, headers, end_stream=not body)
+        except (NoSuchStreamError, StreamIDTooLowError):
+            return  # reset by the client meanwhile (and perhaps already forgotten)
+        if body:
+            self.outbound[sid] = body
+
+    def _push(self) -> None:
+        """Answers' bytes, as far as the client's flow-control windows take them."""
+        for sid in list(self.outbound):
+            data = self.outbound[sid]
+            try:
+                while data:
+                    n = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size, len(data))
+                    if n <= 0:
+                        break
+                    self.conn.send_data(sid, data[:n], end_stream=n == len(data))
+                    data = data[n:]
+            except (NoSuchStreamError, StreamIDTooLowError):
+                data = b""  # reset by the client meanwhile
+            if data:
+                self.outbound[sid] = data
+            else:
+                del self.outbound[sid]
+
+
+def _encode(value: Any) -> bytes:
+    return value if isinstance(value, RawJSON) else json.dumps(value, separators=(",", ":")).encode()
 
 
 def json_tokens(body: bytes) -> int:
@@ -438,7 +769,7 @@ class JsonServer:
     """
 
     def __init__(self, host: str, port: int, routes: Routes, cert_file: str | None = None, key_file: str | None = None,
-                 limits: ServerLimits = ServerLimits(), client_ca_file: str | None = None):
+                 limits: ServerLimits = ServerLimits(), client_ca_file: str | None = None, http2: bool = True):
         if bool(cert_file) != bool(key_file):
             raise ValueError("TLS needs both a certificate file and a private key file, or neither")
         if client_ca_file and not cert_file:
@@ -446,9 +777,12 @@ class JsonServer:
         self.limits = limits
         self.connections = _Connections(limits)
         self.stats = ServerStats()
-        handler = type("Handler", (_Handler,), {"routes": routes, "limits": limits, "connections": self.connections,
+        self.bodies = _Budget(limits.body_budget, self.stats)
+        # HTTP/2 is offered over TLS only (ALPN); its streams' handlers run on these workers
+        self.workers = ThreadPoolExecutor(limits.max_in_flight, thread_name_prefix="http2") if http2 and cert_file else None
+        handler = type("Handler", (_Handler,), {"workers": self.workers, "routes": routes, "limits": limits, "connections": self.connections,
                                                 "in_flight": threading.BoundedSemaphore(limits.max_in_flight),
-                                                "bodies": _Budget(limits.body_budget, self.stats), "stats": self.stats,
+                                                "bodies": self.bodies, "stats": self.stats,
                                                 "client_auth": bool(client_ca_file)})
         self.httpd = _Server((host, port), handler)
         self.httpd.connections = self.connections
@@ -460,6 +794,8 @@ class JsonServer:
             context.minimum_version = ssl.TLSVersion.TLSv1_2
             context.options |= ssl.OP_NO_RENEGOTIATION  # a connection's peer is the one its handshake verified
             context.load_cert_chain(cert_file, key_file)
+            if self.workers is not None:
+                context.set_alpn_protocols(["h2", "http/1.1"])
             if client_ca_file:
                 context.load_verify_locations(cafile=client_ca_file)
                 context.verify_mode = ssl.CERT_OPTIONAL if routes.open_paths else ssl.CERT_REQUIRED
@@ -468,6 +804,10 @@ class JsonServer:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="http-deadlines", daemon=True)
+
+    def bodies_held(self) -> int:
+        """Request-body bytes held now (reserved in the budget), both protocols."""
+        return self.bodies.held()
 
     def _watch(self) -> None:
         while not self._stopped.wait(self.limits.watch_interval_s):
@@ -486,3 +826,5 @@ class JsonServer:
         self._stopped.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        if self.workers is not None:
+            self.workers.shutdown(wait=False, cancel_futures=True)

@@ -58,6 +58,7 @@ class ExtenderMetrics:
     bookings: Gauge
     holds: Gauge
     refused: Counter
+    http2_connections: Counter
     commitment_conflicts: Counter
     untrusted_records: Gauge
     evictions: Counter
@@ -76,6 +77,9 @@ class ExtenderMetrics:
             # kube-scheduler keeps at most 2 idle connections per extender: a count that grows with
             # the binds means concurrent calls open (and handshake) new ones.
             connections=Counter("qgpu_extender_connections", "Connections accepted", registry=registry),
+            # kube-scheduler negotiates HTTP/2 when offered (--http2 on): then it keeps one connection
+            http2_connections=Counter("qgpu_extender_http2_connections", "Connections that negotiated HTTP/2",
+                                      registry=registry),
             nodes=Gauge("qgpu_extender_cached_nodes", "Nodes in the extender's cache", registry=registry),
             bookings=Gauge("qgpu_extender_bookings", "Pods whose cards are booked in the cache", registry=registry),
             holds=Gauge("qgpu_extender_holds", "Pods a filter passed that await their bind", registry=registry),

@@ -28,3 +28,21 @@ def test_pod_that_fits_nowhere_stays_pending_with_an_event_saying_why(cluster, n
                                                           if e.get("reason") == "FailedScheduling"])
     assert "whole free cards" in event[0]["message"], event[0]["message"]
     assert not read_pod(cluster.api, ns, "big")["spec"].get("nodeName")
+
+
+def test_kube_scheduler_calls_the_extender_over_one_http2_connection(cluster, ns, label):
+    """The extender offers HTTP/2 (ALPN); kube-scheduler's client takes it, and then filter,
+    prioritize and the concurrent binds share one connection instead of a TLS handshake each."""
+    import urllib.request
+
+    def counters() -> dict[str, float]:
+        with urllib.request.urlopen(cluster.extender.url + "/metrics", timeout=10, context=cluster.extender.ssl_context()) as r:
+            lines = r.read().decode().splitlines()
+        return {line.split()[0]: float(line.split()[1]) for line in lines if line.startswith("qgpu_extender_http2_connections_total ")}
+
+    gpu_node(cluster.api, f"{ns}-a", cards(2, node=f"{ns}-a"), label)
+    for i in range(6):
+        cluster.api.create_namespaced_pod(ns, gpu_pod(f"p{i}", {QGPU_CORE: 10, QGPU_MEMORY: 1}, selector=label))
+    for i in range(6):
+        bound(cluster.api, ns, f"p{i}")
+    assert counters()["qgpu_extender_http2_connections_total"] >= 1  # this test's own calls are HTTP/1.1

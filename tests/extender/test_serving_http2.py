@@ -1,0 +1,280 @@
+"""The JSON server over HTTP/2 (ALPN "h2", what kube-scheduler and kube-apiserver negotiate when
+offered): the same answers and the same limits as HTTP/1.1, per stream, and a connection that
+breaks them or stalls is closed. The client is the h2 library over a TLS socket, frame by frame, so
+each test can misbehave exactly as it needs to."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import threading
+import time
+from typing import Any, Iterator
+
+import pytest
+from h2.config import H2Configuration
+from h2.connection import H2Connection
+from h2.events import ConnectionTerminated, DataReceived, ResponseReceived, StreamEnded, StreamReset
+from h2.settings import SettingCodes, Settings
+
+from qgpu_runtime.serving import JsonServer, RawJSON, Routes, ServerLimits
+from tests.k8s.pki import CertificateAuthority, KeyPair
+from tests.polling import poll
+
+LIMITS = ServerLimits(max_connections=8, max_in_flight=4, idle_timeout_s=30.0, header_timeout_s=2.0, body_timeout_s=0.5,
+                      min_body_rate=1e6, write_timeout_s=0.5, busy_wait_s=0.2, watch_interval_s=0.05)
+BIG = RawJSON(json.dumps({"names": [f"node-{i:05d}" for i in range(30000)]}).encode())  # ~420 KB: past a 64 KiB window
+release = threading.Event()  # what the /slow handler waits for
+
+
+def echo(rest: str, body: bytes) -> tuple[int, Any]:
+    return 200, {"verb": rest, "got": len(body)}
+
+
+def slow(rest: str, body: bytes) -> tuple[int, Any]:
+    release.wait(10)
+    return 200, {"slow": True}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[CertificateAuthority, KeyPair, KeyPair]:
+    ca = CertificateAuthority(tmp_path_factory.mktemp("h2-pki"))
+    return ca, ca.issue("server", "server", server=True, hosts=("127.0.0.1",)), ca.issue("client", "client", client=True)
+
+
+def serve(pki: tuple[CertificateAuthority, KeyPair, KeyPair], http2: bool = True) -> JsonServer:
+    ca, server, _ = pki
+    routes = Routes(post={"/echo": echo, "/slow": slow, "/small": echo, "/tokens": echo},
+                    get={"/healthz": lambda: (200, "text/plain", b"ok"), "/big": lambda: (200, "application/json", BIG)},
+                    body_limits={"/small": 100}, token_limits={"/tokens": 10}, open_paths=frozenset({"/healthz"}))
+    srv = JsonServer("127.0.0.1", 0, routes, str(server.cert), str(server.key), limits=LIMITS,
+                     client_ca_file=str(ca.cert_path), http2=http2)
+    srv.start()
+    return srv
+
+
+@pytest.fixture
+def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonServer]:
+    release.clear()
+    srv = serve(pki)
+    yield srv
+    release.set()
+    srv.stop()
+
+
+class Client:
+    """One HTTP/2 connection, driven by hand."""
+
+    def __init__(self, port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True,
+                 window: int | None = None, alpn: tuple[str, ...] = ("h2",)):
+        ca, _, client = pki
+        ctx = ssl.create_default_context(cafile=str(ca.cert_path))
+        if certificate:
+            ctx.load_cert_chain(str(client.cert), str(client.key))
+        ctx.set_alpn_protocols(list(alpn))
+        self.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1")
+        self.protocol = self.sock.selected_alpn_protocol()
+        self.conn = H2Connection(H2Configuration(client_side=True, header_encoding="utf-8"))
+        if window is not None:  # in force from the first frame (a setter would wait for the server's ACK)
+            self.conn.local_settings = Settings(client=True, initial_values={SettingCodes.INITIAL_WINDOW_SIZE: window})
+        self.conn.initiate_connection()
+        self.sock.sendall(self.conn.data_to_send())
+        self.status: dict[int, int] = {}
+        self.bodies: dict[int, bytearray] = {}
+        self.ended: set[int] = set()
+        self.reset: set[int] = set()
+        self.terminated: ConnectionTerminated | None = None
+        self.acknowledge = True  # credit what arrives (open the window again)
+
+    def send(self, method: str, path: str, body: bytes = b"", *, end: bool = True, length: int | None = None) -> int:
+        sid = self.conn.get_next_available_stream_id()
+        headers = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "127.0.0.1")]
+        if length is not None:
+            headers.append(("content-length", str(length)))
+        self.conn.send_headers(sid, headers, end_stream=end and not body)
+        if body:
+            self.conn.send_data(sid, body, end_stream=end)
+        self.sock.sendall(self.conn.data_to_send())
+        return sid
+
+    def more(self, sid: int, data: bytes, *, end: bool = False) -> None:
+        self.conn.send_data(sid, data, end_stream=end)
+        self.sock.sendall(self.conn.data_to_send())
+
+    def pump(self, until: Any, timeout: float = 10.0) -> bool:
+        """Reads until ``until()`` holds (True), the server closes (False) or the timeout (raises)."""
+        deadline = time.monotonic() + timeout
+        while not until():
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                data = self.sock.recv(65536)
+            except socket.timeout:
+                raise AssertionError("no answer in time") from None
+            if not data:
+                return False
+            for event in self.conn.receive_data(data):
+                if isinstance(event, ResponseReceived):
+                    self.status[event.stream_id] = int(dict(event.headers)[":status"])
+                elif isinstance(event, DataReceived):
+                    self.bodies.setdefault(event.stream_id, bytearray()).extend(event.data)
+                    if self.acknowledge:
+                        self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                elif isinstance(event, StreamEnded):
+                    self.ended.add(event.stream_id)
+                elif isinstance(event, StreamReset):
+                    self.reset.add(event.stream_id)
+                elif isinstance(event, ConnectionTerminated):
+                    self.terminated = event
+            out = self.conn.data_to_send()
+            if out:
+                self.sock.sendall(out)
+        return True
+
+    def answer(self, sid: int) -> tuple[int, Any]:
+        assert self.pump(lambda: sid in self.ended), "the server closed the connection"
+        body = bytes(self.bodies.get(sid, b""))
+        return self.status[sid], json.loads(body) if body.startswith((b"{", b"[")) else body
+
+    def closed(self, timeout: float = 10.0) -> bool:
+        """True once the server has closed the connection."""
+        try:
+            return not self.pump(lambda: False, timeout)
+        except (ConnectionError, ssl.SSLError):
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def client(server: JsonServer, pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[Client]:
+    c = Client(server.port, pki)
+    yield c
+    c.close()
+
+
+def test_http2_is_negotiated_and_answers_as_http1_does(server, client):
+    assert client.protocol == "h2"
+    assert client.answer(client.send("POST", "/echo/filter", b'{"a":1}')) == (200, {"verb": "filter", "got": 7})
+    assert client.answer(client.send("GET", "/healthz")) == (200, b"ok")
+    assert client.answer(client.send("GET", "/nowhere"))[0] == 404
+    assert client.answer(client.send("POST", "/nowhere", b"{}"))[0] == 404
+    assert client.answer(client.send("PUT", "/echo", b"{}"))[0] == 501
+    assert server.stats.http2_connections == 1
+
+
+def test_streams_are_answered_concurrently_on_one_connection(server, client):
+    slow_sid = client.send("POST", "/slow", b"{}")
+    # a bind waiting on the apiserver must not hold up the filter behind it on the same connection
+    assert client.answer(client.send("POST", "/echo/filter", b"{}")) == (200, {"verb": "filter", "got": 2})
+    assert slow_sid not in client.ended
+    release.set()
+    assert client.answer(slow_sid) == (200, {"slow": True})
+
+
+def test_without_a_client_certificate_only_open_paths_answer_and_the_connection_is_closed(server, pki):
+    c = Client(server.port, pki, certificate=False)
+    try:
+        assert c.answer(c.send("GET", "/healthz")) == (200, b"ok")
+        status, doc = c.answer(c.send("POST", "/echo/bind", b"{}"))
+        assert status == 401 and "client certificate" in doc["Error"]
+        assert c.closed()
+    finally:
+        c.close()
+    assert server.stats.refused_unauthenticated == 1
+
+
+def test_a_body_past_the_paths_limit_is_refused_whether_announced_or_not(server, client):
+    status, doc = client.answer(client.send("POST", "/small", b"x" * 101, length=101))
+    assert status == 413 and "Content-Length 101" in doc["Error"]
+    status, doc = client.answer(client.send("POST", "/small", b"x" * 101))  # no Content-Length: counted as it comes
+    assert status == 413 and "more than 100 bytes" in doc["Error"]
+    status, doc = client.answer(client.send("POST", "/tokens", b"[" + b"{}," * 20 + b"{}]"))
+    assert status == 413 and "JSON tokens" in doc["Error"]
+    assert server.stats.refused_too_large == 3
+    assert client.answer(client.send("POST", "/small", b"{}")) == (200, {"verb": "", "got": 2})  # the connection serves on
+
+
+def test_an_answer_larger_than_the_clients_window_is_sent_as_the_window_opens(server, pki):
+    c = Client(server.port, pki, window=16384)
+    try:
+        status, doc = c.answer(c.send("GET", "/big"))
+        assert status == 200 and len(doc["names"]) == 30000
+    finally:
+        c.close()
+
+
+def test_a_client_that_never_opens_its_window_is_closed_at_the_write_deadline(server, pki):
+    c = Client(server.port, pki, window=16384)
+    c.acknowledge = False
+    try:
+        c.send("GET", "/big")
+        assert c.closed(timeout=5.0)
+    finally:
+        c.close()
+    assert len(server.connections) == 0
+
+
+def test_a_body_that_never_ends_is_closed_at_its_deadline_and_its_bytes_released(server, client):
+    sid = client.send("POST", "/echo", b"x" * 1000, end=False, length=5000)
+    assert sid not in client.ended
+    assert client.closed(timeout=5.0)  # body_timeout_s (0.5) + 5000 bytes at 1 MB/s
+    assert server.stats.body_bytes_peak >= 1000
+    poll(lambda: server.bodies_held() == 0, what="the trickled body's bytes released")
+
+
+def test_streams_reset_after_their_request_cannot_pile_up_handlers(server, client):
+    """Rapid reset: a client that ends a request and resets it at once leaves the handler running;
+    past max_in_flight such handlers, the next request is refused, not queued."""
+    for _ in range(LIMITS.max_in_flight):
+        sid = client.send("POST", "/slow", b"{}")
+        client.conn.reset_stream(sid)
+        client.sock.sendall(client.conn.data_to_send())
+    status, doc = client.answer(client.send("POST", "/echo", b"{}"))
+    assert status == 503 and "busy" in doc["Error"]
+    release.set()
+    deadline = time.monotonic() + 10
+    while True:  # the handlers finish; the connection serves again
+        status, doc = client.answer(client.send("POST", "/echo", b"{}"))
+        if status == 200 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert (status, doc) == (200, {"verb": "", "got": 2})
+
+
+def test_a_protocol_violation_closes_the_connection(server, client):
+    client.sock.sendall(b"\x00\x00\x04\x08\x00\x00\x00\x00\x00\x00\x00\x00\x00")  # WINDOW_UPDATE of 0 on the connection
+    assert client.closed()
+    assert server.stats.http2_protocol_errors == 1
+
+
+def test_clients_that_offer_only_http1_and_servers_with_http2_off_speak_http1(server, pki):
+    import http.client
+
+    c = Client(server.port, pki, alpn=("http/1.1",))
+    assert c.protocol == "http/1.1"
+    c.close()
+    off = serve(pki, http2=False)
+    try:
+        c = Client(off.port, pki, alpn=("h2", "http/1.1"))
+        assert c.protocol is None  # no ALPN offered by the server
+        c.close()
+        ca, _, client = pki
+        ctx = ssl.create_default_context(cafile=str(ca.cert_path))
+        ctx.load_cert_chain(str(client.cert), str(client.key))
+        conn = http.client.HTTPSConnection("127.0.0.1", off.port, context=ctx, timeout=10)
+        conn.request("POST", "/echo/x", b"{}")
+        assert json.loads(conn.getresponse().read()) == {"verb": "x", "got": 2}
+        conn.close()
+    finally:
+        off.stop()
+
+
+def test_the_plain_http_server_never_offers_http2(pki):
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={}))
+    try:
+        assert srv.workers is None
+    finally:
+        srv.httpd.server_close()
+
