@@ -31,9 +31,16 @@
    §5, issue 23 §2). Reported: pods/s of each, its ratio to the mean no-extender baseline and to
    the mean of the two off runs.
 
+6. With --compare-http2 ROUNDS (only this is run): ROUNDS rounds, each a baseline without the
+   extender, then qgpu's extender and the null extender with HTTP/2 offered (`--http2 on`, the
+   default) and with HTTP/1.1 only, the arms reversed every other round. Reported per arm: pods/s,
+   ratio to its round's baseline, net CPU per pod, connections the extender accepted during the
+   run; and HTTP/2 over HTTP/1.1 per round.
+
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
      [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
      .venv/bin/python bench/extender_bench.py --compare-commitments --nodes 100 --pods 300
+     .venv/bin/python bench/extender_bench.py --compare-http2 4 --nodes 400 --pods 300
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
 
@@ -656,6 +663,9 @@ def main() -> int:
                              "others (the extender on cores of its own, as in its own pod on a bigger control-plane node)")
     parser.add_argument("--compare-commitments", action="store_true",
                         help="only compare throughput with node commitments off, on and off again")
+    parser.add_argument("--compare-http2", type=int, default=0, metavar="ROUNDS",
+                        help="only compare throughput with HTTP/2 offered and with HTTP/1.1 only, qgpu's extender and the "
+                             "null one, over ROUNDS rounds each with its own baseline")
     parser.add_argument("--peers", default="", help="comma-separated peer schedulers to run beside qgpu's extender: hami "
                         "(built by bench/peers/hami-build). With a peer, the plain-HTTP and `best` variants are left out")
     parser.add_argument("--peer-pods", type=int, help="pods per throughput run with peers (default: --pods), for every arm")
@@ -687,7 +697,10 @@ def main() -> int:
     # Every arm's pods stay bound (each arm has a namespace of its own): the nodes must hold them
     # all, or an arm waits out its 600 s for pods that cannot fit.
     # (with peers, the plain-HTTP and best arms are left out and HAMi's pods ask HAMi's resources)
-    arms = len(COMMITMENT_ARMS) + 2 if args.compare_commitments else (4 if peers else 6)
+    if args.compare_http2 < 0:
+        parser.error(f"--compare-http2 {args.compare_http2}: must be >= 1 (rounds), or 0 for the full benchmark")
+    arms = (len(COMMITMENT_ARMS) + 2 if args.compare_commitments else
+            (len(HTTP2_ARMS) + 1) * args.compare_http2 if args.compare_http2 else (4 if peers else 6))
     per_node = min(100 * CARDS // 25, 32 * CARDS // 4, 250)  # each pod asks qgpu-core 25, qgpu-memory 4
     if arms * pods > args.nodes * per_node:
         parser.error(f"--pods {pods} in {arms} throughput arms needs room for {arms * pods} pods; --nodes {args.nodes} "
@@ -697,6 +710,8 @@ def main() -> int:
 
     if args.compare_commitments:
         return compare_commitments(args)
+    if args.compare_http2:
+        return compare_http2(args)
     workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
     cp = ControlPlane(testbin_dir(build=True), workdir)
     extender = None
@@ -892,6 +907,96 @@ def compare_commitments(args: argparse.Namespace) -> int:
     finally:
         cp.stop()
     return finish(result, "extender_bench.py", args.json, commitments_markdown if args.markdown else None)
+
+
+HTTP2_ARMS = ("qgpu_http2", "qgpu_http1", "null_http2", "null_http1")
+
+
+def http2_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per arm of ``--compare-http2``: pods/s and net CPU per pod (all processes; the extender's
+    own) as the mean over the rounds, the ratio to each round's own baseline, and HTTP/2 over
+    HTTP/1.1 per round (paired, so the machine's drift between rounds cancels)."""
+    out: dict[str, Any] = {}
+    for arm in HTTP2_ARMS:
+        runs = [r[arm] for r in rounds if arm in r]
+        if not runs:
+            continue
+        own = "qgpu-extender" if arm.startswith("qgpu") else "null-extender"
+        out[arm] = {"pods_per_s": round(statistics.mean(a["pods_per_s"] for a in runs), 1),
+                    "ratio_to_baseline": round(statistics.mean(r[arm]["pods_per_s"] / r["without_extender"]["pods_per_s"]
+                                                               for r in rounds if arm in r), 3),
+                    "cpu_ms_per_pod_all": round(statistics.mean(a["net_cpu_ms_per_pod"]["all"] for a in runs), 2),
+                    "cpu_ms_per_pod_extender": round(statistics.mean(a["net_cpu_ms_per_pod"].get(own, 0.0) for a in runs), 2),
+                    "connections": [a["time_split"].get("extender_connections") for a in runs]}
+    for kind in ("qgpu", "null"):
+        pairs = [(r[f"{kind}_http2"]["pods_per_s"], r[f"{kind}_http1"]["pods_per_s"]) for r in rounds
+                 if f"{kind}_http2" in r and f"{kind}_http1" in r]
+        if pairs:
+            out[f"{kind}_http2_over_http1"] = [round(a / b, 3) for a, b in pairs]
+    return out
+
+
+def compare_http2(args: argparse.Namespace) -> int:
+    """``--compare-http2 N``: N rounds on one control plane, each a baseline without the extender
+    and then qgpu's extender and the null extender with HTTP/2 offered and with HTTP/1.1 only, the
+    arms' order reversed every other round."""
+    workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
+    cp = ControlPlane(testbin_dir(build=True), workdir)
+    result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"],
+                                                           capture_output=True, text=True).stdout.strip(),
+                              "priority": args.priority, "nodes": args.nodes, "pods": args.pods, "rounds": []}
+    holds = ("--max-holds", str(max(1000, args.pods)))
+    try:
+        with control_plane_cpus():
+            cp.start()
+        api = client.CoreV1Api(admin_client(cp))
+        make_nodes(api, 0, args.nodes)
+        for n in range(args.compare_http2):
+            round_: dict[str, Any] = {"without_extender": throughput(cp, api, [], args.pods)}
+            for arm in (HTTP2_ARMS if n % 2 == 0 else tuple(reversed(HTTP2_ARMS))):
+                http2 = "on" if arm.endswith("http2") else "off"
+                if arm.startswith("qgpu"):
+                    server = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=(*holds, "--http2", http2))
+                else:
+                    server = null_extender_server(cp)
+                    server.argv += ["--http2", http2]
+                server.start()
+                try:
+                    ext = [server.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
+                    if arm.startswith("qgpu"):
+                        round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, server)
+                    else:
+                        round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, None,
+                                                 extender_name="null-extender")
+                finally:
+                    cp.stop_scheduler()
+                    server.stop()
+                print(f"extender_bench: round {n} {arm}: {round_[arm]['pods_per_s']} pods/s", file=sys.stderr, flush=True)
+            result["rounds"].append(round_)
+        result["summary"] = http2_summary(result["rounds"])
+    finally:
+        cp.stop()
+    return finish(result, "extender_bench.py", args.json, http2_markdown if args.markdown else None)
+
+
+def http2_markdown(r: dict[str, Any]) -> None:
+    lines = ["", f"## HTTP/2 against HTTP/1.1 between kube-scheduler and the extender ({r['date']})", "",
+             f"- Command: `{r['command']}`",
+             f"- Machine: {r['machine']}; {r['kubernetes']}; {r['nodes']} fake nodes with {CARDS} cards, "
+             f"{r['pods']} pods per run, {len(r['rounds'])} rounds (each with its own baseline; arms reversed every "
+             "other round), HTTPS with client certificates", "",
+             "| arm | pods bound/s (mean) | ratio to the round's baseline | net CPU ms per pod (all; extender) "
+             "| connections per run |", "|---|---|---|---|---|"]
+    for arm in HTTP2_ARMS:
+        a = r["summary"].get(arm)
+        if a:
+            lines.append(f"| {arm.replace('_', ' ')} | {a['pods_per_s']} | {a['ratio_to_baseline']} | "
+                         f"{a['cpu_ms_per_pod_all']}; {a['cpu_ms_per_pod_extender']} | {a['connections']} |")
+    for kind in ("qgpu", "null"):
+        if f"{kind}_http2_over_http1" in r["summary"]:
+            lines.append(f"\n{kind}: HTTP/2 over HTTP/1.1 by round: {r['summary'][f'{kind}_http2_over_http1']}")
+    with (ROOT / "docs" / "benchmarks.md").open("a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def commitments_markdown(r: dict[str, Any]) -> None:

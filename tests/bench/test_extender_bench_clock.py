@@ -47,3 +47,27 @@ def test_closed_watchers_are_counted_from_kube_apiservers_log(tmp_path: Path) ->
         'key: "/pods/", labels: "", fields: "", len(c.input) = 10, len(c.result) = 10, graceful = false\n'
         'I1129 07:09:15.400517    6325 cacher.go:494] "cacher initialized" group="policy"\n')
     assert count_lines(log, WATCHER_CLOSED) == 1
+
+
+def test_http2_comparison_is_summarised_per_arm_and_paired_per_round():
+    from bench.extender_bench import http2_summary
+
+    def arm(rate: float, cpu: float, own: str, connections: float) -> dict:
+        return {"pods_per_s": rate, "net_cpu_ms_per_pod": {"all": cpu, own: cpu / 3},
+                "time_split": {"extender_connections": connections}}
+
+    rounds = [
+        {"without_extender": {"pods_per_s": 600.0}, "qgpu_http2": arm(180, 12, "qgpu-extender", 1),
+         "qgpu_http1": arm(150, 15, "qgpu-extender", 100), "null_http2": arm(240, 9, "null-extender", 1),
+         "null_http1": arm(200, 10, "null-extender", 90)},
+        {"without_extender": {"pods_per_s": 400.0}, "qgpu_http2": arm(120, 12, "qgpu-extender", 2),
+         "qgpu_http1": arm(120, 15, "qgpu-extender", 96)},
+    ]
+    summary = http2_summary(rounds)
+    assert summary["qgpu_http2"]["pods_per_s"] == 150.0
+    assert summary["qgpu_http2"]["ratio_to_baseline"] == 0.3  # (180/600 + 120/400) / 2
+    assert summary["qgpu_http2"]["connections"] == [1, 2]
+    assert summary["qgpu_http2"]["cpu_ms_per_pod_extender"] == 4.0
+    assert summary["qgpu_http2_over_http1"] == [1.2, 1.0]  # paired within each round
+    assert summary["null_http2_over_http1"] == [1.2]  # the second round has no null arms
+    assert summary["null_http1"]["pods_per_s"] == 200.0
