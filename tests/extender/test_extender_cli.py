@@ -86,8 +86,9 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
         ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="some")
 
 
-def served_extender(tmp_path):
-    """The extender's HTTP server exactly as `qgpu extender serve` wires it (its apiserver unreachable)."""
+def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",)):
+    """The extender's HTTP server exactly as `qgpu extender serve` wires it (its apiserver unreachable);
+    ``flags``: its transport flags (plain HTTP on loopback by default)."""
     import argparse
 
     from qgpu_runtime.extender import cli as extender_cli
@@ -101,7 +102,7 @@ def served_extender(tmp_path):
     extender_cli.add_arguments(parser)
     private_key, _ = write_keys(kubeconfig.parent / "keys")
     args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
-                              "--insecure-plain-http", "--record-signing-key", str(private_key)])
+                              *flags, "--record-signing-key", str(private_key)])
     args.port = 0  # any free port
     server, _, _ = extender_cli.build(args)
     server.start()
@@ -147,6 +148,31 @@ def test_served_extender_counts_accepted_connections(tmp_path):
         assert metric(second) == 2.0
         first.close()
         second.close()
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("http2", ["on", "off"])
+def test_served_extender_offers_http2_unless_told_not_to_and_counts_those_connections(tmp_path, http2):
+    from tests.extender.h2client import Client
+    from tests.k8s.pki import CertificateAuthority
+
+    ca = CertificateAuthority(tmp_path / "pki")
+    serving = ca.issue("extender", "extender", server=True, hosts=("127.0.0.1",))
+    scheduler = ca.issue("scheduler", "system:kube-scheduler", client=True)
+    server = served_extender(tmp_path, ("--tls-cert-file", str(serving.cert), "--tls-private-key-file", str(serving.key),
+                                        "--client-ca-file", str(ca.cert_path), "--http2", http2))
+    try:
+        client = Client(server.port, ca.cert_path, (scheduler.cert, scheduler.key), alpn=("h2", "http/1.1"))
+        if http2 == "off":
+            assert client.protocol is None  # the server offers no ALPN: the client speaks HTTP/1.1
+            client.close()
+            return
+        assert client.protocol == "h2"
+        status, page = client.answer(client.send("GET", "/metrics"))
+        client.close()
+        assert status == 200
+        assert "qgpu_extender_http2_connections_total 1.0" in page.decode()
     finally:
         server.stop()
 

@@ -6,19 +6,15 @@ each test can misbehave exactly as it needs to."""
 from __future__ import annotations
 
 import json
-import socket
 import ssl
 import threading
 import time
 from typing import Any, Iterator
 
 import pytest
-from h2.config import H2Configuration
-from h2.connection import H2Connection
-from h2.events import ConnectionTerminated, DataReceived, ResponseReceived, StreamEnded, StreamReset
-from h2.settings import SettingCodes, Settings
 
 from qgpu_runtime.serving import JsonServer, RawJSON, Routes, ServerLimits
+from tests.extender.h2client import Client
 from tests.k8s.pki import CertificateAuthority, KeyPair
 from tests.polling import poll
 
@@ -63,93 +59,14 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     srv.stop()
 
 
-class Client:
-    """One HTTP/2 connection, driven by hand."""
-
-    def __init__(self, port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True,
-                 window: int | None = None, alpn: tuple[str, ...] = ("h2",)):
-        ca, _, client = pki
-        ctx = ssl.create_default_context(cafile=str(ca.cert_path))
-        if certificate:
-            ctx.load_cert_chain(str(client.cert), str(client.key))
-        ctx.set_alpn_protocols(list(alpn))
-        self.sock = ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1")
-        self.protocol = self.sock.selected_alpn_protocol()
-        self.conn = H2Connection(H2Configuration(client_side=True, header_encoding="utf-8"))
-        if window is not None:  # in force from the first frame (a setter would wait for the server's ACK)
-            self.conn.local_settings = Settings(client=True, initial_values={SettingCodes.INITIAL_WINDOW_SIZE: window})
-        self.conn.initiate_connection()
-        self.sock.sendall(self.conn.data_to_send())
-        self.status: dict[int, int] = {}
-        self.bodies: dict[int, bytearray] = {}
-        self.ended: set[int] = set()
-        self.reset: set[int] = set()
-        self.terminated: ConnectionTerminated | None = None
-        self.acknowledge = True  # credit what arrives (open the window again)
-
-    def send(self, method: str, path: str, body: bytes = b"", *, end: bool = True, length: int | None = None) -> int:
-        sid = self.conn.get_next_available_stream_id()
-        headers = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "127.0.0.1")]
-        if length is not None:
-            headers.append(("content-length", str(length)))
-        self.conn.send_headers(sid, headers, end_stream=end and not body)
-        if body:
-            self.conn.send_data(sid, body, end_stream=end)
-        self.sock.sendall(self.conn.data_to_send())
-        return sid
-
-    def more(self, sid: int, data: bytes, *, end: bool = False) -> None:
-        self.conn.send_data(sid, data, end_stream=end)
-        self.sock.sendall(self.conn.data_to_send())
-
-    def pump(self, until: Any, timeout: float = 10.0) -> bool:
-        """Reads until ``until()`` holds (True), the server closes (False) or the timeout (raises)."""
-        deadline = time.monotonic() + timeout
-        while not until():
-            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
-            try:
-                data = self.sock.recv(65536)
-            except socket.timeout:
-                raise AssertionError("no answer in time") from None
-            if not data:
-                return False
-            for event in self.conn.receive_data(data):
-                if isinstance(event, ResponseReceived):
-                    self.status[event.stream_id] = int(dict(event.headers)[":status"])
-                elif isinstance(event, DataReceived):
-                    self.bodies.setdefault(event.stream_id, bytearray()).extend(event.data)
-                    if self.acknowledge:
-                        self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                elif isinstance(event, StreamEnded):
-                    self.ended.add(event.stream_id)
-                elif isinstance(event, StreamReset):
-                    self.reset.add(event.stream_id)
-                elif isinstance(event, ConnectionTerminated):
-                    self.terminated = event
-            out = self.conn.data_to_send()
-            if out:
-                self.sock.sendall(out)
-        return True
-
-    def answer(self, sid: int) -> tuple[int, Any]:
-        assert self.pump(lambda: sid in self.ended), "the server closed the connection"
-        body = bytes(self.bodies.get(sid, b""))
-        return self.status[sid], json.loads(body) if body.startswith((b"{", b"[")) else body
-
-    def closed(self, timeout: float = 10.0) -> bool:
-        """True once the server has closed the connection."""
-        try:
-            return not self.pump(lambda: False, timeout)
-        except (ConnectionError, ssl.SSLError):
-            return True
-
-    def close(self) -> None:
-        self.sock.close()
+def connect(port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True, **kwargs: Any) -> Client:
+    ca, _, client = pki
+    return Client(port, ca.cert_path, (client.cert, client.key) if certificate else None, **kwargs)
 
 
 @pytest.fixture
 def client(server: JsonServer, pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[Client]:
-    c = Client(server.port, pki)
+    c = connect(server.port, pki)
     yield c
     c.close()
 
@@ -174,7 +91,7 @@ def test_streams_are_answered_concurrently_on_one_connection(server, client):
 
 
 def test_without_a_client_certificate_only_open_paths_answer_and_the_connection_is_closed(server, pki):
-    c = Client(server.port, pki, certificate=False)
+    c = connect(server.port, pki, certificate=False)
     try:
         assert c.answer(c.send("GET", "/healthz")) == (200, b"ok")
         status, doc = c.answer(c.send("POST", "/echo/bind", b"{}"))
@@ -197,7 +114,7 @@ def test_a_body_past_the_paths_limit_is_refused_whether_announced_or_not(server,
 
 
 def test_an_answer_larger_than_the_clients_window_is_sent_as_the_window_opens(server, pki):
-    c = Client(server.port, pki, window=16384)
+    c = connect(server.port, pki, window=16384)
     try:
         status, doc = c.answer(c.send("GET", "/big"))
         assert status == 200 and len(doc["names"]) == 30000
@@ -206,7 +123,7 @@ def test_an_answer_larger_than_the_clients_window_is_sent_as_the_window_opens(se
 
 
 def test_a_client_that_never_opens_its_window_is_closed_at_the_write_deadline(server, pki):
-    c = Client(server.port, pki, window=16384)
+    c = connect(server.port, pki, window=16384)
     c.acknowledge = False
     try:
         c.send("GET", "/big")
@@ -252,12 +169,12 @@ def test_a_protocol_violation_closes_the_connection(server, client):
 def test_clients_that_offer_only_http1_and_servers_with_http2_off_speak_http1(server, pki):
     import http.client
 
-    c = Client(server.port, pki, alpn=("http/1.1",))
+    c = connect(server.port, pki, alpn=("http/1.1",))
     assert c.protocol == "http/1.1"
     c.close()
     off = serve(pki, http2=False)
     try:
-        c = Client(off.port, pki, alpn=("h2", "http/1.1"))
+        c = connect(off.port, pki, alpn=("h2", "http/1.1"))
         assert c.protocol is None  # no ALPN offered by the server
         c.close()
         ca, _, client = pki
