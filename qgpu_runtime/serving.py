@@ -3,7 +3,8 @@
 The stdlib server is enough for HTTP/1.1: the callers are one kube-scheduler and one
 kube-apiserver, which keep connections alive, and the work per call is a vector computation, not
 I/O. TLS is the stdlib's, with the certificate files the operator provides. Over TLS the server
-also offers HTTP/2 (ALPN, the ``h2`` library; :class:`_H2Session`), which both callers take: Go
+can also offer HTTP/2 (ALPN, the ``h2`` library; :class:`_H2Session`), which both callers take
+(the extender offers it by default, the webhook with ``--http2 on``): Go
 keeps at most two idle HTTP/1.1 connections per host, so overlapping calls (a bind waiting on the
 apiserver while the next pod is filtered) open new connections, each a TLS handshake (~1.2–1.5 ms
 of CPU with OpenSSL 3.0), where HTTP/2 multiplexes them on one. The rules below hold per stream.
@@ -435,6 +436,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 H2_WINDOW = 1024 * 1024  # each stream's receive window (and the connection's): a NodeNames body in a few frames
+# Streams a connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS), and requests it may
+# have waiting for or in a handler. Go assumes 100 until the server's SETTINGS arrive, and h2 treats
+# a stream past the setting as a connection error: a lower setting would close the connection of a
+# client that opened more in its first flight (kube-apiserver does, with concurrent admissions).
+H2_MAX_STREAMS = 100
 
 
 @dataclass
@@ -447,6 +453,7 @@ class _H2Stream:
     size: int = 0
     held: int = 0  # body bytes reserved in the budget
     refused: bool = False  # answered already; what else arrives is dropped
+    cancelled: bool = False  # reset by the client after its request was complete: its handler is skipped
 
 
 class _H2Session:
@@ -460,9 +467,12 @@ class _H2Session:
     client certificate for every path outside ``open_paths``; the path's body limit, checked against
     Content-Length when sent and against the bytes as they arrive; body bytes reserved in the
     server's budget as they arrive; the JSON token limit before decoding; at most ``max_in_flight``
-    open streams (SETTINGS_MAX_CONCURRENT_STREAMS) and as many handlers running for the connection
-    (a stream reset after its request was complete leaves its handler running: new ones wait their
-    turn with a 503). h2 bounds a header block (64 KiB decoded, 64 CONTINUATION frames). Deadlines
+    handlers at once for the whole server, a request waiting at most ``busy_wait_s`` for one (then a
+    503). A connection may have :data:`H2_MAX_STREAMS` streams open and as many requests waiting
+    for or in a handler; one more is refused with RST_STREAM(REFUSED_STREAM), which a client may
+    retry. A request whose stream the client resets before its handler starts is dropped unhandled,
+    so ending and resetting streams at once ("rapid reset") costs a queue entry, not a handler. h2
+    bounds a header block (64 KiB decoded, 64 CONTINUATION frames). Deadlines
     are the connection's phases, as for HTTP/1.1: ``idle`` with no stream open, ``body`` while a
     request is incomplete (from the oldest such stream: ``body_timeout_s`` + its limit at
     ``min_body_rate``), ``writing`` while an answer waits for the client to open its window, and a
@@ -475,14 +485,15 @@ class _H2Session:
         self.conn = H2Connection(H2Configuration(client_side=False, header_encoding="utf-8",
                                                  validate_outbound_headers=False, normalize_outbound_headers=False))
         self.conn.local_settings = Settings(client=False, initial_values={
-            SettingCodes.MAX_CONCURRENT_STREAMS: handler.limits.max_in_flight,
+            SettingCodes.MAX_CONCURRENT_STREAMS: H2_MAX_STREAMS,
             SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
             SettingCodes.INITIAL_WINDOW_SIZE: H2_WINDOW,
         })
         self.lock = threading.Lock()  # the socket, the protocol state and everything below
         self.streams: dict[int, _H2Stream] = {}
         self.outbound: dict[int, bytes] = {}  # answers' bytes the client's window does not take yet
-        self.working = 0  # handlers running for this connection
+        self.working = 0  # requests of this connection waiting for or in a handler
+        self.dispatched: dict[int, _H2Stream] = {}  # those requests, by stream
         self.phase: tuple[str, int] | None = None
         self.closing = False
         self.closed = False  # the reading thread has ended: handlers finishing later send nothing
@@ -580,6 +591,9 @@ class _H2Session:
             elif isinstance(event, StreamReset):
                 self._drop(event.stream_id)
                 self.outbound.pop(event.stream_id, None)
+                waiting = self.dispatched.get(event.stream_id)
+                if waiting is not None:
+                    waiting.cancelled = True
             elif isinstance(event, ConnectionTerminated):
                 self.closing = True
 
@@ -632,21 +646,23 @@ class _H2Session:
             if stream is not None:
                 self.h.bodies.release(stream.held)
             return
-        if self.working >= self.h.limits.max_in_flight:
-            # streams reset after their request was complete still hold handlers: no more for now
+        if self.working >= H2_MAX_STREAMS:
+            # only streams reset after their request was complete get here (open ones are fewer)
             self.h.bodies.release(stream.held)
             self.h.stats.count("refused_busy")
-            self._send(sid, 503, "application/json",
-                       _encode({"Error": f"busy: {self.h.limits.max_in_flight} requests in flight; retry"}))
+            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
         self.working += 1
+        self.dispatched[sid] = stream
         assert self.h.workers is not None
         self.h.workers.submit(self._work, sid, stream)
 
     def _work(self, sid: int, stream: _H2Stream) -> None:
         """On a worker: the handler's answer, sent on the connection (under its lock)."""
         try:
-            if stream.method == "GET":
+            if stream.cancelled:
+                status, content_type, body = 0, "", b""  # the client reset it: nobody to answer
+            elif stream.method == "GET":
                 handler = self.h.routes.get.get(stream.path)
                 if handler is None:
                     status, content_type, body = 404, "application/json", _encode({"Error": f"no GET route {stream.path}"})
@@ -659,6 +675,8 @@ class _H2Session:
                 if tokens is not None and (count := json_tokens(data)) > tokens:
                     self.h.stats.count("refused_too_large")
                     status, value = 413, {"Error": f"body of {stream.path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
+                elif stream.cancelled:  # reset while its body was being joined
+                    status, value = 0, None
                 else:
                     status, value = self.h._run(stream.path, data)
                 del data
@@ -670,7 +688,8 @@ class _H2Session:
             self.h.bodies.release(stream.held)
         with self.lock:
             self.working -= 1
-            if self.closed:
+            self.dispatched.pop(sid, None)
+            if self.closed or stream.cancelled:
                 return
             try:
                 self._send(sid, status, content_type, body)
@@ -783,7 +802,9 @@ class JsonServer:
         self.stats = ServerStats()
         self.bodies = _Budget(limits.body_budget, self.stats)
         # HTTP/2 is offered over TLS only (ALPN); its streams' handlers run on these workers
-        self.workers = ThreadPoolExecutor(limits.max_in_flight, thread_name_prefix="http2") if http2 and cert_file else None
+        # as many threads as HTTP/1.1 may have connections: a request waits for a handler slot (up to
+        # busy_wait_s, then a 503) in its worker, as an HTTP/1.1 request waits in its connection's thread
+        self.workers = ThreadPoolExecutor(limits.max_connections, thread_name_prefix="http2") if http2 and cert_file else None
         handler = type("Handler", (_Handler,), {"workers": self.workers, "routes": routes, "limits": limits, "connections": self.connections,
                                                 "in_flight": threading.BoundedSemaphore(limits.max_in_flight),
                                                 "bodies": self.bodies, "stats": self.stats,

@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--address", default="0.0.0.0", help="listen address (default all interfaces)")
     serve.add_argument("--tls-cert-file", required=True, help="serving certificate (PEM); the apiserver only calls HTTPS webhooks")
     serve.add_argument("--tls-private-key-file", required=True, help="private key of --tls-cert-file (PEM)")
-    serve.add_argument("--http2", choices=("on", "off"), default="on",
-                       help="offer HTTP/2 over TLS (ALPN), which kube-apiserver takes: one connection instead of a TLS "
-                            "handshake per concurrent call (default on; off: HTTP/1.1 only)")
+    serve.add_argument("--http2", choices=("on", "off"), default="off",
+                       help="offer HTTP/2 over TLS (ALPN), which kube-apiserver then takes: one connection for all its "
+                            "admission calls, so behind a Service every call of one apiserver reaches one replica "
+                            "(default off: HTTP/1.1, whose connections the Service spreads)")
     serve.add_argument("--client-ca-file", default=None,
                        help="CA (PEM) that signed the client certificate kube-apiserver presents (its admission "
                             "configuration's kubeConfigFile); only its clients may call the admission paths. Required "
