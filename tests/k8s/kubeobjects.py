@@ -68,20 +68,22 @@ def cards(n: int, model: str = "V100", memory_mib: int = 32768, node: str = "n")
 
 
 def gpu_node(api: client.CoreV1Api, name: str, inventory: list[CardSpec], labels: Mapping[str, str] | None = None,
-             cpu: str = "64", memory: str = "512Gi") -> None:
-    """Create a node with a card inventory and patch its status as a kubelet would."""
+             cpu: str = "64", memory: str = "512Gi", extended: Mapping[str, str] | None = None) -> None:
+    """Create a node with a card inventory and its status in one call (``extended``: more resources
+    for its capacity, as a device plugin or the manager would advertise), as kubelet registers itself:
+    a node created bare and patched after is seen by kube-scheduler's informer for a moment with
+    no allocatable pods, and a pod scheduled then fails with "Too many pods" instead of the
+    extender's reason."""
+    resources = {"cpu": cpu, "memory": memory, "pods": "250", **(extended or {})}
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     api.create_node({
         "apiVersion": "v1", "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})},
                      "annotations": {CARDS: cards_annotation(inventory)}},
+        "status": {"capacity": resources, "allocatable": resources,
+                   "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake node",
+                                   "lastHeartbeatTime": now, "lastTransitionTime": now}]},
     })
-    resources = {"cpu": cpu, "memory": memory, "pods": "250"}
-    api.patch_node_status(name, {"status": {
-        "capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake node",
-                        "lastHeartbeatTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        "lastTransitionTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}],
-    }})
 
 
 def gpu_pod(name: str, limits: Mapping[str, Any], *, selector: Mapping[str, str] | None = None,

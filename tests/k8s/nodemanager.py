@@ -38,15 +38,16 @@ MEMORY = "tke.cloud.tencent.com/qgpu-memory"
 
 
 def bare_node(api: client.CoreV1Api, name: str, labels: Mapping[str, str]) -> None:
-    """A Ready node without any qgpu annotation: what a GPU node looks like before its manager runs."""
-    api.create_node({"apiVersion": "v1", "kind": "Node",
-                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}}})
+    """A Ready node without any qgpu annotation: what a GPU node looks like before its manager runs
+    (created with its status in one call, as kubelet registers itself)."""
     resources = {"cpu": "16", "memory": "64Gi", "pods": "110"}
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    api.patch_node_status(name, {"status": {
-        "capacity": resources, "allocatable": resources,
-        "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "test kubelet",
-                        "lastHeartbeatTime": stamp, "lastTransitionTime": stamp}]}})
+    api.create_node({"apiVersion": "v1", "kind": "Node",
+                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
+                     "status": {"capacity": resources, "allocatable": resources,
+                                "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
+                                                "message": "test kubelet", "lastHeartbeatTime": stamp,
+                                                "lastTransitionTime": stamp}]}})
 
 
 def read_node(api: client.CoreV1Api, name: str) -> dict[str, Any]:

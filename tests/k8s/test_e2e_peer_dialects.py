@@ -97,11 +97,9 @@ def gpu_plugin_node(cluster, name: str, inventory: list, label: dict) -> None:
     per GiB of each card), with HAMi's share sizes in its capacity as qgpu's manager publishes them
     (node/nodeinfo.py): kube-scheduler then fits it by capacity even where a DeviceClass maps
     nvidia.com/gpu to DRA (KEP-5004; another module of this session leaves one behind)."""
-    gpu_node(cluster.api, name, inventory, label)
     count = str(sum(c.memory_mib // 1024 for c in inventory))
     sizes = share_size_capacity([CardInfo(c.index, c.uuid, c.model, c.memory_mib, c.index) for c in inventory])
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "250", "nvidia.com/gpu": count, **sizes}
-    cluster.api.patch_node_status(name, {"status": {"capacity": resources, "allocatable": resources}})
+    gpu_node(cluster.api, name, inventory, label, extended={"nvidia.com/gpu": count, **sizes})
 
 
 def shares(pod: dict) -> list[tuple[str, str | None, int, int, int]]:

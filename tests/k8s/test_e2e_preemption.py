@@ -57,10 +57,8 @@ def _full_node(cluster, ns: str, label: dict, fillers: list[tuple[str, str]], n_
     and 16 GiB (name, priority class) in that order, offline (qgpu-core-greedy) unless told; each
     pod's card index. ``labels``: pod name -> its labels."""
     node = f"{ns}-a"
-    gpu_node(cluster.api, node, cards(n_cards, node=node), {**label, "mixed-qgpu-enable": "enable"})
-    resources = {"cpu": "64", "memory": "512Gi", "pods": "250", QGPU_CORE: str(100 * n_cards),
-                 QGPU_MEMORY: str(32 * n_cards), QGPU_CORE_GREEDY: str(100 * n_cards)}
-    cluster.api.patch_node_status(node, {"status": {"capacity": resources, "allocatable": resources}})
+    gpu_node(cluster.api, node, cards(n_cards, node=node), {**label, "mixed-qgpu-enable": "enable"},
+             extended={QGPU_CORE: str(100 * n_cards), QGPU_MEMORY: str(32 * n_cards), QGPU_CORE_GREEDY: str(100 * n_cards)})
     for name, klass in fillers:
         pod = gpu_pod(name, {QGPU_CORE_GREEDY if offline else QGPU_CORE: 50, QGPU_MEMORY: 16}, selector=label,
                       annotations=OFFLINE if offline else None)
