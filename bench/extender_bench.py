@@ -712,12 +712,10 @@ def main() -> int:
         return compare_commitments(args)
     if args.compare_http2:
         return compare_http2(args)
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
-    cp = ControlPlane(testbin_dir(build=True), workdir)
+    cp, version = new_plane("qgpu-bench-")
     extender = None
     hami: hami_peer.HamiScheduler | None = None
-    result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"], capture_output=True,
-                                                           text=True).stdout.strip(), "priority": args.priority, "peers": peers}
+    result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "peers": peers}
 
     def checkpoint() -> None:
         """A long run keeps what it measured so far if it is stopped (--json only)."""
@@ -778,7 +776,7 @@ def main() -> int:
         mix = pack_mix(args.pack_nodes, args.pack_seed, args.pack_demand) if args.pack_nodes else []
         if hami_binary is not None:
             pair = cp.ca.issue("hami", "hami-scheduler", server=True, hosts=("127.0.0.1", "localhost"))
-            hami = hami_peer.HamiScheduler(hami_binary, workdir, cp.admin_kubeconfig, pair.cert, pair.key, cp.ca.cert_path,
+            hami = hami_peer.HamiScheduler(hami_binary, cp.workdir, cp.admin_kubeconfig, pair.cert, pair.key, cp.ca.cert_path,
                                            free_port(), free_port())
             hami.start()
             all_nodes = {f"node-{i:05d}" for i in range(args.nodes)} | {f"pack-hami-{i:03d}" for i in range(args.pack_nodes)}
@@ -876,11 +874,8 @@ def compare_commitments(args: argparse.Namespace) -> int:
     """Throughput without the extender, then through it with node commitments off, always, auto
     alone, auto beside a second binder, and off again (one control plane, the same nodes; each run
     has its own namespace and fills its own share of the cards), then without it again."""
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
-    cp = ControlPlane(testbin_dir(build=True), workdir)
-    result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"],
-                                                           capture_output=True, text=True).stdout.strip(),
-                              "priority": args.priority, "nodes": args.nodes, "pods": args.pods}
+    cp, version = new_plane("qgpu-bench-")
+    result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "nodes": args.nodes, "pods": args.pods}
     try:
         cp.start()
         api = client.CoreV1Api(config.new_client_from_config(config_file=str(cp.admin_kubeconfig)))
@@ -940,11 +935,9 @@ def compare_http2(args: argparse.Namespace) -> int:
     """``--compare-http2 N``: N rounds on one control plane, each a baseline without the extender
     and then qgpu's extender and the null extender with HTTP/2 offered and with HTTP/1.1 only, the
     arms' order reversed every other round."""
-    workdir = Path(tempfile.mkdtemp(prefix="qgpu-bench-"))
-    cp = ControlPlane(testbin_dir(build=True), workdir)
-    result: dict[str, Any] = {"kubernetes": subprocess.run([str(cp.bindir / "kube-apiserver"), "--version"],
-                                                           capture_output=True, text=True).stdout.strip(),
-                              "priority": args.priority, "nodes": args.nodes, "pods": args.pods, "rounds": []}
+    cp, version = new_plane("qgpu-bench-")
+    result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "nodes": args.nodes, "pods": args.pods,
+                              "rounds": []}
     holds = ("--max-holds", str(max(1000, args.pods)))
     try:
         with control_plane_cpus():

@@ -314,8 +314,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, status: int, value: Any) -> None:
-        body = value if isinstance(value, RawJSON) else json.dumps(value, separators=(",", ":")).encode()
-        self._send(status, "application/json", body)
+        self._send(status, "application/json", _encode(value))
 
     def _authenticated(self, path: str, *, open_path: bool = False) -> bool:
         """With a client CA, a path outside ``open_paths`` needs a client certificate that the CA
@@ -335,12 +334,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not self._authenticated(path, open_path=path in self.routes.open_paths):
             return
-        handler = self.routes.get.get(self.path.split("?", 1)[0])
-        if handler is None:
-            self._json(404, {"Error": f"no GET route {self.path}"})
-            return
-        status, content_type, body = handler()
-        self._send(status, content_type, body)
+        self._send(*self._get(path))
 
     def do_POST(self) -> None:  # noqa: N802
         path = self.path.split("?", 1)[0]
@@ -363,13 +357,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if body is None:
                 return  # answered (503), or the client left
-            tokens = self.routes.token_limits.get(path)
-            if tokens is not None and (count := json_tokens(body)) > tokens:
-                self.close_connection = True
-                self.stats.count("refused_too_large")
-                status, value = 413, {"Error": f"body of {path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
-            else:
-                status, value = self._dispatch(path, body)
+            status, value = self._dispatch(path, body)
         finally:
             del body
             self.bodies.release(held)
@@ -412,8 +400,21 @@ class _Handler(BaseHTTPRequestHandler):
         self.connections.phase(self.request, "working", None)
         return self._run(path, body)
 
+    def _get(self, path: str) -> tuple[int, str, bytes]:
+        """The GET handler's answer for ``path`` (both protocols)."""
+        handler = self.routes.get.get(path)
+        if handler is None:
+            return 404, "application/json", _encode({"Error": f"no GET route {path}"})
+        return handler()
+
     def _run(self, path: str, body: bytes) -> tuple[int, Any]:
-        """The POST handler for ``path`` within the in-flight limit (both protocols)."""
+        """The POST handler's answer for ``path`` (both protocols): the path's JSON token limit
+        before anything decodes the body, then a handler slot within the in-flight limit."""
+        tokens = self.routes.token_limits.get(path)
+        if tokens is not None and (count := json_tokens(body)) > tokens:
+            self.close_connection = True
+            self.stats.count("refused_too_large")
+            return 413, {"Error": f"body of {path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
         if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
             self.close_connection = True
             self.stats.count("refused_busy")
@@ -492,8 +493,7 @@ class _H2Session:
         self.lock = threading.Lock()  # the socket, the protocol state and everything below
         self.streams: dict[int, _H2Stream] = {}
         self.outbound: dict[int, bytes] = {}  # answers' bytes the client's window does not take yet
-        self.working = 0  # requests of this connection waiting for or in a handler
-        self.dispatched: dict[int, _H2Stream] = {}  # those requests, by stream
+        self.dispatched: dict[int, _H2Stream] = {}  # requests waiting for or in a handler, by stream
         self.phase: tuple[str, int] | None = None
         self.closing = False
         self.closed = False  # the reading thread has ended: handlers finishing later send nothing
@@ -569,7 +569,7 @@ class _H2Session:
             sid, oldest = min(incomplete, key=lambda item: item[1].started)
             want = ("body", sid)
             timeout = oldest.started + limits.body_timeout_s + oldest.limit / limits.min_body_rate - time.monotonic()
-        elif self.working:
+        elif self.dispatched:
             want, timeout = ("working", 0), None
         else:
             want, timeout = ("idle", 0), limits.idle_timeout_s
@@ -646,13 +646,12 @@ class _H2Session:
             if stream is not None:
                 self.h.bodies.release(stream.held)
             return
-        if self.working >= H2_MAX_STREAMS:
+        if len(self.dispatched) >= H2_MAX_STREAMS:
             # only streams reset after their request was complete get here (open ones are fewer)
             self.h.bodies.release(stream.held)
             self.h.stats.count("refused_busy")
             self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
-        self.working += 1
         self.dispatched[sid] = stream
         assert self.h.workers is not None
         self.h.workers.submit(self._work, sid, stream)
@@ -663,22 +662,11 @@ class _H2Session:
             if stream.cancelled:
                 status, content_type, body = 0, "", b""  # the client reset it: nobody to answer
             elif stream.method == "GET":
-                handler = self.h.routes.get.get(stream.path)
-                if handler is None:
-                    status, content_type, body = 404, "application/json", _encode({"Error": f"no GET route {stream.path}"})
-                else:
-                    status, content_type, body = handler()
+                status, content_type, body = self.h._get(stream.path)
             else:
                 data = stream.chunks[0] if len(stream.chunks) == 1 else b"".join(stream.chunks)
                 stream.chunks.clear()
-                tokens = self.h.routes.token_limits.get(stream.path)
-                if tokens is not None and (count := json_tokens(data)) > tokens:
-                    self.h.stats.count("refused_too_large")
-                    status, value = 413, {"Error": f"body of {stream.path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
-                elif stream.cancelled:  # reset while its body was being joined
-                    status, value = 0, None
-                else:
-                    status, value = self.h._run(stream.path, data)
+                status, value = self.h._run(stream.path, data)
                 del data
                 content_type, body = "application/json", _encode(value)
         except Exception:  # noqa: BLE001 - answer, log, keep serving
@@ -687,7 +675,6 @@ class _H2Session:
         finally:
             self.h.bodies.release(stream.held)
         with self.lock:
-            self.working -= 1
             self.dispatched.pop(sid, None)
             if self.closed or stream.cancelled:
                 return
