@@ -15,7 +15,7 @@ from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import ALLOCATION, BIND_TIME, RecordError
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
 from qgpu_runtime.extender.podstate import PodEntry
-from qgpu_runtime.model.requests import RequestError, parse_pod
+from qgpu_runtime.model.requests import pod_compute
 
 TERMINAL_PHASES = FINISHED_PHASES
 
@@ -52,11 +52,7 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         bind_time = None
     cpu = mem = 0
     if record_raw is not None:  # CPU and memory only matter for pods that book cards
-        try:
-            request = parse_pod(pod)
-            cpu, mem = request.cpu_milli, request.memory_mib
-        except RequestError:
-            pass
+        cpu, mem = pod_compute(pod)
     nominated = (pod.get("status") or {}).get("nominatedNodeName")
     labels = meta.get("labels") or {}
     return PodEntry(

@@ -680,6 +680,13 @@ def _pod_compute(containers: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     return int(cpu * 1000), int(mem / (1024 * 1024))
 
 
+def pod_compute(pod: Mapping[str, Any]) -> tuple[int, int]:
+    """The pod's CPU (milli) and memory (MiB) requests as :func:`parse_pod` counts them, without
+    parsing its GPU requests: what the extender's cache keeps of a pod that already books cards."""
+    spec = pod.get("spec") or {}
+    return _pod_compute(ct for ct in (spec.get("containers") or []) if isinstance(ct, Mapping))
+
+
 def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> PodRequest:
     """Parse a pod (API dict) into one :class:`PodRequest`, or raise :class:`RequestError`.
 

@@ -6,7 +6,7 @@ import pytest
 
 from qgpu_runtime.model import AppClass, CardLimits, Dialect, RequestError, parse_pod
 from qgpu_runtime.model.quantity import GRAMMAR
-from qgpu_runtime.model.requests import DEFAULT_LIMITS
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, pod_compute
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
@@ -256,6 +256,26 @@ def test_pod_without_gpu_requests_parses_to_nothing():
     req = parse_pod(pod({"cpu": "2", "memory": "1Gi"}))
     assert not req.wants_gpu
     assert (req.cpu_milli, req.memory_mib) == (2000, 1024)
+
+
+@pytest.mark.parametrize("p", [
+    pod({"cpu": "2", "memory": "1Gi"}),
+    pod({CORE: "30", MEM: "5"}, requests={"cpu": "500m", "memory": "3Gi"}),
+    pod({"nvidia.com/gpu": "1", "cpu": "1"}, extra_containers=[{"name": "side", "resources": {"requests": {"cpu": "250m"}}}]),
+    pod({CORE: "30", MEM: "5", "memory": "bogus"}),
+    {"metadata": {"name": "p"}, "spec": {}},
+], ids=["plain", "requests-over-limits", "two-containers", "bad-memory", "no-containers"])
+def test_pod_compute_counts_cpu_and_memory_as_parse_pod_does(p):
+    request = parse_pod(p)
+    assert pod_compute(p) == (request.cpu_milli, request.memory_mib)
+
+
+def test_pod_compute_counts_a_pod_whose_gpu_request_does_not_parse():
+    """The extender's cache counts the CPU and memory of a pod that books cards without parsing its
+    GPU request again (nor under its own card limits)."""
+    p = pod({CORE: "150", MEM: "2", "cpu": "3", "memory": "2Gi"})
+    errors(p)
+    assert pod_compute(p) == (3000, 2048)
 
 
 def test_gpu_model_annotation_constrains_models():
