@@ -158,3 +158,22 @@ def xgn_taint_policy_active(api: client.CoreV1Api) -> bool:
         return any(t.key == "sched.tensorstack.dev/xgn-mode" for t in api.read_node(name).spec.taints or [])
     finally:
         api.delete_node(name)
+
+
+def scheduling_failure(api: client.CoreV1Api, namespace: str, name: str, containing: str,
+                       timeout: float = 60.0) -> dict[str, Any]:
+    """The pod's FailedScheduling Event whose message contains ``containing``. An earlier one may
+    say something else (a node the pod was created with can reach kube-scheduler's cache after the
+    pod's first attempt, which then fails on the node selector); kube-scheduler retries the pod when
+    the node arrives. On timeout the assertion lists every FailedScheduling message seen."""
+    seen: list[str] = []
+
+    def probe() -> dict[str, Any] | None:
+        events = [e for e in events_for(api, namespace, name) if e.get("reason") == "FailedScheduling"]
+        seen[:] = [e.get("message") or "" for e in events]
+        return next((e for e in events if containing in (e.get("message") or "")), None)
+
+    try:
+        return wait_for(f"a FailedScheduling event of {namespace}/{name} saying {containing!r}", probe, timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; FailedScheduling messages: {seen}") from None

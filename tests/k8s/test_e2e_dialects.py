@@ -15,6 +15,7 @@ from tests.k8s.kubeobjects import (
     list_pods,
     read_pod,
     record,
+    scheduling_failure,
     wait_for,
 )
 
@@ -106,8 +107,8 @@ def test_online_pod_without_a_mixed_node_is_pending_with_the_reason(cluster, ns,
     gpu_node(cluster.api, f"{ns}-plain", cards(1, node=f"{ns}-plain"), label)
     cluster.api.create_namespaced_pod(ns, gpu_pod("online", {"tke.cloud.tencent.com/qgpu-memory": 8}, selector=label,
                                                   annotations={"tke.cloud.tencent.com/app-class": "online"}))
-    events = wait_for("FailedScheduling", lambda: [e for e in events_for(cluster.api, ns, "online") if e.get("reason") == "FailedScheduling"])
-    assert "mixed-qgpu-enable" in events[0]["message"]
+    scheduling_failure(cluster.api, ns, "online", "mixed-qgpu-enable")
+    assert not read_pod(cluster.api, ns, "online")["spec"].get("nodeName")
 
 
 def test_spread_and_binpack_place_the_same_pods_differently(cluster, ns, label):

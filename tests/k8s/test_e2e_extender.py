@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
+from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, record, scheduling_failure
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
 QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
@@ -24,9 +24,7 @@ def test_qgpu_pod_is_bound_with_a_record_naming_its_cards(cluster, ns, label):
 def test_pod_that_fits_nowhere_stays_pending_with_an_event_saying_why(cluster, ns, label):
     gpu_node(cluster.api, f"{ns}-a", cards(1, memory_mib=16384, node=f"{ns}-a"), label)
     cluster.api.create_namespaced_pod(ns, gpu_pod("big", {QGPU_CORE: 200}, selector=label))
-    event = wait_for("FailedScheduling event", lambda: [e for e in events_for(cluster.api, ns, "big")
-                                                          if e.get("reason") == "FailedScheduling"])
-    assert "whole free cards" in event[0]["message"], event[0]["message"]
+    scheduling_failure(cluster.api, ns, "big", "whole free cards")
     assert not read_pod(cluster.api, ns, "big")["spec"].get("nodeName")
 
 
