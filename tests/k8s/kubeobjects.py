@@ -67,23 +67,30 @@ def cards(n: int, model: str = "V100", memory_mib: int = 32768, node: str = "n")
     return [CardSpec(i, f"GPU-{node}-{i:02d}", model, memory_mib) for i in range(n)]
 
 
-def gpu_node(api: client.CoreV1Api, name: str, inventory: list[CardSpec], labels: Mapping[str, str] | None = None,
-             cpu: str = "64", memory: str = "512Gi", extended: Mapping[str, str] | None = None) -> None:
-    """Create a node with a card inventory and its status in one call (``extended``: more resources
-    for its capacity, as a device plugin or the manager would advertise), as kubelet registers itself:
-    a node created bare and patched after is seen by kube-scheduler's informer for a moment with
-    no allocatable pods, and a pod scheduled then fails with "Too many pods" instead of the
-    extender's reason."""
-    resources = {"cpu": cpu, "memory": memory, "pods": "250", **(extended or {})}
+def ready_node(api: client.CoreV1Api, name: str, resources: Mapping[str, str], labels: Mapping[str, str] | None = None,
+               annotations: Mapping[str, str] | None = None) -> None:
+    """Create a Ready node with its capacity and allocatable ``resources`` and its status in one
+    call, as kubelet registers itself: a node created bare and patched after is seen by
+    kube-scheduler's informer for a moment with no allocatable pods, and a pod scheduled then fails
+    with "Too many pods" instead of the reason the test looks for."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    metadata: dict[str, Any] = {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})}}
+    if annotations:
+        metadata["annotations"] = dict(annotations)
     api.create_node({
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})},
-                     "annotations": {CARDS: cards_annotation(inventory)}},
-        "status": {"capacity": resources, "allocatable": resources,
+        "apiVersion": "v1", "kind": "Node", "metadata": metadata,
+        "status": {"capacity": dict(resources), "allocatable": dict(resources),
                    "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "message": "fake node",
                                    "lastHeartbeatTime": now, "lastTransitionTime": now}]},
     })
+
+
+def gpu_node(api: client.CoreV1Api, name: str, inventory: list[CardSpec], labels: Mapping[str, str] | None = None,
+             cpu: str = "64", memory: str = "512Gi", extended: Mapping[str, str] | None = None) -> None:
+    """A Ready node with a card inventory (``extended``: more resources for its capacity, as a
+    device plugin or the manager would advertise), created whole (:func:`ready_node`)."""
+    ready_node(api, name, {"cpu": cpu, "memory": memory, "pods": "250", **(extended or {})}, labels,
+               {CARDS: cards_annotation(inventory)})
 
 
 def gpu_pod(name: str, limits: Mapping[str, Any], *, selector: Mapping[str, str] | None = None,

@@ -25,6 +25,7 @@ from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.k8s.controlplane import ROOT
+from tests.k8s.kubeobjects import ready_node
 from tests.node.testkubelet import TestKubelet
 from tests.recordkeys import signed, write_keys
 
@@ -39,15 +40,8 @@ MEMORY = "tke.cloud.tencent.com/qgpu-memory"
 
 def bare_node(api: client.CoreV1Api, name: str, labels: Mapping[str, str]) -> None:
     """A Ready node without any qgpu annotation: what a GPU node looks like before its manager runs
-    (created with its status in one call, as kubelet registers itself)."""
-    resources = {"cpu": "16", "memory": "64Gi", "pods": "110"}
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    api.create_node({"apiVersion": "v1", "kind": "Node",
-                     "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **labels}},
-                     "status": {"capacity": resources, "allocatable": resources,
-                                "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady",
-                                                "message": "test kubelet", "lastHeartbeatTime": stamp,
-                                                "lastTransitionTime": stamp}]}})
+    (created whole, as kubelet registers itself)."""
+    ready_node(api, name, {"cpu": "16", "memory": "64Gi", "pods": "110"}, labels)
 
 
 def read_node(api: client.CoreV1Api, name: str) -> dict[str, Any]:
