@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.k8s.controlplane import extender_server
-from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, wait_for
+from tests.k8s.kubeobjects import bound, cards, gpu_node, gpu_pod, read_pod, scheduling_failure, wait_for
 from tests.k8s.test_e2e_extender_trust import NOBODY, bind_args, call
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
@@ -33,10 +33,8 @@ def test_a_node_with_a_hostile_inventory_hurts_only_itself(cluster, ns, label):
         assert bound(cluster.api, ns, "fits")["spec"]["nodeName"] == good
         # one more than the good node's single card can take: only the hostile node is left, and it says why
         cluster.api.create_namespaced_pod(ns, gpu_pod("whole", {QGPU_CORE: 100}, selector=label))
-        event = wait_for("FailedScheduling naming the refused inventory", lambda: [
-            e for e in events_for(cluster.api, ns, "whole")
-            if e.get("reason") == "FailedScheduling" and "qgpu refused this node's data" in e.get("message", "")])
-        assert "memory_mib=18446744073709551616: must be an integer from 1 to 1048576" in event[0]["message"]
+        event = scheduling_failure(cluster.api, ns, "whole", "qgpu refused this node's data")
+        assert "memory_mib=18446744073709551616: must be an integer from 1 to 1048576" in event["message"]
         assert not read_pod(cluster.api, ns, "whole")["spec"].get("nodeName")
     finally:
         cluster.api.delete_node(bad)

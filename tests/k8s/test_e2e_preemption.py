@@ -12,7 +12,7 @@ import time
 
 from kubernetes import client
 
-from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, events_for, gpu_node, gpu_pod, list_pods, read_pod, record, wait_for
+from tests.k8s.kubeobjects import MANAGED_RESOURCES, bound, cards, gpu_node, gpu_pod, list_pods, read_pod, record, scheduling_failure, wait_for
 
 QGPU_CORE = "tke.cloud.tencent.com/qgpu-core"
 QGPU_MEMORY = "tke.cloud.tencent.com/qgpu-memory"
@@ -130,9 +130,7 @@ def test_where_no_eviction_frees_a_usable_card_none_happens(cluster, ns, label):
         _create_high(cluster, ns, label)
         wait_for("kube-scheduler asking the extender to preempt",
                  lambda: cluster.extender.requests_by_verb().get("preempt", 0) > before)
-        wait_for("a FailedScheduling event after the preempt call", lambda: [
-            e for e in events_for(cluster.api, ns, "high") if e.get("reason") == "FailedScheduling"
-            and "preemption" in (e.get("message") or "")])
+        scheduling_failure(cluster.api, ns, "high", "preemption")
         time.sleep(3)  # room for a deletion that must not come
         pods = {p["metadata"]["name"]: p for p in list_pods(cluster.api, ns)}
         assert set(pods) == {"f0", "f1", "g0", "g1", "high"}, set(pods)
