@@ -116,9 +116,12 @@ def replay_arrivals(
     limits: CardLimits = DEFAULT_LIMITS,
     progress: Callable[[int], None] | None = None,
     policy_factory: Callable[[], Policy] | None = None,
+    observer: Callable[[TracePod, int | None, float, ClusterState], None] | None = None,
 ) -> SeedResult:
     """``policy_factory`` replaces the named policy's constructor (a variant under test);
-    ``policy_name`` still labels the result."""
+    ``policy_name`` still labels the result. ``observer`` is called after each pod with the pod,
+    the GPU it was granted (None: it fitted nowhere), the arrived demand in % of capacity so far and
+    the state (to read, not to change)."""
     state = ClusterState(nodes, limits, enforce_pod_limit=options.pod_limit)
     capacity = state.gpu_capacity_milli()
     policy = policy_factory() if policy_factory is not None else make_policy(policy_name)
@@ -152,6 +155,8 @@ def replay_arrivals(
             sums[b] += alloc_pct
             counts[b] += 1
         last_pct, prev_alloc_pct = arrived_pct, alloc_pct
+        if observer is not None:
+            observer(pod, granted, arrived_pct, state)
         if np.isnan(frag_at_100) and arrived_pct >= 100.0:
             frag_at_100 = fragmentation_pct(state, observed)
         if progress is not None:
