@@ -27,12 +27,11 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.trace_input import add_trace_arguments, load_trace  # noqa: E402
 from qgpu_runtime.model.requests import PodRequest  # noqa: E402
 from qgpu_runtime.placement.policies import FragPolicy, WorkloadShapes  # noqa: E402
 from qgpu_runtime.sim.replay import ReplayOptions, replay_arrivals  # noqa: E402
-from qgpu_runtime.sim.trace import TracePod, load_nodes, load_pods  # noqa: E402
-from qgpu_runtime.sim.variants import with_demand_share  # noqa: E402
-from tests.tracedata import openb_trace_dir  # noqa: E402
+from qgpu_runtime.sim.trace import TracePod  # noqa: E402
 
 
 class FrozenShapes(WorkloadShapes):
@@ -62,10 +61,7 @@ def fgd_policy(shapes: WorkloadShapes) -> FragPolicy:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=Path, help="node list CSV (default: the bundled trace's, found as the tests find it)")
-    parser.add_argument("--pods", type=Path, help="pod list CSV (default: the bundled trace's default list)")
-    parser.add_argument("--multi-card-fraction", type=float, help="replay this multi-card mix (as `qgpu simulate`)")
-    parser.add_argument("--variant-seed", type=int, default=0)
+    add_trace_arguments(parser, sharing=False)
     parser.add_argument("--seeds", default="42", help="comma-separated replay seeds")
     parser.add_argument("--foreknowledge", action="store_true", help="count every pod's shape before the replay")
     args = parser.parse_args()
@@ -73,17 +69,7 @@ def main() -> int:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: must be comma-separated integers")
-    if args.nodes is None or args.pods is None:
-        data = openb_trace_dir()
-        if data is None:
-            parser.error("the bundled trace was not found ($QGPU_TRACE_DIR, ../shared/data/gpu-trace-v2023 or "
-                         "/work/shared/data/gpu-trace-v2023): set QGPU_TRACE_DIR or give --nodes and --pods")
-        args.nodes = args.nodes or data / "openb_node_list_gpu_node.csv"
-        args.pods = args.pods or data / "openb_pod_list_default.csv"
-    nodes = load_nodes(args.nodes)
-    pods = load_pods(args.pods)
-    if args.multi_card_fraction is not None:
-        pods = with_demand_share(pods, "multi", args.multi_card_fraction, args.variant_seed)
+    nodes, pods = load_trace(parser, args)
     options = ReplayOptions()
     for seed in seeds:
         started = time.perf_counter()

@@ -41,13 +41,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.trace_input import add_trace_arguments, load_trace  # noqa: E402
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD  # noqa: E402
 from qgpu_runtime.placement.policies import POLICIES  # noqa: E402
 from qgpu_runtime.placement.state import ClusterState  # noqa: E402
 from qgpu_runtime.sim.replay import ReplayOptions, replay_arrivals  # noqa: E402
-from qgpu_runtime.sim.trace import TracePod, load_nodes, load_pods  # noqa: E402
-from qgpu_runtime.sim.variants import with_demand_share  # noqa: E402
-from tests.tracedata import openb_trace_dir  # noqa: E402
+from qgpu_runtime.sim.trace import TracePod  # noqa: E402
 
 AT_PCT = 100.0
 # The replay stops just past the moment measured: the arrival order's prefix is the same whatever
@@ -155,12 +154,7 @@ def _table(run: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=Path, help="node list CSV (default: the bundled trace's, found as the tests find it)")
-    parser.add_argument("--pods", type=Path, help="pod list CSV (default: the bundled trace's default list)")
-    mix = parser.add_mutually_exclusive_group()
-    mix.add_argument("--multi-card-fraction", type=float, help="replay this multi-card mix (as `qgpu simulate`)")
-    mix.add_argument("--sharing-fraction", type=float, help="replay this card-sharing mix (as `qgpu simulate`)")
-    parser.add_argument("--variant-seed", type=int, default=0)
+    add_trace_arguments(parser)
     parser.add_argument("--seed", type=int, default=42, help="the replay's seed")
     parser.add_argument("--policy", default="frag", help=f"comma-separated, of {', '.join(sorted(POLICIES))}")
     parser.add_argument("--json", action="store_true", help="one JSON object per policy instead of a table")
@@ -169,19 +163,7 @@ def main() -> int:
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:
         parser.error(f"--policy {args.policy!r}: choose from {', '.join(sorted(POLICIES))}")
-    if args.nodes is None or args.pods is None:
-        data = openb_trace_dir()
-        if data is None:
-            parser.error("the bundled trace was not found ($QGPU_TRACE_DIR, ../shared/data/gpu-trace-v2023 or "
-                         "/work/shared/data/gpu-trace-v2023): set QGPU_TRACE_DIR or give --nodes and --pods")
-        args.nodes = args.nodes or data / "openb_node_list_gpu_node.csv"
-        args.pods = args.pods or data / "openb_pod_list_default.csv"
-    nodes = load_nodes(args.nodes)
-    pods = load_pods(args.pods)
-    if args.multi_card_fraction is not None:
-        pods = with_demand_share(pods, "multi", args.multi_card_fraction, args.variant_seed)
-    elif args.sharing_fraction is not None:
-        pods = with_demand_share(pods, "sharing", args.sharing_fraction, args.variant_seed)
+    nodes, pods = load_trace(parser, args)
     for policy in policies:
         started = time.perf_counter()
         observer = Breakdown()
