@@ -77,7 +77,7 @@ _TABLES_V1 = (
         PRIMARY KEY (claim_uid, pod_uid))""",
     # Added after claim_pods, a table only again: what the standalone manager last sampled as used,
     # per share (workload_id, container, card_index of a ``shares`` row) and, with workload_id ''
-    # and container '', per card. ``sm_pct`` is the mean over the last write interval, ``memory_mib``
+    # and container '', per card (every card, idle ones at 0). ``sm_pct`` is the mean over the last write interval, ``memory_mib``
     # the latest; ``sampled`` the writer's wall clock. Rewritten whole at each write; a release that
     # never reads it leaves it as it is.
     """CREATE TABLE IF NOT EXISTS usage (

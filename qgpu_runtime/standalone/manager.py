@@ -80,12 +80,14 @@ class StandaloneManager:
         self._memory: dict[tuple[str, int], int] = {}  # (job, card) -> MiB at the latest tick
         self._used_span_s = 0.0
         self._last_usage = 0.0
+        self._card_indexes: tuple[int, ...] = ()  # every card's row is written, idle ones as (0, 0)
 
     # -- setup ------------------------------------------------------------------------------
     def start(self) -> None:
         """Record the inventory and settings, start MPS if asked, build the engine."""
         cards = discover_cards(self.config)
         self.store.set_cards(cards)
+        self._card_indexes = tuple(c.index for c in cards)
         with self.store.transaction():
             for key, value in (("node", self.config.node_name), ("policy", self.config.policy.value),
                                ("placement", self.config.placement), ("gpu_backend", self.config.gpu_backend),
@@ -170,7 +172,9 @@ class StandaloneManager:
         live = set(self._running)
         jobs = {key: (min(100, round(milli_s / self._used_span_s / 10)), self._memory.get(key, 0))
                 for key, milli_s in self._used_milli_s.items() if key[0] in live}
-        cards: dict[int, tuple[int, int]] = {}
+        # A row for every card, idle ones at 0: with no job running the sample still says when it
+        # was taken, so `qgpu status` shows idle cards at 0 % and a manager that stopped writing as stale.
+        cards: dict[int, tuple[int, int]] = {index: (0, 0) for index in self._card_indexes}
         for (_, card), (sm, mib) in jobs.items():
             total_sm, total_mib = cards.get(card, (0, 0))
             cards[card] = (min(100, total_sm + sm), total_mib + mib)

@@ -221,6 +221,15 @@ def test_qgpu_status_shows_what_each_job_uses_beside_what_it_booked(db, manager,
     assert "web(50%/4096MiB,used " in table and "%/1500MiB)" in table, table
     stop(job)
 
+    # with nothing running the manager still samples: every card at 0, and fresh (not "no sample")
+    def idle_sample() -> list[tuple] | None:
+        got = rows(db, "SELECT workload_id, sm_pct, memory_mib, sampled FROM usage")
+        return got if got and all(r[0] == "" for r in got) else None
+    idle = wait_for(idle_sample, timeout=10)
+    assert sorted((r[1], r[2]) for r in idle) == [(0, 0), (0, 0)]
+    now = read_store_status(db)
+    assert now.usage_error == "" and [(c.util_pct, c.memory_used_mib) for c in now.cards] == [(0, 0), (0, 0)]
+
     sampled = rows(db, "SELECT max(sampled) FROM usage")[0][0]
     late = read_store_status(db, now=sampled + USAGE_STALE_S + 5)
     assert all(c.util_pct is None and all(w.used_memory_mib is None for w in c.workloads) for c in late.cards)
