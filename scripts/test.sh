@@ -28,7 +28,17 @@ echo "test.sh: ruff check" >&2
 .venv/bin/ruff check qgpu_runtime tests bench
 echo "test.sh: lint-imports (layers of docs/architecture.md)" >&2
 .venv/bin/lint-imports --no-cache
+# The tests run on QGPU_TEST_WORKERS pytest-xdist workers (default 3): most of a test's time is
+# spent waiting on a control plane, a kubelet or a playbook, not on the CPU. A worker takes a whole
+# group at a time (a module; every real-node test; the EL8 host's tests), the longest groups first
+# (tests/conftest.py, docs/testing.md "Workers"). QGPU_TEST_WORKERS=0 runs them in this process.
 # The full run lists its 50 slowest tests at the end: CI's 90-minute limit is watched from there.
-durations=
-[ -n "$fast" ] || durations=--durations=50
-exec .venv/bin/python -m pytest $fast $durations "$@"
+workers=${QGPU_TEST_WORKERS:-3}
+case "$workers" in
+  ''|*[!0-9]*) echo "test.sh: QGPU_TEST_WORKERS=$workers: expected a whole number of workers (0 runs the tests in one process)" >&2; exit 2 ;;
+esac
+parallel=()
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadgroup --no-loadscope-reorder)
+durations=()
+[ -n "$fast" ] || durations=(--durations=50 -v)
+exec .venv/bin/python -m pytest $fast "${parallel[@]}" "${durations[@]}" "$@"

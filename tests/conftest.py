@@ -18,6 +18,7 @@ of starting one shows up as a failure, never as a quietly slow fast tier.
 from __future__ import annotations
 
 import inspect
+import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -28,6 +29,7 @@ from tests import tiers
 
 CONTROLPLANE_FIXTURES = {"cluster"}  # tests/k8s/conftest.py, re-exported by tests/provisioning/conftest.py
 REALNODE_DIR = Path(__file__).resolve().parent / "realnode"
+ELHOST_DIR = Path(__file__).resolve().parent / "elhost"
 REALNODE_FIXTURES = {"local_cluster", "dra_cluster"}  # tests/realnode/conftest.py and test_e2e_dra.py
 ANSIBLE_RUNNERS = {"run_tool", "ansible_playbook"}  # tests/provisioning/ansible_tools.py
 
@@ -79,6 +81,31 @@ def tier_markers(item: pytest.Item) -> list[str]:
     return found
 
 
+def xdist_group(item: pytest.Item) -> str:
+    """The unit pytest-xdist gives one worker whole (``--dist loadgroup``, scripts/test.sh): every
+    real-node test (one host has room for one kubelet and containerd at a time), the EL8 host's
+    tests (one nspawn machine of that name), else the test's module, so that a module-scoped
+    fixture is set up once."""
+    if item.get_closest_marker(tiers.REALNODE) is not None:
+        return tiers.REALNODE
+    if item.path.resolve().is_relative_to(ELHOST_DIR):
+        return "elhost"
+    return item.nodeid.split("::")[0]
+
+
+def _rank(item: pytest.Item) -> int:
+    """Where a test's group goes in the workers' queue: the longest kinds first (the real node, the
+    EL8 host, playbooks against a control plane, playbooks, the control plane), so that no long
+    group starts last while the other workers have run out of work."""
+    if item.get_closest_marker(tiers.REALNODE) is not None:
+        return 0
+    if item.path.resolve().is_relative_to(ELHOST_DIR):
+        return 1
+    ansible = item.get_closest_marker(tiers.ANSIBLE) is not None
+    controlplane = item.get_closest_marker(tiers.CONTROLPLANE) is not None
+    return 2 if ansible and controlplane else 3 if ansible else 4 if controlplane else 5
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         for name in tier_markers(item):
@@ -92,3 +119,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+    groups: dict[str, tuple[int, int]] = {}
+    for item in items:
+        group = xdist_group(item)
+        item.add_marker(pytest.mark.xdist_group(group))
+        rank, first = groups.get(group, (_rank(item), len(groups)))
+        groups[group] = (min(rank, _rank(item)), first)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Every worker sorts its collection alike (xdist checks that they are equal); a group's
+        # tests stay together and in their order.
+        items.sort(key=lambda item: groups[xdist_group(item)])
