@@ -25,12 +25,13 @@ from typing import Any
 
 import pytest
 
-from tests import tiers
+from tests import tiers, workers
 
 CONTROLPLANE_FIXTURES = {"cluster"}  # tests/k8s/conftest.py, re-exported by tests/provisioning/conftest.py
 REALNODE_DIR = Path(__file__).resolve().parent / "realnode"
 ELHOST_DIR = Path(__file__).resolve().parent / "elhost"
 REALNODE_FIXTURES = {"local_cluster", "dra_cluster"}  # tests/realnode/conftest.py and test_e2e_dra.py
+MISPLACED = pytest.StashKey[str]()  # a real-node test outside tests/realnode: why it cannot run
 ANSIBLE_RUNNERS = {"run_tool", "ansible_playbook"}  # tests/provisioning/ansible_tools.py
 
 
@@ -81,18 +82,6 @@ def tier_markers(item: pytest.Item) -> list[str]:
     return found
 
 
-def xdist_group(item: pytest.Item) -> str:
-    """The unit pytest-xdist gives one worker whole (``--dist loadgroup``, scripts/test.sh): every
-    real-node test (one host has room for one kubelet and containerd at a time), the EL8 host's
-    tests (one nspawn machine of that name), else the test's module, so that a module-scoped
-    fixture is set up once."""
-    if item.get_closest_marker(tiers.REALNODE) is not None:
-        return tiers.REALNODE
-    if item.path.resolve().is_relative_to(ELHOST_DIR):
-        return "elhost"
-    return item.nodeid.split("::")[0]
-
-
 def _rank(item: pytest.Item) -> int:
     """Where a test's group goes in the workers' queue: the longest kinds first (the real node, the
     EL8 host, playbooks against a control plane, playbooks, the control plane), so that no long
@@ -121,11 +110,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
     groups: dict[str, tuple[int, int]] = {}
     for item in items:
-        group = xdist_group(item)
-        item.add_marker(pytest.mark.xdist_group(group))
+        if item.get_closest_marker(tiers.REALNODE) is not None and workers.group(item.nodeid) != tiers.REALNODE:
+            item.stash[MISPLACED] = (f"{item.nodeid} needs the real node but lives outside tests/realnode: a test worker would "
+                                     "then bring up a second real-node cluster beside the one of tests/realnode (tests/workers.py); "
+                                     "move it there")
+        group = workers.group(item.nodeid)
         rank, first = groups.get(group, (_rank(item), len(groups)))
         groups[group] = (min(rank, _rank(item)), first)
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Every worker sorts its collection alike (xdist checks that they are equal); a group's
-        # tests stay together and in their order.
-        items.sort(key=lambda item: groups[xdist_group(item)])
+        # Every worker sorts its collection alike (xdist checks that they are equal): the queue of
+        # groups in this order, a group's tests together and in their order.
+        items.sort(key=lambda item: groups[workers.group(item.nodeid)])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A misplaced real-node test fails here, before its fixtures start anything (an error raised
+    while collecting would be lost in a worker's crash)."""
+    if MISPLACED in item.stash:
+        pytest.fail(item.stash[MISPLACED], pytrace=False)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope`` (scripts/test.sh) with qgpu's groups as its scopes; other modes as xdist has them."""
+    if config.getvalue("dist") == "loadscope":
+        return workers.GroupScheduling(config, log)
+    return None

@@ -1,0 +1,36 @@
+"""How the full run shares its tests among pytest-xdist workers (docs/testing.md#workers).
+
+A worker takes a whole *group* at a time, never one test of it: a module (its module-scoped
+fixtures are set up once), every real-node test (the host has room for one kubelet, containerd and
+``/var/lib/kubelet`` at a time, and the package's cluster is shared by all of them) and every test
+of the EL8 host (one nspawn machine of that name). ``GroupScheduling`` is xdist's ``loadscope``
+with this grouping; tests/conftest.py installs it for ``--dist loadscope`` and puts the longest
+kinds of groups first in every worker's collection, which xdist keeps as the queue's order under
+``--no-loadscope-reorder``.
+
+(pytest-xdist's own ``loadgroup`` would do the grouping from an ``xdist_group`` mark, but 3.8.0
+renames the test's ``_nodeid``, which pytest 9 no longer reads: every test ends up a group of its
+own.)
+"""
+
+from __future__ import annotations
+
+from xdist.scheduler import LoadScopeScheduling
+
+# Directories whose tests form one group each: nodeid prefix -> group name.
+WHOLE_DIRECTORIES = {"tests/realnode/": "realnode", "tests/elhost/": "elhost"}
+
+
+def group(nodeid: str) -> str:
+    """The group of a test, from its nodeid (relative to the rootdir, as xdist's scheduler sees it)."""
+    for prefix, name in WHOLE_DIRECTORIES.items():
+        if nodeid.startswith(prefix):
+            return name
+    return nodeid.split("::", 1)[0]
+
+
+class GroupScheduling(LoadScopeScheduling):
+    """xdist's ``loadscope`` whose scope is ``group``."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        return group(nodeid)
