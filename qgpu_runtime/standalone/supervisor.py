@@ -64,40 +64,68 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def supervise(
-    command: Sequence[str],
-    env: Mapping[str, str],
-    on_started: Callable[[int], None],
-    release: Callable[[], None],
-) -> int:
-    """Start ``command``, report its pid (= process group), forward signals, wait, release."""
-    try:
-        child = subprocess.Popen(list(command), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent)
-    except OSError as err:
-        release()
-        print(f"qgpu run: cannot start {command[0]!r}: {err.strerror}", file=sys.stderr)
-        return 127 if isinstance(err, FileNotFoundError) else 126
+class _Forwarder:
+    """Passes the signals qgpu run receives on to the job's process group; a signal that arrives
+    before the job exists is kept and passed on once it does. A second SIGINT kills the job."""
 
-    interrupts = {"count": 0}
+    def __init__(self) -> None:
+        self.child: subprocess.Popen[bytes] | None = None
+        self.pending: list[int] = []
+        self.interrupts = 0
 
-    def forward(signum: int, _frame: object) -> None:
-        interrupts["count"] += signum == signal.SIGINT
-        sig = signal.SIGKILL if interrupts["count"] >= 2 else signum
+    def __call__(self, signum: int, _frame: object) -> None:
+        if self.child is None:
+            self.pending.append(signum)
+        else:
+            self._deliver(signum, self.child)
+
+    def started(self, child: subprocess.Popen[bytes]) -> None:
+        self.child = child
+        for signum in self.pending:
+            self._deliver(signum, child)
+
+    def _deliver(self, signum: int, child: subprocess.Popen[bytes]) -> None:
+        self.interrupts += signum == signal.SIGINT
+        sig = signal.SIGKILL if self.interrupts >= 2 else signum
         try:
             os.killpg(child.pid, signal.SIGCONT)  # a held job cannot act on the signal until resumed
             os.killpg(child.pid, sig)
         except ProcessLookupError:
             pass
 
-    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
+
+def supervise(
+    command: Sequence[str],
+    env: Mapping[str, str],
+    on_started: Callable[[int], None],
+    release: Callable[[], None],
+) -> int:
+    """Start ``command``, report its pid (= process group), forward signals, wait, release.
+
+    The forwarding is in place before the job starts, so a signal that arrives while it starts
+    reaches it once it runs. A signal qgpu was started ignoring (``nohup``; a script's ``cmd &``
+    ignores SIGINT and SIGQUIT) stays ignored, by the job too, as a shell would leave it.
+    """
+    forward = _Forwarder()
+    # Caught here, a forwarded signal is at its default in the job: exec resets a caught signal.
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED if signal.getsignal(sig) != signal.SIG_IGN}
     try:
-        on_started(child.pid)
-        return exit_status(child.wait())
+        try:
+            child = subprocess.Popen(list(command), env=dict(env), start_new_session=True, preexec_fn=_die_with_parent)
+        except OSError as err:
+            release()
+            print(f"qgpu run: cannot start {command[0]!r}: {err.strerror}", file=sys.stderr)
+            return 127 if isinstance(err, FileNotFoundError) else 126
+        try:
+            forward.started(child)
+            on_started(child.pid)
+            return exit_status(child.wait())
+        finally:
+            try:
+                os.killpg(child.pid, signal.SIGCONT)  # never leave stragglers of the group frozen
+            except ProcessLookupError:
+                pass
+            release()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        try:
-            os.killpg(child.pid, signal.SIGCONT)  # never leave stragglers of the group frozen
-        except ProcessLookupError:
-            pass
-        release()

@@ -22,7 +22,15 @@ def env() -> dict[str, str]:
     return e
 
 
+def from_a_terminal() -> None:
+    """In the child: SIGINT and SIGQUIT at their default, as a shell at a terminal starts a command,
+    whatever the test run itself was started with (a script's ``cmd &`` ignores both)."""
+    for sig in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 def qgpu(*args: str, **kw) -> subprocess.Popen:
+    kw.setdefault("preexec_fn", from_a_terminal)
     return subprocess.Popen([sys.executable, "-m", "qgpu_runtime.cli", *args], env=env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 

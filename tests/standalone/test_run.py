@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
 
 from qgpu_runtime.standalone.host_status import host_status
 from qgpu_runtime.standalone.store import Store
+from qgpu_runtime.standalone.supervisor import _Forwarder
 
 from .helpers import job_pgids, proc_state, qgpu, qgpu_done, rows, wait_for
 
@@ -149,6 +154,27 @@ def test_ctrl_c_reaches_the_job_and_the_booking_is_released(db):
     assert rows(db, "SELECT count(*) FROM jobs") == [(0,)]
 
 
+def ignoring_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_a_sigint_qgpu_was_started_ignoring_stays_ignored_by_the_job_too(db):
+    # As a script's `qgpu run … &` starts it: SIGINT ignored. Neither qgpu nor the job reacts to it
+    # (no forward, no SIGKILL on the second one); SIGTERM still ends the job and frees its booking.
+    p = qgpu("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--", "sleep", "30", preexec_fn=ignoring_sigint)
+    pgid = wait_for(lambda: job_pgids(db).get("sleep"))
+    ignored = int(next(line for line in Path(f"/proc/{pgid}/status").read_text().splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & (1 << (signal.SIGINT - 1)), "the job inherits the ignored SIGINT"
+    for _ in range(2):  # one at a time: two pending SIGINTs would be taken as one
+        p.send_signal(signal.SIGINT)
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=1.5)
+    assert proc_state(pgid) not in (None, "Z"), "the job still runs"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=20) == 128 + signal.SIGTERM
+    assert rows(db, "SELECT count(*) FROM jobs") == [(0,)]
+
+
 def test_a_killed_supervisor_takes_its_job_down_and_the_booking_is_reaped(db):
     p = qgpu("run", "--dbfile", str(db), *SIM, "--core", "30", "--memory", "5", "--", "sleep", "30")
     pgid = wait_for(lambda: job_pgids(db).get("sleep"))
@@ -233,3 +259,15 @@ def test_a_session_whose_leader_pid_was_reused_holds_nothing():
     assert job_processes(job, sessions, start_of={}.get) == [ProcessInfo(4400, 4321, 800)]
     assert job_processes(job, sessions, start_of={4321: 9000}.get) == []
     assert job_processes(job, {4321: [ProcessInfo(4400, 4321, 700)]}, start_of={}.get) == []
+
+
+def test_a_signal_that_arrives_while_the_job_starts_reaches_it_once_it_runs():
+    forward = _Forwarder()
+    forward(signal.SIGTERM, None)  # qgpu run is signalled before the job exists
+    child = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        forward.started(child)
+        assert child.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        child.kill()
+        child.wait()
