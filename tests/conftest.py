@@ -133,7 +133,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadscope`` (scripts/test.sh) with qgpu's groups as its scopes; other modes as xdist has them."""
-    if config.getvalue("dist") == "loadscope":
-        return workers.GroupScheduling(config, log)
-    return None
+    """qgpu's groups as the scopes of ``--dist loadscope`` (scripts/test.sh), and of every other
+    mode that shares tests out (a plain ``-n 3`` is ``--dist load``): split, the real-node tests
+    would bring up a cluster on each worker at once. ``--dist each`` (every test on every worker)
+    stays as xdist has it."""
+    if config.getvalue("dist") == "each":
+        return None
+    return workers.GroupScheduling(config, log)

@@ -57,9 +57,9 @@ def plant(tmp_path: Path, files: dict[str, str]) -> Path:
     return tree
 
 
-def run_on_two_workers(tree: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadscope",
-                           "--no-loadscope-reorder", "-q"], cwd=tree, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def run_on_two_workers(tree: Path, *dist: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2",
+                           *(dist or ("--dist", "loadscope", "--no-loadscope-reorder")), "-q"], cwd=tree, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
@@ -71,14 +71,15 @@ def test_group_names_a_whole_directory_or_else_the_module() -> None:
     assert group("tests/realnodes/test_x.py::t") == "tests/realnodes/test_x.py"
 
 
-def test_each_group_runs_whole_on_one_worker_the_real_node_first(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dist", [(), ("--dist", "load"), ("--dist", "loadfile")], ids=["test.sh", "load", "loadfile"])
+def test_each_group_runs_whole_on_one_worker_the_real_node_first(tmp_path: Path, dist: tuple[str, ...]) -> None:
     realnode = "pytestmark = pytest.mark.realnode"
     # Without the ranking, each worker would start on one of tests/aaa and tests/bbb, collected
     # before tests/realnode.
     tree = plant(tmp_path, {"tests/aaa/test_plain.py": "", "tests/bbb/test_plain_b.py": "", "tests/realnode/test_one.py": realnode,
                             "tests/realnode/test_two.py": realnode, "tests/zzz/test_plain_too.py": "",
                             "tests/zzz/test_other.py": ""})
-    done = run_on_two_workers(tree)
+    done = run_on_two_workers(tree, *dist)
     assert done.returncode == 0, done.stdout
     assert "18 passed" in done.stdout, done.stdout
     ran = [(path.read_text().split(" ", 1)) for path in sorted((tmp_path / "ran").iterdir(), key=lambda p: int(p.name.split("-")[0]))]
