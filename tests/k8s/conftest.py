@@ -1,5 +1,6 @@
 """Session fixtures: one real control plane (etcd, kube-apiserver, kube-scheduler) with qgpu's
-extender plugged into the scheduler over HTTPS, shared by every test under tests/k8s.
+extender plugged into the scheduler over HTTPS, shared by the tests of one process
+(each test worker brings up its own: docs/testing.md#workers).
 
 Tests isolate themselves with their own namespace and their own nodes (a unique label every pod of
 the test selects), so they can share one cluster without seeing each other's capacity.

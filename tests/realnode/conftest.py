@@ -1,4 +1,5 @@
-"""The real node: one cluster per test session, brought up exactly as ``scripts/local-cluster up``
+"""The real node: one cluster for all of tests/realnode (one worker runs them all:
+docs/testing.md#workers), brought up exactly as ``scripts/local-cluster up``
 does (tests/realnode/localcluster.py) and provisioned by site.yml through inventories/local-cluster
 with rollout waits on, so qgpu's extender, webhook and node manager run as pods from the image the
 qgpu_image role builds. Torn down at the end, leaving the host as it was."""
