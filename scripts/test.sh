@@ -38,7 +38,7 @@ case "$workers" in
   ''|*[!0-9]*) echo "test.sh: QGPU_TEST_WORKERS=$workers: expected a whole number of workers (0 runs the tests in one process)" >&2; exit 2 ;;
 esac
 parallel=()
-[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadscope --no-loadscope-reorder)
+[ "$workers" = 0 ] || parallel=(-n "$workers" --dist loadscope)
 durations=()
 [ -n "$fast" ] || durations=(--durations=50 -v)
 exec .venv/bin/python -m pytest $fast "${parallel[@]}" "${durations[@]}" "$@"

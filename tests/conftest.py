@@ -29,7 +29,6 @@ from tests import tiers, workers
 
 CONTROLPLANE_FIXTURES = {"cluster"}  # tests/k8s/conftest.py, re-exported by tests/provisioning/conftest.py
 REALNODE_DIR = Path(__file__).resolve().parent / "realnode"
-ELHOST_DIR = Path(__file__).resolve().parent / "elhost"
 REALNODE_FIXTURES = {"local_cluster", "dra_cluster"}  # tests/realnode/conftest.py and test_e2e_dra.py
 MISPLACED = pytest.StashKey[str]()  # a real-node test outside tests/realnode: why it cannot run
 ANSIBLE_RUNNERS = {"run_tool", "ansible_playbook"}  # tests/provisioning/ansible_tools.py
@@ -82,13 +81,13 @@ def tier_markers(item: pytest.Item) -> list[str]:
     return found
 
 
-def _rank(item: pytest.Item) -> int:
+def _rank(item: pytest.Item, group: str) -> int:
     """Where a test's group goes in the workers' queue: the longest kinds first (the real node, the
     EL8 host, playbooks against a control plane, playbooks, the control plane), so that no long
     group starts last while the other workers have run out of work."""
-    if item.get_closest_marker(tiers.REALNODE) is not None:
+    if group == tiers.REALNODE:
         return 0
-    if item.path.resolve().is_relative_to(ELHOST_DIR):
+    if group == "elhost":
         return 1
     ansible = item.get_closest_marker(tiers.ANSIBLE) is not None
     controlplane = item.get_closest_marker(tiers.CONTROLPLANE) is not None
@@ -108,19 +107,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [item for item in items if item.get_closest_marker("slow") is None]
-    groups: dict[str, tuple[int, int]] = {}
-    for item in items:
-        if item.get_closest_marker(tiers.REALNODE) is not None and workers.group(item.nodeid) != tiers.REALNODE:
+    item_groups = [workers.group(item.nodeid) for item in items]
+    groups: dict[str, tuple[int, int]] = {}  # group -> (rank, position of its first test)
+    for item, group in zip(items, item_groups):
+        if item.get_closest_marker(tiers.REALNODE) is not None and group != tiers.REALNODE:
             item.stash[MISPLACED] = (f"{item.nodeid} needs the real node but lives outside tests/realnode: a test worker would "
                                      "then bring up a second real-node cluster beside the one of tests/realnode (tests/workers.py); "
                                      "move it there")
-        group = workers.group(item.nodeid)
-        rank, first = groups.get(group, (_rank(item), len(groups)))
-        groups[group] = (min(rank, _rank(item)), first)
+        rank = _rank(item, group)
+        known, first = groups.get(group, (rank, len(groups)))
+        groups[group] = (min(rank, known), first)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # Every worker sorts its collection alike (xdist checks that they are equal): the queue of
         # groups in this order, a group's tests together and in their order.
-        items.sort(key=lambda item: groups[workers.group(item.nodeid)])
+        items[:] = [item for _, item in sorted(zip(item_groups, items), key=lambda pair: groups[pair[0]])]
 
 
 @pytest.hookimpl(tryfirst=True)

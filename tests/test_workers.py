@@ -58,8 +58,8 @@ def plant(tmp_path: Path, files: dict[str, str]) -> Path:
 
 
 def run_on_two_workers(tree: Path, *dist: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2",
-                           *(dist or ("--dist", "loadscope", "--no-loadscope-reorder")), "-q"], cwd=tree, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", *(dist or ("--dist", "loadscope")), "-q"],
+                          cwd=tree, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}, timeout=300)
 
 
@@ -86,7 +86,8 @@ def test_each_group_runs_whole_on_one_worker_the_real_node_first(tmp_path: Path,
     workers_of: dict[str, set[str]] = {}
     for worker, nodeid in ran:
         workers_of.setdefault(group(nodeid), set()).add(worker)
-    assert set(workers_of) == {"realnode", "tests/aaa/test_plain.py", "tests/bbb/test_plain_b.py", "tests/zzz/test_plain_too.py", "tests/zzz/test_other.py"}
+    assert set(workers_of) == {"realnode", "tests/aaa/test_plain.py", "tests/bbb/test_plain_b.py", "tests/zzz/test_plain_too.py",
+                               "tests/zzz/test_other.py"}
     assert all(len(ws) == 1 for ws in workers_of.values()), workers_of
     assert len({w for ws in workers_of.values() for w in ws}) == 2, "both workers got work"
     (realnode_worker,) = workers_of["realnode"]
