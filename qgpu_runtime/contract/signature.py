@@ -26,6 +26,7 @@ import hashlib
 import json
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Mapping
 
 from cryptography.exceptions import InvalidSignature
@@ -44,7 +45,9 @@ _DOMAIN = "qgpu.io/allocation-signature/v1"
 _MAX_SIGNATURE_CHARS = 128  # an Ed25519 signature is 64 bytes, 86 characters of base64url
 VERIFIED_MEMO = 4096
 """Signatures a verifier remembers as good: a pod's record is re-read on every watch event of the
-pod (bound, then each status write), each a verification of the same bytes (~0.1 ms of CPU)."""
+pod (bound, then each status write), each a verification of the same bytes (~0.1 ms of CPU). The
+extender's own signatures enter as it makes them (:meth:`RecordSigner.sign` with ``known_to``), so
+the watch event that brings its bind back is not verified either (~0.2 ms on a slow core)."""
 
 
 class UntrustedRecord(RecordError):
@@ -57,6 +60,12 @@ class SigningKeyError(ValueError):
 
 def _message(pod_uid: str, node: str, record_raw: str, bind_time_raw: str) -> bytes:
     return json.dumps([_DOMAIN, pod_uid, node, record_raw, bind_time_raw], separators=(",", ":")).encode()
+
+
+def _memo_key(message: bytes, signature: str) -> bytes:
+    # JSON text (ASCII, escaped) holds no raw newline; surrogatepass: a lone surrogate decoded
+    # from the pod's JSON is hashed, and then refused by base64, not an exception here
+    return hashlib.sha256(message + b"\n" + signature.encode("utf-8", "surrogatepass")).digest()
 
 
 @dataclass(frozen=True)
@@ -87,12 +96,23 @@ class RecordVerifier:
             raise UntrustedRecord(f"{ALLOCATION_SIGNATURE}={signature[:40]!r}: not a signature this qgpu reads "
                                   f"(expected {SIGNATURE_PREFIX}<base64url Ed25519 signature>)")
         message = _message(pod_uid, node, record_raw, bind_time_raw)
-        # JSON text (ASCII, escaped) holds no raw newline; surrogatepass: a lone surrogate decoded
-        # from the pod's JSON is hashed, and then refused by base64, not an exception here
-        key = hashlib.sha256(message + b"\n" + signature.encode("utf-8", "surrogatepass")).digest()
+        key = _memo_key(message, signature)
         if key in self._verified:
             return
         self._verify(message, pod_uid, node, bind_time_raw, signature)
+        self._remember(key)
+
+    def learn_signed(self, message: bytes, signature: str, signer: RecordSigner) -> None:
+        """``signer`` has just signed ``message``: remembered as good when its public half is this
+        verifier's key (then verifying would give that answer); any other signer's is not kept."""
+        if signer.public_raw == self.public_raw:
+            self._remember(_memo_key(message, signature))
+
+    @cached_property
+    def public_raw(self) -> bytes:
+        return self.public_key.public_bytes_raw()
+
+    def _remember(self, key: bytes) -> None:
         with self._lock:
             if len(self._verified) >= VERIFIED_MEMO:
                 del self._verified[next(iter(self._verified))]
@@ -135,16 +155,28 @@ class RecordSigner:
     def verifier(self) -> RecordVerifier:
         return RecordVerifier(self.private_key.public_key())
 
-    def sign(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str) -> str:
-        raw = self.private_key.sign(_message(pod_uid, node, record_raw, bind_time_raw))
-        return SIGNATURE_PREFIX + base64.urlsafe_b64encode(raw).decode().rstrip("=")
+    @cached_property
+    def public_raw(self) -> bytes:
+        return self.private_key.public_key().public_bytes_raw()
+
+    def sign(self, pod_uid: str, node: str, record_raw: str, bind_time_raw: str,
+             known_to: RecordVerifier | None = None) -> str:
+        """The signature; ``known_to``: a verifier that remembers it as good (when it holds this
+        key's public half), so reading this record back costs it no verification."""
+        message = _message(pod_uid, node, record_raw, bind_time_raw)
+        signature = SIGNATURE_PREFIX + base64.urlsafe_b64encode(self.private_key.sign(message)).decode().rstrip("=")
+        if known_to is not None:
+            known_to.learn_signed(message, signature, self)
+        return signature
 
 
-def signed_annotations(record: AllocationRecord, epoch_ns: int, pod_uid: str, signer: RecordSigner) -> dict[str, str]:
-    """The annotations one bind writes, in one request: record, bind-time and their signature."""
+def signed_annotations(record: AllocationRecord, epoch_ns: int, pod_uid: str, signer: RecordSigner,
+                       known_to: RecordVerifier | None = None) -> dict[str, str]:
+    """The annotations one bind writes, in one request: record, bind-time and their signature
+    (remembered by ``known_to``, see :meth:`RecordSigner.sign`)."""
     record_raw, bind_time_raw = record.to_json(), str(epoch_ns)
     return {ALLOCATION: record_raw, BIND_TIME: bind_time_raw,
-            ALLOCATION_SIGNATURE: signer.sign(pod_uid, record.node, record_raw, bind_time_raw)}
+            ALLOCATION_SIGNATURE: signer.sign(pod_uid, record.node, record_raw, bind_time_raw, known_to)}
 
 
 def trusted_record(pod: Mapping[str, Any], verifier: RecordVerifier) -> AllocationRecord | None:

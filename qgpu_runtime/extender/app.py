@@ -39,7 +39,7 @@ from qgpu_runtime.extender.wire import (
     encode_preemption_result,
     encode_priorities_json,
 )
-from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+from qgpu_runtime.model.requests import CardLimits, RequestError
 from qgpu_runtime.serving import RawJSON
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,8 @@ class ExtenderApp:
         return status, doc
 
     def _request(self, pod: dict[str, Any]) -> Any:
-        return parse_pod(pod, self.limits)
+        """``pod`` as the apiserver has it (``self.pods.resolve``), never a body's."""
+        return self.cache.requests.of(pod, self.limits)
 
     def _refuse(self, verb: str, reason: str, message: str) -> None:
         self.metrics.refused.labels(verb, reason).inc()

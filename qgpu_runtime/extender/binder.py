@@ -63,7 +63,7 @@ from qgpu_runtime.kube.errors import ApiError
 from qgpu_runtime.kube.errors import brief as short
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
 from qgpu_runtime.kube.retry import is_transient
-from qgpu_runtime.model.requests import CardLimits, RequestError, parse_pod
+from qgpu_runtime.model.requests import CardLimits, RequestError
 
 __all__ = ["BindError", "BindOutcome", "Binder"]
 
@@ -158,7 +158,7 @@ class Binder:
         if (pod.get("spec") or {}).get("nodeName"):
             return self._bound_already(pod, node)
         try:
-            request = parse_pod(pod, self.limits)
+            request = self.cache.requests.of(pod, self.limits)  # the apiserver's pod (_pod)
         except RequestError as exc:
             raise BindError(f"pod {namespace}/{name}: {exc}") from exc
         try:
@@ -187,7 +187,8 @@ class Binder:
         bound = None
         try:
             self.pods.create_binding(namespace, name, meta.get("uid", ""), node,
-                                     signed_annotations(record, now, str(meta.get("uid") or ""), self.signer))
+                                     signed_annotations(record, now, str(meta.get("uid") or ""), self.signer,
+                                                        self.cache.verifier))
             bound = record
         except AlreadyBound as done:
             self.cache.unreserve(pod)
@@ -260,7 +261,8 @@ class Binder:
         namespace, name = member.key.split("/", 1)
         try:
             self.pods.create_binding(namespace, name, member.uid, member.node,
-                                     signed_annotations(member.record, member.chosen_ns, member.uid, self.signer))
+                                     signed_annotations(member.record, member.chosen_ns, member.uid, self.signer,
+                                                        self.cache.verifier))
         except AlreadyBound as done:
             self.cache.unreserve(done.pod)
             if (done.pod.get("spec") or {}).get("nodeName") != member.node:

@@ -50,7 +50,7 @@ from qgpu_runtime.extender.groups import (
     min_members,
 )
 from qgpu_runtime.extender.holds import DEFAULT_MAX_HOLDS, HoldGate, HoldLimit, default_holds_per_namespace
-from qgpu_runtime.extender.memo import FilterMemo
+from qgpu_runtime.extender.memo import FilterMemo, ParsedRequests
 from qgpu_runtime.extender.nodeview import NodeView, node_name
 from qgpu_runtime.extender.nominations import NOMINATED, Nominations
 from qgpu_runtime.extender.podevents import Expired, PodEvents
@@ -104,6 +104,8 @@ class AllocationCache:
         self.policy = policy
         self.policy_name = policy_name
         self.limits = limits
+        # pods as the apiserver has them, parsed once per version for filter, prioritize and bind
+        self.requests = ParsedRequests()
         self.assume_ttl_ns = assume_ttl_ns
         self.lock = threading.RLock()
         self.problems: list[str] = []
@@ -180,7 +182,7 @@ class AllocationCache:
             return self._untrusted.copy()
 
     def seen_pod(self, uid: str) -> dict[str, Any] | None:
-        """The pod as the scheduler last sent it to filter (bind gets only its name and UID)."""
+        """The pod filter last decided for, as the apiserver has it (bind gets only its name and UID)."""
         with self.lock:
             return self._mirror.seen(uid)
 

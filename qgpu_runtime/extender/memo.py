@@ -6,23 +6,28 @@
 - ``NeverFits``: per request shape, the nodes that could not take it even empty (preemption
   cannot help: filter reports them unresolvable). It depends only on the shape and the node
   specs, so a burst of identical pods pays once; the cache clears it when the node set changes.
+- ``ParsedRequests``: a pod's parsed GPU request by (UID, resourceVersion), so filter, prioritize
+  and bind parse each version of a pod once, not three times.
 
-Neither holds a lock: the cache's lock guards both.
+The first two hold no lock: the cache's lock guards both. ``ParsedRequests`` has its own, since the
+verbs parse outside the cache's lock.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from qgpu_runtime.model.requests import PodRequest
+from qgpu_runtime.model.requests import CardLimits, PodRequest, parse_pod
 from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.state import ClusterState
 
 NEVER_FITS_SHAPES = 256
+PARSED_PODS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,3 +64,41 @@ class NeverFits:
             while len(self._by_shape) > NEVER_FITS_SHAPES:
                 self._by_shape.popitem(last=False)
         return never
+
+
+class ParsedRequests:
+    """A pod's :func:`parse_pod` by (UID, resourceVersion, limits): the most recent ``PARSED_PODS``.
+
+    For pods **as the apiserver has them** only (the watch's, or a GET's): the apiserver gives every
+    change of a pod a new resourceVersion, so two of its pods with the same UID and version are the
+    same pod and parse the same. Never for a request body's pod, whose version says nothing of its
+    content (extender/trust.py). A pod without a UID or a version is parsed every time; a pod that
+    does not parse raises every time (nothing remembered); the result is immutable.
+    """
+
+    def __init__(self, size: int = PARSED_PODS) -> None:
+        self._size = size
+        self._parsed: OrderedDict[tuple[str, str, CardLimits], PodRequest] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._parsed)
+
+    def of(self, pod: Mapping[str, Any], limits: CardLimits) -> PodRequest:
+        meta = pod.get("metadata") or {}
+        uid, version = meta.get("uid"), meta.get("resourceVersion")
+        if not (isinstance(uid, str) and uid and isinstance(version, str) and version):
+            return parse_pod(pod, limits)
+        key = (uid, version, limits)
+        with self._lock:
+            known = self._parsed.get(key)
+            if known is not None:
+                self._parsed.move_to_end(key)
+                return known
+        request = parse_pod(pod, limits)
+        with self._lock:
+            self._parsed[key] = request
+            self._parsed.move_to_end(key)
+            while len(self._parsed) > self._size:
+                self._parsed.popitem(last=False)
+        return request

@@ -89,7 +89,7 @@ class PodEvents:
             self._bookings.release(state, entry.key)
             return
         try:
-            record = parse_record(entry.record_raw)
+            record = entry.record if entry.record is not None else parse_record(entry.record_raw)
         except RecordError as exc:
             self._report(f"pod {entry.key}: {exc}")
             self._bookings.release(state, entry.key)

@@ -1,7 +1,7 @@
 """The pods' API objects the extender keeps by UID, apart from their bookings.
 
-- ``seen``: the pod as kube-scheduler last sent it to filter (bind gets only its name and UID);
-  the most recent ``SEEN_PODS``;
+- ``seen``: the pod filter last decided for, as the apiserver has it (extender/trust.py resolves
+  the scheduler's body to it; bind gets only its name and UID); the most recent ``SEEN_PODS``;
 - ``unbound``: every unbound live pod as the watch delivered it: the extender takes a pod's
   requests from there, not from the scheduler's request body (extender/trust.py);
 - UID → pod key of the pods the watch delivered, and the UIDs of the last ``GONE_PODS`` pods

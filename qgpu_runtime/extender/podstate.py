@@ -23,8 +23,10 @@ allow, and kube-scheduler schedules it again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
+
+from qgpu_runtime.contract.record import AllocationRecord
 
 _SEPARATOR = "\n"  # never in a node name (a DNS subdomain)
 
@@ -78,6 +80,9 @@ class PodEntry:
     deleting: bool = False  # metadata.deletionTimestamp is set: the pod is terminating
     nominated: str = ""  # status.nominatedNodeName: where kube-scheduler's preemption made room for it
     labels: tuple[tuple[str, str], ...] = ()  # metadata.labels: which PodDisruptionBudgets select it
+    # ``record_raw`` as parsed when its signature was checked (None: not parsed, or malformed): the
+    # booking's sync takes it instead of parsing the same text again
+    record: AllocationRecord | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
     annotations = meta.get("annotations") or {}
     record_raw = annotations.get(ALLOCATION)
     refusal = None
+    record = None
     if record_raw is not None:
         try:
-            trusted_record(pod, verifier)
+            record = trusted_record(pod, verifier)
         except UntrustedRecord as exc:
             refusal, record_raw = str(exc), None
         except RecordError:
@@ -69,6 +70,7 @@ def entry_of(pod: Mapping[str, Any], verifier: RecordVerifier) -> tuple[PodEntry
         nominated=nominated if isinstance(nominated, str) else "",
         labels=tuple(sorted((k, v) for k, v in labels.items() if isinstance(k, str) and isinstance(v, str)))
         if isinstance(labels, Mapping) else (),
+        record=record,
     ), refusal
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME
 from qgpu_runtime.contract.record import RecordError
-from qgpu_runtime.contract.signature import RecordSigner, RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
+from qgpu_runtime.contract.signature import (RecordSigner, RecordVerifier, SigningKeyError, UntrustedRecord, signed_annotations,
+                                             trusted_record)
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.recordkeys import OTHER_SIGNER, SIGNER, VERIFIER, private_pem, signed
@@ -129,6 +130,12 @@ class CountingKey:
     def __init__(self, key) -> None:
         self.key, self.calls = key, 0
 
+    def public_bytes_raw(self) -> bytes:
+        return self.key.public_bytes_raw()
+
+    def public_bytes(self, *args) -> bytes:  # noqa: ANN002
+        return self.key.public_bytes(*args)
+
     def verify(self, signature: bytes, message: bytes) -> None:
         self.calls += 1
         self.key.verify(signature, message)
@@ -167,6 +174,36 @@ def test_the_memory_of_good_signatures_is_bounded(monkeypatch):
     assert key.calls == 6
     trusted_record(pods[4], verifier)  # still remembered
     assert key.calls == 6
+
+
+def test_a_signature_the_extender_makes_is_remembered_by_its_own_verifier_and_not_verified_again():
+    """The bind signs a record, and the watch event that brings it back is checked against the
+    verifier's memory: no verification for what this key's holder just signed."""
+    key = CountingKey(SIGNER.verifier.public_key)
+    verifier = RecordVerifier(key)  # type: ignore[arg-type]
+    record = Placement("gpu-node-1", (ContainerPlacement("c", (CardShare(0, "GPU-a", 300, 4096),)),),
+                       AppClass.NORMAL).record("binpack", BIND_NS)
+    notes = signed_annotations(record, BIND_NS, UID, SIGNER, known_to=verifier)
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": UID, "annotations": notes}, "spec": {"nodeName": "gpu-node-1"}}
+    assert trusted_record(pod, verifier) is not None
+    assert key.calls == 0
+    edited = copy.deepcopy(pod)  # what was signed, not whatever looks like it, is what is remembered
+    edited["metadata"]["annotations"][BIND_TIME] = str(BIND_NS + 1)
+    with pytest.raises(UntrustedRecord, match="does not verify"):
+        trusted_record(edited, verifier)
+    assert key.calls == 1
+
+
+def test_a_signature_made_with_another_key_is_not_remembered_as_good():
+    """Only a signer holding the verifier's key teaches it: another key's signature stays refused."""
+    verifier = RecordVerifier(SIGNER.verifier.public_key)
+    record = Placement("gpu-node-1", (ContainerPlacement("c", (CardShare(0, "GPU-a", 300, 4096),)),),
+                       AppClass.NORMAL).record("binpack", BIND_NS)
+    notes = signed_annotations(record, BIND_NS, UID, OTHER_SIGNER, known_to=verifier)
+    assert not verifier._verified
+    pod = {"metadata": {"name": "p", "namespace": "ns", "uid": UID, "annotations": notes}, "spec": {"nodeName": "gpu-node-1"}}
+    with pytest.raises(UntrustedRecord, match="does not verify"):
+        trusted_record(pod, verifier)
 
 
 @pytest.mark.parametrize("signature", ["ed25519.v1.\ud800" + "A" * 85, "ed25519.v1." + "é" * 86, "ed25519.v1." + "A" * 200])

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from qgpu_runtime.contract.leases import Commitment
-from qgpu_runtime.extender import podmirror
+from qgpu_runtime.extender import memo, podmirror
 from qgpu_runtime.extender.committed import PHANTOM
+from qgpu_runtime.extender.memo import ParsedRequests
 from qgpu_runtime.extender.nodeview import NodeView
 from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.recordtrust import UntrustedRecords
-from qgpu_runtime.model.requests import parse_pod
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, RequestError, parse_pod
 from qgpu_runtime.placement import engine
 from tests.extender.test_kube_cache import SEC, bind_locally, cache, node, pod
 
@@ -144,3 +147,67 @@ def test_a_node_change_keeps_holds_and_binds_in_flight():
     assert {k: c.booking(k) for k in before} == before
     outcome = c.filter(other, parse_pod(other), ["a", "b"], now_ns=2 * SEC)
     assert c.booking("ns/other").node == "b", outcome
+
+
+# -- ParsedRequests: a pod version parsed once for filter, prioritize and bind ----------------------
+
+
+def _versioned(name: str, version: str, core: int = 30) -> dict:
+    p = pod(name, core=core)
+    p["metadata"]["resourceVersion"] = version
+    return p
+
+
+def _counting_parse(monkeypatch) -> list[str]:
+    calls: list[str] = []
+
+    def parse(p, limits):
+        calls.append(p["metadata"]["name"])
+        return parse_pod(p, limits)
+
+    monkeypatch.setattr(memo, "parse_pod", parse)
+    return calls
+
+
+def test_a_pod_version_is_parsed_once_and_a_new_version_again(monkeypatch):
+    calls = _counting_parse(monkeypatch)
+    parsed = ParsedRequests()
+    first = parsed.of(_versioned("p", "7"), DEFAULT_LIMITS)
+    assert parsed.of(_versioned("p", "7"), DEFAULT_LIMITS) is first and calls == ["p"]
+    resized = parsed.of(_versioned("p", "8", core=50), DEFAULT_LIMITS)  # a new version: parsed, not remembered
+    assert resized.containers[0].core_milli == 500 and first.containers[0].core_milli == 300 and calls == ["p", "p"]
+    other_limits = CardLimits(gib_per_shared_pod=8)
+    parsed.of(_versioned("p", "8"), other_limits)  # the limits are part of the answer
+    assert calls == ["p", "p", "p"]
+
+
+def test_a_pod_without_uid_or_version_and_a_pod_that_does_not_parse_are_parsed_every_time(monkeypatch):
+    calls = _counting_parse(monkeypatch)
+    parsed = ParsedRequests()
+    unversioned = pod("u")
+    parsed.of(unversioned, DEFAULT_LIMITS)
+    parsed.of(unversioned, DEFAULT_LIMITS)
+    no_uid = _versioned("n", "3")
+    no_uid["metadata"]["uid"] = ""
+    parsed.of(no_uid, DEFAULT_LIMITS)
+    parsed.of(no_uid, DEFAULT_LIMITS)
+    bad = _versioned("b", "4", core=130)  # more than one card but not whole cards
+    for _ in range(2):
+        with pytest.raises(RequestError):
+            parsed.of(bad, DEFAULT_LIMITS)
+    assert calls == ["u", "u", "n", "n", "b", "b"] and len(parsed) == 0
+
+
+def test_the_parsed_pods_are_bounded_oldest_first(monkeypatch):
+    calls = _counting_parse(monkeypatch)
+    parsed = ParsedRequests(size=3)
+    pods = [_versioned(f"p{i}", "1") for i in range(4)]
+    for p in pods[:3]:
+        parsed.of(p, DEFAULT_LIMITS)
+    parsed.of(pods[0], DEFAULT_LIMITS)  # used again: now the newest
+    parsed.of(pods[3], DEFAULT_LIMITS)  # p1, the least recently used, goes
+    assert len(parsed) == 3
+    calls.clear()
+    parsed.of(pods[0], DEFAULT_LIMITS)
+    parsed.of(pods[1], DEFAULT_LIMITS)
+    assert calls == ["p1"]

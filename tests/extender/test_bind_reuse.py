@@ -1,0 +1,85 @@
+"""What one version of a pod costs the extender (issue 23): filter, prioritize and bind parse it
+once, and the watch event that brings the bind's own signed record back is not verified again —
+while a forged body is still never parsed into what is remembered."""
+
+from __future__ import annotations
+
+import json
+
+from qgpu_runtime.contract.signature import RecordVerifier
+from qgpu_runtime.extender.app import ExtenderApp
+from qgpu_runtime.extender.binder import Binder
+from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.model import requests
+from qgpu_runtime.model.requests import DEFAULT_LIMITS
+from qgpu_runtime.placement.policies import make_policy
+from tests.contract.test_record_signature import CountingKey
+from tests.extender.test_binder_faults import api_at
+from tests.extender.test_extender_trust import bind_body, filter_body
+from tests.extender.test_kube_cache import SEC, node, pod
+from tests.recordkeys import SIGNER
+
+
+def _versioned(name: str, version: str, core: int = 30) -> dict:
+    p = pod(name, core=core)
+    p["metadata"]["resourceVersion"] = version
+    return p
+
+
+def _app(key: CountingKey, *pods: dict) -> ExtenderApp:
+    cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=60 * SEC,
+                            verifier=RecordVerifier(key))  # type: ignore[arg-type]
+    cache.replace_nodes([node("a"), node("b")])
+    cache.replace_pods(list(pods))
+    cache.synced.set()  # as the watch feeder sets it once every kind has listed
+    # no apiserver behind it: the Binding call is replaced in the test that binds
+    binder = Binder(api_at("http://127.0.0.1:9"), cache, DEFAULT_LIMITS, signer=SIGNER)
+    return ExtenderApp(cache, binder, DEFAULT_LIMITS)
+
+
+def test_one_pod_version_is_parsed_once_for_filter_prioritize_and_bind_and_its_record_not_verified_again(monkeypatch):
+    parsed: list[str] = []  # every parse of a container, whoever parses (the module's own, not an import)
+    container = requests._parse_container
+
+    def counting(collector, spec, *args):  # noqa: ANN002
+        parsed.append(spec["name"])
+        return container(collector, spec, *args)
+
+    monkeypatch.setattr(requests, "_parse_container", counting)
+    key = CountingKey(SIGNER.verifier.public_key)
+    real = _versioned("p", "11")
+    app = _app(key, real)
+    written: dict[str, str] = {}
+    assert app.binder is not None
+    monkeypatch.setattr(app.binder.pods, "create_binding", lambda ns, name, uid, node_name, notes: written.update(notes))
+    assert app.handle("filter", filter_body(real))[1]["NodeNames"] == ["a", "b"]
+    status, scores = app.handle("prioritize", filter_body(real))
+    assert status == 200 and [s["Host"] for s in json.loads(bytes(scores))] == ["a", "b"]
+    status, doc = app.handle("bind", bind_body(real, "a"))
+    assert status == 200 and doc["Error"] == ""
+    assert parsed == ["c"]  # the pod's one container, once
+    # the watch brings the bind back: the Binding's annotations on the pod, now bound to a
+    bound = {**real, "metadata": {**real["metadata"], "resourceVersion": "12", "annotations": dict(written)},
+             "spec": {**real["spec"], "nodeName": "a"}}
+    app.cache.apply_pod("MODIFIED", bound)
+    booked = app.cache.booking("ns/p")
+    assert booked is not None and booked.node == "a" and booked.gpu_milli == 300
+    assert key.calls == 0
+    # the same event to a cache that did not sign it: verified (what the one above was spared)
+    other_key = CountingKey(SIGNER.verifier.public_key)
+    _app(other_key).cache.apply_pod("MODIFIED", bound)
+    assert other_key.calls == 1
+
+
+def test_a_forged_body_with_the_real_pod_s_uid_and_version_does_not_plant_its_request():
+    """The memory holds only pods as the apiserver has them: a body is never parsed into it."""
+    key = CountingKey(SIGNER.verifier.public_key)
+    real = _versioned("p", "5", core=200)  # two whole cards
+    app = _app(key, real)
+    forged = _versioned("p", "5", core=10)  # same name, UID and version; 10 % of one card
+    status, doc = app.handle("filter", filter_body(forged))
+    assert "asks for other resources than the pod in the apiserver" in doc["Error"]
+    assert len(app.cache.requests) == 0
+    app.handle("filter", filter_body(real))
+    held = app.cache.booking("ns/p")
+    assert held is not None and held.gpu_milli == 2000 and len(app.cache.requests) == 1
