@@ -91,6 +91,7 @@ def main() -> int:
     pods, bodies = [], []
     for i in range(args.pods + WARM_UP):
         p = pod(f"lat-{i}", core=25, memory=4)
+        p["metadata"]["resourceVersion"] = str(3 * i + 1)  # as the apiserver's pods carry one; 3i+2 bound, 3i+3 Running
         cache.apply_pod("ADDED", p)
         pods.append(p)
         bodies.append(json.dumps({"Pod": p, "Nodes": None, "NodeNames": names}).encode())
@@ -134,11 +135,11 @@ def main() -> int:
                 raise SystemExit(f"pod {meta['name']}: bind refused: {result['Error']}")
             note("bind", w, c)
             annotations = dict((server.last.get("metadata") or {}).get("annotations") or {})
-            bound = {**p, "metadata": {**meta, "annotations": annotations, "resourceVersion": str(2 * i + 2)},
+            bound = {**p, "metadata": {**meta, "annotations": annotations, "resourceVersion": str(3 * i + 2)},
                      "spec": {**p["spec"], "nodeName": best}}
             _, w, c = timed(cache.apply_pod, "MODIFIED", bound)
             note("watch_bound", w, c)
-            running = {**bound, "metadata": {**bound["metadata"], "resourceVersion": str(2 * i + 3)},
+            running = {**bound, "metadata": {**bound["metadata"], "resourceVersion": str(3 * i + 3)},
                        "status": {"phase": "Running"}}
             _, w, c = timed(cache.apply_pod, "MODIFIED", running)
             note("watch_running", w, c)
