@@ -10,8 +10,7 @@ import pytest
 
 from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME
 from qgpu_runtime.contract.record import RecordError
-from qgpu_runtime.contract.signature import (RecordSigner, RecordVerifier, SigningKeyError, UntrustedRecord, signed_annotations,
-                                             trusted_record)
+from qgpu_runtime.contract.signature import RecordSigner, RecordVerifier, SigningKeyError, UntrustedRecord, signed_annotations, trusted_record
 from qgpu_runtime.model.requests import AppClass
 from qgpu_runtime.placement.state import CardShare, ContainerPlacement, Placement
 from tests.recordkeys import OTHER_SIGNER, SIGNER, VERIFIER, private_pem, signed
