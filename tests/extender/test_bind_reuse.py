@@ -20,12 +20,6 @@ from tests.extender.test_kube_cache import SEC, node, pod
 from tests.recordkeys import SIGNER
 
 
-def _versioned(name: str, version: str, core: int = 30) -> dict:
-    p = pod(name, core=core)
-    p["metadata"]["resourceVersion"] = version
-    return p
-
-
 def _app(key: CountingKey, *pods: dict) -> ExtenderApp:
     cache = AllocationCache(make_policy("binpack"), "binpack", assume_ttl_ns=60 * SEC,
                             verifier=RecordVerifier(key))  # type: ignore[arg-type]
@@ -47,7 +41,7 @@ def test_one_pod_version_is_parsed_once_for_filter_prioritize_and_bind_and_its_r
 
     monkeypatch.setattr(requests, "_parse_container", counting)
     key = CountingKey(SIGNER.verifier.public_key)
-    real = _versioned("p", "11")
+    real = pod("p", version="11")
     app = _app(key, real)
     written: dict[str, str] = {}
     assert app.binder is not None
@@ -74,9 +68,9 @@ def test_one_pod_version_is_parsed_once_for_filter_prioritize_and_bind_and_its_r
 def test_a_forged_body_with_the_real_pod_s_uid_and_version_does_not_plant_its_request():
     """The memory holds only pods as the apiserver has them: a body is never parsed into it."""
     key = CountingKey(SIGNER.verifier.public_key)
-    real = _versioned("p", "5", core=200)  # two whole cards
+    real = pod("p", core=200, version="5")  # two whole cards
     app = _app(key, real)
-    forged = _versioned("p", "5", core=10)  # same name, UID and version; 10 % of one card
+    forged = pod("p", core=10, version="5")  # same name, UID and version; 10 % of one card
     status, doc = app.handle("filter", filter_body(forged))
     assert "asks for other resources than the pod in the apiserver" in doc["Error"]
     assert len(app.cache.requests) == 0

@@ -152,11 +152,6 @@ def test_a_node_change_keeps_holds_and_binds_in_flight():
 # -- ParsedRequests: a pod version parsed once for filter, prioritize and bind ----------------------
 
 
-def _versioned(name: str, version: str, core: int = 30) -> dict:
-    p = pod(name, core=core)
-    p["metadata"]["resourceVersion"] = version
-    return p
-
 
 def _counting_parse(monkeypatch) -> list[str]:
     calls: list[str] = []
@@ -172,12 +167,12 @@ def _counting_parse(monkeypatch) -> list[str]:
 def test_a_pod_version_is_parsed_once_and_a_new_version_again(monkeypatch):
     calls = _counting_parse(monkeypatch)
     parsed = ParsedRequests()
-    first = parsed.of(_versioned("p", "7"), DEFAULT_LIMITS)
-    assert parsed.of(_versioned("p", "7"), DEFAULT_LIMITS) is first and calls == ["p"]
-    resized = parsed.of(_versioned("p", "8", core=50), DEFAULT_LIMITS)  # a new version: parsed, not remembered
+    first = parsed.of(pod("p", version="7"), DEFAULT_LIMITS)
+    assert parsed.of(pod("p", version="7"), DEFAULT_LIMITS) is first and calls == ["p"]
+    resized = parsed.of(pod("p", core=50, version="8"), DEFAULT_LIMITS)  # a new version: parsed, not remembered
     assert resized.containers[0].core_milli == 500 and first.containers[0].core_milli == 300 and calls == ["p", "p"]
     other_limits = CardLimits(gib_per_shared_pod=8)
-    parsed.of(_versioned("p", "8"), other_limits)  # the limits are part of the answer
+    parsed.of(pod("p", version="8"), other_limits)  # the limits are part of the answer
     assert calls == ["p", "p", "p"]
 
 
@@ -187,11 +182,11 @@ def test_a_pod_without_uid_or_version_and_a_pod_that_does_not_parse_are_parsed_e
     unversioned = pod("u")
     parsed.of(unversioned, DEFAULT_LIMITS)
     parsed.of(unversioned, DEFAULT_LIMITS)
-    no_uid = _versioned("n", "3")
+    no_uid = pod("n", version="3")
     no_uid["metadata"]["uid"] = ""
     parsed.of(no_uid, DEFAULT_LIMITS)
     parsed.of(no_uid, DEFAULT_LIMITS)
-    bad = _versioned("b", "4", core=130)  # more than one card but not whole cards
+    bad = pod("b", core=130, version="4")  # more than one card but not whole cards
     for _ in range(2):
         with pytest.raises(RequestError):
             parsed.of(bad, DEFAULT_LIMITS)
@@ -201,7 +196,7 @@ def test_a_pod_without_uid_or_version_and_a_pod_that_does_not_parse_are_parsed_e
 def test_the_parsed_pods_are_bounded_oldest_first(monkeypatch):
     calls = _counting_parse(monkeypatch)
     parsed = ParsedRequests(size=3)
-    pods = [_versioned(f"p{i}", "1") for i in range(4)]
+    pods = [pod(f"p{i}", version="1") for i in range(4)]
     for p in pods[:3]:
         parsed.of(p, DEFAULT_LIMITS)
     parsed.of(pods[0], DEFAULT_LIMITS)  # used again: now the newest

@@ -25,11 +25,15 @@ def node(name: str, n_cards: int = 2, memory_mib: int = 32768, model: str = "V10
 
 
 def pod(name: str, core: int = 30, memory: int = 8, uid: str | None = None, node_name: str = "",
-        annotations: dict | None = None) -> dict:
+        annotations: dict | None = None, version: str | None = None) -> dict:
+    """``version``: the resourceVersion the apiserver would have given it (none by default)."""
     limits = {"tke.cloud.tencent.com/qgpu-core": str(core)}
     if memory:
         limits["tke.cloud.tencent.com/qgpu-memory"] = str(memory)
-    return {"metadata": {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}", "annotations": annotations or {}},
+    meta = {"name": name, "namespace": "ns", "uid": uid or f"uid-{name}", "annotations": annotations or {}}
+    if version is not None:
+        meta["resourceVersion"] = version
+    return {"metadata": meta,
             "spec": {"nodeName": node_name, "containers": [{"name": "c", "resources": {"limits": limits}}]},
             "status": {"phase": "Pending"}}
 
