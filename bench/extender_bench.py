@@ -36,11 +36,16 @@
    default) and with HTTP/1.1 only, the arms reversed every other round. Reported per arm: pods/s,
    ratio to its round's baseline, net CPU per pod, connections the extender accepted during the
    run; and HTTP/2 over HTTP/1.1 per round.
+7. With --compare-source DIR (only this is run): --rounds rounds, each a baseline without the
+   extender, then qgpu's extender from this checkout and from DIR (a worktree of the revision to
+   compare with), the two reversed every other round; reported per arm: pods/s, ratio to the
+   round's baseline, the extender's own CPU per pod; and this checkout's over DIR's per round.
 
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
      [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
      .venv/bin/python bench/extender_bench.py --compare-commitments --nodes 100 --pods 300
      .venv/bin/python bench/extender_bench.py --compare-http2 4 --nodes 400 --pods 300
+     git worktree add /tmp/rev REV && .venv/bin/python bench/extender_bench.py --compare-source /tmp/rev --nodes 400 --pods 300
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
 
@@ -663,6 +668,10 @@ def main() -> int:
                              "others (the extender on cores of its own, as in its own pod on a bigger control-plane node)")
     parser.add_argument("--compare-commitments", action="store_true",
                         help="only compare throughput with node commitments off, on and off again")
+    parser.add_argument("--compare-source", type=Path, metavar="DIR",
+                        help="only compare qgpu's extender from this checkout with the one from DIR (another checkout "
+                             "or worktree of the project), --rounds rounds, each with its own baseline")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds of --compare-source (default 4)")
     parser.add_argument("--compare-http2", type=int, default=0, metavar="ROUNDS",
                         help="only compare throughput with HTTP/2 offered and with HTTP/1.1 only, qgpu's extender and the "
                              "null one, over ROUNDS rounds each with its own baseline")
@@ -697,10 +706,20 @@ def main() -> int:
     # Every arm's pods stay bound (each arm has a namespace of its own): the nodes must hold them
     # all, or an arm waits out its 600 s for pods that cannot fit.
     # (with peers, the plain-HTTP and best arms are left out and HAMi's pods ask HAMi's resources)
+    if args.compare_source is not None:
+        if not (args.compare_source / "qgpu_runtime" / "cli.py").is_file():
+            parser.error(f"--compare-source {args.compare_source}: not a checkout of this project (no qgpu_runtime/cli.py in it)")
+        if args.compare_source.resolve() == ROOT.resolve():
+            parser.error(f"--compare-source {args.compare_source}: is this checkout; name another one (a worktree of the "
+                         "revision to compare with: git worktree add DIR REV)")
+        if args.rounds < 1 or args.compare_http2 or args.compare_commitments:
+            parser.error("--compare-source: --rounds must be >= 1, and it runs alone (not with --compare-http2 or "
+                         "--compare-commitments)")
     if args.compare_http2 < 0:
         parser.error(f"--compare-http2 {args.compare_http2}: must be >= 1 (rounds), or 0 for the full benchmark")
     arms = (len(COMMITMENT_ARMS) + 2 if args.compare_commitments else
-            (len(HTTP2_ARMS) + 1) * args.compare_http2 if args.compare_http2 else (4 if peers else 6))
+            (len(HTTP2_ARMS) + 1) * args.compare_http2 if args.compare_http2 else
+            (len(SOURCE_ARMS) + 1) * args.rounds if args.compare_source is not None else (4 if peers else 6))
     per_node = min(100 * CARDS // 25, 32 * CARDS // 4, 250)  # each pod asks qgpu-core 25, qgpu-memory 4
     if arms * pods > args.nodes * per_node:
         parser.error(f"--pods {pods} in {arms} throughput arms needs room for {arms * pods} pods; --nodes {args.nodes} "
@@ -712,6 +731,8 @@ def main() -> int:
         return compare_commitments(args)
     if args.compare_http2:
         return compare_http2(args)
+    if args.compare_source is not None:
+        return compare_source(args)
     cp, version = new_plane("qgpu-bench-")
     extender = None
     hami: hami_peer.HamiScheduler | None = None
@@ -970,6 +991,64 @@ def compare_http2(args: argparse.Namespace) -> int:
     finally:
         cp.stop()
     return finish(result, "extender_bench.py", args.json, http2_markdown if args.markdown else None)
+
+
+SOURCE_ARMS = ("qgpu", "source")
+
+
+def source_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """``--compare-source``: per round, this checkout's extender over the other's (pods/s; own CPU
+    per pod), paired within the round so the machine's drift between rounds cancels; and each
+    arm's mean pods/s, ratio to its round's baseline and own CPU per pod."""
+    out: dict[str, Any] = {}
+    for arm in SOURCE_ARMS:
+        runs = [r for r in rounds if arm in r]
+        if runs:
+            out[arm] = {"pods_per_s": round(statistics.mean(r[arm]["pods_per_s"] for r in runs), 1),
+                        "ratio_to_baseline": round(statistics.mean(r[arm]["pods_per_s"] / r["without_extender"]["pods_per_s"]
+                                                                   for r in runs), 3),
+                        "cpu_ms_per_pod_extender": round(statistics.mean(r[arm]["net_cpu_ms_per_pod"]["qgpu-extender"]
+                                                                         for r in runs), 2)}
+    paired = [r for r in rounds if all(a in r for a in SOURCE_ARMS)]
+    out["qgpu_over_source_pods_per_s"] = [round(r["qgpu"]["pods_per_s"] / r["source"]["pods_per_s"], 3) for r in paired]
+    out["qgpu_over_source_extender_cpu"] = [round(r["qgpu"]["net_cpu_ms_per_pod"]["qgpu-extender"]
+                                                  / r["source"]["net_cpu_ms_per_pod"]["qgpu-extender"], 3) for r in paired]
+    return out
+
+
+def compare_source(args: argparse.Namespace) -> int:
+    """``--compare-source DIR``: ``--rounds`` rounds on one control plane, each a baseline without
+    the extender and then qgpu's extender from this checkout and from DIR (another checkout or
+    worktree, its code run with the same interpreter and flags: HTTP/2 offered), the two arms'
+    order reversed every other round: a change's effect under the real control plane, paired."""
+    cp, version = new_plane("qgpu-bench-")
+    result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "nodes": args.nodes, "pods": args.pods,
+                              "source": str(args.compare_source), "rounds": []}
+    holds = ("--max-holds", str(max(1000, args.pods)))
+    try:
+        with control_plane_cpus():
+            cp.start()
+        api = client.CoreV1Api(admin_client(cp))
+        make_nodes(api, 0, args.nodes)
+        for n in range(args.rounds):
+            round_: dict[str, Any] = {"without_extender": throughput(cp, api, [], args.pods)}
+            for arm in (SOURCE_ARMS if n % 2 == 0 else tuple(reversed(SOURCE_ARMS))):
+                source = ROOT if arm == "qgpu" else args.compare_source
+                server = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=holds,
+                                         name=f"qgpu-extender-{arm}", source=source)
+                server.start()
+                try:
+                    ext = [server.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
+                    round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, server)
+                finally:
+                    cp.stop_scheduler()
+                    server.stop()
+                print(f"extender_bench: round {n} {arm}: {round_[arm]['pods_per_s']} pods/s", file=sys.stderr, flush=True)
+            result["rounds"].append(round_)
+        result["summary"] = source_summary(result["rounds"])
+    finally:
+        cp.stop()
+    return finish(result, "extender_bench.py", args.json)
 
 
 def http2_markdown(r: dict[str, Any]) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from bench.extender_bench import WATCHER_CLOSED, bind_times, count_lines
 
 
@@ -71,3 +73,43 @@ def test_http2_comparison_is_summarised_per_arm_and_paired_per_round():
     assert summary["qgpu_http2_over_http1"] == [1.2, 1.0]  # paired within each round
     assert summary["null_http2_over_http1"] == [1.2]  # the second round has no null arms
     assert summary["null_http1"]["pods_per_s"] == 200.0
+
+
+def test_a_comparison_with_another_checkout_is_paired_per_round():
+    from bench.extender_bench import source_summary
+
+    def arm(rate: float, own_cpu: float) -> dict:
+        return {"pods_per_s": rate, "net_cpu_ms_per_pod": {"all": 3 * own_cpu, "qgpu-extender": own_cpu}}
+
+    rounds = [
+        {"without_extender": {"pods_per_s": 500.0}, "qgpu": arm(150, 4.0), "source": arm(125, 5.0)},
+        {"without_extender": {"pods_per_s": 300.0}, "source": arm(90, 6.0), "qgpu": arm(90, 4.8)},
+        {"without_extender": {"pods_per_s": 400.0}, "qgpu": arm(100, 4.4)},  # a round cut short: no pair
+    ]
+    summary = source_summary(rounds)
+    assert summary["qgpu_over_source_pods_per_s"] == [1.2, 1.0]
+    assert summary["qgpu_over_source_extender_cpu"] == [0.8, 0.8]
+    assert summary["qgpu"]["pods_per_s"] == 113.3 and summary["qgpu"]["cpu_ms_per_pod_extender"] == 4.4
+    assert summary["source"]["ratio_to_baseline"] == 0.275  # (125/500 + 90/300) / 2
+
+
+@pytest.mark.parametrize("argv, rule", [
+    (["--compare-source", "/nonexistent"], "not a checkout of this project"),
+    (["--compare-source", "."], "is this checkout"),
+    (["--compare-source", "{other}", "--rounds", "0"], "--rounds must be >= 1"),
+    (["--compare-source", "{other}", "--compare-http2", "2"], "runs alone"),
+])
+def test_a_comparison_source_that_cannot_be_compared_is_refused_before_anything_starts(argv, rule, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from bench import extender_bench
+
+    other = tmp_path / "other"
+    (other / "qgpu_runtime").mkdir(parents=True)
+    (other / "qgpu_runtime" / "cli.py").write_text("")
+    monkeypatch.chdir(extender_bench.ROOT)
+    monkeypatch.setattr(extender_bench, "new_plane", lambda prefix: pytest.fail("a control plane was started"))
+    monkeypatch.setattr(sys, "argv", ["extender_bench.py", *(a.replace("{other}", str(other)) for a in argv)])
+    with pytest.raises(SystemExit) as exited:
+        extender_bench.main()
+    assert exited.value.code == 2 and rule in capsys.readouterr().err

@@ -333,6 +333,7 @@ class QgpuServer:
     process: Process | None = None
     client_cert: KeyPair | None = None  # what kube-scheduler presents to an extender with a client CA
     module: str = "qgpu_runtime.cli"  # what `python -m` runs (bench/null_extender.py: bench.null_extender)
+    source: Path = ROOT  # the checkout whose code runs (bench/extender_bench.py --compare-source: another one)
 
     @property
     def url(self) -> str:
@@ -369,9 +370,9 @@ class QgpuServer:
 
         log = self.workdir / f"{self.name}.log"
         handle = open(log, "ab")
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(self.source)}
         popen = subprocess.Popen([sys.executable, "-m", self.module, *self.argv], stdout=handle,
-                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=ROOT, env=env,
+                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=self.source, env=env,
                                  start_new_session=True, preexec_fn=_die_with_parent)
         handle.close()
         self.process = Process(self.name, popen, log)
@@ -402,9 +403,10 @@ class QgpuServer:
 
 def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = True, port: int | None = None,
                     assume_timeout: float = 30.0, filter_result: str = "all", kubeconfig: Path | None = None,
-                    extra_args: Iterable[str] = (), name: str = "qgpu-extender") -> QgpuServer:
+                    extra_args: Iterable[str] = (), name: str = "qgpu-extender", source: Path = ROOT) -> QgpuServer:
     """`qgpu extender serve` against ``cp`` (as the cluster admin unless another ``kubeconfig`` is given);
-    ``extra_args`` are appended to its command line, ``name`` names its log.
+    ``extra_args`` are appended to its command line, ``name`` names its log, ``source`` is the
+    checkout whose code runs (this one unless a benchmark compares another).
 
     ``tls``: HTTPS with client certificates, as in production: a CA of the extender's own (not the
     cluster's, whose admin certificate would otherwise pass) signs its serving certificate and the
@@ -416,12 +418,12 @@ def extender_server(cp: ControlPlane, *, priority: str = "binpack", tls: bool = 
             "--kubeconfig", str(kubeconfig or cp.admin_kubeconfig), "--assume-timeout", str(assume_timeout),
             "--filter-result", filter_result, "--record-signing-key", str(signing_key), *extra_args]
     if not tls:
-        return QgpuServer(name, [*argv, "--insecure-plain-http"], cp.workdir, port, "http")
+        return QgpuServer(name, [*argv, "--insecure-plain-http"], cp.workdir, port, "http", source=source)
     ca = extender_ca(cp)
     pair = ca.issue("extender", "qgpu-extender", server=True, hosts=("127.0.0.1", "localhost"))
     scheduler = ca.issue("kube-scheduler", "system:kube-scheduler", client=True)
     argv += ["--tls-cert-file", str(pair.cert), "--tls-private-key-file", str(pair.key), "--client-ca-file", str(ca.cert_path)]
-    return QgpuServer(name, argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler)
+    return QgpuServer(name, argv, cp.workdir, port, "https", ca.cert_path, client_cert=scheduler, source=source)
 
 
 def extender_ca(cp: ControlPlane) -> CertificateAuthority:
