@@ -952,44 +952,56 @@ def http2_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def compare_http2(args: argparse.Namespace) -> int:
-    """``--compare-http2 N``: N rounds on one control plane, each a baseline without the extender
-    and then qgpu's extender and the null extender with HTTP/2 offered and with HTTP/1.1 only, the
-    arms' order reversed every other round."""
+def paired_rounds(args: argparse.Namespace, rounds: int, arms: tuple[str, ...],
+                  server_for: Callable[[ControlPlane, str, tuple[str, ...]], tuple[QgpuServer, str | None]],
+                  **about: Any) -> dict[str, Any]:
+    """``rounds`` rounds on one control plane, each a baseline without the extender and then one
+    run per arm, the arms' order reversed every other round (paired within a round, so the
+    machine's drift between rounds cancels). ``server_for(cp, arm, holds)`` gives the arm's server
+    and the name of its process in the CPU figures (None: qgpu's extender, whose metrics are read)."""
     cp, version = new_plane("qgpu-bench-")
     result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "nodes": args.nodes, "pods": args.pods,
-                              "rounds": []}
+                              **about, "rounds": []}
     holds = ("--max-holds", str(max(1000, args.pods)))
     try:
         with control_plane_cpus():
             cp.start()
         api = client.CoreV1Api(admin_client(cp))
         make_nodes(api, 0, args.nodes)
-        for n in range(args.compare_http2):
+        for n in range(rounds):
             round_: dict[str, Any] = {"without_extender": throughput(cp, api, [], args.pods)}
-            for arm in (HTTP2_ARMS if n % 2 == 0 else tuple(reversed(HTTP2_ARMS))):
-                http2 = "on" if arm.endswith("http2") else "off"
-                if arm.startswith("qgpu"):
-                    server = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=(*holds, "--http2", http2))
-                else:
-                    server = null_extender_server(cp)
-                    server.argv += ["--http2", http2]
+            for arm in (arms if n % 2 == 0 else tuple(reversed(arms))):
+                server, name = server_for(cp, arm, holds)
                 server.start()
                 try:
                     ext = [server.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
-                    if arm.startswith("qgpu"):
-                        round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, server)
-                    else:
-                        round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, None,
-                                                 extender_name="null-extender")
+                    pid = server.process.popen.pid
+                    round_[arm] = (throughput(cp, api, ext, args.pods, pid, server) if name is None else
+                                   throughput(cp, api, ext, args.pods, pid, None, extender_name=name))
                 finally:
                     cp.stop_scheduler()
                     server.stop()
                 print(f"extender_bench: round {n} {arm}: {round_[arm]['pods_per_s']} pods/s", file=sys.stderr, flush=True)
             result["rounds"].append(round_)
-        result["summary"] = http2_summary(result["rounds"])
     finally:
         cp.stop()
+    return result
+
+
+def compare_http2(args: argparse.Namespace) -> int:
+    """``--compare-http2 N``: N rounds (:func:`paired_rounds`) of qgpu's extender and the null
+    extender with HTTP/2 offered and with HTTP/1.1 only."""
+
+    def server_for(cp: ControlPlane, arm: str, holds: tuple[str, ...]) -> tuple[QgpuServer, str | None]:
+        http2 = "on" if arm.endswith("http2") else "off"
+        if arm.startswith("qgpu"):
+            return extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=(*holds, "--http2", http2)), None
+        server = null_extender_server(cp)
+        server.argv += ["--http2", http2]
+        return server, "null-extender"
+
+    result = paired_rounds(args, args.compare_http2, HTTP2_ARMS, server_for)
+    result["summary"] = http2_summary(result["rounds"])
     return finish(result, "extender_bench.py", args.json, http2_markdown if args.markdown else None)
 
 
@@ -1017,37 +1029,17 @@ def source_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def compare_source(args: argparse.Namespace) -> int:
-    """``--compare-source DIR``: ``--rounds`` rounds on one control plane, each a baseline without
-    the extender and then qgpu's extender from this checkout and from DIR (another checkout or
-    worktree, its code run with the same interpreter and flags: HTTP/2 offered), the two arms'
-    order reversed every other round: a change's effect under the real control plane, paired."""
-    cp, version = new_plane("qgpu-bench-")
-    result: dict[str, Any] = {"kubernetes": version, "priority": args.priority, "nodes": args.nodes, "pods": args.pods,
-                              "source": str(args.compare_source), "rounds": []}
-    holds = ("--max-holds", str(max(1000, args.pods)))
-    try:
-        with control_plane_cpus():
-            cp.start()
-        api = client.CoreV1Api(admin_client(cp))
-        make_nodes(api, 0, args.nodes)
-        for n in range(args.rounds):
-            round_: dict[str, Any] = {"without_extender": throughput(cp, api, [], args.pods)}
-            for arm in (SOURCE_ARMS if n % 2 == 0 else tuple(reversed(SOURCE_ARMS))):
-                source = ROOT if arm == "qgpu" else args.compare_source
-                server = extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=holds,
-                                         name=f"qgpu-extender-{arm}", source=source)
-                server.start()
-                try:
-                    ext = [server.scheduler_config(managed_resources=MANAGED_RESOURCES, timeout="30s")]
-                    round_[arm] = throughput(cp, api, ext, args.pods, server.process.popen.pid, server)
-                finally:
-                    cp.stop_scheduler()
-                    server.stop()
-                print(f"extender_bench: round {n} {arm}: {round_[arm]['pods_per_s']} pods/s", file=sys.stderr, flush=True)
-            result["rounds"].append(round_)
-        result["summary"] = source_summary(result["rounds"])
-    finally:
-        cp.stop()
+    """``--compare-source DIR``: ``--rounds`` rounds (:func:`paired_rounds`) of qgpu's extender
+    from this checkout and from DIR (another checkout or worktree, its code run with the same
+    interpreter and flags, HTTP/2 offered): a change's effect under the real control plane."""
+
+    def server_for(cp: ControlPlane, arm: str, holds: tuple[str, ...]) -> tuple[QgpuServer, str | None]:
+        source = ROOT if arm == "qgpu" else args.compare_source
+        return extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=holds,
+                               name=f"qgpu-extender-{arm}", source=source), None
+
+    result = paired_rounds(args, args.rounds, SOURCE_ARMS, server_for, source=str(args.compare_source))
+    result["summary"] = source_summary(result["rounds"])
     return finish(result, "extender_bench.py", args.json)
 
 
