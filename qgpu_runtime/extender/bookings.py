@@ -86,6 +86,11 @@ class Bookings:
                     del self._by_node[placement.node]
         return placement
 
+    def keep_hold(self, key: str) -> None:
+        """The pod's hold becomes its booking as it is: the hold ends, the cards stay booked."""
+        self._pods.unhold(key)
+        self.version += 1
+
     def drop_holds(self, state: ClusterState, node: str) -> None:
         """Release filter's tentative holds on ``node`` (a record or a commitment needs the room)."""
         for held in [k for k, _ in self._pods.holds() if (b := state.bookings.get(k)) and b.node == node]:

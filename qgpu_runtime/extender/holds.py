@@ -106,7 +106,7 @@ class HoldGate:
         except (engine.Unschedulable, StateError) as exc:
             log.warning("pod %s: could not hold %s after filter: %s", key, best, exc)
             return None
-        self._pods.hold(key, now_ns)
+        self._pods.hold(key, now_ns, request)
         return best
 
     def expire(self, state: ClusterState, now_ns: int, ttl_ns: int) -> None:

@@ -163,7 +163,7 @@ class Nominations:
         except (engine.Unschedulable, StateError) as exc:
             self._report(f"pod {key}: its victims on {offer.node} left, but it does not fit there: {exc}")
             return
-        self._pods.hold(key, offer.since_ns)
+        self._pods.hold(key, offer.since_ns, offer.request)
 
     def set_aside(self, state: ClusterState, preemptor: str) -> list[tuple[str, Placement]]:
         """Release the preemptor's surrogates for one decision of its own (its filter)."""

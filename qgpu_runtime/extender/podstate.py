@@ -2,7 +2,9 @@
 
 For one pod key the extender remembers up to five things, each with its own lifetime:
 - ``entry``: the pod's last watch event (its record, node, bind time, phase);
-- ``held_since``: filter held its best node's cards for it (a guess until the bind);
+- ``held_since``: filter held its best node's cards for it (a guess until the bind), with
+  ``held_for``, the request those cards were chosen for (a bind of the same request to that node
+  takes them as they are: reservations.py);
 - ``authorization``: the nodes filter passed for it, so a bind elsewhere is refused;
 - ``pinned``: the record our own bind is writing; older events cannot overwrite its booking;
 - ``stale``: a record known dead (expired, or given up by the scheduler), never booked again.
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 from qgpu_runtime.contract.record import AllocationRecord
+from qgpu_runtime.model.requests import PodRequest
 
 _SEPARATOR = "\n"  # never in a node name (a DNS subdomain)
 
@@ -113,6 +116,7 @@ class PodState:
     key: str
     entry: PodEntry | None = None
     held_since: int | None = None
+    held_for: PodRequest | None = None
     authorization: BindAuthorization | None = None
     pinned: str | None = None
     stale: str | None = None
@@ -165,14 +169,21 @@ class PodStates:
     def held(self, key: str) -> bool:
         return key in self._held
 
-    def hold(self, key: str, now_ns: int) -> None:
-        self._of(key).held_since = now_ns
+    def hold(self, key: str, now_ns: int, request: PodRequest | None = None) -> None:
+        """``request``: what the held cards were chosen for (None: not known to be the pod's)."""
+        state = self._of(key)
+        state.held_since, state.held_for = now_ns, request
         self._held.add(key)
+
+    def held_for(self, key: str) -> PodRequest | None:
+        """The request pod ``key``'s hold was chosen for; None when it holds nothing or it is not known."""
+        state = self._by_key.get(key)
+        return state.held_for if state is not None and state.held_since is not None else None
 
     def unhold(self, key: str) -> None:
         state = self._by_key.get(key)
         if state is not None and state.held_since is not None:
-            state.held_since = None
+            state.held_since = state.held_for = None
             self._held.discard(key)
             self._tidy(state)
 

@@ -2,7 +2,9 @@
 
 :meth:`Reservations.reserve` books the pod on one node, steering around what other binders
 committed there (their commitments are booked for that one decision only, and filter's tentative
-holds on the node yield to them); the booking is *pinned* until the watch delivers the record our
+holds on the node yield to them). When filter held the pod's cards on that very node for the same
+request and no other binder's commitment is to be steered around, the hold becomes the booking as
+it is, without deciding again. The booking is *pinned* until the watch delivers the record our
 bind wrote (podevents.py). :meth:`Reservations.unreserve` undoes it after a failed bind.
 
 Not thread-safe on its own: the cache's lock guards it.
@@ -42,6 +44,32 @@ class Reservations:
         node cannot take the pod (any more)."""
         state = self._state()
         self._pods.unpin(key)
+        placement = self._held_here(state, key, request, node) if not others else None
+        if placement is not None:
+            self._bookings.keep_hold(key)
+        else:
+            placement = self._place(state, key, request, node, others)
+        record = placement.record(self.policy_name, now_ns)
+        self._pods.pin(key, record.to_json())
+        self._pods.clear_stale(key)
+        return record
+
+    def _held_here(self, state: ClusterState, key: str, request: PodRequest, node: str) -> Placement | None:
+        """Filter's hold of the pod when it is on ``node`` and was chosen for this very request.
+
+        Its cards are booked in this state already, so every decision since was made around them,
+        and they are what :func:`engine.place` on the node picked for the request at filter time;
+        deciding again would cost the placement engine once more per bind (docs/benchmarks.md,
+        issue 23) for, at most, other cards of the same node. With other binders' commitments to
+        steer around (``others``), or when the request or the node differ, the bind decides anew."""
+        held = state.bookings.get(key)
+        if held is None or held.node != node or not self._pods.held(key) or self._pods.held_for(key) != request:
+            return None
+        return held
+
+    def _place(self, state: ClusterState, key: str, request: PodRequest, node: str,
+               others: Mapping[str, Placement]) -> Placement:
+        """Release the pod's booking (a hold elsewhere, an earlier bind) and choose its cards on ``node``."""
         self._bookings.release(state, key)
         if node not in state.index:
             raise engine.Unschedulable(key, {node: UNKNOWN_NODE})
@@ -54,10 +82,7 @@ class Reservations:
             for other in added:
                 state.release(other)  # booked only for this decision: the arrays are as before
         self._bookings.commit(state, key, placement)
-        record = placement.record(self.policy_name, now_ns)
-        self._pods.pin(key, record.to_json())
-        self._pods.clear_stale(key)
-        return record
+        return placement
 
     def _book_others(self, state: ClusterState, node: str, others: Mapping[str, Placement]) -> list[str]:
         """Book other binders' commitments for one decision. A tentative hold of ours (a guess

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import json
 
+from qgpu_runtime.contract.record import CardShare, ContainerPlacement
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.extender.app import ExtenderApp
 from qgpu_runtime.extender.binder import Binder
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.model import requests
-from qgpu_runtime.model.requests import DEFAULT_LIMITS
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
+from qgpu_runtime.placement import engine
 from qgpu_runtime.placement.policies import make_policy
+from qgpu_runtime.placement.state import Placement
 from tests.contract.test_record_signature import CountingKey
 from tests.extender.test_binder_faults import api_at
 from tests.extender.test_extender_trust import bind_body, filter_body
-from tests.extender.test_kube_cache import SEC, node, pod
+from tests.extender.test_kube_cache import SEC, cache, node, pod
 from tests.recordkeys import SIGNER
 
 
@@ -77,3 +80,63 @@ def test_a_forged_body_with_the_real_pod_s_uid_and_version_does_not_plant_its_re
     app.handle("filter", filter_body(real))
     held = app.cache.booking("ns/p")
     assert held is not None and held.gpu_milli == 2000 and len(app.cache.requests) == 1
+
+
+# -- the bind takes filter's hold as it is (reservations.py, ``_held_here``) ------------------------
+
+def _counting_place(monkeypatch) -> list[str]:
+    """Every decision of the placement engine on one node, whoever asks for it."""
+    calls: list[str] = []
+    place = engine.place
+
+    def counting(state, request, policy, mask=None):  # noqa: ANN001
+        calls.append("place")
+        return place(state, request, policy, mask)
+
+    monkeypatch.setattr(engine, "place", counting)
+    return calls
+
+
+def test_a_bind_to_the_node_filter_held_books_the_held_cards_without_deciding_again(monkeypatch):
+    c = cache()
+    p = pod("p", core=30)
+    request = parse_pod(p)
+    assert c.filter(p, request, ["a", "b"], now_ns=1).held == "a"
+    held = c.booking("ns/p")
+    calls = _counting_place(monkeypatch)
+    record = c.reserve(p, request, "a", 2)
+    assert calls == []
+    assert c.booking("ns/p") == held and record.containers == held.containers
+    # the hold became the booking: the next pod's filter sees those cards taken, not released
+    q = pod("q", core=80)
+    c.filter(q, parse_pod(q), ["a"], now_ns=3)
+    booked_q = c.booking("ns/q")
+    assert booked_q is not None and {s.index for s in booked_q.containers[0].shares}.isdisjoint(
+        {s.index for s in held.containers[0].shares})
+
+
+def test_a_bind_elsewhere_a_changed_request_or_another_binders_commitment_decide_again(monkeypatch):
+    c = cache()
+    p = pod("p", core=30)
+    request = parse_pod(p)
+    c.filter(p, request, ["a", "b"], now_ns=1)
+    calls = _counting_place(monkeypatch)
+    c.reserve(p, request, "b", 2)  # the scheduler chose the other node filter passed
+    assert calls == ["place"] and c.booking("ns/p").node == "b"
+
+    c2 = cache()
+    c2.filter(p, request, ["a", "b"], now_ns=1)
+    bigger = parse_pod(pod("p", core=50))  # not the request the hold was chosen for
+    calls.clear()
+    c2.reserve(p, bigger, "a", 2)
+    assert calls == ["place"] and c2.booking("ns/p").gpu_milli == 500
+
+    c3 = cache()
+    c3.filter(p, request, ["a", "b"], now_ns=1)
+    held = c3.booking("ns/p")
+    share = held.containers[0].shares[0]
+    other = Placement("a", (ContainerPlacement("c", (CardShare(share.index, share.uuid, 900, 0),)),))
+    calls.clear()
+    record = c3.reserve(p, request, "a", 2, others={"x/other-binder": other})
+    assert calls == ["place"]  # decided around the other binder's commitment, not kept
+    assert record.containers[0].shares[0].index != held.containers[0].shares[0].index
