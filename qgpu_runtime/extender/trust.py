@@ -82,8 +82,8 @@ class TrustedPods:
             claimed: PodRequest | None = parse_pod(body, self.limits)
         except RequestError:
             claimed = None
-        try:
-            actual: PodRequest | None = parse_pod(real, self.limits)
+        try:  # the apiserver's pod, never the body, goes through the cache's memory of parsed pods
+            actual: PodRequest | None = self.cache.requests.of(real, self.limits)
         except RequestError:
             actual = None
         if claimed is None or actual is None:

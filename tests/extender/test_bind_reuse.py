@@ -76,7 +76,9 @@ def test_a_forged_body_with_the_real_pod_s_uid_and_version_does_not_plant_its_re
     forged = pod("p", core=10, version="5")  # same name, UID and version; 10 % of one card
     status, doc = app.handle("filter", filter_body(forged))
     assert "asks for other resources than the pod in the apiserver" in doc["Error"]
-    assert len(app.cache.requests) == 0
+    # what the check remembered is the apiserver's pod (two whole cards), never the body's 10 %
+    assert len(app.cache.requests) <= 1
+    assert app.cache.requests.of(real, DEFAULT_LIMITS) == requests.parse_pod(real, DEFAULT_LIMITS)
     app.handle("filter", filter_body(real))
     held = app.cache.booking("ns/p")
     assert held is not None and held.gpu_milli == 2000 and len(app.cache.requests) == 1
@@ -140,3 +142,20 @@ def test_a_bind_elsewhere_a_changed_request_or_another_binders_commitment_decide
     record = c3.reserve(p, request, "a", 2, others={"x/other-binder": other})
     assert calls == ["place"]  # decided around the other binder's commitment, not kept
     assert record.containers[0].shares[0].index != held.containers[0].shares[0].index
+
+
+def test_a_body_that_differs_harmlessly_parses_the_apiserver_s_pod_once_for_the_check_and_the_filter(monkeypatch):
+    parsed: list[str] = []
+    container = requests._parse_container
+
+    def counting(collector, spec, *args):  # noqa: ANN002
+        parsed.append(spec["name"])
+        return container(collector, spec, *args)
+
+    monkeypatch.setattr(requests, "_parse_container", counting)
+    real = pod("p", version="3")
+    app = _app(CountingKey(SIGNER.verifier.public_key), real)
+    body = {**real, "metadata": {**real["metadata"], "annotations": {"scheduler.example/seen": "yes"}}}
+    assert app.handle("filter", filter_body(body))[1]["NodeNames"] == ["a", "b"]
+    assert parsed == ["c", "c"]  # the body's pod once (the check), the apiserver's once (check and filter)
+    assert len(app.cache.requests) == 1
