@@ -928,22 +928,30 @@ def compare_commitments(args: argparse.Namespace) -> int:
 HTTP2_ARMS = ("qgpu_http2", "qgpu_http1", "null_http2", "null_http1")
 
 
+def arm_means(rounds: list[dict[str, Any]], arm: str, own: str) -> dict[str, Any] | None:
+    """One arm of paired rounds: pods/s and net CPU per pod (all processes; ``own``, the extender's
+    process) as the mean over the rounds that ran it, and the ratio to each round's own baseline;
+    None when no round ran it."""
+    runs = [r[arm] for r in rounds if arm in r]
+    if not runs:
+        return None
+    return {"pods_per_s": round(statistics.mean(a["pods_per_s"] for a in runs), 1),
+            "ratio_to_baseline": round(statistics.mean(r[arm]["pods_per_s"] / r["without_extender"]["pods_per_s"]
+                                                       for r in rounds if arm in r), 3),
+            "cpu_ms_per_pod_all": round(statistics.mean(a["net_cpu_ms_per_pod"]["all"] for a in runs), 2),
+            "cpu_ms_per_pod_extender": round(statistics.mean(a["net_cpu_ms_per_pod"].get(own, 0.0) for a in runs), 2),
+            "connections": [a.get("time_split", {}).get("extender_connections") for a in runs]}
+
+
 def http2_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """Per arm of ``--compare-http2``: pods/s and net CPU per pod (all processes; the extender's
     own) as the mean over the rounds, the ratio to each round's own baseline, and HTTP/2 over
     HTTP/1.1 per round (paired, so the machine's drift between rounds cancels)."""
     out: dict[str, Any] = {}
     for arm in HTTP2_ARMS:
-        runs = [r[arm] for r in rounds if arm in r]
-        if not runs:
-            continue
-        own = "qgpu-extender" if arm.startswith("qgpu") else "null-extender"
-        out[arm] = {"pods_per_s": round(statistics.mean(a["pods_per_s"] for a in runs), 1),
-                    "ratio_to_baseline": round(statistics.mean(r[arm]["pods_per_s"] / r["without_extender"]["pods_per_s"]
-                                                               for r in rounds if arm in r), 3),
-                    "cpu_ms_per_pod_all": round(statistics.mean(a["net_cpu_ms_per_pod"]["all"] for a in runs), 2),
-                    "cpu_ms_per_pod_extender": round(statistics.mean(a["net_cpu_ms_per_pod"].get(own, 0.0) for a in runs), 2),
-                    "connections": [a["time_split"].get("extender_connections") for a in runs]}
+        means = arm_means(rounds, arm, "qgpu-extender" if arm.startswith("qgpu") else "null-extender")
+        if means is not None:
+            out[arm] = means
     for kind in ("qgpu", "null"):
         pairs = [(r[f"{kind}_http2"]["pods_per_s"], r[f"{kind}_http1"]["pods_per_s"]) for r in rounds
                  if f"{kind}_http2" in r and f"{kind}_http1" in r]
@@ -1014,13 +1022,9 @@ def source_summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     arm's mean pods/s, ratio to its round's baseline and own CPU per pod."""
     out: dict[str, Any] = {}
     for arm in SOURCE_ARMS:
-        runs = [r for r in rounds if arm in r]
-        if runs:
-            out[arm] = {"pods_per_s": round(statistics.mean(r[arm]["pods_per_s"] for r in runs), 1),
-                        "ratio_to_baseline": round(statistics.mean(r[arm]["pods_per_s"] / r["without_extender"]["pods_per_s"]
-                                                                   for r in runs), 3),
-                        "cpu_ms_per_pod_extender": round(statistics.mean(r[arm]["net_cpu_ms_per_pod"]["qgpu-extender"]
-                                                                         for r in runs), 2)}
+        means = arm_means(rounds, arm, "qgpu-extender")
+        if means is not None:
+            out[arm] = means
     paired = [r for r in rounds if all(a in r for a in SOURCE_ARMS)]
     out["qgpu_over_source_pods_per_s"] = [round(r["qgpu"]["pods_per_s"] / r["source"]["pods_per_s"], 3) for r in paired]
     out["qgpu_over_source_extender_cpu"] = [round(r["qgpu"]["net_cpu_ms_per_pod"]["qgpu-extender"]

@@ -63,7 +63,7 @@ class Reservations:
         issue 23) for, at most, other cards of the same node. With other binders' commitments to
         steer around (``others``), or when the request or the node differ, the bind decides anew."""
         held = state.bookings.get(key)
-        if held is None or held.node != node or not self._pods.held(key) or self._pods.held_for(key) != request:
+        if held is None or held.node != node or self._pods.held_for(key) != request:  # None: no hold
             return None
         return held
 
