@@ -21,7 +21,9 @@ that cheap to exploit. So (:class:`ServerLimits`):
   ``idle_timeout_s`` to start a request, ``header_timeout_s`` for its headers, a body deadline
   that grows with Content-Length at ``min_body_rate`` bytes/s, ``write_timeout_s`` to take the
   answer; a watchdog thread shuts the socket of any connection past its deadline;
-- at most ``body_budget`` bytes of request bodies held at once (a 503 past it), reserved chunk by
+- at most ``body_budget`` bytes of request bodies held at once (a 503 past it, after which the
+  rest of the body is read into one reused buffer and dropped, so its sender reads the answer rather
+  than a reset connection), reserved chunk by
   chunk as the bytes are read: the first chunk is ``read_chunk``, each next one as large as what
   already arrived, so with a small ``read_chunk`` (the webhook: 64 KiB) a client that announces
   megabytes and sends nothing holds one chunk, and one that sent N bytes holds at most 2N. The
@@ -379,9 +381,10 @@ class _Handler(BaseHTTPRequestHandler):
             # client holds at most twice what it sent plus one chunk, a big body takes a few reads
             size = min(max(self.limits.read_chunk, held), length - held)
             if not self.bodies.reserve(size):
-                self.close_connection = True  # the rest of the body stays unread
+                self.close_connection = True
                 self.stats.count("refused_budget")
                 self._json(503, {"Error": f"busy: {self.limits.body_budget} bytes of request bodies in memory; retry"})
+                self._discard(length - held)
                 return None, held
             held += size
             chunk = self.rfile.read(size)
@@ -395,6 +398,22 @@ class _Handler(BaseHTTPRequestHandler):
         if buffer is None:
             return chunk, held
         return buffer.getvalue(), held
+
+    def _discard(self, rest: int) -> None:
+        """Read the ``rest`` of a refused body and throw it away, in one reused buffer, under the
+        body deadline again (the watchdog still closes a trickle). Closing on unread bytes would
+        reset the connection under a sender still writing them, and it would lose the answer just
+        sent; the body is within the path's limit, so the drain is bounded too."""
+        self.connections.phase(self.request, "body", self.limits.body_timeout_s + rest / self.limits.min_body_rate)
+        scratch = memoryview(bytearray(min(READ_CHUNK, rest)))
+        while rest > 0:
+            try:
+                got = self.rfile.readinto(scratch[:min(len(scratch), rest)])
+            except OSError:
+                return  # closed by the watchdog, or reset by the client
+            if not got:
+                return
+            rest -= got
 
     def _dispatch(self, path: str, body: bytes) -> tuple[int, Any]:
         self.connections.phase(self.request, "working", None)

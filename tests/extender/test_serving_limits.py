@@ -130,6 +130,26 @@ def test_bodies_past_the_memory_budget_get_503():
         srv.stop()
 
 
+def test_a_body_refused_for_the_budget_is_drained_so_its_sender_reads_the_503():
+    """The 503 goes out before the body is read; closing on the unread rest would reset the
+    connection under a sender still writing it (more than the socket buffers hold), and the caller
+    would see a dropped connection, not the answer to retry on. The rest is read and thrown away,
+    none of it held against the budget."""
+    limits = ServerLimits(body_budget=1000, header_timeout_s=5.0, body_timeout_s=60.0, watch_interval_s=0.05)
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={}), limits=limits)
+    srv.start()
+    try:
+        with ExitStack() as stack:
+            opened(stack, srv.port, SLOW_BODY)
+            poll(lambda: srv.stats.body_bytes_peak == limits.body_budget, what="the slow body to hold the budget")
+            for _ in range(3):
+                status, doc = post(srv.port, "/echo", b"x" * (8 * 1024 * 1024))
+                assert (status, doc) == (503, {"Error": "busy: 1000 bytes of request bodies in memory; retry"})
+            assert srv.stats.refused_budget == 3 and srv.stats.body_bytes_peak == limits.body_budget
+    finally:
+        srv.stop()
+
+
 def test_limits_refuse_nonsense():
     with pytest.raises(ValueError, match="ServerLimits.max_connections=0: must be > 0"):
         ServerLimits(max_connections=0)
