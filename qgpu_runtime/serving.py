@@ -383,9 +383,13 @@ class _Handler(BaseHTTPRequestHandler):
             if not self.bodies.reserve(size):
                 self.close_connection = True
                 self.stats.count("refused_budget")
+                # what was read is given back before the drain: only the scratch buffer stays
+                buffer = None
+                chunk = b""
+                self.bodies.release(held)
                 self._json(503, {"Error": f"busy: {self.limits.body_budget} bytes of request bodies in memory; retry"})
                 self._discard(length - held)
-                return None, held
+                return None, 0
             held += size
             chunk = self.rfile.read(size)
             if size < length:  # more than one chunk: gather them

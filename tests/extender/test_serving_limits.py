@@ -150,6 +150,26 @@ def test_a_body_refused_for_the_budget_is_drained_so_its_sender_reads_the_503():
         srv.stop()
 
 
+def test_a_drained_body_gives_back_what_it_had_read_before_the_drain():
+    """Refused on its second chunk: the first chunk's bytes go back to the budget with the 503,
+    not when the sender finally stops; the slow body's 1,000 bytes are all that stays held."""
+    limits = ServerLimits(body_budget=100_000, read_chunk=65_536, header_timeout_s=5.0, body_timeout_s=60.0,
+                          watch_interval_s=0.05)
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={}), limits=limits)
+    srv.start()
+    try:
+        with ExitStack() as stack:
+            opened(stack, srv.port, SLOW_BODY)
+            poll(lambda: srv.bodies_held() == 1000, what="the slow body to hold its 1,000 bytes")
+            big = opened(stack, srv.port, b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 8388608\r\n\r\n" + b"x" * 70_000)
+            assert big.recv(12) == b"HTTP/1.1 503"
+            assert srv.stats.refused_budget == 1 and srv.stats.body_bytes_peak == 1000 + 65_536
+            poll(lambda: srv.bodies_held() == 1000, what="the refused body's first chunk to be given back")
+            big.sendall(b"x" * 100_000)  # still read (and dropped) while the sender goes on
+    finally:
+        srv.stop()
+
+
 def test_limits_refuse_nonsense():
     with pytest.raises(ValueError, match="ServerLimits.max_connections=0: must be > 0"):
         ServerLimits(max_connections=0)
