@@ -342,14 +342,19 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0]
         if not self._authenticated(path):
             return  # before a byte of the body is read
-        try:
-            length = int(self.headers.get("Content-Length", ""))
-        except ValueError:
+        if "Transfer-Encoding" in self.headers:
+            # a body framed otherwise: refused whole, and the connection closed (no smuggled request)
             self.close_connection = True
-            self._json(411 if "Content-Length" not in self.headers else 400, {"Error": "a request body with Content-Length is required"})
+            self._json(400, {"Error": f"Transfer-Encoding {self.headers['Transfer-Encoding']!r}: not accepted; "
+                                      "send the body with a Content-Length"})
+            return
+        length = content_length(self.headers.get_all("Content-Length") or [])
+        if isinstance(length, str):
+            self.close_connection = True
+            self._json(411 if "Content-Length" not in self.headers else 400, {"Error": length})
             return
         limit = self.routes.body_limits.get(path, MAX_BODY)
-        if length < 0 or length > limit:
+        if length > limit:
             self.close_connection = True
             self.stats.count("refused_too_large")
             self._json(413, {"Error": f"Content-Length {length}: must be within 0..{limit} for {path}"})
@@ -605,7 +610,7 @@ class _H2Session:
     def _events(self, events: list[Any]) -> None:
         for event in events:
             if isinstance(event, RequestReceived):
-                self._request(event.stream_id, dict(event.headers))
+                self._request(event.stream_id, event.headers)
             elif isinstance(event, DataReceived):
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
                 self._data(event.stream_id, event.data)
@@ -620,7 +625,8 @@ class _H2Session:
             elif isinstance(event, ConnectionTerminated):
                 self.closing = True
 
-    def _request(self, sid: int, headers: dict[str, str]) -> None:
+    def _request(self, sid: int, fields: list[tuple[str, str]]) -> None:
+        headers = dict(fields)
         method, path = headers.get(":method", ""), headers.get(":path", "").split("?", 1)[0]
         routes = self.h.routes
         if method not in ("GET", "POST"):
@@ -633,14 +639,12 @@ class _H2Session:
             self.closing = True  # as HTTP/1.1 closes the connection
             return
         limit = routes.body_limits.get(path, MAX_BODY) if method == "POST" else 0
-        length = headers.get("content-length")
-        if length is not None:
-            try:
-                announced = int(length)
-            except ValueError:
-                self._refuse(sid, 400, {"Error": f"Content-Length {length!r}: not a number"})
+        if "content-length" in headers:
+            announced = content_length([value for name, value in fields if name == "content-length"])
+            if isinstance(announced, str):
+                self._refuse(sid, 400, {"Error": announced})
                 return
-            if announced < 0 or announced > limit:
+            if announced > limit:
                 self.h.stats.count("refused_too_large")
                 self._refuse(sid, 413, {"Error": f"Content-Length {announced}: must be within 0..{limit} for {path}"})
                 return
@@ -755,6 +759,21 @@ class _H2Session:
                 self.outbound[sid] = data
             else:
                 del self.outbound[sid]
+
+
+def content_length(values: list[str]) -> int | str:
+    """A request's Content-Length as RFC 9110 has it (ASCII digits; sent more than once, the same
+    every time), or the error to answer. Python's ``int`` alone would also take ``+1``, ``1_0`` and
+    other digits than ASCII ones, which no HTTP peer sends and a proxy might read otherwise."""
+    if not values:
+        return "a request body with Content-Length is required"
+    distinct = {value.strip() for value in values}
+    if len(distinct) > 1:
+        return f"Content-Length {sorted(distinct)!r}: sent {len(values)} times with different values"
+    text = distinct.pop()
+    if not (text.isascii() and text.isdigit()) or len(text) > 19:
+        return f"Content-Length {text[:40]!r}: must be 1 to 19 ASCII digits"
+    return int(text)
 
 
 def _encode(value: Any) -> bytes:

@@ -39,7 +39,7 @@ class Client:
         self.terminated: ConnectionTerminated | None = None
         self.acknowledge = True  # credit what arrives (open the window again)
 
-    def send(self, method: str, path: str, body: bytes = b"", *, end: bool = True, length: int | None = None) -> int:
+    def send(self, method: str, path: str, body: bytes = b"", *, end: bool = True, length: int | str | None = None) -> int:
         sid = self.conn.get_next_available_stream_id()
         headers = [(":method", method), (":path", path), (":scheme", "https"), (":authority", "127.0.0.1")]
         if length is not None:

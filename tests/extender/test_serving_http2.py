@@ -116,6 +116,25 @@ def test_a_body_past_the_paths_limit_is_refused_whether_announced_or_not(server,
     assert client.answer(client.send("POST", "/small", b"{}")) == (200, {"verb": "", "got": 2})  # the connection serves on
 
 
+@pytest.mark.parametrize("length", ["1_0", "+10", "0x0a", "١٠"])
+def test_a_content_length_that_is_not_digits_breaks_the_protocol_and_closes_the_connection(server, pki, length):
+    """h2 itself holds content-length to 1*DIGIT (a protocol error: the connection is closed)."""
+    c = connect(server.port, pki)
+    try:
+        c.send("POST", "/echo", b"x" * 10, length=length)
+        assert not c.pump(lambda: False)
+    finally:
+        c.close()
+    assert server.stats.http2_protocol_errors == 1
+
+
+def test_a_content_length_of_twenty_digits_is_refused_naming_the_rule(server, client):
+    # the stream stays open: ending it after 10 bytes would break the announced length (h2's check)
+    status, doc = client.answer(client.send("POST", "/echo", b"x" * 10, length="1" * 20, end=False))
+    assert (status, doc["Error"]) == (400, f"Content-Length {'1' * 20!r}: must be 1 to 19 ASCII digits"), doc
+    assert client.answer(client.send("POST", "/echo", b"{}", length=2)) == (200, {"verb": "", "got": 2})
+
+
 def test_an_answer_larger_than_the_clients_window_is_sent_as_the_window_opens(server, pki):
     c = connect(server.port, pki, window=16384)
     try:

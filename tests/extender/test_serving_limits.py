@@ -82,6 +82,40 @@ def test_a_body_above_the_paths_limit_is_refused_before_it_is_read(server):
     assert post(server.port, "/echo", b"x" * 101)[0] == 200
 
 
+def raw_answer(port: int, request: bytes) -> tuple[int, dict, bytes]:
+    """One request as raw bytes: the status, the JSON answer, and what came after it (b"" when
+    the server closed the connection)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        doc = json.loads(response.read())
+        return response.status, doc, sock.recv(1)
+
+
+@pytest.mark.parametrize(("headers", "error"), [
+    (b"Content-Length: 1_0", "Content-Length '1_0': must be 1 to 19 ASCII digits"),
+    (b"Content-Length: +10", "Content-Length '+10': must be 1 to 19 ASCII digits"),
+    (b"Content-Length: -1", "Content-Length '-1': must be 1 to 19 ASCII digits"),
+    (b"Content-Length: 10\r\nContent-Length: 12", "Content-Length ['10', '12']: sent 2 times with different values"),
+    (b"Transfer-Encoding: chunked\r\nContent-Length: 10", "Transfer-Encoding 'chunked': not accepted; send the body with a Content-Length"),
+    (b"Transfer-Encoding: chunked", "Transfer-Encoding 'chunked': not accepted; send the body with a Content-Length"),
+])
+def test_a_body_framed_any_other_way_than_one_plain_content_length_is_refused_and_the_connection_closed(server, headers, error):
+    request = b"POST /echo HTTP/1.1\r\nHost: x\r\n" + headers + b"\r\n\r\n0123456789POST /echo HTTP/1.1\r\n\r\n"
+    assert raw_answer(server.port, request) == (400, {"Error": error}, b"")
+
+
+def test_the_same_content_length_twice_is_one(server):
+    request = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}"
+    assert raw_answer(server.port, request) == (200, {"got": 2}, b"")
+
+
+def test_no_content_length_is_411(server):
+    assert raw_answer(server.port, b"POST /echo HTTP/1.1\r\nHost: x\r\n\r\n")[:2] == (
+        411, {"Error": "a request body with Content-Length is required"})
+
+
 def test_requests_past_the_in_flight_cap_get_503():
     release = threading.Event()
     entered = threading.Semaphore(0)
