@@ -265,6 +265,7 @@ class _Handler(BaseHTTPRequestHandler):
     workers: ThreadPoolExecutor | None  # runs HTTP/2 streams' handlers (None: HTTP/2 not offered)
     peer_certified: bool  # this connection's handshake verified a client certificate (set in setup)
     http2: bool  # this connection negotiated HTTP/2 (set in setup)
+    expects_continue: bool = False  # the request asked for a 100 Continue not sent yet
 
     def setup(self) -> None:
         # The TLS handshake runs here, in the connection's own thread, so one slow client cannot
@@ -302,7 +303,21 @@ class _Handler(BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         # called once the request line is in: the headers now have their own deadline
         self.connections.phase(self.request, "headers", self.limits.header_timeout_s)
+        self.expects_continue = False
         return super().parse_request()
+
+    def handle_expect_100(self) -> bool:
+        """``Expect: 100-continue``: the 100 waits until the request passed every check made before
+        its body (do_POST), so a refused sender (401, 411, 413) gets the refusal instead of an
+        invitation to send a body that would be closed unread."""
+        self.expects_continue = True
+        return True
+
+    def _continue(self) -> None:
+        if self.expects_continue:
+            self.expects_continue = False
+            self.send_response_only(100)
+            self.end_headers()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         log.debug("%s %s", self.address_string(), format % args)
@@ -360,6 +375,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(413, {"Error": f"Content-Length {length}: must be within 0..{limit} for {path}"})
             return
         self.connections.phase(self.request, "body", self.limits.body_timeout_s + length / self.limits.min_body_rate)
+        self._continue()
         body, held = self._read_body(length)
         try:
             if body is None:

@@ -116,6 +116,20 @@ def test_no_content_length_is_411(server):
         411, {"Error": "a request body with Content-Length is required"})
 
 
+def test_expect_100_continue_gets_the_refusal_before_the_body_and_the_100_only_once_it_may_send(server):
+    with ExitStack() as stack:
+        refused = opened(stack, server.port, b"POST /small HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 101\r\n\r\n")
+        everything = b"".join(iter(lambda: refused.recv(65536), b""))  # to the close: no body was invited
+        head, _, doc = everything.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 413 ") and json.loads(doc) == {"Error": "Content-Length 101: must be within 0..100 for /small"}
+        invited = opened(stack, server.port, b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+        assert invited.recv(64) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        invited.sendall(b"{}")
+        response = http.client.HTTPResponse(invited)
+        response.begin()
+        assert (response.status, json.loads(response.read())) == (200, {"got": 2})
+
+
 def test_requests_past_the_in_flight_cap_get_503():
     release = threading.Event()
     entered = threading.Semaphore(0)

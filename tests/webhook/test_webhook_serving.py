@@ -196,6 +196,14 @@ def test_eight_unauthenticated_8_mib_bodies_are_refused_unread(server, pki):
     assert server.stats.refused_unauthenticated == 8 and server.stats.body_bytes_peak == 0
 
 
+def test_an_unauthenticated_sender_expecting_100_continue_gets_the_401_instead(server, pki):
+    raw = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    with context(pki, None).wrap_socket(raw, server_hostname="127.0.0.1") as sock:
+        sock.sendall(f"POST /validate HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: {EIGHT_MIB}\r\n\r\n".encode())
+        assert sock.recv(12) == b"HTTP/1.1 401"
+    assert server.stats.refused_unauthenticated == 1 and server.stats.body_bytes_peak == 0
+
+
 def test_eight_authenticated_8_mib_bodies_are_refused_on_their_content_length(server, pki):
     results = _concurrently(8, lambda: _announce(server.port, context(pki, pki.apiserver), "/mutate-dra", EIGHT_MIB))
     assert results == [413] * 8
