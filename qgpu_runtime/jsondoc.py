@@ -8,6 +8,7 @@ passes its own error class and a name for the document, so the message stays in 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any, Callable
 
 _KIND = {dict: "object", list: "list"}
@@ -20,6 +21,12 @@ def load_json(raw: bytes | str, kind: type, what: str, error: Callable[[str], Ex
         doc = json.loads(raw)
     except (TypeError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
         raise error(f"{what} is not JSON ({exc})") from exc
+    except RecursionError as exc:
+        # '[[[[…' past the interpreter's recursion limit: the decoder unwinds cleanly, and what a
+        # tenant wrote into an annotation must be refused like any other malformed value, never
+        # escape as an exception its readers do not expect (a watch that stops on it)
+        raise error(f"{what} is not JSON qgpu decodes: arrays and objects nested deeper than the decoder's "
+                    f"recursion limit ({sys.getrecursionlimit()} frames; no qgpu document nests beyond 10)") from exc
     if not isinstance(doc, kind):
         raise error(f"{what} is a JSON {_KIND.get(type(doc), type(doc).__name__)}: must be a JSON {_KIND[kind]}")
     return doc

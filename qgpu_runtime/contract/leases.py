@@ -271,7 +271,7 @@ def parse_ledger(raw: str | None) -> dict[str, Reservation]:
         return {}
     try:
         doc = json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise LedgerError(f"ledger {raw!r:.{_SHOWN}} is not JSON ({exc})") from None
     if not isinstance(doc, dict) or doc.get("version") != LEDGER_VERSION or not isinstance(doc.get("reservations"), dict):
         raise LedgerError(f"ledger {raw!r:.{_SHOWN}}: must be an object with version {LEDGER_VERSION} and a 'reservations' object")
