@@ -15,10 +15,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes.watch.watch import iter_resp_lines
 
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.extender.dra import DraView
+from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
 
 log = logging.getLogger(__name__)
@@ -113,32 +115,34 @@ class CacheFeeder:
             "resource_version": version,
             "allow_watch_bookmarks": True,
             "timeout_seconds": self.watch_timeout_s,
-            "deserialize": False,
             "_request_timeout": (REQUEST_TIMEOUT[0], self.watch_timeout_s + 30),
         }
         if kind.field_selector:
             kwargs["field_selector"] = kind.field_selector
-        # Events are not deserialised into models; naming a type skips the client's lookup of the
-        # model from the list call's signature, which fails for resource.k8s.io (ResourceClaimList
-        # → "V1ResourceClaim", a model the client names ResourceV1ResourceClaim).
-        w = watch.Watch(return_type=dict)
+        # The stream is read here, line by line, rather than through the client's Watch: each event
+        # is decoded by apijson.loads (a tenant's ResourceClaim nested past the decoder's reach must
+        # not end every watch of claims), and none is deserialised into models.
+        response = kind.list_call(watch=True, _preload_content=False, **kwargs)
         try:
-            for event in w.stream(kind.list_call, **kwargs):
+            status = getattr(response, "status", 200)
+            if not 200 <= status <= 299:
+                raise RuntimeError(f"watch {kind.name}: HTTP {status}: {response.data[:300]!r}")
+            for line in iter_resp_lines(response):
                 if self._stop.is_set():
                     break
+                if not line.strip():
+                    continue
+                event = apijson.loads(line)
                 kind_of_event = event.get("type")
                 obj = event.get("object") or {}
-                if kind_of_event == "ERROR":
+                if kind_of_event == "ERROR":  # an expired version (410) too: the caller relists
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
                 version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                 if kind_of_event in ("ADDED", "MODIFIED", "DELETED"):
                     kind.apply(kind_of_event, obj)
-        except KeyError as exc:
-            # The client's stream reads 'raw_object' of ERROR events, which only exists when it
-            # deserialises; an expired version (410) lands here.
-            raise RuntimeError(f"watch error event ({exc})") from exc
         finally:
-            w.stop()
+            response.close()
+            response.release_conn()
         return version
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kubernetes import client, config
+
+from qgpu_runtime.kube import apijson
 
 REQUEST_TIMEOUT = (3.0, 10.0)  # connect, read seconds: a hung apiserver must not hang a bind
 
@@ -25,9 +26,10 @@ def raw_json(response: Any) -> Any:
     """Body of a call made with ``_preload_content=False``: plain dicts, no model objects.
 
     The extender works on API JSON (as the parser does), which also skips the client's slow
-    model deserialisation.
+    model deserialisation. Decoded by :func:`~qgpu_runtime.kube.apijson.loads`: a tenant's
+    free-form value nested past the decoder's reach does not fail the whole body.
     """
-    return json.loads(response.data)
+    return apijson.loads(response.data)
 
 
 def drain(response: Any) -> None:

@@ -23,13 +23,13 @@ reads the cluster with the user's own credentials through ``kube/reader.py``, no
 
 from __future__ import annotations
 
-import json
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, TypeVar
 
 from kubernetes import client
 
+from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
 from qgpu_runtime.kube.errors import NotFound, described
 from qgpu_runtime.kube.events import event_body, node_reference
@@ -98,7 +98,7 @@ class KubePodSource:
 
     def list_pods_on_node(self, node: str) -> tuple[list[dict[str, Any]], str]:
         """This node's pods and the list's resourceVersion, where a watch of them starts (node/podwatch.py)."""
-        doc = json.loads(self._call(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
+        doc = apijson.loads(self._call(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
             field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout)).data)
         return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
@@ -148,13 +148,13 @@ class KubePodSource:
             node, body, _content_type=MERGE_PATCH, _preload_content=False, _request_timeout=self._timeout)))
 
     def node_labels(self, node: str) -> dict[str, str]:
-        doc = json.loads(self._call(f"reading node {node}", lambda: self._core.read_node(
+        doc = apijson.loads(self._call(f"reading node {node}", lambda: self._core.read_node(
             node, _preload_content=False, _request_timeout=self._timeout)).data)
         return dict((doc.get("metadata") or {}).get("labels") or {})
 
     def resource_claim(self, namespace: str, name: str) -> dict[str, Any]:
         """A ResourceClaim (resource.k8s.io/v1) as API JSON, for the DRA kubelet plugin."""
-        return json.loads(self._call(f"reading ResourceClaim {namespace}/{name}", lambda: self._resource.read_namespaced_resource_claim(
+        return apijson.loads(self._call(f"reading ResourceClaim {namespace}/{name}", lambda: self._resource.read_namespaced_resource_claim(
             name, namespace, _preload_content=False, _request_timeout=self._timeout)).data)
 
     def record_event(self, namespace: str, pod: str, pod_uid: str, reason: str, message: str) -> None:
@@ -194,7 +194,7 @@ class KubeSlices:
         self._streams = OpenStreams()
 
     def node_uid(self, node: str) -> str:
-        doc = json.loads(self._source._call(f"reading node {node}", lambda: self._core.read_node(
+        doc = apijson.loads(self._source._call(f"reading node {node}", lambda: self._core.read_node(
             node, _preload_content=False, _request_timeout=self._timeout)).data)
         return str(doc["metadata"]["uid"])
 
@@ -206,15 +206,15 @@ class KubeSlices:
             if isinstance(exc.__cause__, NotFound):
                 return None
             raise
-        return dict(json.loads(response.data))
+        return dict(apijson.loads(response.data))
 
     def create_slice(self, body: dict[str, Any]) -> dict[str, Any]:
         name = body["metadata"]["name"]
-        return dict(json.loads(self._source._call(f"creating ResourceSlice {name}", lambda: self._resource.create_resource_slice(
+        return dict(apijson.loads(self._source._call(f"creating ResourceSlice {name}", lambda: self._resource.create_resource_slice(
             body, _preload_content=False, _request_timeout=self._timeout)).data))
 
     def replace_slice(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        return dict(json.loads(self._source._call(f"updating ResourceSlice {name}", lambda: self._resource.replace_resource_slice(
+        return dict(apijson.loads(self._source._call(f"updating ResourceSlice {name}", lambda: self._resource.replace_resource_slice(
             name, body, _preload_content=False, _request_timeout=self._timeout)).data))
 
     def watch_slice(self, name: str, resource_version: str, timeout_s: float, stop: threading.Event) -> str | None:
@@ -230,7 +230,7 @@ class KubeSlices:
                 for line in response:
                     if not line.strip():
                         continue
-                    event = json.loads(line)
+                    event = apijson.loads(line)
                     kind = str(event.get("type") or "")
                     if kind == "ERROR":  # 410 Gone: the version is too old; the caller reads again
                         return "EXPIRED"

@@ -148,3 +148,39 @@ def test_a_nominated_claim_pod_binds_on_its_nominated_node_without_asking_priori
         "n2", ns, _preload_content=False).data)["spec"].get("nodeName"), timeout=60)
     assert node == other
     assert dra_scheduler.requests_by_verb().get("prioritize", 0) == before
+
+
+def deep_claim(name: str, depth: int) -> dict[str, Any]:
+    """A claim for another driver whose opaque parameters nest ``depth`` arrays: kube-apiserver
+    keeps JSON up to 10,000 levels (these 6 KB pass its 10 KiB limit); Python's decoder stops near
+    1,000."""
+    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+            "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "other.example.com"}}],
+                                 "config": [{"opaque": {"driver": "other.example.com", "parameters": {"a": "TOWER"}}}]}}}
+
+
+def test_a_tenants_claim_nested_past_the_decoders_reach_stops_neither_the_watch_nor_a_relist(cluster, ns, dra_scheduler) -> None:
+    """A tenant with `edit` creates a ResourceClaim nested 3,000 levels deep. The running
+    extender's claim watch decodes its event (the tower read as null, a warning), and does not
+    break; a freshly started extender lists every claim and becomes ready. Before, the event broke
+    the watch into a relist loop and the list never decoded (/readyz 503 for ever)."""
+    log = dra_scheduler.workdir / f"{dra_scheduler.name}.log"
+    seen = log.read_text(errors="replace").count("nests past the decoder's recursion limit")
+    body = json.dumps(deep_claim("tower", 3000)).replace('"TOWER"', "[" * 3000 + "]" * 3000)
+    # raw bytes: the client would encode a Python value of that depth with json.dumps, which stops too
+    created = cluster.api.api_client.rest_client.pool_manager.request(
+        "POST", f"{cluster.api.api_client.configuration.host}/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
+        body=body.encode(), headers={"Content-Type": "application/json"})
+    assert created.status == 201, created.data[:300]
+    try:
+        wait_for("the extender's claim watch to decode the tower", lambda: log.read_text(errors="replace").count(
+            "nests past the decoder's recursion limit") > seen, timeout=30)
+        assert "watch resourceclaims broke" not in log.read_text(errors="replace")
+        fresh = extender_server(cluster.cp, tls=False, extra_args=["--dra-prioritize"], name="qgpu-extender-dra-fresh")
+        try:
+            fresh.start()  # waits for /readyz: every kind listed, the tower's claim included
+        finally:
+            fresh.stop()
+    finally:
+        # the answer carries the claim: not decoded (the client's own decoding would stop on it)
+        client.ResourceV1Api(cluster.api_client).delete_namespaced_resource_claim("tower", ns, _preload_content=False)
