@@ -26,7 +26,7 @@ def load_json(raw: bytes | str, kind: type, what: str, error: Callable[[str], Ex
         # tenant wrote into an annotation must be refused like any other malformed value, never
         # escape as an exception its readers do not expect (a watch that stops on it)
         raise error(f"{what} is not JSON qgpu decodes: arrays and objects nested deeper than the decoder's "
-                    f"recursion limit ({sys.getrecursionlimit()} frames; no qgpu document nests beyond 10)") from exc
+                    f"recursion limit ({sys.getrecursionlimit()} frames) reaches") from exc
     if not isinstance(doc, kind):
         raise error(f"{what} is a JSON {_KIND.get(type(doc), type(doc).__name__)}: must be a JSON {_KIND[kind]}")
     return doc
