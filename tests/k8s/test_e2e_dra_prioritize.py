@@ -150,13 +150,15 @@ def test_a_nominated_claim_pod_binds_on_its_nominated_node_without_asking_priori
     assert dra_scheduler.requests_by_verb().get("prioritize", 0) == before
 
 
-def deep_claim(name: str, depth: int) -> dict[str, Any]:
-    """A claim for another driver whose opaque parameters nest ``depth`` arrays: kube-apiserver
-    keeps JSON up to 10,000 levels (these 6 KB pass its 10 KiB limit); Python's decoder stops near
-    1,000."""
-    return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
-            "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "other.example.com"}}],
-                                 "config": [{"opaque": {"driver": "other.example.com", "parameters": {"a": "TOWER"}}}]}}}
+def deep_claim(name: str, depth: int) -> bytes:
+    """A claim for another driver whose opaque parameters nest ``depth`` arrays, as raw JSON (the
+    client would encode a Python value that deep with json.dumps, which stops too): kube-apiserver
+    keeps JSON up to 10,000 levels (3,000 levels are 6 KB, inside its 10 KiB limit); Python's decoder
+    stops near 1,000."""
+    claim = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": name},
+             "spec": {"devices": {"requests": [{"name": "r", "exactly": {"deviceClassName": "other.example.com"}}],
+                                  "config": [{"opaque": {"driver": "other.example.com", "parameters": {"a": "TOWER"}}}]}}}
+    return json.dumps(claim).replace('"TOWER"', "[" * depth + "]" * depth).encode()
 
 
 def test_a_tenants_claim_nested_past_the_decoders_reach_stops_neither_the_watch_nor_a_relist(cluster, ns, dra_scheduler) -> None:
@@ -165,17 +167,19 @@ def test_a_tenants_claim_nested_past_the_decoders_reach_stops_neither_the_watch_
     break; a freshly started extender lists every claim and becomes ready. Before, the event broke
     the watch into a relist loop and the list never decoded (/readyz 503 for ever)."""
     log = dra_scheduler.workdir / f"{dra_scheduler.name}.log"
-    seen = log.read_text(errors="replace").count("nests past the decoder's recursion limit")
-    body = json.dumps(deep_claim("tower", 3000)).replace('"TOWER"', "[" * 3000 + "]" * 3000)
-    # raw bytes: the client would encode a Python value of that depth with json.dumps, which stops too
+
+    def count(text: str) -> int:
+        return log.read_text(errors="replace").count(text)
+
+    decoded, broke = count("nests past the decoder's recursion limit"), count("watch resourceclaims broke")
     created = cluster.api.api_client.rest_client.pool_manager.request(
         "POST", f"{cluster.api.api_client.configuration.host}/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims",
-        body=body.encode(), headers={"Content-Type": "application/json"})
+        body=deep_claim("tower", 3000), headers={"Content-Type": "application/json"})
     assert created.status == 201, created.data[:300]
     try:
-        wait_for("the extender's claim watch to decode the tower", lambda: log.read_text(errors="replace").count(
-            "nests past the decoder's recursion limit") > seen, timeout=30)
-        assert "watch resourceclaims broke" not in log.read_text(errors="replace")
+        wait_for("the extender's claim watch to decode the tower",
+                 lambda: count("nests past the decoder's recursion limit") > decoded, timeout=30)
+        assert count("watch resourceclaims broke") == broke
         fresh = extender_server(cluster.cp, tls=False, extra_args=["--dra-prioritize"], name="qgpu-extender-dra-fresh")
         try:
             fresh.start()  # waits for /readyz: every kind listed, the tower's claim included
