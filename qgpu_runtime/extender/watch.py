@@ -124,9 +124,6 @@ class CacheFeeder:
         # not end every watch of claims), and none is deserialised into models.
         response = kind.list_call(watch=True, _preload_content=False, **kwargs)
         try:
-            status = getattr(response, "status", 200)
-            if not 200 <= status <= 299:
-                raise RuntimeError(f"watch {kind.name}: HTTP {status}: {response.data[:300]!r}")
             for line in iter_resp_lines(response):
                 if self._stop.is_set():
                     break

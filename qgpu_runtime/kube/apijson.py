@@ -1,8 +1,9 @@
 """Decoding the apiserver's JSON when a tenant shaped part of it.
 
-kube-apiserver stores JSON nested up to 10,000 levels deep in its free-form fields: a
-ResourceClaim's opaque ``parameters`` (any driver's name will do, 10 KiB: 5,000 levels of ``[``) is
-one a tenant with ``edit`` writes. Python's decoder stops near its recursion limit, 1,000 frames,
+kube-apiserver stores JSON nested thousands of levels deep in its free-form fields: a
+ResourceClaim's opaque ``parameters`` (any driver's name will do) is one a tenant with ``edit``
+writes; 5,100 levels of ``[`` were created on the project's v1.37.2 apiserver, and the 10,240-byte
+cap on parameters is what bounds it. Python's decoder stops near its recursion limit, 1,000 frames,
 with a RecursionError; before this module one such claim failed every LIST of claims cluster-wide
 and every watch event that carried it, so the extender's DRA watch relisted for ever.
 
