@@ -216,7 +216,14 @@ def test_the_whole_node_device_turns_unhealthy_with_any_card(node):
                                 "card 0 has units 0..15"),
     (CORE, ["qgpu-core-0-3", "qgpu-core-0-3"], "'qgpu-core-0-3' is named twice in one Allocate"),
     (T9K_NODE, ["t9k-gpu-node-0-0"], "the node has one device, 't9k-gpu-node-node-0'"),
-], ids=["other-resource", "no-such-card", "unit-out-of-range", "duplicate", "whole-node"])
+    # spellings int() and isdigit() take, never advertised: before, they passed the check and
+    # Allocate failed on a KeyError (gRPC UNKNOWN), or two spellings named one device twice
+    (CORE, ["qgpu-core-0-3", "qgpu-core-0-03"], "'qgpu-core-0-03' is not one this node advertises"),
+    (CORE, ["qgpu-core-00-3"], "'qgpu-core-00-3' is not one this node advertises"),
+    (CORE, ["qgpu-core-0-\u0663"], "is not one this node advertises for tke.cloud.tencent.com/qgpu-core: IDs are "
+                                   "'qgpu-core-<card index>-<unit>' in plain decimal"),
+], ids=["other-resource", "no-such-card", "unit-out-of-range", "duplicate", "whole-node", "leading-zero-unit",
+        "leading-zero-card", "non-ascii-digit"])
 def test_allocate_refuses_device_ids_never_advertised(node, resource, ids, says):
     p = pod("a", "gpu-node-1", [("main", {resource: str(len(ids))}, [(0, node.uuid(0), 100, 1024)])])
     node.set_pods([p])

@@ -82,6 +82,15 @@ def test_preferred_devices_spread_over_the_predicted_cards_after_must_include():
     assert [card_of_device(d) for d in chosen[1:]] == [1, 1, 1, 2, 2, 2]
 
 
+def test_preferred_devices_answer_when_kubelet_offers_ids_spelled_oddly():
+    """``²`` passes ``isdigit`` but not ``int``: the sort raised ValueError, so GetPreferredAllocation
+    failed instead of steering kubelet; such an ID names no card and is never preferred to ours."""
+    odd = ["qgpu-core-0-\u00b2", "qgpu-core-\u00b9-0", "qgpu-core-0-03"]
+    chosen = preferred_devices(odd + ["qgpu-core-0-1", "qgpu-core-0-2"], [], 2, [0], card_of_device)
+    assert chosen == ["qgpu-core-0-1", "qgpu-core-0-2"]
+    assert [card_of_device(d) for d in odd] == [None, None, None]
+
+
 def test_preferred_devices_fill_from_elsewhere_when_the_card_is_short():
     chosen = preferred_devices(["qgpu-core-0-0", "qgpu-core-1-0", "qgpu-core-1-1"], [], 2, [0], card_of_device)
     assert chosen == ["qgpu-core-0-0", "qgpu-core-1-0"]

@@ -263,4 +263,10 @@ def _natural(device_id: str) -> tuple:
     """``<kind>-<card>-<unit>`` in numeric order of card, then unit (kubelet sends them unordered)."""
     head, _, unit = device_id.rpartition("-")
     kind, _, card = head.rpartition("-")
-    return (kind, int(card) if card.isdigit() else -1, card, int(unit) if unit.isdigit() else -1, unit)
+    card_n, unit_n = _index(card), _index(unit)
+    return (kind, -1 if card_n is None else card_n, card, -1 if unit_n is None else unit_n, unit)
+
+
+def _index(text: str) -> int | None:
+    """Decimal ASCII digits as a number (``int`` refuses ``²``, which ``isdigit`` takes)."""
+    return int(text) if text.isascii() and text.isdigit() else None

@@ -65,7 +65,7 @@ class ResourceKind:
             card = card_of_device(d)
             if card is None or d.rsplit("-", 2)[0] != self.short:
                 raise ValueError(f"device ID {d!r} is not one this node advertises for {self.name}: IDs are "
-                                 f"'{self.short}-<card index>-<unit>'")
+                                 f"'{self.short}-<card index>-<unit>' in plain decimal")
             if card not in cards:
                 raise ValueError(f"device ID {d!r} of {self.name} names card {card}; this node has cards "
                                  f"{sorted(cards)}")
@@ -75,12 +75,21 @@ class ResourceKind:
                                  f"has units 0..{units - 1}")
 
 
+def canonical_index(text: str) -> int | None:
+    """``text`` as an index written the way this plugin writes one (ASCII digits, no leading zero),
+    else None. ``str.isdigit`` and ``int`` also take ``03``, ``٣`` and ``²``: spellings of IDs that
+    were never advertised, which must not pass for the advertised ones."""
+    if not (text.isascii() and text.isdigit()) or (len(text) > 1 and text[0] == "0"):
+        return None
+    return int(text)
+
+
 def card_of_device(device_id: str) -> int | None:
     """The card index a device ID names, or None when it is not one of ours."""
     parts = device_id.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+    if len(parts) != 3 or canonical_index(parts[2]) is None:
         return None
-    return int(parts[1])
+    return canonical_index(parts[1])
 
 
 CATALOG: dict[str, ResourceKind] = {k.name: k for k in (
