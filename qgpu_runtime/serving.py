@@ -96,6 +96,13 @@ class Routes:
     # (kubelet's probes present none). Every other path needs one.
     open_paths: frozenset[str] = frozenset()
 
+    def post_route(self, path: str) -> tuple[PostHandler, str] | None:
+        """The POST handler serving ``path`` and the rest of the path after its prefix, or None."""
+        for prefix, handler in self.post.items():
+            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
+                return handler, path[len(prefix):].strip("/")
+        return None
+
 
 @dataclass(frozen=True)
 class ServerLimits:
@@ -368,6 +375,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             self._json(411 if "Content-Length" not in self.headers else 400, {"Error": length})
             return
+        if self.routes.post_route(path) is None:
+            # nothing would read it: answered before a byte of the body is held
+            self.close_connection = True
+            self._json(404, {"Error": f"no POST route {path}"})
+            return
         limit = self.routes.body_limits.get(path, MAX_BODY)
         if length > limit:
             self.close_connection = True
@@ -469,15 +481,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.in_flight.release()
 
     def _handle(self, path: str, body: bytes) -> tuple[int, Any]:
-        for prefix, handler in self.routes.post.items():
-            if path == prefix or path.startswith(prefix.rstrip("/") + "/"):
-                rest = path[len(prefix):].strip("/")
-                try:
-                    return handler(rest, body)
-                except Exception:  # noqa: BLE001 - answer, log, keep serving
-                    log.exception("handler for %s failed", path)
-                    return 500, {"Error": "internal error; see the server log"}
-        return 404, {"Error": f"no POST route {path}"}
+        route = self.routes.post_route(path)
+        if route is None:
+            return 404, {"Error": f"no POST route {path}"}
+        handler, rest = route
+        try:
+            return handler(rest, body)
+        except Exception:  # noqa: BLE001 - answer, log, keep serving
+            log.exception("handler for %s failed", path)
+            return 500, {"Error": "internal error; see the server log"}
 
 
 H2_WINDOW = 1024 * 1024  # each stream's receive window (and the connection's): a NodeNames body in a few frames
@@ -652,6 +664,9 @@ class _H2Session:
             self._refuse(sid, 401, {"Error": f"{path}: a client certificate signed by the server's client CA "
                                              "(--client-ca-file) is required"})
             self.closing = True  # as HTTP/1.1 closes the connection
+            return
+        if method == "POST" and routes.post_route(path) is None:
+            self._refuse(sid, 404, {"Error": f"no POST route {path}"})
             return
         limit = routes.body_limits.get(path, MAX_BODY) if method == "POST" else 0
         if "content-length" in headers:
@@ -899,3 +914,26 @@ class JsonServer:
         self.httpd.server_close()
         if self.workers is not None:
             self.workers.shutdown(wait=False, cancel_futures=True)
+
+
+METRICS_LIMITS = ServerLimits(max_connections=32, max_in_flight=4, body_budget=READ_CHUNK, read_chunk=READ_CHUNK)
+"""A metrics port's share: a scraper or two, a probe, an operator's curl. Past 32 connections a
+newcomer closes the one that waited longest on its client."""
+
+
+def metrics_server(host: str, port: int, registry: Any, limits: ServerLimits = METRICS_LIMITS) -> JsonServer:
+    """Prometheus's text exposition of ``registry`` on ``GET /metrics`` (plain HTTP, started).
+
+    Rather than prometheus_client's own server, which takes a thread per connection with no
+    deadline: whoever reaches the port held one thread per idle connection (3,000 connections,
+    3,000 threads and ~100 MiB), up to the memory limit of the process serving it — the node
+    manager, whose liveness probe is this port. Here the connection cap, the deadlines and the
+    eviction of clients that send nothing hold as for the extender and the webhook."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    def metrics() -> tuple[int, str, bytes]:
+        return 200, CONTENT_TYPE_LATEST, generate_latest(registry)
+
+    server = JsonServer(host, port, Routes(post={}, get={"/metrics": metrics}), limits=limits, http2=False)
+    server.start()
+    return server

@@ -17,6 +17,7 @@ from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 if TYPE_CHECKING:
     from qgpu_runtime.contract.signature import RecordVerifier
     from qgpu_runtime.node.manager import NodeManager
+    from qgpu_runtime.serving import JsonServer
 
 
 def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
@@ -224,9 +225,12 @@ def _stop_on_signals() -> threading.Event:
     return stop
 
 
-def _serve_metrics(args: argparse.Namespace, manager: NodeManager, log: logging.Logger) -> None:
-    if args.metrics_port >= 0:
-        from prometheus_client import start_http_server
+def _serve_metrics(args: argparse.Namespace, manager: NodeManager, log: logging.Logger) -> JsonServer | None:
+    """``/metrics`` on --metrics-port (started), or None when it is -1."""
+    if args.metrics_port < 0:
+        return None
+    from qgpu_runtime.serving import metrics_server
 
-        server, _ = start_http_server(args.metrics_port, args.metrics_address, registry=manager.metrics.registry)
-        log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.server_port)
+    server = metrics_server(args.metrics_address, args.metrics_port, manager.metrics.registry)
+    log.info("metrics on http://%s:%d/metrics", args.metrics_address, server.port)
+    return server

@@ -12,11 +12,12 @@ import logging
 import signal
 import threading
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.gpu.nvml_lib import NvmlUnavailable
 from qgpu_runtime.isolation.mps import MpsError
 from qgpu_runtime.isolation.policy import parse_policy
+from qgpu_runtime.serving import metrics_server
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
@@ -67,7 +68,7 @@ def serve_standalone(args: argparse.Namespace) -> int:
         log.error("%s", err)
         return 2
     if args.standalone_metrics_port:
-        start_http_server(args.standalone_metrics_port, addr="127.0.0.1", registry=registry)
+        metrics_server("127.0.0.1", args.standalone_metrics_port, registry)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())

@@ -128,6 +128,13 @@ def test_a_content_length_that_is_not_digits_breaks_the_protocol_and_closes_the_
     assert server.stats.http2_protocol_errors == 1
 
 
+def test_a_post_to_no_route_is_refused_before_its_body_is_held(server, client):
+    status, doc = client.answer(client.send("POST", "/nowhere", b"x" * 1000, length=100 * 1024 * 1024, end=False))
+    assert (status, doc) == (404, {"Error": "no POST route /nowhere"})
+    assert server.stats.body_bytes_peak == 0
+    assert client.answer(client.send("POST", "/echo", b"{}", length=2)) == (200, {"verb": "", "got": 2})
+
+
 def test_a_content_length_of_twenty_digits_is_refused_naming_the_rule(server, client):
     # the stream stays open: ending it after 10 bytes would break the announced length (h2's check)
     status, doc = client.answer(client.send("POST", "/echo", b"x" * 10, length="1" * 20, end=False))

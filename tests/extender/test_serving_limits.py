@@ -82,6 +82,20 @@ def test_a_body_above_the_paths_limit_is_refused_before_it_is_read(server):
     assert post(server.port, "/echo", b"x" * 101)[0] == 200
 
 
+def test_a_post_to_no_route_is_answered_before_its_body_is_read(server):
+    """Before, the body was read (up to 256 MiB, reserved in the budget) and then answered 404:
+    on a server with open paths, a stranger's way to hold memory."""
+    announced = 200 * 1024 * 1024
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"POST /nowhere HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % announced + b"x" * 1000)
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        assert response.status == 404
+        assert json.loads(response.read()) == {"Error": "no POST route /nowhere"}
+        assert sock.recv(1) == b""  # closed: the unread body is not taken for a next request
+    assert server.stats.body_bytes_peak == 0
+
+
 def raw_answer(port: int, request: bytes) -> tuple[int, dict, bytes]:
     """One request as raw bytes: the status, the JSON answer, and what came after it (b"" when
     the server closed the connection)."""
