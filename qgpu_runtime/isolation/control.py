@@ -133,9 +133,18 @@ def allowance_rates(
     activity: Mapping[str, float],
     params: ControlParams,
 ) -> dict[str, tuple[float | None, str]]:
-    """Each tenant's allowance rate (milli of the card, None = unlimited) and the reason for it."""
+    """Each tenant's allowance rate (milli of the card, None = unlimited) and the reason for it.
+
+    A normal-class tenant that reserved no compute (``core_milli`` 0: HAMi's ``gpumem`` without
+    ``gpucores``, KAI's ``gpu-fraction``, T9k's percent, memory-only claims) runs unlimited while
+    no tenant that reserved a share is busy; while some are, the unreserved tenants share only what
+    the busy shares leave (the card less their shares), so a share that was booked and charged is
+    never diluted by tenants that booked none. Before, seven such tenants cut a busy 500-milli
+    share to 63 milli under fixed-share."""
     online_busy = any(busy[t.key] for t in tenants if t.klass is not AppClass.OFFLINE)
     yielding = {t.key for t in tenants if t.klass is AppClass.OFFLINE and online_busy}
+    unreserved = [t for t in tenants if t.klass is AppClass.NORMAL and t.core_milli == 0 and t.key not in yielding]
+    reserved_busy = sum(float(t.core_milli) for t in tenants if t.core_milli and busy[t.key] and t.key not in yielding)
 
     rates: dict[str, tuple[float | None, str]] = {}
     for t in tenants:
@@ -145,6 +154,11 @@ def allowance_rates(
             rates[t.key] = (None, "unlimited")
         else:
             rates[t.key] = (float(t.core_milli), "share")
+    if policy is not Policy.BEST_EFFORT and unreserved and reserved_busy > 0:
+        left = max(0.0, CARD_MILLI - reserved_busy)
+        sharing = max(1, sum(1 for t in unreserved if busy[t.key]))
+        for t in unreserved:
+            rates[t.key] = (left / sharing, "no share reserved: what busy shares leave")
     if policy is not Policy.BURST_SHARE:
         return rates
 
@@ -160,7 +174,7 @@ def allowance_rates(
     weight = sum(t.core_milli for t in borrowers)
     for t in tenants:
         rate, _ = rates[t.key]
-        if rate is None or t.key in yielding:
+        if rate is None or t.key in yielding or not t.core_milli:
             continue
         if t in borrowers:
             extra = spare * t.core_milli / weight

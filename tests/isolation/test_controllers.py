@@ -153,6 +153,33 @@ def test_online_tenant_is_never_throttled_under_fixed_share():
     assert used_share(backend, 1, 2.0) == pytest.approx(1000)
 
 
+@pytest.mark.parametrize("policy", [Policy.FIXED_SHARE, Policy.BURST_SHARE])
+@pytest.mark.parametrize("unreserved", [1, 3, 7])
+def test_tenants_that_reserved_no_compute_do_not_dilute_a_busy_share(policy, unreserved):
+    """HAMi ``gpumem`` without ``gpucores``, KAI fractions, T9k percents: core 0 booked and charged.
+    Before, they ran unlimited beside a booked share: seven of them cut a busy 500-milli share to 63."""
+    backend = make_backend(memory_mib=32768)
+    engine = make_engine(backend, policy)
+    backend.start("paid", 0, 1, demand_milli=1000)
+    workloads = [job("paid", 500, memory=4096)]
+    for i in range(unreserved):
+        backend.start(f"free{i}", 0, 10 + i, demand_milli=1000)
+        workloads.append(job(f"free{i}", 0, memory=1024))
+    drive(backend, engine, workloads, duration_s=10.0, tick_s=TICK)
+    assert used_share(backend, 1, 10.0) >= 470
+    # and what the share leaves goes to them, not to waste
+    assert sum(used_share(backend, 10 + i, 10.0) for i in range(unreserved)) >= 470
+
+
+@pytest.mark.parametrize("policy", [Policy.FIXED_SHARE, Policy.BURST_SHARE])
+def test_a_tenant_that_reserved_no_compute_has_the_card_while_the_shares_are_idle(policy):
+    backend = make_backend(memory_mib=32768)
+    engine = make_engine(backend, policy)
+    backend.start("free", 0, 1, demand_milli=1000)
+    drive(backend, engine, [job("free", 0, memory=1024), job("paid", 500, memory=4096)], duration_s=3.0, tick_s=TICK)
+    assert used_share(backend, 1, 3.0) == pytest.approx(1000)
+
+
 def test_memory_cap_stops_the_offender_and_records_why(sink):
     from prometheus_client import CollectorRegistry
 
