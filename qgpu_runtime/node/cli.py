@@ -120,6 +120,25 @@ def run(args: argparse.Namespace) -> int:
     if not args.nodename:
         log.error("--nodename is required (or set NODE_NAME)")
         return 2
+    stop = _stop_on_signals()
+    from qgpu_runtime.node.hostlock import LockError, acquire
+
+    try:
+        store_lock = acquire(args.dbfile, stop)  # held (open) for the process's life
+    except LockError as exc:
+        log.error("%s", exc)
+        return 2
+    if store_lock is None:
+        log.info("stopped while waiting for the allocation store %s", args.dbfile)
+        return 0
+    try:
+        return _serve(args, stop, log)
+    finally:
+        os.close(store_lock)  # the lock goes with it
+
+
+def _serve(args: argparse.Namespace, stop: threading.Event, log: logging.Logger) -> int:
+    """Open the GPUs and the store, connect to the pods, start, serve until ``stop``."""
     try:
         config, backend, store = _open(args, log)
         pods, slice_api = _pod_source(args, store, log)
@@ -128,13 +147,12 @@ def run(args: argparse.Namespace) -> int:
     from qgpu_runtime.node.manager import NodeManager
 
     manager = NodeManager(config, backend, store, pods, isolation=_isolation(args, backend), slice_api=slice_api)
-    stop = _stop_on_signals()
     code = _start(manager, stop, log)
     if code is not None:
         manager.stop()
         store.close()
         return code
-    _serve_metrics(args, manager, log)
+    metrics = _serve_metrics(args, manager, log)
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
              "DRA driver gpu.qgpu.io" if config.dra else ", ".join(k.name for k in config.resources))
     # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
@@ -142,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     while not stop.wait(0.5):
         pass
     log.info("stopping")
+    if metrics is not None:
+        metrics.stop()
     manager.stop()
     store.close()
     return 0
