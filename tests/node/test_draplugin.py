@@ -195,6 +195,16 @@ def test_a_restarted_plugin_unprepares_what_the_previous_one_prepared(root, clai
         second.stop()
 
 
+@pytest.mark.parametrize("uid", ["../../../etc/x", "a/b", "uid.1", "x" * 129])
+def test_a_claim_uid_that_is_no_kubernetes_uid_names_no_file(plugin, claims, uid):
+    """The UID reaches a file name before any check against the apiserver: before, a prepare read,
+    and an unprepare removed, ``<cdi-dir>/gpu.qgpu.io-claim_<uid>.json`` for whatever kubelet sent."""
+    claims.add(claim(uid))
+    for answer in (plugin.kubelet.prepare(("team-a", uid, "train"))[uid], plugin.kubelet.unprepare(("team-a", uid, "train"))[uid]):
+        assert "must be 1 to 128 ASCII letters, digits or '-' (a Kubernetes UID)" in answer.error
+    assert claims.reads == 0 and plugin.store.shares() == []
+
+
 def test_unprepare_of_a_claim_never_prepared_succeeds(plugin):
     assert plugin.kubelet.unprepare(("team-a", "uid-x", "nothing"))["uid-x"].error == ""
 

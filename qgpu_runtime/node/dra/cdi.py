@@ -76,8 +76,17 @@ def device_id(name: str) -> str:
 
 
 def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
-    """One file per claim, named after its UID (the vendor-class_name.json convention)."""
+    """One file per claim, named after its UID (the vendor-class_name.json convention). The UID
+    comes from kubelet's call, before any check against the apiserver: ValueError unless it is
+    what the apiserver writes (letters, digits and ``-``; at most 128), so no name built from it
+    leaves the CDI folder."""
+    if not _UID.fullmatch(claim_uid):
+        raise ValueError(f"claim UID {claim_uid[:140]!r}: must be 1 to 128 ASCII letters, digits or '-' "
+                         "(a Kubernetes UID)")
     return Path(cdi_dir) / f"{DRIVER}-{CLASS}_{claim_uid}.json"
+
+
+_UID = re.compile(r"[0-9A-Za-z-]{1,128}")
 
 
 def spec(devices: Sequence[CdiDevice]) -> dict[str, Any]:

@@ -70,9 +70,9 @@ class ClaimPreparer:
         where = f"ResourceClaim {namespace}/{name} (uid {uid})"
         if not uid:
             raise ClaimRefused(f"{where}: kubelet sent no claim UID")
+        path = self._spec_path(where, uid)
         with self._lock:
             booked = self.store.prepared_claim(uid)
-            path = cdi.spec_path(self.settings.cdi_dir, uid)
             if booked is not None and cdi.read_spec(path) is not None:
                 return [PreparedDevice.of_json(d) for d in booked.devices]
             if booked is not None:
@@ -141,8 +141,15 @@ class ClaimPreparer:
             return ()
         return cdi.card_device_nodes(self.cards[index], self.device_exists)
 
+    def _spec_path(self, where: str, uid: str) -> Path:
+        try:
+            return cdi.spec_path(self.settings.cdi_dir, uid)
+        except ValueError as exc:
+            raise ClaimRefused(f"{where}: {exc}") from None
+
     def unprepare(self, namespace: str, uid: str, name: str) -> None:
+        path = self._spec_path(f"ResourceClaim {namespace}/{name} (uid {uid[:140]!r})", uid)
         with self._lock:
-            cdi.remove_spec(cdi.spec_path(self.settings.cdi_dir, uid))
+            cdi.remove_spec(path)
             if self.store.release_claim(uid):
                 log.info("NodeUnprepareResources ResourceClaim %s/%s (uid %s): released", namespace, name, uid)
