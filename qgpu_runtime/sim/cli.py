@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -20,26 +22,42 @@ from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, 
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
 from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_demand_share, with_gpu_spec
 
+MAX_SEEDS = 1000
+"""Seeds of one run: a seed of the bundled trace replays in seconds, so 1,000 is hours of work;
+the list is built before any replay, and ``--seeds 0-100000000`` took all memory building it."""
+MAX_WORKERS = 256
+"""Worker processes: each holds the trace and a cluster state; more than there are replays never
+start (one per replay at most)."""
+
 
 class UsageError(ValueError):
     """A bad option value; printed as one line with exit code 2."""
 
 
 def parse_seeds(text: str) -> list[int]:
-    """'42-51' or '42,43,50' or '7'."""
+    """'42-51' or '42,43,50' or '7'; at most :data:`MAX_SEEDS` of them, counted before any is listed."""
     seeds: list[int] = []
     for part in text.split(","):
         part = part.strip()
         try:
             lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part), int(part))
         except ValueError:
-            raise UsageError(f"--seeds: {part!r} is not a seed or a range like 42-51") from None
+            raise UsageError(f"--seeds: {part[:32]!r} is not a seed or a range like 42-51") from None
         if hi < lo:
-            raise UsageError(f"--seeds: range {part!r} runs backwards")
+            raise UsageError(f"--seeds: range {part[:32]!r} runs backwards")
+        if len(seeds) + hi - lo + 1 > MAX_SEEDS:
+            raise UsageError(f"--seeds: {text[:64]!r} names more than {MAX_SEEDS} seeds")
         seeds.extend(range(lo, hi + 1))
     if not seeds:
         raise UsageError("--seeds: no seeds given")
     return seeds
+
+
+def worker_count(requested: int, jobs: int) -> int:
+    """Processes for ``jobs`` replays: ``requested`` (0: one per CPU), never more than the replays."""
+    if not 0 <= requested <= MAX_WORKERS:
+        raise UsageError(f"--workers: {requested} must be between 0 and {MAX_WORKERS} (0: one per CPU)")
+    return max(1, min(requested or os.cpu_count() or 1, jobs))
 
 
 def parse_policies(text: str) -> list[str]:
@@ -54,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", required=True, type=Path, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
     parser.add_argument("--pods", required=True, type=Path, help="pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,…])")
     parser.add_argument("--policy", default="frag", help="policies, comma-separated: " + ", ".join(sorted(POLICIES)))
-    parser.add_argument("--seeds", default="42-51", help="seeds: 42-51, or 42,43 (arrival replay only)")
+    parser.add_argument("--seeds", default="42-51", help=f"seeds: 42-51, or 42,43 (at most {MAX_SEEDS}; --replay-times uses none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per policy, one per line")
     parser.add_argument("--plot", type=Path, help="write a PNG of unallocated GPU %% against arrived %%")
     parser.add_argument("--expected", type=Path, help="published results CSV to draw beside --plot (FGD study format)")
@@ -65,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--card-choice", choices=[c.value for c in CardChoice], default=CardChoice.POLICY.value,
                         help="who picks the cards inside the policy's node: the policy (default), or first fit in "
                              "card index order, as kube-scheduler's DRA allocator does (docs/dra.md)")
-    parser.add_argument("--workers", type=int, default=0, help="processes for seeds (default: one per CPU)")
+    parser.add_argument("--workers", type=int, default=0,
+                        help=f"processes for seeds (default 0: one per CPU; at most {MAX_WORKERS}, never more than the replays)")
     parser.add_argument("--gpu-spec-fraction", type=float, default=None, metavar="F",
                         help="replay the GPU-model variant: about F of the GPU pods (0..1; the study's "
                              f"production share is {PRODUCTION_FRACTION:.3f}) get the model requirements "
@@ -140,16 +159,20 @@ def summarise(policy: str, results: list[SeedResult], seconds: float, card_choic
 
 
 class _Progress:
-    """A tqdm bar on stderr, or nothing."""
+    """A tqdm bar on stderr, or nothing; it counts either way. ``unit`` is what one update
+    counts; ``total`` None when the count is not known ahead (a seed's pods: the replay extends
+    them to 130 % of capacity as they arrive)."""
 
-    def __init__(self, total: int, desc: str, enabled: bool):
+    def __init__(self, total: int | None, desc: str, unit: str, enabled: bool):
+        self.total, self.unit, self.count = total, unit, 0
         self.bar = None
         if enabled:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=desc, unit="pod", file=sys.stderr, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
 
     def update(self, n: int = 1) -> None:
+        self.count += n
         if self.bar is not None:
             self.bar.update(n)
 
@@ -158,10 +181,10 @@ class _Progress:
             self.bar.close()
 
 
-def _one_seed(args: tuple) -> SeedResult:
+def _one_seed(args: tuple, progress: Callable[[int], None] | None = None) -> SeedResult:
     nodes, pods, policy, seed, options = args
     start = time.perf_counter()
-    result = replay_arrivals(nodes, pods, policy, seed, options)
+    result = replay_arrivals(nodes, pods, policy, seed, options, progress=progress)
     result.seconds = time.perf_counter() - start
     return result
 
@@ -169,13 +192,16 @@ def _one_seed(args: tuple) -> SeedResult:
 def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: ReplayOptions, workers: int, progress: bool) -> list[PolicySummary]:
     summaries = []
     jobs = [(nodes, pods, p, s, options) for p in policies for s in seeds]
-    bar = _Progress(len(jobs), "seeds", progress)
     by_policy: dict[str, list[SeedResult]] = {p: [] for p in policies}
     started = {p: time.perf_counter() for p in policies}
     elapsed = {p: 0.0 for p in policies}
-    if workers <= 1:
-        results_iter = map(_one_seed, jobs)
-        pool = None
+    # One replay alone (one policy, one seed) counts its pods: a bar of one seed would sit at 0/1.
+    single = len(jobs) == 1
+    bar = (_Progress(None, f"{policies[0]} seed {seeds[0]}", "pod", progress) if single
+           else _Progress(len(jobs), "seeds", "seed", progress))
+    pool = None
+    if single or workers <= 1:
+        results_iter = (_one_seed(job, progress=bar.update if single else None) for job in jobs)
     else:
         pool = ProcessPoolExecutor(max_workers=workers)
         results_iter = pool.map(_one_seed, jobs)
@@ -183,7 +209,8 @@ def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: R
         for result in results_iter:
             by_policy[result.policy].append(result)
             elapsed[result.policy] = time.perf_counter() - started[result.policy]
-            bar.update()
+            if not single:
+                bar.update()
     finally:
         bar.close()
         if pool is not None:
@@ -196,7 +223,7 @@ def _run_arrivals(nodes, pods, policies: list[str], seeds: list[int], options: R
 def _run_preemption(nodes, pods, policies: list[str], seeds: list[int], mix: PriorityMix, options: ReplayOptions,
                     as_json: bool, progress: bool) -> None:
     """Every arm on the same draws; one JSON line per policy, seed and arm, or a table summed over seeds."""
-    bar = _Progress(len(policies) * len(seeds) * len(ARMS), "replays", progress)
+    bar = _Progress(len(policies) * len(seeds) * len(ARMS), "replays", "replay", progress)
     totals: dict[tuple[str, str], list[PreemptionResult]] = {}
     for policy in policies:
         for seed in seeds:
@@ -234,11 +261,15 @@ def _table(summaries: list[PolicySummary]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    progress = not args.no_progress and sys.stderr.isatty()
     try:
         policies = parse_policies(args.policy)
         seeds = parse_seeds(args.seeds)
+        workers = worker_count(args.workers, len(seeds) * len(policies))
         if args.gpu_memory < 0:
             raise UsageError(f"--gpu-memory: {args.gpu_memory} must be >= 0")
+        if progress:  # a large trace takes seconds to read; say so rather than sit silent
+            print(f"qgpu simulate: reading {args.nodes} and {args.pods}", file=sys.stderr, flush=True)
         nodes = load_nodes(args.nodes)
         pods = load_pods(args.pods)
         if args.multi_card_fraction is not None and args.sharing_fraction is not None:
@@ -257,14 +288,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2
     options = ReplayOptions(gpu_memory_mib=args.gpu_memory, pod_limit=args.pod_limit, card_choice=CardChoice(args.card_choice))
-    progress = not args.no_progress and sys.stderr.isatty()
     if mix is not None:
         _run_preemption(nodes, pods, policies, seeds, mix, options, args.json, progress)
         return 0
     if args.replay_times:
         try:
             for policy in policies:
-                bar = _Progress(len(pods), policy, progress)
+                bar = _Progress(len(pods), policy, "pod", progress)
                 result = replay_times(nodes, pods, policy, options, progress=bar.update)
                 bar.close()
                 row = {"policy": policy, "mode": "replay-times", "pods": result.pods, "failed_pods": result.failed_pods,
@@ -277,9 +307,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"qgpu simulate: {exc}", file=sys.stderr)
             return 2
         return 0
-    import os
-
-    workers = args.workers or min(os.cpu_count() or 1, len(seeds) * len(policies))
     summaries = _run_arrivals(nodes, pods, policies, seeds, options, workers, progress)
     if args.json:
         for s in summaries:

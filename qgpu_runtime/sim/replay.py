@@ -28,6 +28,14 @@ from qgpu_runtime.sim.trace import TracePod
 MAX_ARRIVED_PCT = 130
 
 
+def _gpu_capacity(state: ClusterState) -> int:
+    """The cluster's GPU in thousandths of a card; every figure of a replay is a share of it."""
+    capacity = state.gpu_capacity_milli()
+    if capacity <= 0:
+        raise ValueError("no GPU capacity: no node has a card, and a replay measures allocation as a share of them")
+    return capacity
+
+
 @dataclass(frozen=True)
 class ReplayOptions:
     """What the replay enforces beyond the study's model (both off by default, as in the study)."""
@@ -123,7 +131,7 @@ def replay_arrivals(
     the GPU it was granted (None: it fitted nowhere), the arrived demand in % of capacity so far and
     the state (to read, not to change)."""
     state = ClusterState(nodes, limits, enforce_pod_limit=options.pod_limit)
-    capacity = state.gpu_capacity_milli()
+    capacity = _gpu_capacity(state)
     policy = policy_factory() if policy_factory is not None else make_policy(policy_name)
     order = arrival_order(pods, seed, capacity, options.extend_to_pct)
     bins = options.extend_to_pct + 1
@@ -194,12 +202,14 @@ def replay_times(
     if missing:
         raise ValueError(f"--replay-times needs creation_time for every pod; missing for {missing[0]} and {len(missing) - 1} more")
     state = ClusterState(nodes, limits, enforce_pod_limit=options.pod_limit)
-    capacity = state.gpu_capacity_milli()
+    capacity = _gpu_capacity(state)
     policy = make_policy(policy_name)
-    events: list[tuple[int, int, int, str]] = []  # (time, kind 0=leave 1=arrive, seq, key)
-    for i, pod in enumerate(sorted(pods, key=lambda p: (p.creation_time, p.name))):
+    # Events name pods by their place in arrival order, not by name: two pods of one name are
+    # still two pods (the trace loader refuses such files, a caller's list may not).
+    arriving = sorted(pods, key=lambda p: (p.creation_time, p.name))
+    events: list[tuple[int, int, int, str]] = []  # (time, kind 0=leave 1=arrive, seq, name)
+    for i, pod in enumerate(arriving):
         events.append((pod.creation_time or 0, 1, i, pod.name))
-    by_name = {p.name: p for p in pods}
     heapq.heapify(events)
     allocated = failed = failed_gpu = 0
     area = 0.0
@@ -210,7 +220,7 @@ def replay_times(
         t, kind, seq, name = heapq.heappop(events)
         area += (t - last) * allocated
         last = t
-        pod = by_name[name]
+        pod = arriving[seq]
         key = f"{seq}/{name}"
         if kind == 0:
             released = state.release(key)

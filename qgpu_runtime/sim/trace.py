@@ -6,14 +6,23 @@ Columns, as published with the FGD study:
   pod_phase, creation_time, deletion_time, scheduled_time`` (some variants carry only the first five).
 A missing required column or a bad value raises :class:`TraceError` naming the file, line, column
 and value, so the CLI can print one line and exit 2.
+
+Whoever hands us the files is not trusted with our memory: every number is bounded before it is
+used (a ``gpu`` of 10^8 cards took 1.9 GB before the replay began, a ``cpu_milli`` of 10^30
+overflowed the engine's int64 arrays), node and pod names must be unique (the cluster state keys
+nodes by name; a repeated pod name once made the time-ordered replay submit the later pod twice),
+and the files must be UTF-8.
 """
 
 from __future__ import annotations
 
+import codecs
 import csv
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from qgpu_runtime.contract.inventory import MAX_CARDS
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, Dialect, PodRequest
 from qgpu_runtime.placement.state import CardSpec, NodeSpec
 
@@ -23,6 +32,26 @@ POD_COLUMNS = ("name", "cpu_milli", "memory_mib", "num_gpu", "gpu_milli")
 # Card memory by model, for the optional GPU-memory replay. G2/G3 are undisclosed in the trace.
 CARD_MEMORY_MIB = {"T4": 16384, "P100": 16384, "V100M16": 16384, "V100M32": 32768, "A10": 24576}
 UNKNOWN_CARD_MEMORY_MIB = 32768
+
+MAX_CPU_MILLI = 10_000_000
+"""CPU of one node or pod, in thousandths of a CPU: 10,000 CPUs, about five times the largest
+single machines sold (1,792 threads); the bundled trace's largest node has 128."""
+MAX_MEMORY_MIB = 1 << 26
+"""Memory of one node or pod: 64 TiB, above the largest single machines sold (48 TB); the bundled
+trace's largest node has 1 TiB."""
+MAX_TIME = 2**63 - 1
+"""``creation_time`` and ``deletion_time``: seconds that fit an int64."""
+MAX_INT_CHARS = 24
+"""A cell longer than this is not read as a number at all (2^63 has 19 digits)."""
+_DIGITS = re.compile(r"[+-]?[0-9]+")
+SHOWN_CHARS = 32
+"""How much of a bad cell an error message quotes."""
+
+# ``gpu`` of a node and ``num_gpu`` of a pod: cards of one machine, the bound the node inventory
+# keeps (contract/inventory.py); a pod asking for more could never be placed.
+NODE_BOUNDS = {"cpu_milli": MAX_CPU_MILLI, "memory_mib": MAX_MEMORY_MIB, "gpu": MAX_CARDS}
+POD_BOUNDS = {"cpu_milli": MAX_CPU_MILLI, "memory_mib": MAX_MEMORY_MIB, "num_gpu": MAX_CARDS,
+              "creation_time": MAX_TIME, "deletion_time": MAX_TIME}
 
 
 class TraceError(ValueError):
@@ -58,60 +87,121 @@ class TracePod:
                           models=self.models, cpu_milli=self.cpu_milli, memory_mib=self.memory_mib)
 
 
+def _shown(raw: str) -> str:
+    """A cell as an error quotes it: repr, cut to a readable length."""
+    return repr(raw) if len(raw) <= SHOWN_CHARS else repr(raw[:SHOWN_CHARS]) + f"… ({len(raw)} characters)"
+
+
+def _not_utf8(path: Path) -> TraceError:
+    """Where the file stops being UTF-8: the byte offset and line of the first bad byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = lines = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(1 << 20):
+            pending = decoder.getstate()[0]
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as exc:
+                bad = offset - len(pending) + exc.start
+                line = lines + chunk[: max(bad - offset, 0)].count(b"\n") + 1
+                return TraceError(f"{path}:{line}: byte offset {bad}: 0x{(pending + chunk)[exc.start]:02x} is not UTF-8; "
+                                  "trace files must be UTF-8 text")
+            offset += len(chunk)
+            lines += chunk.count(b"\n")
+    return TraceError(f"{path}:{lines + 1}: byte offset {offset - len(decoder.getstate()[0])}: the file ends inside a "
+                      "UTF-8 character; trace files must be UTF-8 text")
+
+
 def _rows(path: Path, required: tuple[str, ...]):
     try:
-        handle = path.open(newline="")
+        handle = path.open(newline="", encoding="utf-8")
     except OSError as exc:
         raise TraceError(f"{path}: cannot open: {exc.strerror}") from None
     with handle:
         reader = csv.DictReader(handle)
-        header = reader.fieldnames or []
-        missing = [c for c in required if c not in header]
-        if missing:
-            raise TraceError(f"{path}:1: missing required column(s) {', '.join(missing)} (header: {', '.join(header) or 'empty'})")
-        for row in reader:
-            yield reader.line_num, row
+        try:
+            header = reader.fieldnames or []
+            missing = [c for c in required if c not in header]
+            if missing:
+                shown = ", ".join(header) or "empty"
+                if len(shown) > 10 * SHOWN_CHARS:
+                    shown = shown[: 10 * SHOWN_CHARS] + "…"
+                raise TraceError(f"{path}:1: missing required column(s) {', '.join(missing)} (header: {shown})")
+            for row in reader:
+                yield reader.line_num, row
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+        except csv.Error as exc:
+            raise TraceError(f"{path}:{reader.line_num + 1}: not CSV: {exc}") from None
 
 
-def _int(path: Path, line: int, row: dict, column: str, minimum: int = 0, optional: bool = False) -> int | None:
+def _int(path: Path, line: int, row: dict, column: str, bounds: dict[str, int], minimum: int = 0,
+         optional: bool = False) -> int | None:
     raw = row.get(column)
     if raw is None or raw.strip() == "":
         if optional:
             return None
         raise TraceError(f"{path}:{line}: column {column}: empty value; must be an integer >= {minimum}")
+    maximum = bounds.get(column)  # None: the caller checks the upper bound with its own rule
+    text = raw.strip()
+    if len(text) > MAX_INT_CHARS:  # not converted at all: far beyond every bound, or not a number
+        if _DIGITS.fullmatch(text):
+            above = f"is above the maximum {maximum}" if maximum is not None else "is above any value of this column"
+            rule = f"is below the minimum {minimum}" if text.startswith("-") else above
+        else:
+            rule = "is not an integer"
+        raise TraceError(f"{path}:{line}: column {column}: {_shown(raw)} {rule}")
     try:
-        value = int(raw)
+        value = int(text)
     except ValueError:
-        raise TraceError(f"{path}:{line}: column {column}: {raw!r} is not an integer") from None
+        raise TraceError(f"{path}:{line}: column {column}: {_shown(raw)} is not an integer") from None
     if value < minimum:
         raise TraceError(f"{path}:{line}: column {column}: {value} is below the minimum {minimum}")
+    if maximum is not None and value > maximum:
+        raise TraceError(f"{path}:{line}: column {column}: {value} is above the maximum {maximum}")
     return value
 
 
+def _unique(path: Path, line: int, column: str, name: str, seen: dict[str, int], what: str) -> None:
+    first = seen.setdefault(name, line)
+    if first != line:
+        raise TraceError(f"{path}:{line}: column {column}: {_shown(name)} repeats the {what} of line {first}; "
+                         f"{what} names must be unique")
+
+
 def load_nodes(path: str | Path, gpu_memory: bool = False) -> list[NodeSpec]:
-    """Nodes of a trace. Card memory matters only when the replay models GPU memory."""
+    """Nodes of a trace. Card memory matters only when the replay models GPU memory. A file
+    without a single card is refused: every figure of a replay is a share of the GPU capacity."""
     path = Path(path)
     nodes = []
+    seen: dict[str, int] = {}
     for line, row in _rows(path, NODE_COLUMNS):
         name = (row["sn"] or "").strip()
         if not name:
             raise TraceError(f"{path}:{line}: column sn: empty node name")
-        gpus = _int(path, line, row, "gpu")
+        _unique(path, line, "sn", name, seen, "node")
+        gpus = _int(path, line, row, "gpu", NODE_BOUNDS)
+        cpu = _int(path, line, row, "cpu_milli", NODE_BOUNDS)
+        memory_mib = _int(path, line, row, "memory_mib", NODE_BOUNDS)
         model = (row["model"] or "").strip() or "unknown"
         memory = CARD_MEMORY_MIB.get(model, UNKNOWN_CARD_MEMORY_MIB)
         cards = tuple(CardSpec(i, f"{name}-gpu{i}", model, memory) for i in range(gpus or 0))
-        nodes.append(NodeSpec(name, _int(path, line, row, "cpu_milli"), _int(path, line, row, "memory_mib"), cards))
+        nodes.append(NodeSpec(name, cpu, memory_mib, cards))
     if not nodes:
         raise TraceError(f"{path}: no nodes")
+    if not any(node.cards for node in nodes):
+        raise TraceError(f"{path}: no GPU capacity: every node has gpu 0, and the replay measures "
+                         "allocation as a share of the cluster's cards")
     return nodes
 
 
 def load_pods(path: str | Path) -> list[TracePod]:
     path = Path(path)
     pods = []
+    seen: dict[str, int] = {}
     for line, row in _rows(path, POD_COLUMNS):
-        num_gpu = _int(path, line, row, "num_gpu")
-        gpu_milli = _int(path, line, row, "gpu_milli")
+        num_gpu = _int(path, line, row, "num_gpu", POD_BOUNDS)
+        gpu_milli = _int(path, line, row, "gpu_milli", POD_BOUNDS)
         assert num_gpu is not None and gpu_milli is not None
         if gpu_milli > CORE_MILLI_PER_CARD:
             raise TraceError(f"{path}:{line}: column gpu_milli: {gpu_milli} is above {CORE_MILLI_PER_CARD} (one card)")
@@ -119,17 +209,19 @@ def load_pods(path: str | Path) -> list[TracePod]:
             raise TraceError(f"{path}:{line}: column gpu_milli: {gpu_milli} with num_gpu={num_gpu}: multi-GPU pods take whole cards (1000)")
         if num_gpu and not gpu_milli:
             raise TraceError(f"{path}:{line}: column gpu_milli: 0 with num_gpu={num_gpu}: a GPU pod needs a share above 0")
+        name = (row["name"] or "").strip() or f"line-{line}"
+        _unique(path, line, "name", name, seen, "pod")
         spec = (row.get("gpu_spec") or "").strip()
         models = frozenset(m for m in spec.split("|") if m) or None
         pods.append(TracePod(
-            name=(row["name"] or "").strip() or f"line-{line}",
-            cpu_milli=_int(path, line, row, "cpu_milli"),
-            memory_mib=_int(path, line, row, "memory_mib"),
+            name=name,
+            cpu_milli=_int(path, line, row, "cpu_milli", POD_BOUNDS),
+            memory_mib=_int(path, line, row, "memory_mib", POD_BOUNDS),
             num_gpu=num_gpu,
             gpu_milli=gpu_milli if num_gpu else 0,
             models=models,
-            creation_time=_int(path, line, row, "creation_time", optional=True) if "creation_time" in row else None,
-            deletion_time=_int(path, line, row, "deletion_time", optional=True) if "deletion_time" in row else None,
+            creation_time=_int(path, line, row, "creation_time", POD_BOUNDS, optional=True) if "creation_time" in row else None,
+            deletion_time=_int(path, line, row, "deletion_time", POD_BOUNDS, optional=True) if "deletion_time" in row else None,
         ))
     if not pods:
         raise TraceError(f"{path}: no pods")
