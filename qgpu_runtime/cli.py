@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Sequence
 
@@ -45,7 +46,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[name][0])
     sub = argparse.ArgumentParser(prog=f"qgpu {name}", description=COMMANDS[name][1])
     module.add_arguments(sub)
-    return int(module.run(sub.parse_args(rest)) or 0)
+    try:
+        return int(module.run(sub.parse_args(rest)) or 0)
+    except BrokenPipeError:
+        # The reader left (`qgpu status | head -1`): no traceback, and stdout pointed at /dev/null so
+        # the interpreter's own flush at exit does not fail a second time. 141 is a shell's status
+        # for a process SIGPIPE ended, which is what a reader that stops reading expects.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

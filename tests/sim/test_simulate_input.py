@@ -197,3 +197,16 @@ def test_reading_the_trace_is_announced_on_a_terminal(nodes, pods, capsys, monke
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert cli.run(args) == 0
     assert f"qgpu simulate: reading {nodes} and {pods}" in capsys.readouterr().err
+
+
+def test_a_reader_that_left_ends_the_command_quietly(tmp_path):
+    """`qgpu simulate … | head -1`: the reader closed the pipe before the answer was written; before,
+    a BrokenPipeError traceback (twice: again at the interpreter's flush at exit)."""
+    nodes, pods = write(tmp_path, "nodes.csv", NODES), write(tmp_path, "pods.csv", PODS)
+    proc = subprocess.Popen([sys.executable, "-m", "qgpu_runtime.cli", "simulate", "--nodes", str(nodes),
+                             "--pods", str(pods), "--seeds", "42", "--json", "--workers", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before a byte is written
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err
