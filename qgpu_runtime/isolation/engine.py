@@ -4,18 +4,26 @@ One engine per node. It keeps one controller state per card and holds a workload
 processes) when any of its cards says hold, because a process cannot be suspended on one card
 and not on another. It only signals on change, resumes a held workload that leaves, and resumes everything it
 held when closed, so a manager that exits never leaves a workload frozen.
+
+Each workload is acted on alone: a hold, resume or stop that raises is logged and counted (in the
+tick's report) and never keeps the engine from acting on the others, since a failure one tenant
+can provoke must not freeze or free its neighbours.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Mapping, Protocol, Sequence
+from functools import partial
+from typing import Callable, Mapping, Protocol, Sequence
 
 from qgpu_runtime.isolation.control import CardState, ControlParams, Tenant, Usage, Verdict, step
 from qgpu_runtime.isolation.memory import MemoryViolation, memory_violations
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.watchdog import MemoryWatchdog
 from qgpu_runtime.model import AppClass
+
+log = logging.getLogger("qgpu.isolation.engine")
 
 
 @dataclass(frozen=True)
@@ -29,11 +37,15 @@ class CardQuota:
 
 @dataclass(frozen=True)
 class Workload:
-    """Something the engine isolates: a standalone job or a container, with its bookings."""
+    """Something the engine isolates: a standalone job or a container, with its bookings.
+
+    ``unheld`` workloads are measured, charged and judged for memory like any other, but never
+    held (a pod being deleted, for a bounded time, so that its processes can handle SIGTERM)."""
 
     key: str
     klass: AppClass
     cards: tuple[CardQuota, ...]
+    unheld: bool = False
 
 
 class Sampler(Protocol):
@@ -58,6 +70,7 @@ class TickReport:
     held: frozenset[str]
     violations: tuple[tuple[int, MemoryViolation], ...] = ()
     usage: Mapping[int, Mapping[str, Usage]] = field(default_factory=dict)
+    failed: tuple[str, ...] = ()  # "hold <key>", "resume <key>", "stop <key>": actions that raised (logged)
 
 
 class IsolationEngine:
@@ -81,14 +94,18 @@ class IsolationEngine:
         self._tolerance = memory_tolerance_mib
         self._enforce_compute = enforce_compute
         self._states: dict[int, CardState] = {}
-        self._held: set[str] = set()
+        self._held: set[str] = set()  # workloads that are, or may be, suspended
+        self._hold_failed: set[str] = set()  # holds that raised: sent again while still wanted
         self._live: set[str] = set()
+        self._elapsed_s = 0.0  # the engine's own clock: the sum of the ticks' dt_s
+        self._failing: dict[tuple[str, str], str] = {}  # (action, key) -> the error last logged for it
 
     @property
     def held(self) -> frozenset[str]:
         return frozenset(self._held)
 
     def tick(self, workloads: Sequence[Workload], dt_s: float) -> TickReport:
+        self._elapsed_s += dt_s
         slotted = {index: frozenset(k for k, t in state.tenants.items() if t.scheduled) for index, state in self._states.items()}
         usage = self._sampler.sample(workloads, dt_s, frozenset(self._held), slotted)
         tenants_by_card: dict[int, list[Tenant]] = {}
@@ -110,25 +127,46 @@ class IsolationEngine:
         for index in set(self._states) - set(tenants_by_card):
             del self._states[index]
 
+        want_held -= {w.key for w in workloads if w.unheld}
         live = {w.key for w in workloads}
         if self._watchdog is not None:
             for gone in self._live - live:
                 self._watchdog.forget(gone)
         self._live = live
-        for key in sorted(want_held - self._held):
-            self._actuator.hold(key)
-        # A held workload that left the list is resumed too: a container whose pod is being
-        # deleted must be able to handle its SIGTERM, and signals to ended work are harmless.
-        for key in sorted(self._held - want_held):
-            self._actuator.resume(key)
-        self._held = want_held
+        failed: list[str] = []
+        to_hold = sorted((want_held - self._held) | (want_held & self._hold_failed))
+        self._hold_failed = {key for key in to_hold if not self._act("hold", key, partial(self._actuator.hold, key), failed)}
+        # A held workload that left the list, or is now unheld, is resumed too (a container whose
+        # pod is being deleted must be able to handle its SIGTERM; signals to ended work are
+        # harmless). One whose resume raised stays held, so the resume is sent again next tick; one
+        # whose hold raised counts as held, so that it is resumed once no longer wanted held.
+        resume_failed = {key for key in sorted(self._held - want_held)
+                         if not self._act("resume", key, partial(self._actuator.resume, key), failed)}
+        self._held = want_held | resume_failed
         if self._watchdog is not None:
             for index, violation in violations:
-                self._watchdog.handle(index, violation)
-        return TickReport(verdicts, frozenset(self._held), tuple(violations), usage)
+                self._act("stop", violation.key, partial(self._watchdog.handle, index, violation, self._elapsed_s), failed)
+        self._failing = {what: err for what, err in self._failing.items() if what[1] in live | self._held}
+        return TickReport(verdicts, frozenset(self._held), tuple(violations), usage, tuple(failed))
+
+    def _act(self, action: str, key: str, call: Callable[[], object], failed: list[str]) -> bool:
+        """``call()``, the ``action`` on workload ``key``; False when it raised, which is logged (in
+        full once while the same error repeats) and noted in ``failed``."""
+        what = (action, key)
+        try:
+            call()
+        except Exception as exc:  # one workload's failure must not skip the others' signals
+            failed.append(f"{action} {key}")
+            if self._failing.get(what) != repr(exc):
+                log.exception("isolation: could not %s %s (tried again next tick)", action, key)
+            self._failing[what] = repr(exc)
+            return False
+        self._failing.pop(what, None)
+        return True
 
     def close(self) -> None:
-        """Resume every workload still held: never leave work frozen behind."""
-        for key in sorted(self._held):
-            self._actuator.resume(key)
-        self._held.clear()
+        """Resume every workload still held: never leave work frozen behind (a resume that
+        raises is logged and the others are still sent)."""
+        failed: list[str] = []
+        self._held = {key for key in sorted(self._held) if not self._act("resume", key, partial(self._actuator.resume, key), failed)}
+        self._hold_failed.clear()

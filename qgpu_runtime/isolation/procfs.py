@@ -5,6 +5,13 @@ that asks. The isolation loop learns PIDs from a GPU sample and signals later, s
 SIGSTOP or SIGKILL it re-reads who the PID is: the start time (``stat`` field 22, clock ticks
 since boot) and the cgroup. PID + start time names one process for the life of the host.
 
+Everything here is written by the processes it describes, in part: the command name in ``stat``
+(field 2) is up to 15 bytes any process sets for itself (``prctl(PR_SET_NAME)``), not necessarily
+UTF-8 (a long UTF-8 file name is cut mid-character), and it may hold spaces and parentheses.
+So ``stat`` is parsed as bytes after its last ``)`` and the name is never decoded; a process
+that cannot be read or parsed is unknown, never an exception that would stop the loop for
+every tenant of the node.
+
 The root is configurable so tests model processes in a directory; in a cluster the manager runs
 with ``hostPID`` and reads ``/proc``.
 """
@@ -14,14 +21,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+# a process that ended between the listing of the root and the read
+_GONE = (FileNotFoundError, ProcessLookupError, NotADirectoryError)
+_PF_EXITING = 0x4  # stat field 9, flags: the task is in exit()
+
 
 @dataclass(frozen=True)
 class ProcStat:
-    """The ``stat`` fields the checks use."""
+    """The ``stat`` fields the checks use. ``exiting``: the process is in exit() with no other
+    thread left; it runs no code of its own again (its cgroup may already read as the root's)."""
 
     pid: int
     pgid: int
     start_ticks: int
+    exiting: bool = False
 
 
 class ProcFS:
@@ -30,32 +43,68 @@ class ProcFS:
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = root
 
-    def _read(self, pid: int, name: str) -> str | None:
+    def _stat(self, pid: int) -> ProcStat | None:
+        """None when the process ended (or is a zombie, whose number may soon be reused); raises
+        OSError or ValueError when it exists but its ``stat`` cannot be read or parsed."""
         try:
-            return (self.root / str(pid) / name).read_text()
-        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            raw = (self.root / str(pid) / "stat").read_bytes()
+        except _GONE:
             return None
+        close = raw.rfind(b")")
+        if close < 0:
+            raise ValueError(f"{self.root}/{pid}/stat has no ')' closing the command name")
+        # the command name may hold spaces and parentheses: fields start after the last ')'
+        fields = raw[close + 1:].split()
+        if len(fields) < 20:
+            raise ValueError(f"{self.root}/{pid}/stat has {len(fields) + 2} fields, not the 22 or more expected")
+        state, flags, threads = fields[0], int(fields[6]), int(fields[17])
+        # a zombie has ended (its number may soon be reused), unless only its main thread did:
+        # the leader of a thread group reads "Z" while the process's other threads run on
+        if state in (b"Z", b"X") and threads <= 1:
+            return None
+        return ProcStat(pid, int(fields[2]), int(fields[19]), exiting=bool(flags & _PF_EXITING) and threads <= 1)
 
     def stat(self, pid: int) -> ProcStat | None:
-        raw = self._read(pid, "stat")
-        if not raw or ")" not in raw:
+        """The process's group and start time; None when it ended or cannot be read (then
+        nothing is known of it, and nothing may be done to it on its account)."""
+        try:
+            return self._stat(pid)
+        except (OSError, ValueError):
             return None
-        # the command name may hold spaces and parentheses: fields start after the last ')'
-        fields = raw.rsplit(")", 1)[1].split()
-        if len(fields) < 20 or fields[0] == "Z":  # a zombie has ended; its number may soon be reused
-            return None
-        return ProcStat(pid, int(fields[2]), int(fields[19]))
+
+    def ended(self, pid: int) -> bool:
+        """True only when no process that will run again has the PID (none, a zombie, one in
+        exit() with no other thread): a process whose ``stat`` cannot be read has not been shown
+        to have ended."""
+        try:
+            stat = self._stat(pid)
+        except (OSError, ValueError):
+            return False
+        return stat is None or stat.exiting
 
     def cgroup(self, pid: int) -> str | None:
-        return self._read(pid, "cgroup")
+        """The cgroup text (bytes that are not UTF-8 kept as surrogates), or None when the
+        process ended or the file cannot be read."""
+        try:
+            return (self.root / str(pid) / "cgroup").read_bytes().decode("utf-8", "surrogateescape")
+        except OSError:
+            return None
 
     def group_members(self, pgid: int) -> list[int]:
-        """Every live process whose process group is ``pgid`` (a scan of the root: only run when
-        a signal is about to be sent, which the engine does on change, not every tick)."""
+        """Every live process whose process group is, or may be, ``pgid``: those whose ``stat``
+        names it, and those whose ``stat`` cannot be read (they could be in it; the caller must
+        treat them as members it cannot vouch for). A scan of the root: only run when a signal
+        is about to be sent, which the engine does on change, not every tick."""
         members = []
         for entry in self.root.iterdir():
-            if entry.name.isdigit():
-                stat = self.stat(int(entry.name))
-                if stat is not None and stat.pgid == pgid:
-                    members.append(stat.pid)
+            if not entry.name.isdigit():
+                continue
+            pid = int(entry.name)
+            try:
+                stat = self._stat(pid)
+            except (OSError, ValueError):
+                members.append(pid)
+                continue
+            if stat is not None and stat.pgid == pgid:
+                members.append(pid)
         return sorted(members)

@@ -48,7 +48,8 @@ class SignalActuator:
         self._clock = clock
         self._killpg = killpg
         self._own_pgid = os.getpgrp() if own_pgid is None else own_pgid
-        self._kill_due: dict[int, tuple[float, str]] = {}  # pgid -> (when, workload key)
+        self._kill_due: dict[str, float] = {}  # workload key -> when its grace period ends
+        self._kill_failing: set[str] = set()  # keys whose SIGKILL raised (logged once)
 
     def _signal(self, key: str, sig: signal.Signals) -> None:
         for pgid in self._groups(key):
@@ -74,24 +75,28 @@ class SignalActuator:
         log.warning("stopping %s: %s", key, reason)
         self._signal(key, signal.SIGCONT)
         self._signal(key, signal.SIGTERM)
-        due = self._clock() + self._grace_s
-        for pgid in self._groups(key):
-            self._kill_due[pgid] = (due, key)
+        # a stop of a workload already being stopped does not put its SIGKILL off
+        self._kill_due.setdefault(key, self._clock() + self._grace_s)
 
     def reap(self) -> None:
-        """SIGKILL the groups whose grace period ran out; call every tick.
+        """SIGKILL the workloads whose grace period ran out; call every tick.
 
-        The groups are asked for again first: seconds after SIGTERM a group may have ended and
-        its number gone to someone else's process, which must not be killed.
+        The kill goes to the groups the workload has now, asked for again (and re-checked by
+        whoever maps it) at this moment, not to those it had at SIGTERM: seconds after SIGTERM a
+        group may have ended and its number gone to someone else's process, which must not be
+        killed, and a process of the workload may have left its group (``setsid`` in a SIGTERM
+        handler), which must not escape.
         """
         now = self._clock()
-        for pgid, (due, key) in list(self._kill_due.items()):
+        for key, due in sorted(self._kill_due.items()):
             if now < due:
                 continue
-            del self._kill_due[pgid]
-            if pgid not in self._groups(key) or forbidden_group(pgid, self._own_pgid) is not None:
-                continue
             try:
-                self._killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                self._signal(key, signal.SIGKILL)
+            except Exception:  # one workload's failure must not spare the others
+                if key not in self._kill_failing:
+                    log.exception("cannot send SIGKILL to %s after its grace period (tried again every reap)", key)
+                self._kill_failing.add(key)
+                continue
+            del self._kill_due[key]
+            self._kill_failing.discard(key)

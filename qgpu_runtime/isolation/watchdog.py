@@ -5,6 +5,10 @@ neighbours their memory back: the watchdog stops it for good (through the actuat
 SIGKILL) and records why three ways, so the user finds the reason wherever they look first:
 a log line, a Prometheus counter, and an event record (the standalone database, or a Kubernetes
 Event in a cluster, through whichever sink the caller gives).
+
+A workload counts as stopped only once its stop went out, and only for one stop round: if it is
+still over its quota ``STOP_ROUND_S`` after the last stop (a process that left its process group
+on SIGTERM, a child that took the memory over), it is judged and stopped again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from qgpu_runtime.isolation.memory import MemoryViolation
 log = logging.getLogger("qgpu.isolation.watchdog")
 
 REASON_MEMORY = "GPUMemoryQuotaExceeded"
+
+STOP_ROUND_S = 10.0
+"""A stop's course: SIGTERM, the actuator's grace period (5 s) and SIGKILL, and time for the
+samples to show the memory freed. A workload still over its quota after that is stopped again."""
 
 
 @dataclass(frozen=True)
@@ -39,7 +47,8 @@ class EventSink(Protocol):
 
 
 class MemoryWatchdog:
-    """Turns memory violations into a stop plus a log line, a metric and an event, once per workload."""
+    """Turns memory violations into a stop plus a log line, a metric and an event, once per stop
+    round of a workload."""
 
     def __init__(
         self,
@@ -47,11 +56,15 @@ class MemoryWatchdog:
         sink: EventSink,
         stop: Callable[[str, str], None],
         clock: Callable[[], float] = time.time,
+        stop_round_s: float = STOP_ROUND_S,
     ):
+        """``clock`` stamps the events (wall time); stop rounds are measured on the caller's
+        monotonic time, given to :meth:`handle`."""
         self._sink = sink
         self._stop = stop
         self._clock = clock
-        self._stopped: set[str] = set()
+        self._stop_round_s = stop_round_s
+        self._stopped: dict[str, float] = {}  # workload key -> monotonic time of its last stop
         self.violations = Counter(
             "qgpu_memory_quota_violations",
             "Workloads stopped by the memory watchdog for holding more GPU memory than their quota",
@@ -59,18 +72,22 @@ class MemoryWatchdog:
             registry=registry,
         )
 
-    def handle(self, card: int, violation: MemoryViolation) -> bool:
-        """Stop and record the offender; False when it was already handled."""
-        if violation.key in self._stopped:
+    def handle(self, card: int, violation: MemoryViolation, now_s: float) -> bool:
+        """Stop and record the offender; False while the stop of its current round runs.
+
+        The stop goes first: if it raises, nothing marks the workload stopped, and the next
+        violation seen is judged again (marked first, a failed stop would never be retried)."""
+        last = self._stopped.get(violation.key)
+        if last is not None and now_s - last < self._stop_round_s:
             return False
-        self._stopped.add(violation.key)
         message = violation.message()
+        self._stop(violation.key, message)
+        self._stopped[violation.key] = now_s
         log.warning("card %d: %s", card, message)
         self.violations.labels(workload=violation.key, card=str(card)).inc()
         self._sink.emit(IsolationEvent(self._clock(), violation.key, card, REASON_MEMORY, message))
-        self._stop(violation.key, message)
         return True
 
     def forget(self, key: str) -> None:
         """Called when a workload is gone, so a new one with the same key is judged afresh."""
-        self._stopped.discard(key)
+        self._stopped.pop(key, None)

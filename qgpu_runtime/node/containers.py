@@ -16,14 +16,22 @@ A PID is re-identified whenever its groups are asked for, i.e. just before a sig
 time must be the one seen when it was attributed and its cgroup must still be the container's,
 or it was reused by another process and is dropped. A group is signalled only if every process
 in it is the container's: a shared or foreign group is left alone and logged.
+
+A pod being deleted keeps its booking until it is gone, so it stays enforced: a tenant cannot
+shed its share by deleting its own pod with a long ``terminationGracePeriodSeconds``. Only for
+``TERMINATING_UNHELD_S`` from the moment this manager first saw it terminating (its own monotonic
+clock: ``deletionTimestamp`` is only read as "set", its wall time is the apiserver's) is it left
+unheld, so that a process that was held can run its SIGTERM handler (a tenant of several pods:
+once all of them are being deleted, from the first); its memory is judged throughout.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract.names import finished
 from qgpu_runtime.isolation.engine import Workload
@@ -34,6 +42,11 @@ from qgpu_runtime.node.tenants import TenantRef, tenants_of
 
 log = logging.getLogger("qgpu.node.isolation")
 
+TERMINATING_UNHELD_S = 30.0
+"""How long a pod being deleted is left unheld (resumed, never held) to handle its SIGTERM, from
+when this manager first saw it terminating; then its share is enforced again until it is gone.
+Kubernetes' default ``terminationGracePeriodSeconds`` is as long, so a pod that honours SIGTERM
+is gone before its window ends."""
 
 
 @dataclass(frozen=True)
@@ -54,8 +67,12 @@ class ContainerResolver:
     a later sample happens not to list it.
     """
 
-    def __init__(self, proc_root: Path = Path("/proc")) -> None:
+    def __init__(self, proc_root: Path = Path("/proc"), clock: Callable[[], float] = time.monotonic) -> None:
         self.proc_root = proc_root
+        self._clock = clock
+        self._workloads: list[Workload] = []
+        self._terminating_since: dict[str, float] = {}  # pod UID -> when this manager first saw it terminating
+        self._terminating_keys: dict[str, float] = {}  # workload key -> earliest of its pods' times above
         self._refs: dict[str, TenantRef] = {}  # key -> tenant
         self._by_container_id: dict[str, tuple[str, str]] = {}  # container id -> (key, pod UID listing it)
         self._booked_uids: set[str] = set()
@@ -68,16 +85,21 @@ class ContainerResolver:
     def update(self, pods: Iterable[Mapping[str, Any]], shares: Iterable[Share],
                claims: Sequence[PreparedClaim] = ()) -> list[Workload]:
         """Take the node's pods, the store's shares and prepared claims; returns the workloads to
-        isolate. Rows of pods that are gone reach no container (reconciliation or kubelet's
-        unprepare releases them), so a pod re-created under the same name never collides with its
-        predecessor's rows."""
+        isolate (as :meth:`workloads`). Rows of pods that are gone reach no container
+        (reconciliation or kubelet's unprepare releases them), so a pod re-created under the same
+        name never collides with its predecessor's rows."""
+        now = self._clock()
         live: dict[str, Mapping[str, Any]] = {}
+        terminating: dict[str, float] = {}
         for pod in pods:
             meta = pod.get("metadata") or {}
-            # a terminating pod is let go (resumed) so its containers can handle SIGTERM
-            if finished(pod) or meta.get("deletionTimestamp"):
+            if finished(pod):
                 continue
-            live[str(meta.get("uid", ""))] = pod
+            uid = str(meta.get("uid", ""))
+            live[uid] = pod
+            if meta.get("deletionTimestamp"):
+                terminating[uid] = self._terminating_since.get(uid, now)
+        self._terminating_since = terminating
         found = tenants_of(shares, claims, live)
         previous = set(self._refs)
         self._refs = {key: ref for key, (ref, _) in found.items()}
@@ -94,7 +116,27 @@ class ContainerResolver:
         # still resume them in the tick that sees it gone
         self._pids = {pid: seen for pid, seen in self._pids.items()
                       if (seen.key in self._refs or seen.key in previous) and self._alive(pid)}
-        return [w for _, w in found.values()]
+        self._workloads = [w for _, w in found.values()]
+        # a tenant of several pods (one claim shared) is let run only once all of them are being
+        # deleted, and from when the first was: were one deletion enough, deleting a fresh member
+        # pod every window would keep the others unheld for good
+        self._terminating_keys = {}
+        for key, ref in self._refs.items():
+            uids = {m.pod_uid for m in ref.members}
+            if uids <= terminating.keys():
+                self._terminating_keys[key] = min(terminating[uid] for uid in uids)
+        return self.workloads()
+
+    def workloads(self) -> list[Workload]:
+        """The workloads of the last :meth:`update`, those of pods being deleted marked unheld
+        while their window lasts (asked every tick, so the window ends on time even while the
+        pod list cannot be read)."""
+        now = self._clock()
+        return [replace(w, unheld=True) if self._in_unheld_window(w.key, now) else w for w in self._workloads]
+
+    def _in_unheld_window(self, key: str, now: float) -> bool:
+        since = self._terminating_keys.get(key)
+        return since is not None and now - since < TERMINATING_UNHELD_S
 
     def ref(self, key: str) -> TenantRef:
         return self._refs[key]
@@ -163,13 +205,31 @@ class ContainerResolver:
             groups[stat.pgid] = seen.container
         safe = []
         for pgid, container in sorted(groups.items()):
-            foreign = [m for m in self._proc.group_members(pgid) if not self._in_container(m, container)]
+            foreign = self._outsiders(pgid, container)
             if foreign:
                 log.warning("process group %d of %s also holds process(es) %s outside the container: not signalled",
                             pgid, key, ", ".join(map(str, foreign)))
                 continue
             safe.append(pgid)
         return safe
+
+    def _outsiders(self, pgid: int, container: tuple[str, str] | None) -> list[int]:
+        """The members of ``pgid`` that are alive and not shown to be in ``container``.
+
+        The cgroup is read before the process is looked up again: a member that ended after the
+        scan (a shell's short-lived child) reads no cgroup, or the root's once in exit(), and is
+        then found gone, a zombie or exiting, and ignored; taken for a stranger, it would make its
+        group skip a hold that is sent only once. A
+        member that is alive but whose cgroup or stat cannot be read is a stranger: nothing
+        vouches for it."""
+        outsiders = []
+        for member in self._proc.group_members(pgid):
+            if self._in_container(member, container):
+                continue
+            if self._proc.ended(member):
+                continue
+            outsiders.append(member)
+        return outsiders
 
     # -- /proc reading --------------------------------------------------------------------------
     def _alive(self, pid: int) -> bool:

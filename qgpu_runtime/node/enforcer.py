@@ -183,8 +183,7 @@ class NodeIsolation:
 
     def refresh(self, pods_max_age_s: float) -> None:
         """Re-read the store's shares and the node's pods (new containers, ended pods)."""
-        self._workloads = self.resolver.update(self._pods(pods_max_age_s), self._store.shares(),
-                                               self._store.prepared_claims())
+        self.resolver.update(self._pods(pods_max_age_s), self._store.shares(), self._store.prepared_claims())
 
     def tick(self, dt_s: float, now: float) -> TickReport:
         due = self._last_refresh is None or now - self._last_refresh >= self._refresh_s
@@ -196,12 +195,16 @@ class NodeIsolation:
                 self.refresh(0.0 if self.resolver.unknown_containers else float("inf"))
             except Exception as exc:  # keep enforcing what is known; retried after refresh_s
                 log.warning("isolation: reading pods or shares failed, keeping the last known containers: %s", exc)
+        # asked every tick: a pod being deleted is left unheld for a window that ends on time
+        self._workloads = self.resolver.workloads()
         self.resolver.begin_sample()
         before = self.engine.held
         report = self.engine.tick(self._workloads, dt_s)
         reap = getattr(self._actuator, "reap", None)
         if reap is not None:
             reap()
+        if report.failed:  # logged by the engine; the other workloads were acted on
+            self._metrics.tick_errors.inc()
         new_holds = len(report.held - before)
         if new_holds:
             self._metrics.holds.inc(new_holds)

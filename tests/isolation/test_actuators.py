@@ -183,3 +183,30 @@ def test_the_grace_kill_is_not_sent_to_a_group_that_is_no_longer_the_workloads()
     clock["now"] = 6.0
     act.reap()
     assert signal.SIGKILL not in [s for _, s in kill.sent]
+
+
+def test_the_grace_kill_reaches_a_process_that_left_its_group_on_sigterm():
+    kill = _Recorder()
+    groups = {"job": [777]}
+    clock = {"now": 0.0}
+    act = SignalActuator(lambda key: groups.get(key, []), killpg=kill, own_pgid=1000, clock=lambda: clock["now"])
+    act.stop("job", "over quota")
+    groups["job"] = [888]  # its GPU process called setsid() in its SIGTERM handler: a group of its own
+    clock["now"] = 6.0
+    act.reap()
+    assert [(g, s) for g, s in kill.sent if s == signal.SIGKILL] == [(888, signal.SIGKILL)]
+    clock["now"] = 20.0
+    act.reap()  # one kill per stop: nothing is due any more
+    assert [s for _, s in kill.sent].count(signal.SIGKILL) == 1
+
+
+def test_a_second_stop_does_not_put_the_grace_kill_off():
+    kill = _Recorder()
+    clock = {"now": 0.0}
+    act = SignalActuator(lambda key: [777], killpg=kill, own_pgid=1000, clock=lambda: clock["now"], grace_s=5.0)
+    act.stop("job", "over quota")
+    clock["now"] = 4.0
+    act.stop("job", "still over quota")
+    clock["now"] = 5.0
+    act.reap()
+    assert (777, signal.SIGKILL) in kill.sent

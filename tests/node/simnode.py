@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Callable
 
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
 from qgpu_runtime.isolation.simgpu import SimulatedGPU
@@ -20,12 +21,17 @@ class FakeProc:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
-    def add(self, pid: int, cgroup: str, pgid: int, start_time: int = 1000) -> None:
+    def add(self, pid: int, cgroup: str, pgid: int, start_time: int = 1000, comm: bytes = b"python (w) 1",
+            state: bytes = b"S", threads: int = 1) -> None:
+        """``comm`` is the command name as the kernel shows it: up to 15 bytes the process chose
+        (``prctl(PR_SET_NAME)``), not necessarily UTF-8; the default has a space and a parenthesis,
+        as real ones may. A process whose main thread exited while others run reads ``state``
+        ``Z`` with ``threads`` > 1."""
         d = self.root / str(pid)
         d.mkdir()
         (d / "cgroup").write_text(cgroup)
-        # comm with a space and a parenthesis, as real ones may have
-        (d / "stat").write_text(f"{pid} (python (w) 1) S 1 {pgid} {pgid} 0 -1 4194560 " + "0 " * 12 + f"{start_time} 0 0\n")
+        (d / "stat").write_bytes(b"%d (%s) %s 1 %d %d 0 -1 4194560 " % (pid, comm, state, pgid, pgid) + b"0 " * 10
+                                 + b"%d 0 %d 0 0\n" % (threads, start_time))
 
     def remove(self, pid: int) -> None:
         for f in (self.root / str(pid)).iterdir():
@@ -35,7 +41,7 @@ class FakeProc:
     def group(self, pgid: int) -> list[int]:
         out = []
         for d in self.root.iterdir():
-            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            fields = (d / "stat").read_bytes().rsplit(b")", 1)[1].split()
             if int(fields[2]) == pgid:
                 out.append(int(d.name))
         return sorted(out)
@@ -48,6 +54,11 @@ class SimKernel:
         self.proc = proc
         self.gpus = gpus
         self.sent: list[tuple[int, signal.Signals]] = []
+        self.handlers: dict[tuple[int, signal.Signals], Callable[[], None]] = {}
+        """(pid, signal) -> what the process does on that signal instead of the default action
+        (a SIGTERM handler); SIGKILL, SIGSTOP and SIGCONT cannot be caught. A handler runs when
+        the process is next scheduled (:meth:`run_handlers`), not inside the sender's ``kill``."""
+        self._pending: list[Callable[[], None]] = []
 
     def killpg(self, pgid: int, sig: int) -> None:
         members = self.proc.group(pgid)
@@ -55,6 +66,10 @@ class SimKernel:
             raise ProcessLookupError(pgid)
         self.sent.append((pgid, signal.Signals(sig)))
         for pid in members:
+            handler = self.handlers.get((pid, signal.Signals(sig)))
+            if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT):
+                self._pending.append(handler)
+                continue
             for gpu in self.gpus.values():
                 if sig == signal.SIGSTOP:
                     gpu.suspend(pid)
@@ -64,6 +79,12 @@ class SimKernel:
                     gpu.exit(pid)
             if sig in (signal.SIGTERM, signal.SIGKILL):
                 self.proc.remove(pid)
+
+    def run_handlers(self) -> None:
+        """The processes that caught a signal run their handlers (call once per tick)."""
+        pending, self._pending = self._pending, []
+        for handler in pending:
+            handler()
 
     def signalled(self, pgid: int) -> list[signal.Signals]:
         return [s for g, s in self.sent if g == pgid]

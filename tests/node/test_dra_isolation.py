@@ -28,7 +28,7 @@ from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
-from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.containers import TERMINATING_UNHELD_S, ContainerResolver
 from qgpu_runtime.node.dra.preparer import ClaimPreparer
 from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.enforcer import NodeIsolation
@@ -87,7 +87,7 @@ class DraWorld:
             return SimProcessSampler(self.gpus, resolver.owner), SignalActuator(resolver.groups, killpg=self.kernel.killpg)
 
         self.loop = NodeIsolation(self.policy, self.store, lambda max_age: self.source.pods_on_node(NODE),
-                                  ContainerResolver(self.proc.root), backend, self.metrics, self.source,
+                                  ContainerResolver(self.proc.root, clock=lambda: self.now), backend, self.metrics, self.source,
                                   tick_s=TICK, refresh_s=TICK)
 
     def restart(self) -> None:
@@ -296,6 +296,35 @@ def test_a_claim_shared_by_two_pods_is_one_tenant(world_of):
     a, b = w.used(101), w.used(202)
     w.drive(8.0)
     assert (w.used(101) - a + w.used(202) - b) / 8.0 == pytest.approx(300, abs=20)
+
+
+def test_a_claim_shared_by_two_pods_is_left_unheld_only_once_both_are_being_deleted_and_from_the_first(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    w.claim("shared", 300)
+    p1, i1 = w.pod("one", {"main": ["shared"]})
+    p2, i2 = w.pod("two", {"main": ["shared"]})
+    w.run(101, cgroupfs(_uid(p1), i1["main"]), 1000)
+    w.run(202, cgroupfs(_uid(p2), i2["main"]), 1000)
+    w.drive(1.0)
+    [key] = [wl.key for wl in w.loop._workloads]
+    held: list[float] = []
+
+    def note(t, report):
+        if key in report.held:
+            held.append(t)
+
+    p1["metadata"]["deletionTimestamp"] = "2099-01-01T00:00:00Z"
+    write_pods(w.pods_file, w.pods)
+    first_seen = w.now + TICK
+    w.drive(5.0, observe=note)
+    assert held  # one member's deletion does not let the other run unheld
+    p2["metadata"]["deletionTimestamp"] = "2099-01-01T00:00:00Z"
+    write_pods(w.pods_file, w.pods)
+    held.clear()
+    w.drive(first_seen + TERMINATING_UNHELD_S - w.now - TICK, observe=note)
+    assert held == []  # both are being deleted: unheld, until the window of the first ends
+    w.drive(2.0, observe=note)
+    assert held  # the window was counted from the first deletion, not the last
 
 
 def test_a_container_with_two_claims_on_one_card_gets_their_sum(world_of):

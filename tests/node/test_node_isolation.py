@@ -26,9 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from qgpu_runtime.gpu.simulated import SimulatedBackend, build_cards, parse_spec
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy
+from qgpu_runtime.isolation.procfs import ProcFS
 from qgpu_runtime.isolation.signals import SignalActuator
 from qgpu_runtime.isolation.simbackend import SimProcessSampler
-from qgpu_runtime.node.containers import ContainerResolver
+from qgpu_runtime.node.containers import TERMINATING_UNHELD_S, ContainerResolver
 from qgpu_runtime.node.deviceplugin.resources import parse_resources
 from qgpu_runtime.node.enforcer import NodeIsolation, resolve_policy
 from qgpu_runtime.node.manager import ManagerConfig, NodeManager
@@ -60,14 +61,14 @@ class World:
         self.pods: list[dict] = []
         write_pods(self.pods_file, [])
         self.metrics = ManagerMetrics.create(NODE)
-        self.now = 0.0
+        self.now = 0.0  # the manager's monotonic clock: the loop's, the actuator's grace periods, the resolver's
 
         def backend(resolver: ContainerResolver):
             return (wrap_sampler(SimProcessSampler(self.gpus, resolver.owner)),
-                    SignalActuator(resolver.groups, killpg=self.kernel.killpg))
+                    SignalActuator(resolver.groups, killpg=self.kernel.killpg, clock=lambda: self.now))
 
         self.loop = NodeIsolation(policy, self.store, lambda max_age: self.source.pods_on_node(NODE),
-                                  ContainerResolver(self.proc.root), backend, self.metrics, self.source,
+                                  ContainerResolver(self.proc.root, clock=lambda: self.now), backend, self.metrics, self.source,
                                   tick_s=TICK, refresh_s=TICK, memory_tolerance_mib=tolerance_mib)
 
     def add_pod(self, name: str, core: int, memory_mib: int = 0, klass: str = "normal", card: int = 0,
@@ -92,6 +93,7 @@ class World:
         for n in range(round(seconds / TICK)):
             if events and n in events:
                 events[n]()
+            self.kernel.run_handlers()
             for gpu in self.gpus.values():
                 gpu.advance(TICK)
             self.now += TICK
@@ -246,23 +248,61 @@ def test_a_container_with_processes_in_two_groups_is_charged_and_held_as_one(wor
     assert w.kernel.signalled(101) == w.kernel.signalled(102) != []
 
 
-@pytest.mark.parametrize("ending", ["finished", "terminating"])
-def test_a_held_container_whose_pod_ends_is_resumed_and_left_alone(world_of, ending):
+def test_a_held_container_whose_pod_finished_is_resumed_and_left_alone(world_of):
     w = world_of(Policy.FIXED_SHARE)
     uid, cid = w.add_pod("job", 100)
     w.run_process(101, cgroupfs(uid, cid), 1000)
     w.drive(0.2)
     assert w.loop.engine.held == {"default/job/main"}
-    if ending == "finished":
-        w.pods[0]["status"]["phase"] = "Succeeded"
-    else:  # kubelet is about to send SIGTERM: a stopped process could not handle it
-        w.pods[0]["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
+    w.pods[0]["status"]["phase"] = "Succeeded"
     write_pods(w.pods_file, w.pods)
     w.drive(TICK)
     assert w.kernel.signalled(101)[-1] is signal.SIGCONT and w.gpus[0].processes[101].suspended_at is None
     sent = len(w.kernel.sent)
     w.drive(1.0)
     assert len(w.kernel.sent) == sent and not w.loop.engine.held
+
+
+def delete_pod(w: World, index: int) -> None:
+    """``kubectl delete pod`` of a pod whose owner set a year's ``terminationGracePeriodSeconds``;
+    the ``deletionTimestamp`` (the apiserver's wall time) is far off, and is not believed."""
+    w.pods[index]["metadata"]["deletionTimestamp"] = "2099-01-01T00:00:00Z"
+    w.pods[index]["spec"]["terminationGracePeriodSeconds"] = 31536000
+    write_pods(w.pods_file, w.pods)
+
+
+def test_a_pod_being_deleted_is_resumed_left_unheld_for_a_bounded_window_then_held_to_its_share(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid_v, cid_v = w.add_pod("victim", 500)
+    uid_l, cid_l = w.add_pod("leaver", 200)
+    w.run_process(101, cgroupfs(uid_v, cid_v), 1000)
+    w.run_process(202, cgroupfs(uid_l, cid_l), 1000)
+    w.kernel.handlers[(202, signal.SIGTERM)] = lambda: None  # it traps SIGTERM and runs on
+    w.drive(1.0)
+    delete_pod(w, 1)
+    held_in_window: list[float] = []
+    w.drive(TERMINATING_UNHELD_S, observe=lambda t, r: "default/leaver/main" in r.held and held_in_window.append(t))
+    assert held_in_window == [] and w.gpus[0].processes[202].suspended_at is None  # resumed, free to handle SIGTERM
+    w.drive(6.0)  # the window is over: the debt it ran up (at most one card-second) is repaid
+    leaver, victim = w.used(202), w.used(101)
+    w.drive(10.0)
+    assert (w.used(202) - leaver) / 10.0 == pytest.approx(200, abs=15)
+    assert (w.used(101) - victim) / 10.0 == pytest.approx(500, abs=15)
+
+
+def test_a_pod_being_deleted_is_stopped_over_its_memory_quota_at_once(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("leaver", 200, memory_mib=1024)
+    w.run_process(202, cgroupfs(uid, cid), 1000)
+    w.kernel.handlers[(202, signal.SIGTERM)] = lambda: None  # it traps SIGTERM and runs on
+    w.drive(1.0)
+    delete_pod(w, 0)
+    w.drive(1.0)
+    w.gpus[0].processes[202].memory_mib = 12288  # inside its unheld window
+    w.drive(5.0 + 2 * TICK)  # the grace period of a stop, and the tick that reaps it
+    assert 202 not in w.gpus[0].processes
+    assert w.kernel.signalled(202)[-2:] == [signal.SIGTERM, signal.SIGKILL]
+    assert w.samples()[("qgpu_memory_quota_violations_total", frozenset({"workload": "default/leaver/main", "card": "0"}.items()))] == 1
 
 
 def test_closing_the_loop_resumes_every_held_container(world_of):
@@ -476,3 +516,102 @@ def test_group_zero_init_and_the_managers_own_are_never_signalled(world_of, pgid
     w.drive(1.0)
     assert w.loop.engine.held == {"default/capped/main"}  # the engine wanted to hold it
     assert w.kernel.sent == []
+
+
+class EndsAfterScan(ProcFS):
+    """The node's proc root, where process ``pid`` ends just after a group scan listed it (a
+    shell's short-lived child): it exits, or becomes a zombie whose cgroup no longer reads."""
+
+    def __init__(self, proc: FakeProc, pid: int, ending: str) -> None:
+        super().__init__(proc.root)
+        self.proc, self.pid, self.ending = proc, pid, ending
+
+    def group_members(self, pgid: int) -> list[int]:
+        members = super().group_members(pgid)
+        if self.pid in members:
+            d = self.proc.root / str(self.pid)
+            if self.ending == "exits":
+                self.proc.remove(self.pid)
+            else:
+                (d / "stat").write_bytes((d / "stat").read_bytes().replace(b") S ", b") Z "))
+                (d / "cgroup").unlink()
+        return members
+
+
+@pytest.mark.parametrize("ending", ["exits", "zombie"])
+def test_a_group_member_that_ends_between_the_scan_and_its_cgroup_read_does_not_cancel_the_hold(world_of, ending):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("capped", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000, pgid=101)
+    w.proc.add(102, cgroupfs(uid, cid), pgid=101)  # the GPU process's short-lived child, in its group
+    w.loop.resolver._proc = EndsAfterScan(w.proc, 102, ending)
+    w.drive(TICK)
+    assert w.loop.engine.held == {"default/capped/main"}
+    assert w.kernel.signalled(101) == [signal.SIGSTOP] and w.gpus[0].processes[101].suspended_at is not None
+
+
+def test_a_memory_offender_that_leaves_its_group_on_sigterm_is_killed_after_the_grace_period(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("hog", 300, memory_mib=1024)
+    w.proc.add(200, cgroupfs(uid, cid), pgid=200)  # the container's shell, its group's leader
+    w.run_process(202, cgroupfs(uid, cid), 300, pgid=200)  # its GPU child, in the shell's group
+
+    def setsid() -> None:  # signal.signal(SIGTERM, lambda *_: os.setsid())
+        w.proc.remove(202)
+        w.proc.add(202, cgroupfs(uid, cid), pgid=202)
+
+    w.kernel.handlers[(202, signal.SIGTERM)] = setsid
+    w.drive(1.0)
+    w.gpus[0].processes[202].memory_mib = 12288  # 12 GiB on a 1 GiB quota
+    w.drive(5.0 + 2 * TICK)  # the grace period of a stop, and the tick that reaps it
+    assert 202 not in w.gpus[0].processes
+    assert (200, signal.SIGTERM) in w.kernel.sent and (202, signal.SIGKILL) in w.kernel.sent
+
+
+# ---- what a process can name itself ----------------------------------------------------------
+def test_a_host_process_named_in_bytes_that_are_not_utf8_breaks_no_tick_and_no_resume(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("victim", 200)
+    w.run_process(101, cgroupfs(uid, cid), 1000)
+    w.drive(TICK)
+    # any local user renames a process: prctl(PR_SET_NAME, b"\xff\xfeevil")
+    w.proc.add(4242, "0::/user.slice/user-1000.slice/session-3.scope\n", pgid=4242, comm=b"\xff\xfeevil")
+    before = w.used(101)
+    w.drive(5.0)
+    assert (w.used(101) - before) / 5.0 == pytest.approx(200, abs=15)  # duty-cycled, never frozen
+    assert w.samples()[("qgpu_isolation_tick_errors_total", frozenset())] == 0
+    for _ in range(20):  # a 200 milli share is held most ticks
+        if w.loop.engine.held:
+            break
+        w.drive(TICK)
+    assert w.loop.engine.held == {"default/victim/main"}
+    w.loop.close()
+    assert w.kernel.signalled(101)[-1] is signal.SIGCONT and w.gpus[0].processes[101].suspended_at is None
+
+
+def test_a_gpu_process_whose_main_thread_exited_is_enforced_like_any_other(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("threads", 300, memory_mib=1024)
+    # pthread_exit() in main(): the leader reads "Z" while a thread drives the GPU
+    w.proc.add(202, cgroupfs(uid, cid), pgid=202, state=b"Z", threads=2)
+    w.gpus[0].spawn(202, 1000, 0)
+    w.drive(5.0)
+    assert w.used(202) / 5.0 == pytest.approx(300, abs=15)
+    w.gpus[0].processes[202].memory_mib = 8192
+    w.drive(0.5)
+    assert 202 not in w.gpus[0].processes
+
+
+def test_a_gpu_process_named_in_bytes_that_are_not_utf8_is_enforced_like_any_other(world_of):
+    w = world_of(Policy.FIXED_SHARE)
+    uid_n, cid_n = w.add_pod("neighbour", 300, memory_mib=1024)
+    uid_r, cid_r = w.add_pod("renamed", 300, memory_mib=1024)
+    w.run_process(101, cgroupfs(uid_n, cid_n), 1000)
+    # a long UTF-8 file name the kernel cut mid-character
+    w.proc.add(202, cgroupfs(uid_r, cid_r), pgid=202, comm="ab训练脚本程序".encode()[:15])
+    w.gpus[0].spawn(202, 1000, 0)
+    w.drive(5.0)
+    assert w.used(202) / 5.0 == pytest.approx(300, abs=15) and w.used(101) / 5.0 == pytest.approx(300, abs=15)
+    w.gpus[0].processes[202].memory_mib = 8192
+    w.drive(0.5)
+    assert 202 not in w.gpus[0].processes and 101 in w.gpus[0].processes
