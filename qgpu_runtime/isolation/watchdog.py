@@ -65,6 +65,7 @@ class MemoryWatchdog:
         self._clock = clock
         self._stop_round_s = stop_round_s
         self._stopped: dict[str, float] = {}  # workload key -> monotonic time of its last stop
+        self._series: dict[str, set[str]] = {}  # workload key -> cards its violation series name
         self.violations = Counter(
             "qgpu_memory_quota_violations",
             "Workloads stopped by the memory watchdog for holding more GPU memory than their quota",
@@ -85,9 +86,13 @@ class MemoryWatchdog:
         self._stopped[violation.key] = now_s
         log.warning("card %d: %s", card, message)
         self.violations.labels(workload=violation.key, card=str(card)).inc()
+        self._series.setdefault(violation.key, set()).add(str(card))
         self._sink.emit(IsolationEvent(self._clock(), violation.key, card, REASON_MEMORY, message))
         return True
 
     def forget(self, key: str) -> None:
-        """Called when a workload is gone, so a new one with the same key is judged afresh."""
+        """Called when a workload is gone, so a new one with the same key is judged afresh; its
+        counter series go with it (one per stopped pod would pile up for the manager's life)."""
         self._stopped.pop(key, None)
+        for card in self._series.pop(key, ()):
+            self.violations.remove(key, card)

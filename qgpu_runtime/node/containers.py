@@ -89,6 +89,8 @@ class ContainerResolver:
         (reconciliation or kubelet's unprepare releases them), so a pod re-created under the same
         name never collides with its predecessor's rows."""
         now = self._clock()
+        # unmanaged processes are logged once each while they live; the memory of it goes with them
+        self._logged = {stamp for stamp in self._logged if self._alive(stamp[0])}
         live: dict[str, Mapping[str, Any]] = {}
         terminating: dict[str, float] = {}
         for pod in pods:

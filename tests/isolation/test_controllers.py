@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.isolation.control import ControlParams
 from qgpu_runtime.isolation.engine import CardQuota, Workload
@@ -217,6 +218,21 @@ def test_a_workload_on_two_cards_is_held_when_either_card_says_so():
     drive(backend, engine, [w], duration_s=0.1, tick_s=TICK)
     assert engine.held == {"ab"}
     assert backend.gpus[1].processes[2].suspended_at is not None
+
+
+def test_a_workload_that_is_gone_takes_its_violation_series_with_it(sink):
+    """One series per stopped pod, never removed, grew the manager's registry for its life."""
+    registry = CollectorRegistry()
+    backend = make_backend()
+    engine = make_engine(backend, Policy.BEST_EFFORT, sink=sink, registry=registry)
+    labels = {"workload": "ns/pod/main", "card": "0"}
+    seen = []
+    backend.start("ns/pod/main", 0, 1, demand_milli=100, memory_mib=2048)
+    drive(backend, engine, [job("ns/pod/main", 500, memory=1024)], duration_s=0.05, tick_s=TICK,
+          observe=lambda t, report: seen.append(registry.get_sample_value("qgpu_memory_quota_violations_total", labels)))
+    assert seen == [1]  # stopped and counted while it lived
+    drive(backend, engine, [], duration_s=0.1, tick_s=TICK)  # gone
+    assert registry.get_sample_value("qgpu_memory_quota_violations_total", labels) is None
 
 
 def test_a_workload_that_left_and_came_back_is_judged_afresh_by_the_watchdog(sink):

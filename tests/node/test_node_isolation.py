@@ -615,3 +615,21 @@ def test_a_gpu_process_named_in_bytes_that_are_not_utf8_is_enforced_like_any_oth
     w.gpus[0].processes[202].memory_mib = 8192
     w.drive(0.5)
     assert 202 not in w.gpus[0].processes and 101 in w.gpus[0].processes
+
+
+def test_the_memory_of_unmanaged_processes_logged_goes_with_them(tmp_path, caplog):
+    """Each unmanaged GPU process is logged once while it lives; before, its (pid, start time) was
+    kept for the manager's life, one entry per process that ever ran outside qgpu on the cards."""
+    proc = FakeProc(tmp_path / "proc")
+    resolver = ContainerResolver(proc.root)
+    resolver.update([], [])
+    with caplog.at_level(logging.INFO, logger="qgpu.node.isolation"):
+        for pid in range(1000, 1050):
+            proc.add(pid, "0::/user.slice/user-1000.slice/session-3.scope\n", pid)
+            assert resolver.owner(pid) is None
+            assert resolver.owner(pid) is None  # logged once
+    assert len([r for r in caplog.records if "left alone" in r.getMessage()]) == 50
+    for pid in range(1000, 1049):
+        proc.remove(pid)
+    resolver.update([], [])
+    assert resolver._logged == {(1049, "1000")}
