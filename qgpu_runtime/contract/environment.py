@@ -15,6 +15,10 @@ CDI spec of node/dra/cdi.py). The variables (docs/node-manager.md, "Container en
 
 And ``quota.json`` (``quota_document``, ``quota_json``), the device plugin's per-container file for
 the isolation engine. Pure: no I/O, the caller writes what it returns.
+
+Beside the environment, each granted card is named by a mount (``device_list_mounts``): where the
+nvidia_container_toolkit role set the toolkit to believe ``NVIDIA_VISIBLE_DEVICES`` only from
+privileged containers, those mounts are what gives the container its cards (docs/security.md).
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ XGN, SGN, NODE = "xgn", "sgn", "node"
 # The driver's device nodes a container given any card also gets (with each card's /dev/nvidiaN),
 # through the device plugin's DeviceSpecs or a DRA claim's CDI spec alike.
 CONTROL_DEVICES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+# The NVIDIA toolkit's device list as mounts (its accept-nvidia-visible-devices-as-volume-mounts):
+# the source /dev/null mounted at <root>/<card UUID> names that card. A pod spec cannot put one
+# there without a hostPath volume; qgpu's Allocate answer and CDI spec do, one per granted card.
+DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+DEVICE_LIST_MOUNT_SOURCE = "/dev/null"
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,12 @@ def card_envs(shares: Sequence[CardShare], klass: str, policy: str) -> dict[str,
         QGPU_CLASS: klass,
         QGPU_POLICY: policy,
     }
+
+
+def device_list_mounts(uuids: Sequence[str]) -> tuple[str, ...]:
+    """The container paths that name these cards to the toolkit, in the grant's order (the
+    source of each is ``DEVICE_LIST_MOUNT_SOURCE``)."""
+    return tuple(f"{DEVICE_LIST_MOUNT_ROOT}/{uuid}" for uuid in uuids)
 
 
 def t9k_envs(t9k: T9kMode | None, shares: Sequence[CardShare]) -> dict[str, str]:

@@ -18,6 +18,7 @@ from drakubelet import Kubelet
 
 from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.dra import DRIVER
+from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.node.dra import cdi
@@ -150,6 +151,25 @@ def test_device_nodes_are_passed_only_where_the_host_has_them(plugin, claims):
     plugin.kubelet.prepare(("team-a", "uid-1", "train"))
     (device,) = _spec(plugin, "uid-1")["devices"]
     assert device["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}, {"path": "/dev/nvidiactl"}]
+
+
+def test_the_cdi_spec_names_the_card_by_a_read_only_dev_null_mount(plugin, claims):
+    """What gives the container its card where the nvidia_container_toolkit role made the toolkit
+    ignore NVIDIA_VISIBLE_DEVICES of unprivileged containers (docs/dra.md)."""
+    claims.add(claim("uid-1"))
+    plugin.kubelet.prepare(("team-a", "uid-1", "train"))
+    (device,) = _spec(plugin, "uid-1")["devices"]
+    assert device["containerEdits"]["mounts"] == [{
+        "hostPath": "/dev/null", "containerPath": f"/var/run/nvidia-container-devices/{CARDS[0].uuid}",
+        "options": ["ro", "nosuid", "nodev", "bind"]}]
+
+
+def test_each_device_of_a_two_card_claim_mounts_only_its_own_card():
+    """A container given one result of the claim gets that card, as with the device nodes."""
+    shares = [CardShare(1, CARDS[1].uuid, 1000, 16384), CardShare(0, CARDS[0].uuid, 1000, 16384)]
+    devices = cdi.spec(cdi.claim_devices("uid", shares, CARDS, "normal", "fixed-share", lambda index: ()))["devices"]
+    assert [[m["containerPath"] for m in d["containerEdits"]["mounts"]] for d in devices] == [
+        [f"/var/run/nvidia-container-devices/{CARDS[1].uuid}"], [f"/var/run/nvidia-container-devices/{CARDS[0].uuid}"]]
 
 
 def test_a_claim_with_another_uid_is_refused_and_the_others_prepared(plugin, claims):

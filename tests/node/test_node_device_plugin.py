@@ -75,6 +75,22 @@ def test_allocate_returns_cards_quota_mounts_and_devices_from_the_record(node):
     assert c.annotations["qgpu.io/pod"] == "default/infer"
 
 
+def test_each_granted_card_is_named_by_a_read_only_dev_null_mount_in_grant_order(node):
+    """Where the nvidia_container_toolkit role made the toolkit ignore NVIDIA_VISIBLE_DEVICES of
+    unprivileged containers, these mounts are what gives the container its cards; the variable
+    stays for runtimes still configured to read it."""
+    p = pod("two-cards", "gpu-node-1", [("main", {T9K_GPU: "2"}, [(1, node.uuid(1), 1000, 16384),
+                                                                   (0, node.uuid(0), 1000, 16384)])])
+    node.set_pods([p])
+    envs = node.kubelet.admit(p)["main"]
+    c = node.kubelet.responses[("default", "two-cards", "main", T9K_GPU)]
+    assert c.mounts[0].container_path == "/etc/qgpu"
+    assert [(m.container_path, m.host_path, m.read_only) for m in c.mounts[1:]] == [
+        (f"/var/run/nvidia-container-devices/{node.uuid(1)}", "/dev/null", True),
+        (f"/var/run/nvidia-container-devices/{node.uuid(0)}", "/dev/null", True)]
+    assert envs["NVIDIA_VISIBLE_DEVICES"] == f"{node.uuid(1)},{node.uuid(0)}"
+
+
 def test_preferred_allocation_steers_kubelet_to_the_recorded_card(node):
     p = pod("a", "gpu-node-1", [("main", qgpu(30, 5), [(1, node.uuid(1), 300, 5120)])])
     node.set_pods([p])

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from qgpu_runtime.contract.environment import CONTROL_DEVICES, NODE, SGN, XGN, T9kMode, container_environment, quota_document
+from qgpu_runtime.contract.environment import (
+    CONTROL_DEVICES,
+    DEVICE_LIST_MOUNT_SOURCE,
+    NODE,
+    SGN,
+    XGN,
+    T9kMode,
+    container_environment,
+    device_list_mounts,
+    quota_document,
+)
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import requests as rq
 from qgpu_runtime.node.deviceplugin.matching import Match, container_quantity
@@ -61,7 +71,10 @@ def build_grant(m: Match, cards: dict[int, CardInfo], policy: str, state_dir: Pa
                              f"({s.uuid}) but this node has {have}")
     envs = container_environment(shares, m.record.klass.value, policy, t9k_mode(m), m.share.dialect)
     host_dir = state_dir / "containers" / m.pod_uid / m.container
-    mounts = (Mount(CONTAINER_CONFIG_DIR, str(host_dir), True),)
+    # The config folder stays first (config_host_dir); then one mount per card, which is what the
+    # toolkit believes where the role turned NVIDIA_VISIBLE_DEVICES off for unprivileged containers.
+    mounts = (Mount(CONTAINER_CONFIG_DIR, str(host_dir), True),) + tuple(
+        Mount(path, DEVICE_LIST_MOUNT_SOURCE, True) for path in device_list_mounts([s.uuid for s in shares]))
     devices: tuple[DeviceNode, ...] = ()
     if pass_device_specs:
         devices = tuple(DeviceNode(p, p, "rw") for p in CONTROL_DEVICES) + tuple(

@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract.dra import DRIVER
-from qgpu_runtime.contract.environment import CONTROL_DEVICES, T9kMode, container_environment
+from qgpu_runtime.contract.environment import (
+    CONTROL_DEVICES,
+    DEVICE_LIST_MOUNT_SOURCE,
+    T9kMode,
+    container_environment,
+    device_list_mounts,
+)
 from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
 
@@ -38,11 +44,14 @@ _TEMPORARY = re.compile(r"^\.%s-%s_[^/]+\.json\.tmp[0-9]+$" % (re.escape(DRIVER)
 
 @dataclass(frozen=True)
 class CdiDevice:
-    """One CDI device: the environment and device nodes a container gets for one claim result."""
+    """One CDI device: the environment, device nodes and card mounts a container gets for one
+    claim result. ``cards``: the UUIDs of the result's own card(s), each named to the toolkit by a
+    mount (contract/environment.py ``device_list_mounts``)."""
 
     name: str
     env: Mapping[str, str]
     device_nodes: tuple[str, ...]
+    cards: tuple[str, ...]
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -60,7 +69,7 @@ def claim_devices(uid: str, shares: Sequence[CardShare], cards: Mapping[int, Car
     variables follow the shares."""
     t9k = T9kMode.of_dialect(asked) if asked is not None else T9kMode.of_shares(shares, {i: c.memory_mib for i, c in cards.items()})
     env = container_environment(shares, klass, policy, t9k, asked)
-    return [CdiDevice(f"{uid}-{i}", env, device_nodes(s.index)) for i, s in enumerate(shares)]
+    return [CdiDevice(f"{uid}-{i}", env, device_nodes(s.index), (s.uuid,)) for i, s in enumerate(shares)]
 
 
 def card_device_nodes(card: CardInfo, device_exists: Callable[[str], bool]) -> tuple[str, ...]:
@@ -89,6 +98,10 @@ def spec_path(cdi_dir: Path, claim_uid: str) -> Path:
 _UID = re.compile(r"[0-9A-Za-z-]{1,128}")
 
 
+# How the runtime mounts /dev/null at each card's path: a read-only bind, as the toolkit expects.
+CARD_MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "bind")
+
+
 def spec(devices: Sequence[CdiDevice]) -> dict[str, Any]:
     return {
         "cdiVersion": CDI_VERSION,
@@ -98,6 +111,8 @@ def spec(devices: Sequence[CdiDevice]) -> dict[str, Any]:
             "containerEdits": {
                 "env": [f"{k}={v}" for k, v in sorted(d.env.items())],
                 **({"deviceNodes": [{"path": p} for p in d.device_nodes]} if d.device_nodes else {}),
+                **({"mounts": [{"hostPath": DEVICE_LIST_MOUNT_SOURCE, "containerPath": p, "options": list(CARD_MOUNT_OPTIONS)}
+                               for p in device_list_mounts(d.cards)]} if d.cards else {}),
             },
         } for d in devices],
     }
