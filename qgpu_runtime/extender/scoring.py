@@ -12,6 +12,7 @@ Not thread-safe on its own: the cache's lock guards it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from itertools import compress
 from typing import Any
 
@@ -74,7 +75,7 @@ class Scorer:
             for into, pick in ((unresolvable, hopeless), (failed, ~ok_or_refused & ~hopeless)):
                 if pick.any():
                     into.update(zip(compress(names, pick.tolist()),
-                                    map(engine.REASONS.__getitem__, scored.code[pick].tolist())))
+                                    map(partial(engine.reason, state), scored.rows[pick].tolist(), scored.code[pick].tolist())))
             self._nodes.name_invalid(failed, unresolvable)
         return Verdict(scored, ok, failed, unresolvable)
 

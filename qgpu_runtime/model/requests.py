@@ -57,6 +57,13 @@ KAI_NUM_DEVICES = "gpu-fraction-num-devices"
 KAI_CONTAINER = "gpu-fraction-container-name"
 KAI_ANNOTATIONS = (KAI_FRACTION, KAI_MEMORY, KAI_NUM_DEVICES, KAI_CONTAINER)
 
+REQUEST_ANNOTATIONS = (QGPU_APP_CLASS, GPU_MODEL_ANNOTATION, HAMI_USE_GPUTYPE, HAMI_NOUSE_GPUTYPE, *KAI_ANNOTATIONS)
+"""Every pod annotation :func:`parse_pod` reads, and so every one a pod's placement and quota charge
+depend on besides its spec. The webhook charges a namespace's existing pods from what they carry
+now (webhook/podquota.py), so these are fixed once a pod exists: the qgpu_scheduler role's admission
+policy ``qgpu-pod-request-annotations`` refuses any change to them after CREATE
+(tests/contract/test_names_in_roles.py holds the role's list to this one)."""
+
 QGPU_RESOURCES = frozenset({QGPU_CORE, QGPU_MEMORY, QGPU_CORE_GREEDY})
 
 
@@ -664,34 +671,67 @@ def _kai_target(c: _Collector, annotations: Mapping[str, Any], spec: Mapping[str
     return ContainerRequest(target, Dialect.KAI, cards=cards, core_milli=0, memory_mib=memory_mib, memory_pct=pct or None)
 
 
-def _pod_compute(containers: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
-    """Sum of containers' CPU (milli) and memory (MiB) requests; used for node fit only."""
-    cpu = Decimal(0)
-    mem = Decimal(0)
-    for container in containers:
-        req = _resources(container, "requests") or _resources(container, "limits")
+def _compute(resources: Mapping[str, Any] | None, fallback: Mapping[str, Any] | None = None) -> tuple[Decimal, Decimal]:
+    """CPU (cores) and memory (bytes) of one requests map, each taken from ``fallback`` (the
+    limits, which the apiserver copies into absent requests) when absent; 0 when neither has it."""
+    out = []
+    for name in ("cpu", "memory"):
+        value = (resources or {}).get(name)
+        if value is None:
+            value = (fallback or {}).get(name)
         try:
-            if "cpu" in req:
-                cpu += parse_quantity(req["cpu"])
-            if "memory" in req:
-                mem += parse_quantity(req["memory"])
+            out.append(parse_quantity(value) if value is not None else Decimal(0))
         except QuantityError:
-            continue  # the apiserver validates CPU and memory; not our rule to enforce
-    return int(cpu * 1000), int(mem / (1024 * 1024))
+            out.append(Decimal(0))  # the apiserver validates CPU and memory; not our rule to enforce
+    return out[0], out[1]
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def _pod_compute(spec: Mapping[str, Any]) -> tuple[int, int]:
+    """The pod's CPU (milli) and memory (MiB) requests as kube-scheduler counts them; used for node
+    fit only. Pod-level ``resources`` (where set) stand for the containers'; otherwise the sum of
+    the containers and of the sidecars (init containers with ``restartPolicy: Always``), or the
+    largest regular init container together with the sidecars started before it, whichever is
+    larger; plus the pod's ``overhead``. Before, only the containers were summed: a pod asking
+    32 CPUs at pod level, or in an init container, counted as none."""
+    def of(container: Mapping[str, Any]) -> tuple[Decimal, Decimal]:
+        return _compute(_mapping(_mapping(container.get("resources")).get("requests")),
+                        _mapping(_mapping(container.get("resources")).get("limits")))
+
+    containers = [c for c in spec.get("containers") or [] if isinstance(c, Mapping)]
+    cpu = sum((of(c)[0] for c in containers), Decimal(0))
+    mem = sum((of(c)[1] for c in containers), Decimal(0))
+    side_cpu = side_mem = init_cpu = init_mem = Decimal(0)
+    for init in (c for c in spec.get("initContainers") or [] if isinstance(c, Mapping)):
+        c_cpu, c_mem = of(init)
+        if init.get("restartPolicy") == "Always":  # a sidecar: runs on beside what follows
+            side_cpu, side_mem = side_cpu + c_cpu, side_mem + c_mem
+        else:
+            init_cpu, init_mem = max(init_cpu, side_cpu + c_cpu), max(init_mem, side_mem + c_mem)
+    cpu, mem = max(cpu + side_cpu, init_cpu), max(mem + side_mem, init_mem)
+    pod_level = _mapping(spec.get("resources"))
+    if pod_level:
+        level_cpu, level_mem = _compute(_mapping(pod_level.get("requests")), _mapping(pod_level.get("limits")))
+        cpu, mem = (level_cpu or cpu), (level_mem or mem)
+    over_cpu, over_mem = _compute(_mapping(spec.get("overhead")))
+    return int((cpu + over_cpu) * 1000), int((mem + over_mem) / (1024 * 1024))
 
 
 def pod_compute(pod: Mapping[str, Any]) -> tuple[int, int]:
     """The pod's CPU (milli) and memory (MiB) requests as :func:`parse_pod` counts them, without
     parsing its GPU requests: what the extender's cache keeps of a pod that already books cards."""
-    spec = pod.get("spec") or {}
-    return _pod_compute(ct for ct in (spec.get("containers") or []) if isinstance(ct, Mapping))
+    return _pod_compute(_mapping(pod.get("spec")))
 
 
 def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> PodRequest:
     """Parse a pod (API dict) into one :class:`PodRequest`, or raise :class:`RequestError`.
 
     All problems of the pod are reported together. A pod that asks for nothing of ours parses to
-    a request with no containers (``wants_gpu`` is False).
+    a request with no containers (``wants_gpu`` is False). Of the pod's annotations it reads
+    :data:`REQUEST_ANNOTATIONS` and no other.
     """
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
@@ -740,7 +780,7 @@ def parse_pod(pod: Mapping[str, Any], limits: CardLimits = DEFAULT_LIMITS) -> Po
         # nvidia-gpu and nvidia-gpu-node go to xgn nodes (T9k's whole-card and whole-node modes),
         # nvidia-gpu-percent to sgn nodes.
         alloc_mode = "sgn" if any(r.memory_pct is not None for r in parsed) else "xgn"
-    cpu, mem = _pod_compute(containers)
+    cpu, mem = _pod_compute(spec)
     return PodRequest(
         namespace=str(meta.get("namespace") or "default"),
         name=str(meta.get("name") or meta.get("generateName") or ""),

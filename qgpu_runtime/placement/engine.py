@@ -46,8 +46,23 @@ REASONS = {
     8: "the whole node is not free",
     9: "node has no GPUs",
     10: "node unknown to qgpu (no GPU inventory reported yet)",
+    11: "the whole node has more cards than one pod may take",
 }
 UNKNOWN_NODE = 10
+WHOLE_NODE_TOO_LARGE = 11
+"""A whole-node request (T9k ``nvidia-gpu-node``) takes every card of the node, and is charged
+against the namespace's GPU quota as the most cards one pod may take (``CardLimits.max_cards_per_node``,
+webhook/podquota.py), the limit every other request obeys too: a node with more cards would grant
+more than was charged, so it is refused."""
+
+
+def reason(state: ClusterState, row: int, code: int) -> str:
+    """Why the node at state ``row`` failed with ``code``, in words a person reads in the pod's events
+    (``row`` -1: a node the state does not know)."""
+    if code == WHOLE_NODE_TOO_LARGE and row >= 0:
+        return (f"the whole node has {int(state.n_cards[row])} cards and one pod may take at most "
+                f"{state.limits.max_cards_per_node} (CardLimits.max_cards_per_node)")
+    return REASONS[code]
 
 
 class CardChoice(str, Enum):
@@ -79,7 +94,7 @@ class Feasibility:
 
     def reasons(self, state: ClusterState, rows: np.ndarray | None = None) -> dict[str, str]:
         rows = np.nonzero(~self.ok)[0] if rows is None else rows
-        return {state.names[r]: REASONS[int(self.code[r])] for r in rows if not self.ok[r]}
+        return {state.names[r]: reason(state, int(r), int(self.code[r])) for r in rows if not self.ok[r]}
 
 
 def _model_mask(state: ClusterState, req: PodRequest) -> np.ndarray:
@@ -134,6 +149,7 @@ def check_nodes(state: ClusterState, req: PodRequest) -> tuple[Feasibility, np.n
     fail(state.mem_free < req.memory_mib, 5)
     for container in req.containers:
         if container.whole_node:
+            fail(state.n_cards > state.limits.max_cards_per_node, WHOLE_NODE_TOO_LARGE)
             free = state.card_free_whole() | ~state.card_valid
             fail(~(free.all(axis=1) & (state.n_cards > 0) & (allowed | ~state.card_valid).all(axis=1)), 8)
         elif container.exclusive:
@@ -429,5 +445,5 @@ def score(state: ClusterState, req: PodRequest, policy: Policy, names: list[str]
     """
     s = score_rows(state, req, policy, state.rows_of(names))
     scores = {n: v for n, v in zip(names, s.score.tolist()) if v >= 0}
-    failed = {n: REASONS[c] for n, c in zip(names, s.code.tolist()) if c}
+    failed = {n: reason(state, r, c) for n, r, c in zip(names, s.rows.tolist(), s.code.tolist()) if c}
     return scores, failed

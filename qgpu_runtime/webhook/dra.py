@@ -14,7 +14,9 @@ what the extender would have placed:
 - ``tensorstack.dev/nvidia-gpu-node: 1`` → ``WHOLE_CLASS`` with ``allocationMode: All``;
 - ``tensorstack.dev/nvidia-gpu-percent`` (memory depends on the card) → ``firstAvailable``: one
   subrequest per card size the pool has (``DraConfig.card_memory_mib``), each selecting that size;
-- ``nvidia.com/gpu`` stays as it is: the whole-card DeviceClass maps it (KEP-5004).
+- ``nvidia.com/gpu`` stays as it is: the whole-card DeviceClass maps it (KEP-5004); the pod gets
+  the node selector ``qgpu.io/pool-mode: dra``, so no device-plugin node (where no claim is made,
+  and nothing charges the cards) takes it.
 
 GPU models (``qgpu.io/gpu-model``) become CEL selectors on the card's model: they filter, and the
 scheduler must apply them. The qGPU class (online/offline) and greedy core become the request's
@@ -29,7 +31,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract import dra, draclaim
-from qgpu_runtime.contract.names import ALLOC_MODE_LABEL, GPU_MODE, GPU_MODE_DEVICE_PLUGIN, MIXED_LABEL
+from qgpu_runtime.contract.names import (
+    ALLOC_MODE_LABEL,
+    GPU_MODE,
+    GPU_MODE_DEVICE_PLUGIN,
+    GPU_MODE_DRA,
+    MIXED_LABEL,
+    POOL_MODE_LABEL,
+)
 from qgpu_runtime.contract.record import ContainerDialect
 from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import (
@@ -53,6 +62,7 @@ REQUEST_NAME = "gpu"
 MANAGED_BY = {"app.kubernetes.io/managed-by": "qgpu-webhook"}
 MAX_CARD_SIZES = 8  # firstAvailable takes at most 8 subrequests
 XGN = "xgn"  # the T9k node label value of whole-card and whole-node nodes
+POOL_MODE_DRA = "dra"  # the qgpu.io/pool-mode of DRA pools (contract/names.py POOL_MODES)
 
 
 # What a percent-of-memory request was asked as, for the refusal's words.
@@ -281,20 +291,32 @@ def convert(pod: Mapping[str, Any], config: DraConfig = DEFAULT_DRA_CONFIG) -> C
             ops.extend({"op": "add", "path": "/spec/resourceClaims/-", "value": c} for c in claims)
         else:
             ops.append({"op": "add", "path": "/spec/resourceClaims", "value": claims})
-    if request.klass is not AppClass.NORMAL and request.wants_gpu:
+    selector = spec.get("nodeSelector") or {}
+    pins: dict[str, str] = {}
+    if request.klass is not AppClass.NORMAL and request.wants_gpu and MIXED_LABEL not in selector:
         # qGPU's online/offline pods only go to nodes labelled for co-location, as the extender requires.
-        selector = spec.get("nodeSelector")
-        if not selector:
-            ops.append({"op": "add", "path": "/spec/nodeSelector", "value": {MIXED_LABEL: "enable"}})
-        elif MIXED_LABEL not in selector:
-            ops.append({"op": "add", "path": f"/spec/nodeSelector/{_escape(MIXED_LABEL)}", "value": "enable"})
+        pins[MIXED_LABEL] = "enable"
     if request.whole_node:
         # T9k's nvidia-gpu-node holds a whole xgn node, as the extender places it on device-plugin pools.
-        selector = spec.get("nodeSelector")
-        if not selector:
-            ops.append({"op": "add", "path": "/spec/nodeSelector", "value": {ALLOC_MODE_LABEL: XGN}})
-        elif selector.get(ALLOC_MODE_LABEL) != XGN:
-            ops.append({"op": "add", "path": f"/spec/nodeSelector/{_escape(ALLOC_MODE_LABEL)}", "value": XGN})
+        pins[ALLOC_MODE_LABEL] = XGN
+    nvidia = next((c for c in request.containers if c.dialect is Dialect.NVIDIA), None)
+    if nvidia is not None:
+        # nvidia.com/gpu becomes kube-scheduler's own claim only on a node that does not advertise it,
+        # and that claim is what the namespace's quota charges (webhook/podquota.py). On a device-plugin
+        # node, which advertises it, no claim is made and the cards are charged nowhere: so the pod
+        # goes to DRA pools only, as the namespace's label says.
+        asked = selector.get(POOL_MODE_LABEL, POOL_MODE_DRA)
+        if asked != POOL_MODE_DRA:
+            raise DraRefusal(f"container {nvidia.name!r}: {NVIDIA_GPU} with spec.nodeSelector {POOL_MODE_LABEL}={show_value(asked)}: "
+                             f"in a namespace labelled {GPU_MODE}={GPU_MODE_DRA}, {NVIDIA_GPU} is served by DRA pools "
+                             f"({POOL_MODE_LABEL}={POOL_MODE_DRA}); annotate the pod {GPU_MODE}: {GPU_MODE_DEVICE_PLUGIN} "
+                             "to keep it for a device plugin")
+        pins[POOL_MODE_LABEL] = POOL_MODE_DRA
+    pins = {k: v for k, v in pins.items() if selector.get(k) != v}
+    if pins and not selector:
+        ops.append({"op": "add", "path": "/spec/nodeSelector", "value": pins})
+    else:
+        ops.extend({"op": "add", "path": f"/spec/nodeSelector/{_escape(k)}", "value": v} for k, v in pins.items())
     if any(c.exclusive or c.whole_node for c in request.containers):
         tolerations = spec.get("tolerations")
         if not tolerations:

@@ -18,6 +18,15 @@ In a namespace whose GPU pods become DRA claims (label ``qgpu.io/gpu-mode=dra``)
 removes every dialect's resources from the pod except ``nvidia.com/gpu``, which kube-scheduler turns
 into a claim it creates itself; that claim is charged as a claim, so the pod is not charged for it
 unless it kept its resources for a device plugin (annotation ``qgpu.io/gpu-mode: device-plugin``).
+kube-scheduler makes that claim only on a node not advertising ``nvidia.com/gpu``, so /mutate-dra
+pins such a pod to DRA pools (webhook/dra.py).
+
+Each admission charges the namespace's existing pods from what they carry now, and a pod's owner may
+update its annotations. So the annotations a charge is read from (:data:`CHARGE_ANNOTATIONS`) are
+fixed after CREATE by the qgpu_scheduler role's admission policy ``qgpu-pod-request-annotations``;
+and a pod the parser refuses (admitted under other limits, before the webhook ran, or broken where
+that policy is absent) is charged at least what any reading of its containers could be: a tenant
+who breaks its own pod only over-charges itself.
 Pure: dicts in, a :class:`Usage` out.
 """
 
@@ -30,7 +39,9 @@ from qgpu_runtime.model.requests import (
     CORE_MILLI_PER_CARD,
     DEFAULT_LIMITS,
     GPU_RESOURCES,
+    KAI_SCHEDULER,
     QGPU_PREFIX,
+    REQUEST_ANNOTATIONS,
     CardLimits,
     ContainerRequest,
     Dialect,
@@ -43,6 +54,8 @@ POD_KEY_PREFIX: Final = "pod:"
 """Ledger keys of pods; ``:`` is in no object name, so a pod's key never meets a claim's."""
 TERMINAL_PHASES: Final = ("Succeeded", "Failed")
 """A pod in one of these phases holds no card: it counts nothing, as upstream quota does."""
+CHARGE_ANNOTATIONS: Final = (*REQUEST_ANNOTATIONS, GPU_MODE)
+"""The pod annotations a pod's charge is read from: the request parser's, and the DRA opt-out."""
 
 
 def pod_key(name: str) -> str:
@@ -67,11 +80,26 @@ def _asks_gpu(container: Mapping[str, Any]) -> bool:
     return any(k in GPU_RESOURCES or k.startswith(QGPU_PREFIX) for k in names)
 
 
+def refused_pod_charge(pod: Mapping[str, Any], default_memory_mib: int, limits: CardLimits) -> Usage:
+    """The charge of a pod the parser refuses: no reading of its containers could be charged more.
+
+    Any container asking a GPU resource is charged as the most one container may ask, every card a
+    node may hold (``limits.max_cards_per_node``, the whole node's charge too), each a whole card at
+    the largest memory a card's share could be charged. A pod naming KAI-Scheduler may take its
+    share by annotation in any container, so there every container counts.
+    """
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    containers = [c for c in spec.get("containers") or [] if isinstance(c, Mapping)]
+    kai = spec.get("schedulerName") == KAI_SCHEDULER
+    asking = sum(1 for c in containers if kai or _asks_gpu(c))
+    cards = asking * limits.max_cards_per_node
+    return Usage(cards * CORE_MILLI_PER_CARD, cards * max(default_memory_mib, limits.max_card_memory_mib))
+
+
 def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib,
               limits: CardLimits = DEFAULT_LIMITS) -> Usage:
-    """What ``pod`` is charged (nothing for a finished pod). A pod the parser refuses (admitted
-    under other limits, or before the webhook ran) is charged a whole card per container naming a
-    GPU resource, so a malformed pod cannot hide usage."""
+    """What ``pod`` is charged (nothing for a finished pod). A pod the parser refuses is charged
+    :func:`refused_pod_charge`, so a malformed pod cannot hide usage."""
     status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
     if status.get("phase") in TERMINAL_PHASES:
         return Usage()
@@ -81,9 +109,7 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
     try:
         request = parse_pod(pod, limits)
     except RequestError:
-        spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
-        n = sum(1 for c in spec.get("containers") or [] if isinstance(c, Mapping) and _asks_gpu(c))
-        return Usage(n * CORE_MILLI_PER_CARD, n * default_memory_mib)
+        return refused_pod_charge(pod, default_memory_mib, limits)
     total = Usage()
     for container in request.containers:
         if claims_nvidia and container.dialect is Dialect.NVIDIA:

@@ -10,6 +10,7 @@ import yaml
 
 from qgpu_runtime.contract import dra, names
 from qgpu_runtime.model.requests import GPU_RESOURCES
+from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROVISIONING = [p for d in ("roles", "templates", "playbooks", "inventories") for p in (ROOT / d).rglob("*")
@@ -29,7 +30,7 @@ def _named() -> dict[str, set[str]]:
 
 def test_every_name_the_roles_write_is_one_the_contract_knows():
     # the dialects' resource names belong to model/requests.py; the roles also name their prefix
-    known = names.SHARED | set(GPU_RESOURCES) | {"tke.cloud.tencent.com/qgpu", dra.UNHEALTHY_TAINT}
+    known = names.SHARED | set(GPU_RESOURCES) | set(CHARGE_ANNOTATIONS) | {"tke.cloud.tencent.com/qgpu", dra.UNHEALTHY_TAINT}
     unknown = {n: sorted(where) for n, where in _named().items() if n not in known}
     assert not unknown, f"names in the roles that qgpu_runtime/contract/names.py does not define: {unknown}"
 
@@ -64,3 +65,11 @@ def test_the_pod_annotation_policy_leaves_open_only_what_users_and_pod_templates
     open_ = set(defaults["qgpu_scheduler_open_pod_annotations"])
     assert open_ == {names.LABEL_GPU_MODEL, names.GPU_MODE, names.GROUP_MIN_MEMBER, *names.POD_TEMPLATE_ANNOTATIONS}
     assert not open_ & {names.ALLOCATION, names.BIND_TIME, names.ALLOCATION_SIGNATURE, names.ASSIGNED}
+
+
+def test_the_request_annotation_policy_fixes_exactly_what_a_pods_charge_is_read_from():
+    """qgpu-pod-request-annotations (roles/qgpu_scheduler): the annotations the request parser and
+    the pod quota read (webhook/podquota.py CHARGE_ANNOTATIONS) are the ones fixed after CREATE; an
+    annotation the parser starts reading must join the policy, or a tenant re-charges its pods."""
+    fixed = yaml.safe_load((ROOT / "roles/qgpu_scheduler/vars/main.yml").read_text())["__qgpu_scheduler_request_annotations"]
+    assert sorted(fixed) == sorted(CHARGE_ANNOTATIONS) and len(fixed) == len(set(fixed))

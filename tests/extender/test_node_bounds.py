@@ -99,3 +99,21 @@ def test_the_cache_keeps_only_the_labels_placement_reads() -> None:
     spec = node_spec(many)
     assert dict(spec.labels) == {"mixed-qgpu-enable": "enable", "qgpu.io/pool-mode": "dra"}
     assert set(spec.labels) <= READ_LABELS
+
+
+def test_a_whole_node_pod_is_refused_a_node_of_more_cards_than_it_is_charged_for() -> None:
+    """Issue F3: the pod quota charges a whole-node pod the most cards one pod may take (8); the
+    inventory admits nodes of up to 16, and a filter used to pass such a node and grant all 16."""
+    xgn = {"sched.tensorstack.dev/node-alloc-mode": "xgn"}
+    hgx, dgx = node("hgx", n_cards=MAX_CARDS), node("dgx", n_cards=8)
+    for doc in (hgx, dgx):
+        doc["metadata"]["labels"] = xgn
+    whole_node = {**pod("w"), "spec": {"containers": [{"name": "c", "resources": {"limits": {"tensorstack.dev/nvidia-gpu-node": "1"}}}]}}
+    cache = AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER)
+    cache.replace_nodes([hgx, dgx])
+    cache.replace_pods([whole_node])
+    app = ExtenderApp(cache, None, DEFAULT_LIMITS)
+    status, doc = app.handle("filter", json.dumps({"Pod": whole_node, "NodeNames": ["hgx", "dgx"]}).encode())
+    assert status == 200 and doc["NodeNames"] == ["dgx"], doc
+    assert doc["FailedAndUnresolvableNodes"] == {
+        "hgx": f"the whole node has {MAX_CARDS} cards and one pod may take at most 8 (CardLimits.max_cards_per_node)"}

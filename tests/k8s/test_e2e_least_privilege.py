@@ -29,6 +29,7 @@ from qgpu_runtime.contract.names import LABEL_GPU_MEMORY as LABEL_MEMORY
 from qgpu_runtime.contract.names import LABEL_GPU_MODEL as LABEL_MODEL
 from qgpu_runtime.contract.names import NODE_ISOLATION_POLICY as ANNOTATION_POLICY
 from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
+from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
@@ -173,6 +174,9 @@ def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
             _content_type=MERGE),
         "qgpu-pod-annotations": lambda: w.api.patch_namespaced_pod(
             w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={BIND_TIME: "1"}), dry_run="All",
+            _content_type=MERGE),
+        "qgpu-pod-request-annotations": lambda: w.api.patch_namespaced_pod(
+            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={"gpu-fraction": "0.5"}), dry_run="All",
             _content_type=MERGE),
     }, timeout)
 
@@ -410,6 +414,57 @@ def test_a_tenant_cannot_add_change_or_remove_qgpu_state_on_its_own_pod(world, t
     # its other edits are its own business
     api.patch_namespaced_pod(pod, namespace, metadata_patch(labels={"team": "a"}, annotations={"example.com/x": "y"}),
                              _content_type=MERGE)
+
+
+# ---- a tenant (issue F1/F2): what a pod is charged by is fixed once it exists -----------------------
+
+# A value each annotation could carry at CREATE (no webhook runs in this module: only the policies judge).
+REQUEST_VALUES = {"tke.cloud.tencent.com/app-class": "offline", "qgpu.io/gpu-model": "V100|T4", "nvidia.com/use-gputype": "V100",
+                  "nvidia.com/nouse-gputype": "T4", "gpu-fraction": "0.9", "gpu-memory": "4096", "gpu-fraction-num-devices": "4",
+                  "gpu-fraction-container-name": "c", "qgpu.io/gpu-mode": "device-plugin"}
+
+
+def test_every_annotation_a_pod_is_charged_by_has_a_value_here():
+    assert set(REQUEST_VALUES) == set(CHARGE_ANNOTATIONS)
+
+
+@pytest.mark.parametrize("annotation", CHARGE_ANNOTATIONS)
+def test_a_tenant_sets_what_its_pod_is_charged_by_at_create_and_never_after(world, tenant, annotation):
+    """`kubectl annotate pod big tke.cloud.tencent.com/app-class=x` took an 8-card pod's charge to one
+    card; removing `qgpu.io/gpu-mode: device-plugin` in a DRA namespace took it to none; a KAI share
+    lowered after its bind, or raised before it, was charged what it no longer is."""
+    api, namespace = tenant
+    created = f"fixed-{uuid.uuid4().hex[:6]}"
+    _create_as_tenant(world, tenant, tenant_pod(created, {annotation: REQUEST_VALUES[annotation]}))
+    bare = f"bare-{uuid.uuid4().hex[:6]}"
+    _create_as_tenant(world, tenant, tenant_pod(bare))
+    for pod, value in ((created, "0.01"), (created, None), (bare, REQUEST_VALUES[annotation])):
+        patch = metadata_patch(annotations={annotation: value})
+        message = refusal(lambda pod=pod, patch=patch: api.patch_namespaced_pod(pod, namespace, patch, _content_type=MERGE))
+        assert f"Pod {namespace}/{pod}: annotation {annotation} added, changed or removed by tenant-" in message, message
+        assert "rule: the annotations that a pod is placed and charged GPU quota by are fixed when the pod is created" in message
+    # the same value again is no change, and every other annotation and label stays the owner's to edit
+    api.patch_namespaced_pod(created, namespace, metadata_patch(
+        labels={"team": "a"}, annotations={annotation: REQUEST_VALUES[annotation], "example.com/x": "y"}), _content_type=MERGE)
+    api.patch_namespaced_pod(bare, namespace, metadata_patch(annotations={"example.com/x": None, "gpu-fraction-x": "1"}),
+                             _content_type=MERGE)
+    assert world.api.read_namespaced_pod(created, namespace).metadata.annotations[annotation] == REQUEST_VALUES[annotation]
+
+
+def test_no_binding_carries_an_annotation_a_pod_is_charged_by(world):
+    """A Binding's annotations are copied onto its pod: even the extender, which may write qgpu.io/
+    annotations there, cannot change a pod's qgpu.io/gpu-mode or gpu-model through one."""
+    pod = world.pod(world.ns, f"bind-mode-{uuid.uuid4().hex[:6]}", None)
+
+    def bind(annotations: dict[str, str]) -> None:
+        body = client.V1Binding(metadata=client.V1ObjectMeta(name=name(pod), namespace=world.ns, annotations=annotations),
+                                target=client.V1ObjectReference(api_version="v1", kind="Node", name=world.node_b))
+        world.extender.create_namespaced_pod_binding(name(pod), world.ns, body, _preload_content=False)
+
+    message = refusal(lambda: bind({ALLOCATION: "{}", "qgpu.io/gpu-mode": "device-plugin"}))
+    assert f"Binding of pod {world.ns}/{name(pod)}: annotation qgpu.io/gpu-mode in a Binding" in message, message
+    bind({ALLOCATION: "{}"})
+    assert world.api.read_namespaced_pod(name(pod), world.ns).spec.node_name == world.node_b
 
 
 # ---- the real components, doing their real work with their bound tokens ---------------------------

@@ -17,7 +17,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract import dra, draclaim
-from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA
+from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA, POOL_MODE_LABEL
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.webhook.dra import TemplateError, convert
@@ -161,6 +161,8 @@ def test_nvidia_gpu_stays_for_the_whole_card_class(hook):
     pod = hook.create("nvidia", {"nvidia.com/gpu": 1})
     assert not pod["spec"].get("resourceClaims")
     assert pod["spec"]["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    # only a DRA pool makes kube-scheduler's claim, which the quota charges (issue F2)
+    assert pod["spec"]["nodeSelector"][POOL_MODE_LABEL] == "dra"
 
 
 def test_device_plugin_pods_keep_their_resources(hook):
@@ -230,7 +232,8 @@ def pool(cluster, hook) -> Iterator[Pool]:
     node = f"dra-{uuid.uuid4().hex[:8]}"
     taint = {"key": "qgpu-test-dra", "value": node, "effect": "NoSchedule"}
     gpu_node(cluster.api, node, [])
-    cluster.api.patch_node(node, {"spec": {"taints": [taint]}})
+    # labelled as qgpu_node_pool labels a DRA pool: /mutate-dra pins nvidia.com/gpu pods to it
+    cluster.api.patch_node(node, {"metadata": {"labels": {POOL_MODE_LABEL: "dra"}}, "spec": {"taints": [taint]}})
     for device_class in dra.device_classes():
         try:
             hook.resource.create_device_class(device_class)

@@ -270,6 +270,36 @@ def test_pod_compute_counts_cpu_and_memory_as_parse_pod_does(p):
     assert pod_compute(p) == (request.cpu_milli, request.memory_mib)
 
 
+def _with_spec(**spec):
+    return {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "main", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}], **spec}}
+
+
+def _ctr(name, cpu, memory, **extra):
+    return {"name": name, "resources": {"requests": {"cpu": cpu, "memory": memory}}, **extra}
+
+
+@pytest.mark.parametrize(("spec", "want"), [
+    ({}, (1000, 1024)),
+    # pod-level resources stand for the containers' (Kubernetes 1.32+)
+    ({"resources": {"requests": {"cpu": "32", "memory": "128Gi"}}}, (32000, 131072)),
+    # only limits at pod level: the apiserver copies them into requests
+    ({"resources": {"limits": {"cpu": "4"}}}, (4000, 1024)),
+    # a regular init container larger than the containers runs alone before them
+    ({"initContainers": [_ctr("init", "16", "2Gi")]}, (16000, 2048)),
+    # a sidecar runs beside the containers: added to them
+    ({"initContainers": [_ctr("proxy", "500m", "256Mi", restartPolicy="Always")]}, (1500, 1280)),
+    # an init container after a sidecar runs beside that sidecar
+    ({"initContainers": [_ctr("proxy", "2", "256Mi", restartPolicy="Always"), _ctr("init", "3", "512Mi")]}, (5000, 1280)),
+    ({"overhead": {"cpu": "250m", "memory": "120Mi"}}, (1250, 1144)),
+], ids=["containers", "pod-level", "pod-level-limits", "init-larger", "sidecar", "init-after-sidecar", "overhead"])
+def test_pod_compute_counts_what_kube_scheduler_counts(spec, want):
+    """Before, only the containers were summed: 32 CPUs asked at pod level or in an init container
+    counted as none in the extender's node fit."""
+    p = _with_spec(**spec)
+    assert pod_compute(p) == want
+    assert (parse_pod(p).cpu_milli, parse_pod(p).memory_mib) == want
+
+
 def test_pod_compute_counts_a_pod_whose_gpu_request_does_not_parse():
     """The extender's cache counts the CPU and memory of a pod that books cards without parsing its
     GPU request again (nor under its own card limits)."""

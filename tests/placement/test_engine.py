@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from qgpu_runtime.model import AppClass, ContainerRequest, Dialect, PodRequest
+from qgpu_runtime.model.requests import CardLimits
 from qgpu_runtime.placement import (
     CardSpec,
     ClusterState,
@@ -126,6 +127,22 @@ def test_whole_node_takes_every_card():
     assert [s.index for s in p.containers[0].shares] == [0, 1, 2, 3]
     with pytest.raises(Unschedulable):
         place(state, share(10, name="x"), make_policy("binpack"))
+
+
+def test_a_whole_node_of_more_cards_than_one_pod_may_take_is_refused_naming_both_counts():
+    """Issue F3: a whole-node request is charged the most cards one pod may take (8 by default), so a
+    node of 16 cards (the inventory admits up to 16) would have granted twice what was charged."""
+    req = PodRequest("ns", "n", containers=(ContainerRequest("c", Dialect.T9K, 0, 1000, exclusive=True, whole_node=True),))
+    state = ClusterState([node("hgx", cards=16, labels=XGN), node("dgx", cards=8, labels=XGN)])
+    assert place(state, req, make_policy("binpack")).node == "dgx"
+    with pytest.raises(Unschedulable) as refused:
+        place(ClusterState([node("hgx", cards=16, labels=XGN)]), req, make_policy("binpack"))
+    assert refused.value.reasons == {
+        "hgx": "the whole node has 16 cards and one pod may take at most 8 (CardLimits.max_cards_per_node)"}
+    _, failed = score(state, req, make_policy("spread"), ["hgx", "dgx"])
+    assert failed == {"hgx": "the whole node has 16 cards and one pod may take at most 8 (CardLimits.max_cards_per_node)"}
+    wider = ClusterState([node("hgx", cards=16, labels=XGN)], CardLimits(max_cards_per_node=16))
+    assert len(place(wider, req, make_policy("binpack")).containers[0].shares) == 16
 
 
 def test_whole_node_lands_only_on_xgn_nodes():

@@ -55,8 +55,45 @@ def test_a_finished_pod_holds_nothing():
     assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}, phase="Running")) == Usage(1000, CARD)
 
 
-def test_a_pod_the_parser_refuses_is_charged_a_whole_card_per_asking_container():
-    assert pod_usage(pod("p", {"tke.cloud.tencent.com/qgpu-core": "abc"})) == Usage(1000, CARD)
+WHOLE_NODE = Usage(8000, 8 * CARD)  # the most one container may be charged: every card a node may hold
+
+
+def test_a_pod_the_parser_refuses_is_charged_the_most_any_reading_of_its_containers_could_be():
+    assert pod_usage(pod("p", {"tke.cloud.tencent.com/qgpu-core": "abc"})) == WHOLE_NODE
+    two = pod("p", {"nvidia.com/gpu": "1"}, annotations={"tke.cloud.tencent.com/app-class": "x"})
+    two["spec"]["containers"].append({"name": "d", "resources": {"limits": {"tencent.com/vcuda-core": "10"}}})
+    two["spec"]["containers"].append({"name": "cpu", "resources": {"limits": {"cpu": "1"}}})
+    assert pod_usage(two) == Usage(16000, 16 * CARD)
+
+
+def kai_pod(annotations: dict[str, str]) -> dict:
+    doc = pod("kai", {"nvidia.com/gpu": annotations.get("gpu-fraction-num-devices", "1")}, annotations=annotations)
+    doc["spec"]["schedulerName"] = "kai-scheduler"
+    doc["spec"]["containers"].append({"name": "side", "resources": {}})  # a KAI share may name any container
+    return doc
+
+
+@pytest.mark.parametrize("valid", [
+    pod("p", {"nvidia.com/gpu": "8"}),
+    pod("p", {"tensorstack.dev/nvidia-gpu-node": "1"}),
+    pod("p", {"tke.cloud.tencent.com/qgpu-core": "800"}),
+    pod("p", {"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "80"}),
+    pod("p", {"nvidia.com/gpu": "8", "nvidia.com/gpumem": str(CARD)}),
+    kai_pod({"gpu-fraction": "0.99", "gpu-fraction-num-devices": "8"}),
+    kai_pod({"gpu-memory": str(CARD), "gpu-fraction-num-devices": "8", "gpu-fraction-container-name": "side"}),
+], ids=["nvidia-8", "t9k-node", "qgpu-8-cards", "qgpu-share-80g", "hami-8x80g", "kai-0.99x8", "kai-80g-x8-side"])
+@pytest.mark.parametrize("broken", [
+    {"tke.cloud.tencent.com/app-class": "x"}, {"qgpu.io/gpu-model": "|"}, {"nvidia.com/use-gputype": ","},
+    {"nvidia.com/nouse-gputype": ","}, {"gpu-fraction": "2"}, {"gpu-fraction-container-name": "nobody"},
+], ids=["app-class", "gpu-model", "use-gputype", "nouse-gputype", "kai-fraction", "kai-container"])
+def test_annotating_a_pod_into_a_refusal_never_lowers_its_charge(valid, broken):
+    """Issue F1: `kubectl annotate pod big tke.cloud.tencent.com/app-class=x` took an 8-card pod's
+    charge down to one card. A tenant that breaks its own pod now only over-charges itself."""
+    admitted = pod_usage(valid)
+    changed = {**valid, "metadata": {**valid["metadata"], "annotations": {**valid["metadata"]["annotations"], **broken}}}
+    assert admitted != Usage()
+    charged = pod_usage(changed)
+    assert charged.core_milli >= admitted.core_milli and charged.memory_mib >= admitted.memory_mib, (admitted, charged)
 
 
 def test_in_a_dra_namespace_nvidia_gpu_is_charged_as_kube_schedulers_claim_not_as_the_pod():

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 
-from qgpu_runtime.contract import dra, draclaim
+from qgpu_runtime.contract import dra, draclaim, names
 from qgpu_runtime.model.requests import RequestError, parse_pod
 from qgpu_runtime.webhook import cli
 from qgpu_runtime.webhook.admission import XGN_TOLERATION, WebhookConfig, mutate
@@ -218,6 +218,38 @@ def test_nvidia_gpu_stays_for_the_whole_card_class_to_map_and_is_completed():
     assert templates == {}
     assert "resourceClaims" not in out["spec"]
     assert out["spec"]["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": "1"}, "requests": {"nvidia.com/gpu": "1"}}
+
+
+def test_nvidia_gpu_goes_to_dra_pools_only_where_its_claim_is_made_and_charged():
+    """Issue F2: on a device-plugin node, which advertises nvidia.com/gpu, kube-scheduler makes no
+    claim for it, and the pod quota leaves nvidia.com/gpu of a DRA namespace to that claim: the
+    cards were charged nowhere. The pod is pinned to the DRA pools instead."""
+    out, _ = applied(pod(container(limits={"nvidia.com/gpu": "8"})))
+    assert out["spec"]["nodeSelector"] == {"qgpu.io/pool-mode": "dra"}
+    out, _ = applied(pod(container(limits={"nvidia.com/gpu": "1"}), container("s", limits={QGPU_CORE: "30", QGPU_MEMORY: "4"}),
+                         nodeSelector={"zone": "a", "qgpu.io/pool-mode": "dra"}))
+    assert out["spec"]["nodeSelector"] == {"zone": "a", "qgpu.io/pool-mode": "dra"}
+    out, _ = applied(pod(container(limits={"nvidia.com/gpu": "1"}), nodeSelector={"zone": "a"}))
+    assert out["spec"]["nodeSelector"] == {"zone": "a", "qgpu.io/pool-mode": "dra"}
+    for limits in ({"nvidia.com/gpu": "0"}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000"}, {QGPU_CORE: "30", QGPU_MEMORY: "4"}):
+        out, _ = applied(pod(container(limits=limits)))  # no GPU, or a claim of qgpu's own classes: nothing to pin
+        assert "qgpu.io/pool-mode" not in (out["spec"].get("nodeSelector") or {}), limits
+    assert "dra" in names.POOL_MODES
+
+
+def test_nvidia_gpu_selecting_a_device_plugin_pool_is_refused_naming_the_opt_out():
+    asked = pod(container(limits={"nvidia.com/gpu": "1"}), nodeSelector={"qgpu.io/pool-mode": "device-plugin"})
+    with pytest.raises(DraRefusal) as refused:
+        convert(asked)
+    assert str(refused.value) == (
+        "container 'c': nvidia.com/gpu with spec.nodeSelector qgpu.io/pool-mode=device-plugin: in a namespace labelled "
+        "qgpu.io/gpu-mode=dra, nvidia.com/gpu is served by DRA pools (qgpu.io/pool-mode=dra); annotate the pod "
+        "qgpu.io/gpu-mode: device-plugin to keep it for a device plugin")
+    denied = mutate_dra(review(asked), WebhookConfig("qgpu-scheduler"), DraConfig(), forbid_templates)["response"]
+    assert (denied["allowed"], denied["status"]["code"], denied["status"]["message"]) == (False, 422, f"qgpu: {refused.value}")
+    kept = copy.deepcopy(asked)
+    kept["metadata"]["annotations"] = {"qgpu.io/gpu-mode": "device-plugin"}
+    assert mutate_dra(review(kept), WebhookConfig("qgpu-scheduler"), DraConfig(), forbid_templates)["response"]["allowed"] is True
 
 
 def test_gpu_free_pod_is_unchanged():
