@@ -190,7 +190,15 @@ def render_table(nodes: Sequence[NodeStatus], pending: Sequence[PendingPod] = ()
     return _columns(rows) + (("\n" + notes) if notes else "") + (_pending_table(pending) if pending else "")
 
 
+def printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, bidi overrides,
+    newlines) written as its Python escape: job, pod and node names are chosen by their users and
+    this table is read on other users' terminals."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def _columns(rows: list[tuple[str, ...]]) -> str:
+    rows = [tuple(printable(cell) for cell in r) for r in rows]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) + "  " + r[-1] for r in rows]
     return "\n".join(line.rstrip() for line in lines)

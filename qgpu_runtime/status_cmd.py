@@ -25,7 +25,7 @@ from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.contract.record import RecordError, parse_record
 from qgpu_runtime.contract.signature import RecordVerifier, SigningKeyError, UntrustedRecord, trusted_record
-from qgpu_runtime.contract.store import SchemaError, read_status
+from qgpu_runtime.contract.store import SchemaError, UnreadableStore, read_status
 from qgpu_runtime.kube.reader import ApiCallError
 from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS, KAI_SCHEDULER, RequestError, parse_pod
 from qgpu_runtime.status import (
@@ -166,9 +166,13 @@ def read_store_status(path: Path, now: float | None = None) -> NodeStatus:
     what the standalone manager last sampled as used when that is fresh."""
     if not path.exists():
         raise StatusSourceError(f"{path}: no such store file")
+    if not os.access(path, os.R_OK):
+        st = path.stat()
+        raise StatusSourceError(f"{path}: not readable by uid {os.getuid()} (owner uid {st.st_uid}, mode {st.st_mode & 0o7777:04o}): "
+                                "run as the file's owner, or give readers a group (chmod 0640, chgrp)")
     try:
         rows = read_status(path)
-    except SchemaError as exc:
+    except (SchemaError, UnreadableStore) as exc:
         raise StatusSourceError(str(exc)) from None
     except sqlite3.Error as exc:
         raise StatusSourceError(f"{path}: not a qgpu store ({exc}); expected tables meta, cards, shares") from exc
@@ -176,7 +180,11 @@ def read_store_status(path: Path, now: float | None = None) -> NodeStatus:
     age = None if rows.sampled is None else (time.time() if now is None else now) - rows.sampled
     fresh = age is not None and age <= USAGE_STALE_S
     per_card: dict[int, list[WorkloadShare]] = {}
-    for ns, workload, container, index, core, mem, klass in shares:
+    for row in shares:
+        problem = _bad_share(row)
+        if problem:
+            raise StatusSourceError(f"{path}: shares row of {row[1]!r} on card {row[3]!r}: {problem}")
+        ns, workload, container, index, core, mem, klass = row
         name = "/".join(p for p in (ns, workload, container) if p)
         sm, used = rows.used.get((ns, workload, container, index), (0, 0)) if fresh else (None, None)
         per_card.setdefault(index, []).append(WorkloadShare(name, core, mem, klass, container=container,
@@ -190,6 +198,18 @@ def read_store_status(path: Path, now: float | None = None) -> NodeStatus:
         out.append(card)
     stale = "" if age is None or fresh else f"the manager's last sample is {age:.0f} s old (over {USAGE_STALE_S:.0f} s): is it running?"
     return NodeStatus(name=meta.get("node", path.stem), policy=meta.get("policy", "-"), cards=tuple(out), usage_error=stale)
+
+
+def _bad_share(row: Sequence[Any]) -> str | None:
+    """Why a ``shares`` row (namespace, workload, container, card, core ‰, MiB, class) cannot be
+    shown, or None: SQLite keeps whatever type a writer gave a column."""
+    for field, value in zip(("namespace", "workload", "container", "class"), (row[0], row[1], row[2], row[6])):
+        if not isinstance(value, str):
+            return f"{field} {value!r} is not text"
+    for field, value in zip(("card_index", "core_milli", "memory_mib"), row[3:6]):
+        if type(value) is not int or value < 0:
+            return f"{field} {value!r} is not an integer >= 0"
+    return None
 
 
 def _card(index: int, uuid: str, model: str, memory: int, work: list[WorkloadShare]) -> CardStatus:

@@ -19,6 +19,7 @@ synchronous) every connection gets.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -184,9 +185,44 @@ class StatusRows:
     sampled: float | None = None  # when the usage rows were written (writer's wall clock); None: never
 
 
+class UnreadableStore(RuntimeError):
+    """The file cannot be opened read-only by this user; the message says why and what to do."""
+
+
+def _open_read_only(path: str | Path) -> sqlite3.Connection:
+    """A read-only connection. A WAL file needs its ``-shm`` to be read, and SQLite creates that
+    (writable) when it is missing, which a user who may not write the folder cannot: after the
+    writer closed the file, the last connection removed both. With no ``-wal`` left (or an empty
+    one) the file itself holds every change, so it is opened ``immutable`` instead: nothing is
+    created. While a ``-wal`` holds changes and its ``-shm`` cannot be used, the file is refused
+    with that reason rather than read without them."""
+    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError as err:
+        db.close()
+        if "readonly" not in str(err) and "unable to open" not in str(err):
+            raise
+        try:
+            pending = os.path.getsize(f"{path}-wal") > 0
+        except FileNotFoundError:
+            pending = False
+        if pending:
+            raise UnreadableStore(f"{path}: cannot open it read-only ({err}): its -wal holds changes and its -shm is not "
+                                  f"usable by uid {os.getuid()}; run as the file's owner, or once its writer has closed it") from None
+    db = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True)
+    try:
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
 def read_status(path: str | Path) -> StatusRows:
     """Read-only (works while a manager writes the file; never migrates or creates anything)."""
-    db = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    db = _open_read_only(path)
     try:
         found = file_version(db)
         if found is not None and found > SCHEMA_VERSION:

@@ -66,10 +66,17 @@ def job_request(spec: JobSpec) -> PodRequest:
         "spec": {"containers": [{"name": CONTAINER, "resources": {"limits": limits}}]},
     }
     try:
-        return parse_pod(pod)
+        request = parse_pod(pod)
     except RequestError as err:
         raise JobRequestError("; ".join(
             f"{_FLAG_OF.get(p.resource, p.resource)} {p.value}: {p.rule}" for p in err.problems)) from err
+    if not request.wants_gpu:
+        # a pod may ask for no GPU; a job books nothing then, and nothing would hold it to a card
+        given = " ".join(f"{flag} {value}" for flag, value in (("--core", spec.core_pct), ("--memory", spec.memory_gib))
+                         if value is not None)
+        raise JobRequestError(f"{given} --class {spec.klass.value}: asks for no GPU: a job needs --core above 0, "
+                              "or --memory above 0 (online jobs book memory only)")
+    return request
 
 
 def host_state(config: HostConfig, cards: list[StoredCard], jobs: list[JobRecord]) -> ClusterState:

@@ -17,10 +17,12 @@ from typing import Any, Mapping
 import yaml
 
 from qgpu_runtime.isolation.policy import DEFAULT_POLICY, Policy, parse_policy
+from qgpu_runtime.placement import POLICIES as PLACEMENTS
 from qgpu_runtime.standalone.store import StoredCard
 
 BACKENDS = ("nvml", "simulated")
 MPS_MODES = ("off", "auto", "on")
+MAX_NODE_NAME = 253  # a Kubernetes node name's limit: the same host may be described both ways
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,14 @@ class HostConfig:
     memory_tolerance_mib: int = 0
 
     def __post_init__(self) -> None:
+        for key, kind in (("node_name", str), ("placement", str), ("gpu_backend", str), ("mps", str),
+                          ("simulated_gpus", (str, type(None)))):
+            if not isinstance(getattr(self, key), kind):
+                raise ValueError(f"{key}: {getattr(self, key)!r} is not allowed: must be text")
+        if not self.node_name or len(self.node_name) > MAX_NODE_NAME or not self.node_name.isprintable():
+            raise ValueError(f"node_name: {self.node_name!r} is not allowed: must be 1..{MAX_NODE_NAME} printable characters")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement: {self.placement!r} is not allowed: use one of {', '.join(sorted(PLACEMENTS))}")
         if self.gpu_backend not in BACKENDS:
             raise ValueError(f"gpu_backend: {self.gpu_backend!r} is not allowed: use one of {', '.join(BACKENDS)}")
         if self.gpu_backend == "simulated" and not self.simulated_gpus:
@@ -53,9 +63,9 @@ class HostConfig:
                              "simulated cards are only used with gpu_backend simulated")
         if self.mps not in MPS_MODES:
             raise ValueError(f"mps: {self.mps!r} is not allowed: use one of {', '.join(MPS_MODES)}")
-        if not 0.005 <= self.tick_s <= 5:
+        if isinstance(self.tick_s, bool) or not isinstance(self.tick_s, (int, float)) or not 0.005 <= self.tick_s <= 5:
             raise ValueError(f"tick_s: {self.tick_s!r} is not allowed: must be 0.005..5 seconds")
-        if self.memory_tolerance_mib < 0:
+        if isinstance(self.memory_tolerance_mib, bool) or not isinstance(self.memory_tolerance_mib, int) or self.memory_tolerance_mib < 0:
             raise ValueError(f"memory_tolerance_mib: {self.memory_tolerance_mib!r} is not allowed: must be >= 0")
 
 
@@ -77,15 +87,19 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> HostConfig:
         if unknown:
             raise ValueError(f"--config {path!r}: unknown setting(s) {', '.join(sorted(unknown))}: known are {', '.join(sorted(_FILE_KEYS))}")
         values.update(data)
+    if isinstance(values.get("mps"), bool):  # YAML 1.1 reads a bare on/off as a boolean
+        values["mps"] = "on" if values["mps"] else "off"
     values.update({k: v for k, v in overrides.items() if v is not None})
     if "policy" in values:
         values["policy"] = parse_policy(str(values["policy"]), field="policy")
     values.setdefault("node_name", socket.gethostname())
     for key, kind in (("tick_s", float), ("memory_tolerance_mib", int)):
         if key in values:
+            if isinstance(values[key], bool):
+                raise ValueError(f"{key}: {values[key]!r} is not a number")
             try:
                 values[key] = kind(values[key])
-            except (TypeError, ValueError) as err:
+            except (TypeError, ValueError, OverflowError) as err:
                 raise ValueError(f"{key}: {values[key]!r} is not a number") from err
     return HostConfig(**values)
 

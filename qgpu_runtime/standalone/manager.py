@@ -87,6 +87,7 @@ class StandaloneManager:
         """Record the inventory and settings, start MPS if asked, build the engine."""
         cards = discover_cards(self.config)
         self.store.set_cards(cards)
+        self._resume_booked_jobs()
         self._card_indexes = tuple(c.index for c in cards)
         with self.store.transaction():
             for key, value in (("node", self.config.node_name), ("policy", self.config.policy.value),
@@ -116,6 +117,19 @@ class StandaloneManager:
         log.info("standalone manager on %s: %d card(s), policy %s, backend %s, MPS %s",
                  self.config.node_name, len(cards), self.config.policy.value, self.config.gpu_backend,
                  "on" if self._mps else "off")
+
+    def _resume_booked_jobs(self) -> None:
+        """SIGCONT every live booked job: a manager killed outright (SIGKILL, the OOM killer) could
+        not resume the jobs it held, and nothing else would. The store does not say which jobs were
+        held, so all are resumed (a job stopped by hand too); the engine holds again whatever its
+        policy holds. The same checks as any signal: the group's leader must still be the recorded
+        process, and never the manager's own group."""
+        live = [j for j in self.store.jobs() if j.pgid]
+        self._running = {j.id: j for j in live}
+        for job in live:
+            self.signals.resume(job.id)
+        if live:
+            log.info("resumed %d booked job(s) a previous manager may have held", len(live))
 
     def _start_mps(self, cuda_version: int) -> None:
         if self.config.mps == "off":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import signal
+import sys
 import threading
 
 from prometheus_client import CollectorRegistry
@@ -17,8 +18,9 @@ from prometheus_client import CollectorRegistry
 from qgpu_runtime.gpu.nvml_lib import NvmlUnavailable
 from qgpu_runtime.isolation.mps import MpsError
 from qgpu_runtime.isolation.policy import parse_policy
-from qgpu_runtime.serving import metrics_server
+from qgpu_runtime.serving import JsonServer, metrics_server
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
+from qgpu_runtime.standalone.dbfile import ManagerLock, claim
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
 from qgpu_runtime.standalone.store import Store, StoreError
@@ -43,7 +45,24 @@ def add_standalone_arguments(serve: argparse.ArgumentParser, with_backend: bool 
         serve.add_argument("--log-level", default="INFO")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _setup_problem(args: argparse.Namespace) -> str | None:
+    """Flags checked before anything starts, or None."""
+    if str(args.log_level).upper() not in LOG_LEVELS:
+        return f"--log-level {args.log_level!r}: not a level: use one of {', '.join(LOG_LEVELS)}"
+    port = args.standalone_metrics_port
+    if not 0 <= port <= 65535:
+        return f"--standalone-metrics-port {port}: must be a port 1..65535, or 0 for no metrics"
+    return None
+
+
 def serve_standalone(args: argparse.Namespace) -> int:
+    problem = _setup_problem(args)
+    if problem:
+        print(f"qgpu manager serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=str(args.log_level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("qgpu.standalone")
     overrides = {k: getattr(args, k, None) for k in ("policy", "placement", "mps", "tick_s", "memory_tolerance_mib", "gpu_backend", "simulated_gpus")}
@@ -52,6 +71,9 @@ def serve_standalone(args: argparse.Namespace) -> int:
     overrides["node_name"] = getattr(args, "nodename", None)
     node_policy = getattr(args, "isolation_policy", None)
     overrides["policy"] = args.policy if args.policy is not None else node_policy
+    lock: ManagerLock | None = None
+    store: Store | None = None
+    metrics: JsonServer | None = None
     try:
         if (
             node_policy is not None
@@ -60,20 +82,39 @@ def serve_standalone(args: argparse.Namespace) -> int:
         ):
             raise ValueError(f"--policy {args.policy!r} and --isolation-policy {node_policy!r} disagree: give one")
         config = load_config(args.config, overrides)
+        lock = claim(str(args.dbfile))
         store = Store(str(args.dbfile))
         registry = CollectorRegistry()
         manager = StandaloneManager(store, config, registry, args.simulated_usage)
+        if args.standalone_metrics_port:
+            # before start(): a busy port must not leave an MPS daemon or a new inventory behind
+            metrics = _listen(args.standalone_metrics_port, registry)
         manager.start()
     except (ValueError, StoreError, NvmlUnavailable, MpsError) as err:
         log.error("%s", err)
+        _close(metrics, store, lock)
         return 2
-    if args.standalone_metrics_port:
-        metrics_server("127.0.0.1", args.standalone_metrics_port, registry)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.set())
     try:
         manager.serve(stop)
     finally:
-        store.close()
+        _close(metrics, store, lock)
     return 0
+
+
+def _close(metrics: JsonServer | None, store: Store | None, lock: ManagerLock | None) -> None:
+    if metrics is not None:
+        metrics.stop()
+    if store is not None:
+        store.close()
+    if lock is not None:
+        lock.release()
+
+
+def _listen(port: int, registry: CollectorRegistry) -> JsonServer:
+    try:
+        return metrics_server("127.0.0.1", port, registry)
+    except OSError as err:
+        raise ValueError(f"--standalone-metrics-port {port}: cannot listen on 127.0.0.1:{port}: {err.strerror or err}") from None

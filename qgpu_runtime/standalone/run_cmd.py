@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import shlex
+import sqlite3
 import sys
 import time
 
@@ -23,7 +25,7 @@ from qgpu_runtime.model import AppClass
 from qgpu_runtime.placement import Unschedulable
 from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, NeverFits, new_job_id, try_book
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
-from qgpu_runtime.standalone.store import JobRecord, Store, StoreError, job_processes, process_start_ticks, session_members
+from qgpu_runtime.standalone.store import JobRecord, Store, StoreError, job_processes, process_start_ticks, session_members, unusable
 from qgpu_runtime.standalone.supervisor import job_environment, supervise
 
 # the same file `qgpu manager serve` uses by default, so a plain `--standalone` host needs no flags
@@ -46,6 +48,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="only when no manager has recorded the host's cards yet: where to find them")
     parser.add_argument("--simulated-gpus", metavar="SPEC", help="with --gpu-backend simulated, e.g. 2xT4-16G")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS…")
+
+
+MAX_WAIT_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def wait_timeout_problem(args: argparse.Namespace) -> str | None:
+    """Why ``--wait-timeout`` is refused, or None: it must be finite, above 0, at most a week, and
+    comes with ``--wait`` (alone it would be silently ignored)."""
+    timeout = args.wait_timeout
+    if timeout is None:
+        return None
+    if not math.isfinite(timeout) or not 0 < timeout <= MAX_WAIT_TIMEOUT_S:
+        return f"--wait-timeout {timeout:g}: must be seconds above 0 and at most {MAX_WAIT_TIMEOUT_S:.0f} (a week)"
+    if not args.wait:
+        return f"--wait-timeout {timeout:g}: only with --wait (without it a job that does not fit fails at once)"
+    return None
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -96,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         return _fail("missing the command to run: qgpu run --core 30 --memory 5 -- CMD ARGS…")
+    problem = wait_timeout_problem(args)
+    if problem:
+        return _fail(problem)
     klass = AppClass(args.klass)
     spec = JobSpec(args.name or os.path.basename(command[0]), args.core, args.memory, klass)
     try:
@@ -104,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         config = host_config(store, args)
     except (StoreError, ValueError, RuntimeError) as err:
         return _fail(str(err))
+    except sqlite3.Error as err:
+        return _fail(unusable(args.dbfile, err))
 
     me, my_start = os.getpid(), process_start_ticks(os.getpid()) or 0
     job_id = new_job_id(spec.name)
@@ -115,6 +138,9 @@ def run(args: argparse.Namespace) -> int:
             break
         except JobRequestError as err:
             return _fail(str(err))
+        except sqlite3.Error as err:
+            store.close()
+            return _fail(unusable(store.path, err))
         except NeverFits as err:
             return _fail(f"job {spec.name!r} can never fit on this host: {err}", EXIT_NEVER_FITS)
         except Unschedulable as err:

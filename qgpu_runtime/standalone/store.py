@@ -14,12 +14,19 @@ while any process still belongs to that session (the kernel keeps the number res
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
+import sqlite3
+import stat
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from qgpu_runtime.contract.store import SchemaError, open_store, transaction
 from qgpu_runtime.isolation.watchdog import IsolationEvent
+from qgpu_runtime.model import AppClass
+
+log = logging.getLogger("qgpu.standalone.store")
 
 
 class StoreError(RuntimeError):
@@ -76,8 +83,13 @@ def _stat_fields(pid: int | str, proc: str = "/proc", exited_too: bool = False) 
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
     # the command name (field 2) may contain spaces and parentheses: split after the last ')'
-    fields = raw[raw.rindex(")") + 2:].split()
-    if not fields or (fields[0] in ("Z", "X") and not exited_too):  # exited; only its status is left to collect
+    end = raw.rfind(")")
+    fields = raw[end + 2:].split() if end >= 0 else []
+    if len(fields) < 20 or not all(fields[i].isdigit() for i in (3, 17, 19)):
+        return None  # not a stat line as the kernel writes one: nothing to believe
+    # exited (only its status is left to collect); a "zombie" main thread with other threads still
+    # running (pthread_exit in main) is a live process
+    if not exited_too and (fields[0] == "X" or (fields[0] == "Z" and int(fields[17]) <= 1)):
         return None
     return fields
 
@@ -128,18 +140,70 @@ def job_processes(job: "JobRecord", sessions: Mapping[int, list[ProcessInfo]],
     return [p for p in sessions.get(job.pgid, ()) if p.start >= job.pgid_start]
 
 
+_COLUMNS = {
+    "meta": "key, value",
+    "cards": "card_index, uuid, model, memory_mib",
+    "jobs": "id, name, klass, core_milli, memory_mib, shares, command, created, supervisor_pid, supervisor_start, "
+            "pgid, pgid_start, exclusive",
+    "shares": "workload_id, namespace, workload, container, card_index, card_uuid, core_milli, memory_mib, class, created_ns",
+    "events": "time, job, card, reason, message",
+    "usage": "workload_id, container, card_index, sm_pct, memory_mib, sampled",
+}
+"""The columns this module reads and writes, per table: a file whose table of that name lacks one
+is somebody else's database, refused when opened rather than failing at the first booking."""
+
+MAX_SHARES = 64
+"""Cards one job may name: more than any host holds."""
+
+
+def unwritable(path: str) -> str | None:
+    """Why the current user cannot book through ``path`` (an existing file it may not write), or None."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if os.access(path, os.W_OK):
+        return None
+    return (f"--dbfile {path!r}: not writable by uid {os.getuid()} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}): "
+            "jobs are booked by writing this file and only the manager's user may write it; run as that user (e.g. with sudo)")
+
+
+def unusable(path: str, err: sqlite3.Error) -> str:
+    """One line for a database SQLite cannot use: the file, SQLite's reason and what to do."""
+    if "readonly" in str(err):
+        return (f"--dbfile {path!r}: cannot write it ({err}): the file, its -wal/-shm or its directory is read-only "
+                f"for uid {os.getuid()}; run as the manager's user")
+    return (f"--dbfile {path!r}: not a usable qgpu database ({err}): move it aside or point --dbfile at another file "
+            "(the manager creates a new one)")
+
+
 class Store:
     """One connection to the standalone database. Not shared between threads."""
 
     def __init__(self, path: str, timeout_s: float = 60.0):
         self.path = path
+        self._reported: set[str] = set()  # ids of malformed job rows already logged
         parent = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(parent):
             raise StoreError(f"--dbfile {path!r}: directory {parent!r} does not exist")
+        if os.path.isdir(path):
+            raise StoreError(f"--dbfile {path!r}: is a directory, not a database file")
+        refused = unwritable(path)
+        if refused:
+            raise StoreError(refused)
         try:
             self._db = open_store(path, synchronous="NORMAL", timeout_s=timeout_s)
         except SchemaError as exc:
             raise StoreError(f"--dbfile {exc}") from None
+        except sqlite3.Error as exc:
+            raise StoreError(unusable(path, exc)) from None
+        try:
+            for table, columns in _COLUMNS.items():
+                self._db.execute(f"SELECT {columns} FROM {table} LIMIT 0")
+        except sqlite3.Error as exc:
+            self._db.close()
+            raise StoreError(f"--dbfile {path!r}: not a qgpu standalone database ({exc}): move it aside or point "
+                             "--dbfile at another file") from None
 
     def close(self) -> None:
         self._db.close()
@@ -179,12 +243,16 @@ class Store:
 
     # -- jobs ---------------------------------------------------------------------------------------
     def _rows(self) -> Iterator[JobRecord]:
-        for r in self._db.execute(
-            "SELECT id, name, klass, core_milli, memory_mib, shares, command, created, supervisor_pid, supervisor_start, "
-            "pgid, pgid_start, exclusive FROM jobs ORDER BY created, id"
-        ):
-            shares = tuple(JobShare(**s) for s in json.loads(r[5]))
-            yield JobRecord(r[0], r[1], r[2], r[3], r[4], shares, r[6], r[7], r[8], r[9], r[10], r[11], bool(r[12]))
+        """Every job row this version can read; a malformed one is logged once and skipped (one
+        bad row must neither stop the manager's loop nor every booking)."""
+        for r in self._db.execute(f"SELECT {_COLUMNS['jobs']} FROM jobs ORDER BY created, id"):
+            try:
+                yield decode_job(r)
+            except ValueError as err:
+                key = repr(r[0])
+                if key not in self._reported:
+                    self._reported.add(key)
+                    log.warning("--dbfile %s: job row %s skipped: %s", self.path, key, err)
 
     def _live_jobs(self) -> list[JobRecord]:
         sessions = _LazySessions()
@@ -258,6 +326,56 @@ class Store:
         sql = "SELECT time, job, card, reason, message FROM events"
         rows = self._db.execute(sql + " WHERE job=? ORDER BY id", (job,)) if job else self._db.execute(sql + " ORDER BY id")
         return [IsolationEvent(r[0], r[1], r[2], r[3], r[4]) for r in rows]
+
+
+def _int(field: str, value: Any, low: int = 0) -> int:
+    if type(value) is not int or value < low:
+        raise ValueError(f"{field}: {value!r} is not an integer >= {low}")
+    return value
+
+
+def _text(field: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{field}: {value!r} is not text")
+    return value
+
+
+def _share(raw: Any) -> JobShare:
+    if not isinstance(raw, dict) or set(raw) != {"index", "uuid", "core_milli", "memory_mib"}:
+        raise ValueError(f"shares: {raw!r} is not an object of index, uuid, core_milli and memory_mib")
+    return JobShare(_int("shares.index", raw["index"]), _text("shares.uuid", raw["uuid"]),
+                    _int("shares.core_milli", raw["core_milli"]), _int("shares.memory_mib", raw["memory_mib"]))
+
+
+def decode_job(row: Sequence[Any]) -> JobRecord:
+    """A ``jobs`` row as a JobRecord, every field checked; ValueError names the field and value.
+
+    Process group IDs 0 and 1 are refused: signalling them would reach the manager's own group or
+    init's."""
+    try:
+        shares = json.loads(_text("shares", row[5]))
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise ValueError(f"shares: not JSON ({err})") from None
+    if not isinstance(shares, list) or not 0 < len(shares) <= MAX_SHARES:
+        raise ValueError(f"shares: must be a list of 1..{MAX_SHARES} shares")
+    klass = _text("klass", row[2])
+    if klass not in {c.value for c in AppClass}:
+        raise ValueError(f"klass: {klass!r} is not one of {', '.join(c.value for c in AppClass)}")
+    created = row[7]
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise ValueError(f"created: {created!r} is not a time")
+    pgid, pgid_start = row[10], row[11]
+    if pgid is not None:
+        pgid = _int("pgid", pgid, low=2)
+        pgid_start = _int("pgid_start", pgid_start)
+    elif pgid_start is not None:
+        raise ValueError(f"pgid_start: {pgid_start!r} without a pgid")
+    return JobRecord(
+        id=_text("id", row[0]), name=_text("name", row[1]), klass=klass,
+        core_milli=_int("core_milli", row[3]), memory_mib=_int("memory_mib", row[4]),
+        shares=tuple(_share(s) for s in shares), command=_text("command", row[6]), created=float(created),
+        supervisor_pid=_int("supervisor_pid", row[8]), supervisor_start=_int("supervisor_start", row[9]),
+        pgid=pgid, pgid_start=pgid_start, exclusive=bool(_int("exclusive", row[12])))
 
 
 class _LazySessions:

@@ -1,4 +1,7 @@
+import os
+import shutil
 import sqlite3
+import tempfile
 
 import pytest
 
@@ -44,3 +47,13 @@ def no_nvidia_driver():
         return
     pynvml.nvmlShutdown()
     pytest.skip("an NVIDIA driver is present: NVML does not fail here")
+
+
+@pytest.fixture
+def open_folder():
+    """A folder every user may enter (a test's tmp_path is its owner's only) and only its owner may write."""
+    folder = tempfile.mkdtemp(prefix="qgpu-standalone-", dir="/tmp")
+    os.chmod(folder, 0o755)
+    yield folder
+    os.chmod(folder, 0o755)
+    shutil.rmtree(folder)

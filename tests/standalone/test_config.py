@@ -114,3 +114,19 @@ def test_sessions_are_read_from_proc_skipping_exited_and_odd_entries(tmp_path):
     (tmp_path / "30").mkdir()  # vanished between listing and reading
     assert session_members(str(tmp_path)) == {
         10: [ProcessInfo(10, 10, 500), ProcessInfo(11, 10, 510)], 20: [ProcessInfo(20, 20, 100)]}
+
+
+def test_a_process_whose_main_thread_exited_is_alive_and_an_unreadable_stat_is_skipped(tmp_path):
+    """``pthread_exit`` in main leaves state Z with other threads running: before, the job's group
+    read as gone (never held or stopped); a stat line without ``)`` or cut short raised."""
+    from qgpu_runtime.standalone.store import ProcessInfo, session_members
+
+    def stat(pid, state, threads, start):
+        fields = [state, "1", "10", "10"] + ["0"] * 13 + [str(threads), "0", str(start), "0", "0"]
+        return f"{pid} (w\xff) " + " ".join(fields) + "\n"
+
+    for pid, text in [(10, stat(10, "Z", 3, 500)), (11, stat(11, "Z", 1, 510)), (12, "12 no parenthesis S 1 10 10\n"),
+                      (13, "13 (cut) S 1 10\n")]:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "stat").write_bytes(text.encode("latin-1"))
+    assert session_members(str(tmp_path)) == {10: [ProcessInfo(10, 10, 500)]}
