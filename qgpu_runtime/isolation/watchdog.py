@@ -26,6 +26,10 @@ log = logging.getLogger("qgpu.isolation.watchdog")
 
 REASON_MEMORY = "GPUMemoryQuotaExceeded"
 
+KEEP_GONE = 256
+"""Workloads gone whose violation series are still exported: far more than are stopped between two
+scrapes, and a bound on what a node that kills thousands of pods over its life keeps."""
+
 STOP_ROUND_S = 10.0
 """A stop's course: SIGTERM, the actuator's grace period (5 s) and SIGKILL, and time for the
 samples to show the memory freed. A workload still over its quota after that is stopped again."""
@@ -57,6 +61,7 @@ class MemoryWatchdog:
         stop: Callable[[str, str], None],
         clock: Callable[[], float] = time.time,
         stop_round_s: float = STOP_ROUND_S,
+        keep_gone: int = KEEP_GONE,
     ):
         """``clock`` stamps the events (wall time); stop rounds are measured on the caller's
         monotonic time, given to :meth:`handle`."""
@@ -66,6 +71,8 @@ class MemoryWatchdog:
         self._stop_round_s = stop_round_s
         self._stopped: dict[str, float] = {}  # workload key -> monotonic time of its last stop
         self._series: dict[str, set[str]] = {}  # workload key -> cards its violation series name
+        self._keep_gone = keep_gone
+        self._gone: dict[str, None] = {}  # keys gone whose series are kept, oldest first
         self.violations = Counter(
             "qgpu_memory_quota_violations",
             "Workloads stopped by the memory watchdog for holding more GPU memory than their quota",
@@ -87,12 +94,22 @@ class MemoryWatchdog:
         log.warning("card %d: %s", card, message)
         self.violations.labels(workload=violation.key, card=str(card)).inc()
         self._series.setdefault(violation.key, set()).add(str(card))
+        self._gone.pop(violation.key, None)
         self._sink.emit(IsolationEvent(self._clock(), violation.key, card, REASON_MEMORY, message))
         return True
 
     def forget(self, key: str) -> None:
-        """Called when a workload is gone, so a new one with the same key is judged afresh; its
-        counter series go with it (one per stopped pod would pile up for the manager's life)."""
+        """Called when a workload is gone, so a new one with the same key is judged afresh. Its
+        counter series stay for the next scrapes (a job killed for its memory is gone at once);
+        only the ``keep_gone`` most recently gone workloads keep theirs, so one series per
+        workload ever stopped does not pile up for the manager's life."""
         self._stopped.pop(key, None)
-        for card in self._series.pop(key, ()):
-            self.violations.remove(key, card)
+        if key not in self._series:
+            return
+        self._gone.pop(key, None)
+        self._gone[key] = None
+        while len(self._gone) > self._keep_gone:
+            oldest = next(iter(self._gone))
+            del self._gone[oldest]
+            for card in self._series.pop(oldest, ()):
+                self.violations.remove(oldest, card)

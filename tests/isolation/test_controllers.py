@@ -8,9 +8,10 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.isolation.control import ControlParams
-from qgpu_runtime.isolation.engine import CardQuota, Workload
+from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, Workload
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.simbackend import drive
+from qgpu_runtime.isolation.watchdog import MemoryWatchdog
 from qgpu_runtime.model import AppClass
 
 from .helpers import make_backend, make_engine
@@ -220,19 +221,19 @@ def test_a_workload_on_two_cards_is_held_when_either_card_says_so():
     assert backend.gpus[1].processes[2].suspended_at is not None
 
 
-def test_a_workload_that_is_gone_takes_its_violation_series_with_it(sink):
-    """One series per stopped pod, never removed, grew the manager's registry for its life."""
+def test_only_the_most_recently_gone_workloads_keep_their_violation_series(sink):
+    """A job killed for its memory is gone at once, so its series stays for the next scrapes; before,
+    every series stayed for the manager's life (one per pod ever stopped)."""
     registry = CollectorRegistry()
     backend = make_backend()
-    engine = make_engine(backend, Policy.BEST_EFFORT, sink=sink, registry=registry)
-    labels = {"workload": "ns/pod/main", "card": "0"}
-    seen = []
-    backend.start("ns/pod/main", 0, 1, demand_milli=100, memory_mib=2048)
-    drive(backend, engine, [job("ns/pod/main", 500, memory=1024)], duration_s=0.05, tick_s=TICK,
-          observe=lambda t, report: seen.append(registry.get_sample_value("qgpu_memory_quota_violations_total", labels)))
-    assert seen == [1]  # stopped and counted while it lived
-    drive(backend, engine, [], duration_s=0.1, tick_s=TICK)  # gone
-    assert registry.get_sample_value("qgpu_memory_quota_violations_total", labels) is None
+    watchdog = MemoryWatchdog(registry, sink, backend.stop, clock=lambda: 0.0, keep_gone=2)
+    engine = IsolationEngine(Policy.BEST_EFFORT, backend, backend, ControlParams(), watchdog)
+    for n in range(4):
+        backend.start(f"ns/p{n}/main", 0, 10 + n, demand_milli=100, memory_mib=2048)
+        drive(backend, engine, [job(f"ns/p{n}/main", 500, memory=1024)], duration_s=0.1, tick_s=TICK)
+    kept = [n for n in range(4)
+            if registry.get_sample_value("qgpu_memory_quota_violations_total", {"workload": f"ns/p{n}/main", "card": "0"}) == 1]
+    assert kept == [2, 3]
 
 
 def test_a_workload_that_left_and_came_back_is_judged_afresh_by_the_watchdog(sink):
