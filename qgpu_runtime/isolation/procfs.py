@@ -84,11 +84,24 @@ class ProcFS:
 
     def cgroup(self, pid: int) -> str | None:
         """The cgroup text (bytes that are not UTF-8 kept as surrogates), or None when the
-        process ended or the file cannot be read."""
+        process ended or the file cannot be read.
+
+        On cgroup v1 a thread-group leader that has exited (``pthread_exit`` in ``main``) reads as
+        the root cgroup's while its other threads run on in the container: when the process's own
+        file names only the root, the first other thread that can be read says where it is."""
+        text = _read_text(self.root / str(pid) / "cgroup")
+        if text is None or not _only_root(text):
+            return text
         try:
-            return (self.root / str(pid) / "cgroup").read_bytes().decode("utf-8", "surrogateescape")
+            tasks = sorted((t for t in (self.root / str(pid) / "task").iterdir() if t.name != str(pid)),
+                           key=lambda t: t.name)
         except OSError:
-            return None
+            return text
+        for task in tasks:
+            other = _read_text(task / "cgroup")
+            if other is not None:
+                return other
+        return text
 
     def group_members(self, pgid: int) -> list[int]:
         """Every live process whose process group is, or may be, ``pgid``: those whose ``stat``
@@ -108,3 +121,17 @@ class ProcFS:
             if stat is not None and stat.pgid == pgid:
                 members.append(pid)
         return sorted(members)
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_bytes().decode("utf-8", "surrogateescape")
+    except OSError:
+        return None
+
+
+def _only_root(cgroup: str) -> bool:
+    """Every hierarchy of a ``/proc/<pid>/cgroup`` text names the root (``N:ctrl:/``)."""
+    lines = [line for line in cgroup.splitlines() if line.strip()]
+    return bool(lines) and all(line.split(":", 2)[-1] == "/" for line in lines)
+

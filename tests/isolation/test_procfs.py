@@ -69,6 +69,21 @@ def test_a_process_whose_main_thread_exited_while_its_other_threads_run_is_alive
     assert not proc.ended(14) and proc.group_members(14) == [14]
 
 
+def test_a_leader_that_exited_reads_the_cgroup_its_threads_run_in(tmp_path):
+    """cgroup v1: the exited leader's own file names the root while its threads run on in the
+    container; before, the process was attributed to no pod (unmanaged: no share, no memory cap),
+    and a group holding it was never signalled."""
+    container = b"11:pids:/kubepods/podabc/cid1\n8:memory:/kubepods/podabc/cid1\n"
+    _write_stat(tmp_path, 14, _stat_line(14, b"trainer", 14, 5150, state=b"Z", threads=2), cgroup=b"11:pids:/\n8:memory:/\n")
+    for tid, text in ((14, b"11:pids:/\n8:memory:/\n"), (15, container)):
+        (tmp_path / "14" / "task" / str(tid)).mkdir(parents=True)
+        (tmp_path / "14" / "task" / str(tid) / "cgroup").write_bytes(text)
+    assert ProcFS(tmp_path).cgroup(14) == container.decode()
+    # a process that is in the root cgroup stays there
+    _write_stat(tmp_path, 20, _stat_line(20, b"host", 20, 100), cgroup=b"0::/\n")
+    assert ProcFS(tmp_path).cgroup(20) == "0::/\n"
+
+
 def test_a_process_in_exit_with_no_other_thread_has_ended(tmp_path):
     # state R, PF_EXITING: past exit(), it may already read the root's cgroup
     _write_stat(tmp_path, 15, _stat_line(15, b"true", 9, 5150, flags=0x40000C))
