@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from qgpu_runtime.contract import dra, names
-from qgpu_runtime.model.requests import GPU_RESOURCES
+from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS
 from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,5 +71,8 @@ def test_the_request_annotation_policy_fixes_exactly_what_a_pods_charge_is_read_
     """qgpu-pod-request-annotations (roles/qgpu_scheduler): the annotations the request parser and
     the pod quota read (webhook/podquota.py CHARGE_ANNOTATIONS) are the ones fixed after CREATE; an
     annotation the parser starts reading must join the policy, or a tenant re-charges its pods."""
-    fixed = yaml.safe_load((ROOT / "roles/qgpu_scheduler/vars/main.yml").read_text())["__qgpu_scheduler_request_annotations"]
+    role = yaml.safe_load((ROOT / "roles/qgpu_scheduler/vars/main.yml").read_text())
+    fixed = role["__qgpu_scheduler_request_annotations"] + role["__qgpu_scheduler_kai_request_annotations"]
     assert sorted(fixed) == sorted(CHARGE_ANNOTATIONS) and len(fixed) == len(set(fixed))
+    # KAI's keys are fixed only on KAI's pods, the only ones the parser reads them on
+    assert sorted(role["__qgpu_scheduler_kai_request_annotations"]) == sorted(KAI_ANNOTATIONS)

@@ -29,6 +29,7 @@ from qgpu_runtime.contract.names import LABEL_GPU_MEMORY as LABEL_MEMORY
 from qgpu_runtime.contract.names import LABEL_GPU_MODEL as LABEL_MODEL
 from qgpu_runtime.contract.names import NODE_ISOLATION_POLICY as ANNOTATION_POLICY
 from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
+from qgpu_runtime.model.requests import KAI_ANNOTATIONS, KAI_SCHEDULER
 from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 from tests.k8s.conftest import Cluster
 from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
@@ -176,7 +177,7 @@ def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
             w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={BIND_TIME: "1"}), dry_run="All",
             _content_type=MERGE),
         "qgpu-pod-request-annotations": lambda: w.api.patch_namespaced_pod(
-            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={"gpu-fraction": "0.5"}), dry_run="All",
+            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={"tke.cloud.tencent.com/app-class": "offline"}), dry_run="All",
             _content_type=MERGE),
     }, timeout)
 
@@ -358,8 +359,9 @@ def test_extender_binding_may_carry_only_qgpu_annotations(world):
 
 # ---- a tenant (issue 21): nothing it writes is qgpu state ----------------------------------------
 
-def tenant_pod(name_: str, annotations: dict[str, str] | None = None, node: str | None = None) -> dict[str, Any]:
-    spec: dict[str, Any] = {"schedulerName": "qgpu-test-nobody", "automountServiceAccountToken": False,
+def tenant_pod(name_: str, annotations: dict[str, str] | None = None, node: str | None = None,
+               scheduler: str = "qgpu-test-nobody") -> dict[str, Any]:
+    spec: dict[str, Any] = {"schedulerName": scheduler, "automountServiceAccountToken": False,
                             "tolerations": [{"operator": "Exists"}], "containers": [{"name": "c", "image": PAUSE}]}
     if node:
         spec["nodeName"] = node
@@ -434,10 +436,12 @@ def test_a_tenant_sets_what_its_pod_is_charged_by_at_create_and_never_after(worl
     card; removing `qgpu.io/gpu-mode: device-plugin` in a DRA namespace took it to none; a KAI share
     lowered after its bind, or raised before it, was charged what it no longer is."""
     api, namespace = tenant
+    # KAI's keys are read (and fixed) only on KAI's pods
+    scheduler = KAI_SCHEDULER if annotation in KAI_ANNOTATIONS else "qgpu-test-nobody"
     created = f"fixed-{uuid.uuid4().hex[:6]}"
-    _create_as_tenant(world, tenant, tenant_pod(created, {annotation: REQUEST_VALUES[annotation]}))
+    _create_as_tenant(world, tenant, tenant_pod(created, {annotation: REQUEST_VALUES[annotation]}, scheduler=scheduler))
     bare = f"bare-{uuid.uuid4().hex[:6]}"
-    _create_as_tenant(world, tenant, tenant_pod(bare))
+    _create_as_tenant(world, tenant, tenant_pod(bare, scheduler=scheduler))
     for pod, value in ((created, "0.01"), (created, None), (bare, REQUEST_VALUES[annotation])):
         patch = metadata_patch(annotations={annotation: value})
         message = refusal(lambda pod=pod, patch=patch: api.patch_namespaced_pod(pod, namespace, patch, _content_type=MERGE))
@@ -449,6 +453,17 @@ def test_a_tenant_sets_what_its_pod_is_charged_by_at_create_and_never_after(worl
     api.patch_namespaced_pod(bare, namespace, metadata_patch(annotations={"example.com/x": None, "gpu-fraction-x": "1"}),
                              _content_type=MERGE)
     assert world.api.read_namespaced_pod(created, namespace).metadata.annotations[annotation] == REQUEST_VALUES[annotation]
+
+
+def test_kais_unprefixed_keys_stay_writable_on_pods_kai_does_not_schedule(world, tenant):
+    """`gpu-memory` is any software's name on any other pod: only a kai-scheduler pod is charged by it."""
+    api, namespace = tenant
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    _create_as_tenant(world, tenant, tenant_pod(other, {"gpu-memory": "1"}))
+    api.patch_namespaced_pod(other, namespace, metadata_patch(annotations={"gpu-memory": "2", "gpu-fraction": "0.5"}),
+                             _content_type=MERGE)
+    api.patch_namespaced_pod(other, namespace, metadata_patch(annotations={"gpu-memory": None}), _content_type=MERGE)
+    assert "gpu-memory" not in (world.api.read_namespaced_pod(other, namespace).metadata.annotations or {})
 
 
 def test_no_binding_carries_an_annotation_a_pod_is_charged_by(world):
