@@ -32,16 +32,26 @@ Pure: dicts in, a :class:`Usage` out.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Final, Iterable, Mapping
 
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN
+from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.model.requests import (
     CORE_MILLI_PER_CARD,
     DEFAULT_LIMITS,
+    EGPU_CORE,
     GPU_RESOURCES,
     KAI_SCHEDULER,
+    NANO_CORE,
+    NVIDIA_GPU,
+    QGPU_CORE,
+    QGPU_CORE_GREEDY,
     QGPU_PREFIX,
     REQUEST_ANNOTATIONS,
+    T9K_GPU,
+    T9K_GPU_NODE,
+    VCUDA_CORE,
     CardLimits,
     ContainerRequest,
     Dialect,
@@ -80,19 +90,55 @@ def _asks_gpu(container: Mapping[str, Any]) -> bool:
     return any(k in GPU_RESOURCES or k.startswith(QGPU_PREFIX) for k in names)
 
 
-def refused_pod_charge(pod: Mapping[str, Any], default_memory_mib: int, limits: CardLimits) -> Usage:
-    """The charge of a pod the parser refuses: no reading of its containers could be charged more.
+# Resources whose value counts a container's cards, and those counting percents of one card's
+# compute (100 a card): what a pod the parser refuses still declares of its size.
+_CARD_COUNTS = frozenset({NVIDIA_GPU, T9K_GPU})
+_CORE_PERCENTS = frozenset({QGPU_CORE, QGPU_CORE_GREEDY, VCUDA_CORE, NANO_CORE, EGPU_CORE})
 
-    Any container asking a GPU resource is charged as the most one container may ask, every card a
-    node may hold (``limits.max_cards_per_node``, the whole node's charge too), each a whole card at
-    the largest memory a card's share could be charged. A pod naming KAI-Scheduler may take its
-    share by annotation in any container, so there every container counts.
+
+def _declared_cards(container: Mapping[str, Any], limits: CardLimits) -> int:
+    """The cards a GPU-asking container's resources declare, read without the parser's rules (its
+    resources are fixed once the pod exists): a card count, or percents of a card rounded up, and
+    one card for anything else of ours. A value that is no positive number, or the whole node,
+    counts every card a node may hold; never more than that, nor fewer than one."""
+    resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
+    declared: dict[str, Any] = {}
+    for side in ("requests", "limits"):  # limits win, as the parser reads them
+        if isinstance(resources.get(side), Mapping):
+            declared.update(resources[side])
+    cards = 1
+    for name, value in declared.items():
+        if not (name in GPU_RESOURCES or name.startswith(QGPU_PREFIX)):
+            continue
+        try:
+            amount = parse_quantity(value)
+        except QuantityError:
+            return limits.max_cards_per_node
+        if name == T9K_GPU_NODE or amount <= 0 or amount != amount.to_integral_value():
+            return limits.max_cards_per_node
+        if name in _CARD_COUNTS:
+            cards = max(cards, min(int(amount), limits.max_cards_per_node))
+        elif name in _CORE_PERCENTS:
+            cards = max(cards, min(math.ceil(amount / 100), limits.max_cards_per_node))  # Decimal // truncates
+    return cards
+
+
+def refused_pod_charge(pod: Mapping[str, Any], default_memory_mib: int, limits: CardLimits) -> Usage:
+    """The charge of a pod the parser refuses: at least what any reading of its containers could be.
+
+    A container's resources are fixed once the pod exists, so each GPU-asking container is charged
+    the cards they declare (:func:`_declared_cards`), each a whole card at the largest memory a
+    card's share could be charged: an annotation that breaks the parse cannot lower it, and a pod
+    admitted under other limits is not charged the whole node for one card. A pod naming
+    KAI-Scheduler may take its share by annotation in any container, for as many cards as its
+    annotation says: there every container counts every card a node may hold.
     """
     spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
     containers = [c for c in spec.get("containers") or [] if isinstance(c, Mapping)]
-    kai = spec.get("schedulerName") == KAI_SCHEDULER
-    asking = sum(1 for c in containers if kai or _asks_gpu(c))
-    cards = asking * limits.max_cards_per_node
+    if spec.get("schedulerName") == KAI_SCHEDULER:
+        cards = len(containers) * limits.max_cards_per_node
+    else:
+        cards = sum(_declared_cards(c, limits) for c in containers if _asks_gpu(c))
     return Usage(cards * CORE_MILLI_PER_CARD, cards * max(default_memory_mib, limits.max_card_memory_mib))
 
 

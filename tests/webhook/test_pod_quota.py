@@ -60,10 +60,20 @@ WHOLE_NODE = Usage(8000, 8 * CARD)  # the most one container may be charged: eve
 
 def test_a_pod_the_parser_refuses_is_charged_the_most_any_reading_of_its_containers_could_be():
     assert pod_usage(pod("p", {"tke.cloud.tencent.com/qgpu-core": "abc"})) == WHOLE_NODE
-    two = pod("p", {"nvidia.com/gpu": "1"}, annotations={"tke.cloud.tencent.com/app-class": "x"})
-    two["spec"]["containers"].append({"name": "d", "resources": {"limits": {"tencent.com/vcuda-core": "10"}}})
+    assert pod_usage(pod("p", {"tensorstack.dev/nvidia-gpu-node": "1"}, annotations={"qgpu.io/gpu-model": "|"})) == WHOLE_NODE
+    two = pod("p", {"nvidia.com/gpu": "3"}, annotations={"tke.cloud.tencent.com/app-class": "x"})
+    two["spec"]["containers"].append({"name": "d", "resources": {"limits": {"tencent.com/vcuda-core": "150"}}})
     two["spec"]["containers"].append({"name": "cpu", "resources": {"limits": {"cpu": "1"}}})
-    assert pod_usage(two) == Usage(16000, 16 * CARD)
+    # the cards the resources declare (fixed once the pod exists), each whole at the largest memory
+    assert pod_usage(two) == Usage(5000, 5 * CARD)
+
+
+def test_a_pod_admitted_under_larger_limits_is_charged_its_cards_not_a_whole_node():
+    """A HAMi pod from before the migration asking 100,000 MiB of a card (an H200's share) is one the
+    parser refuses under the default 80 GiB limit: charged one whole card, not a node of 8, so one
+    such pod does not lock its namespace out of its quota."""
+    hami = pod("p", {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "100000"})
+    assert pod_usage(hami) == Usage(1000, CARD)
 
 
 def kai_pod(annotations: dict[str, str]) -> dict:
