@@ -8,7 +8,9 @@ Event in a cluster, through whichever sink the caller gives).
 
 A workload counts as stopped only once its stop went out, and only for one stop round: if it is
 still over its quota ``STOP_ROUND_S`` after the last stop (a process that left its process group
-on SIGTERM, a child that took the memory over), it is judged and stopped again.
+on SIGTERM, a child that took the memory over), it is judged and stopped again, each next round
+twice as long as the one before (``MAX_ROUND_DOUBLINGS``), so a stop that cannot reach its
+processes does not raise an Event every 10 s for the workload's life.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from qgpu_runtime.isolation.memory import MemoryViolation
 log = logging.getLogger("qgpu.isolation.watchdog")
 
 REASON_MEMORY = "GPUMemoryQuotaExceeded"
+
+MAX_ROUND_DOUBLINGS = 6
+"""A violation that outlasts its stops is stopped again after 10, 20, 40 … s, at most 640 s apart."""
 
 KEEP_GONE = 256
 """Workloads gone whose violation series are still exported: far more than are stopped between two
@@ -70,6 +75,7 @@ class MemoryWatchdog:
         self._clock = clock
         self._stop_round_s = stop_round_s
         self._stopped: dict[str, float] = {}  # workload key -> monotonic time of its last stop
+        self._rounds: dict[str, int] = {}  # workload key -> stops sent while it stayed over its quota
         self._series: dict[str, set[str]] = {}  # workload key -> cards its violation series name
         self._keep_gone = keep_gone
         self._gone: dict[str, None] = {}  # keys gone whose series are kept, oldest first
@@ -86,11 +92,15 @@ class MemoryWatchdog:
         The stop goes first: if it raises, nothing marks the workload stopped, and the next
         violation seen is judged again (marked first, a failed stop would never be retried)."""
         last = self._stopped.get(violation.key)
-        if last is not None and now_s - last < self._stop_round_s:
+        rounds = self._rounds.get(violation.key, 0)
+        # each further round waits twice as long (at most MAX_ROUND_DOUBLINGS times): a workload
+        # whose stop cannot reach its processes is retried, but its Events and log lines thin out
+        if last is not None and now_s - last < self._stop_round_s * 2 ** min(rounds - 1, MAX_ROUND_DOUBLINGS):
             return False
         message = violation.message()
         self._stop(violation.key, message)
         self._stopped[violation.key] = now_s
+        self._rounds[violation.key] = rounds + 1
         log.warning("card %d: %s", card, message)
         self.violations.labels(workload=violation.key, card=str(card)).inc()
         self._series.setdefault(violation.key, set()).add(str(card))
@@ -104,6 +114,7 @@ class MemoryWatchdog:
         only the ``keep_gone`` most recently gone workloads keep theirs, so one series per
         workload ever stopped does not pile up for the manager's life."""
         self._stopped.pop(key, None)
+        self._rounds.pop(key, None)
         if key not in self._series:
             return
         self._gone.pop(key, None)

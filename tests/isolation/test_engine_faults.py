@@ -4,8 +4,6 @@ others, leaves a workload frozen, or lets an offender off the memory watchdog.""
 
 from __future__ import annotations
 
-import math
-
 from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, Workload
@@ -122,7 +120,14 @@ def test_a_workload_still_over_its_quota_a_stop_round_later_is_stopped_again():
     # its processes escape every stop (left their process group on SIGTERM): the memory stays held
     engine = engine_over(backend, backend, sink, stop=lambda key, reason: stops.append(key))
     backend.start("escapee", 0, 1, demand_milli=100, memory_mib=12288)
-    duration = 2.5 * STOP_ROUND_S
-    drive(backend, engine, [job("escapee", 500, memory=1024)], duration_s=duration, tick_s=TICK)
-    assert stops == ["escapee"] * math.ceil(duration / STOP_ROUND_S)  # once per round, not once for good
+    times: list[float] = []  # the simulated time of each stop (seen after the tick that sent it)
+
+    def observe(t: float, report) -> None:
+        if len(stops) > len(times):
+            times.append(t)
+    drive(backend, engine, [job("escapee", 500, memory=1024)], duration_s=16 * STOP_ROUND_S, tick_s=TICK, observe=observe)
+    # stopped again while the violation lasts, not once for good; each round twice as long as the last
+    assert stops == ["escapee"] * 5  # at 0, 10, 30, 70 and 150 s
+    gaps = [round((b - a) / STOP_ROUND_S) for a, b in zip(times, times[1:])]
+    assert gaps == [1, 2, 4, 8], times
     assert len(sink.events) == len(stops)
