@@ -119,3 +119,15 @@ def test_turned_off_the_toolkit_config_is_left_as_it_is(tmp_path: Path) -> None:
     config = gpu_node(tmp_path / "root", SHIPPED)
     run_role(tmp_path / "root", nvidia_container_toolkit_device_list_from_mounts=False)
     assert config.read_text() == SHIPPED
+
+
+def test_a_pool_served_by_nvidias_device_plugin_keeps_the_variable_and_is_told_why(tmp_path: Path) -> None:
+    """NVIDIA's device plugin (default envvar strategy) passes cards only by NVIDIA_VISIBLE_DEVICES:
+    switched to mounts, every pod it serves lost its GPUs."""
+    config = gpu_node(tmp_path / "root", SHIPPED)
+    run = run_role(tmp_path / "root", qgpu_manager_nvidia_device_plugin=True)
+    assert config.read_text() == SHIPPED
+    assert "DEVICE_LIST_STRATEGY=volume-mounts" in run.output
+    # told it lists by mounts, the pool is switched like any other
+    run_role(tmp_path / "root", qgpu_manager_nvidia_device_plugin=True, qgpu_manager_nvidia_device_plugin_lists_by_mounts=True)
+    assert tomllib.loads(config.read_text())[ENVVAR] is False
