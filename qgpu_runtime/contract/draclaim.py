@@ -36,7 +36,7 @@ from qgpu_runtime.contract.dra import (
     shown,
 )
 from qgpu_runtime.contract.record import ContainerDialect
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, Dialect
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, Dialect
 
 MAX_COUNT: Final = 32
 """A claim's allocation holds at most 32 devices (AllocationResultsMaxSize, pkg/apis/resource of
@@ -141,6 +141,13 @@ class DeviceAsk:
     count: int | None
     core: int | None
     memory: int | None
+
+    @property
+    def charged_cards(self) -> int:
+        """The cards the namespace's quota is charged for: ``count``, or for ``allocationMode: All``
+        the most cards one pod may take (``CardLimits.max_cards_per_node``), the node's card count
+        being known only at allocation. The node prepares no more than this (node/dra/preparer.py)."""
+        return DEFAULT_LIMITS.max_cards_per_node if self.count is None else self.count
 
 
 @dataclass(frozen=True)

@@ -86,7 +86,7 @@ def _charge(ask: DeviceAsk, default_memory_mib: int) -> Usage:
     """What one decoded device request of a qgpu class asks, all its devices together."""
     # allocationMode All (a T9k whole-node pod): every matching card of the node, known only after
     # allocation, so the charge is the most a node may have, as the memory default is.
-    count = DEFAULT_LIMITS.max_cards_per_node if ask.count is None else ask.count
+    count = ask.charged_cards
     core = CORE_MILLI_PER_CARD if ask.core is None else ask.core
     memory = default_memory_mib if ask.memory is None else ask.memory
     return Usage(core * count, memory * count)

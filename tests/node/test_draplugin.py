@@ -21,10 +21,11 @@ from qgpu_runtime.contract.dra import DRIVER
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
+from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.node.dra import cdi
 from qgpu_runtime.node.dra.health import HEALTH_RESEND_S, HEALTH_TIMEOUT_S
 from qgpu_runtime.node.dra.plugin import DraKubeletPlugin
-from qgpu_runtime.node.dra.preparer import ClaimPreparer
+from qgpu_runtime.node.dra.preparer import ClaimPreparer, ClaimRefused
 from qgpu_runtime.node.dra.settings import DraSettings
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.pods import FilePodSource
@@ -282,6 +283,59 @@ def test_a_card_the_node_does_not_have_is_refused(plugin, claims):
     claims.add(claim("uid-1", results=[{"request": "gpu", "driver": DRIVER, "pool": NODE, "device": "gpu-7",
                                         "consumedCapacity": {"core": "300", "memory": "4096"}}]))
     assert "names card 7, which this node does not have" in plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+
+
+def _whole_node(root: Path, claims: Claims, n_cards: int) -> tuple[ClaimPreparer, Store]:
+    cards = {c.index: c for c in build_cards(parse_spec(f"{n_cards}xT4-16G"), NODE)}
+    store = Store(root / "meta.db")
+    store.sync_cards(list(cards.values()))
+    settings = DraSettings(NODE, root / "plugins", root / "plugins_registry", root / "cdi")
+    return ClaimPreparer(settings, cards, store, claims, lambda: "fixed-share", device_exists=lambda _: True), store
+
+
+def _asking(obj: dict, *requests: dict) -> dict:
+    obj["spec"]["devices"]["requests"] = list(requests)
+    return obj
+
+
+ALL_CARDS = {"name": "gpus", "exactly": {"deviceClassName": dra.WHOLE_CLASS, "allocationMode": "All"}}
+
+
+def _whole_cards(request: str, cards: range) -> list[dict]:
+    return [{"request": request, "driver": DRIVER, "pool": NODE, "device": dra.device_name(i),
+             "consumedCapacity": {"core": "1000", "memory": "16384"}} for i in cards]
+
+
+def test_an_all_request_is_refused_more_cards_than_the_quota_charged_it(root, claims):
+    """allocationMode All is charged max_cards_per_node cards (webhook/claimquota.py); on a node of
+    more cards kube-scheduler's allocator gives it every one: the node prepares none of them."""
+    limit = DEFAULT_LIMITS.max_cards_per_node
+    preparer, store = _whole_node(root, claims, limit + 2)
+    try:
+        claims.add(_asking(claim("uid-1", results=_whole_cards("gpus", range(limit + 2))), ALL_CARDS))
+        with pytest.raises(ClaimRefused) as refused:
+            preparer.prepare("team-a", "uid-1", "train")
+        assert (f"request 'gpus' (allocationMode All) was allocated {limit + 2} cards of this node, but a claim is "
+                f"charged at most {limit} (CardLimits.max_cards_per_node)") in str(refused.value)
+        assert store.shares() == [] and cdi.read_spec(cdi.spec_path(preparer.settings.cdi_dir, "uid-1")) is None
+        # the same request given as many cards as it was charged (two were taken) is prepared
+        claims.add(_asking(claim("uid-2", name="other", results=_whole_cards("gpus", range(limit))), ALL_CARDS))
+        assert len(preparer.prepare("team-a", "uid-2", "other")) == limit
+    finally:
+        store.close()
+
+
+def test_a_request_given_more_devices_than_its_count_is_refused(root, claims):
+    preparer, store = _whole_node(root, claims, 2)
+    try:
+        counted = {"name": "gpus", "firstAvailable": [
+            {"name": "one", "deviceClassName": dra.WHOLE_CLASS, "allocationMode": "ExactCount", "count": 1}]}
+        claims.add(_asking(claim("uid-1", results=_whole_cards("gpus/one", range(2))), counted))
+        with pytest.raises(ClaimRefused, match="request 'gpus/one' was allocated 2 devices, more than its count 1"):
+            preparer.prepare("team-a", "uid-1", "train")
+        assert store.shares() == []
+    finally:
+        store.close()
 
 
 def test_a_claim_missing_from_the_apiserver_is_that_claims_error(plugin):

@@ -20,11 +20,12 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
-from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, claim_share_settings, claim_shares
+from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, claim_requests, claim_share_settings, claim_shares
 from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import AppClass
@@ -91,6 +92,7 @@ class ClaimPreparer:
         try:
             shares = claim_shares(claim, self.settings.node)
             settings = claim_share_settings(claim, [s.request for s in shares])
+            self._check_charged(where, claim, shares)
         except DraClaimError as exc:
             raise ClaimRefused(str(exc)) from None
         # Online work books memory only, as the device plugin books it (the extender's core 0): the
@@ -113,6 +115,26 @@ class ClaimPreparer:
                  [(s.device, s.core_milli, s.memory_mib, settings[s.request].app_class) for s in shares],
                  [p.name for p in booked.pods])
         return devices
+
+    @staticmethod
+    def _check_charged(where: str, claim: Mapping[str, Any], shares: Sequence[ClaimShare]) -> None:
+        """No request is given more cards than the namespace's quota was charged for it
+        (webhook/claimquota.py): an ``allocationMode: All`` request is charged the most cards one
+        pod may take, and kube-scheduler's allocator gives it every matching card of the node, so
+        on a node of more cards it would get more than was paid for."""
+        asks = {ask.name: ask for request in claim_requests(claim) for ask in request.alternatives}
+        for name, given in sorted(Counter(s.request for s in shares).items()):
+            ask = asks.get(name)
+            if ask is None or given <= ask.charged_cards:
+                continue
+            if ask.count is None:
+                raise ClaimRefused(
+                    f"{where}: request {name!r} (allocationMode All) was allocated {given} cards of this node, "
+                    f"but a claim is charged at most {ask.charged_cards} (CardLimits.max_cards_per_node) for it: "
+                    f"not preparing more cards than the namespace's quota paid for; keep DRA pools to nodes of "
+                    f"at most {ask.charged_cards} cards")
+            raise ClaimRefused(f"{where}: request {name!r} was allocated {given} devices, more than its count "
+                               f"{ask.count}: not preparing more than the namespace's quota paid for")
 
     def _check_cards(self, where: str, shares: Sequence[ClaimShare]) -> None:
         sick = self.unhealthy()
