@@ -13,18 +13,22 @@ by a newer qgpu: it cannot know what that version changed. A migration that only
 columns keeps the version readable by the previous release; one that changes a column's meaning
 bumps ``SCHEMA_VERSION`` (docs/node-manager.md, "Store schema").
 
-Also here: the transaction helper both stores use (``transaction``) and the pragmas (WAL,
-synchronous) every connection gets.
+Also here: the transaction helper both stores use (``transaction``), the pragmas (WAL,
+synchronous) every connection gets, and the lock file that keeps one manager per store
+(``hold_lock_file``: an exclusive ``flock`` on ``<dbfile>.lock``, which a second node manager waits
+for and a second standalone manager is refused by).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sqlite3
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, overload
 
 SCHEMA_VERSION = 1
 """The version this qgpu writes and the newest it reads."""
@@ -127,6 +131,78 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
         db.execute("ROLLBACK")
         raise
     db.execute("COMMIT")
+
+
+class LockFileError(Exception):
+    """The lock file cannot be opened (``opening``; its folder created, too, with ``make_parents``)
+    or locked for a reason other than another holder; ``error`` is the OSError, for the caller's
+    message."""
+
+    def __init__(self, error: OSError, opening: bool) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.opening = opening
+
+
+class LockHeld(Exception):
+    """Another process holds the lock file; ``holder`` is what it wrote there (its pid), '' if nothing."""
+
+    def __init__(self, holder: str) -> None:
+        super().__init__(holder)
+        self.holder = holder
+
+
+@overload
+def hold_lock_file(path: str | Path, *, make_parents: bool = ..., stop: None = ..., poll_s: float = ...,
+                   waiting: Callable[[], None] | None = ..., report_every_s: float = ...) -> int: ...
+@overload
+def hold_lock_file(path: str | Path, *, make_parents: bool = ..., stop: threading.Event, poll_s: float = ...,
+                   waiting: Callable[[], None] | None = ..., report_every_s: float = ...) -> int | None: ...
+def hold_lock_file(path: str | Path, *, make_parents: bool = False, stop: threading.Event | None = None,
+                   poll_s: float = 0.2, waiting: Callable[[], None] | None = None,
+                   report_every_s: float = 10.0) -> int | None:
+    """One manager per store: open ``path`` (created 0600, never through a symlink), take an
+    exclusive ``flock`` on it and write this process's pid into it. Returns the descriptor, to keep
+    open for as long as the lock is held; the kernel releases the lock when it is closed or the
+    process ends, however it ends, so a crash never leaves it stale (the file stays: removing it
+    would let a newcomer lock another inode).
+
+    Held by another process: without ``stop``, LockHeld at once (the standalone manager refuses);
+    with it, the lock is tried again every ``poll_s`` seconds, calling ``waiting`` when the wait
+    begins and every ``report_every_s`` seconds after, until it comes free (the descriptor) or
+    ``stop`` is set (None; the node manager waits). LockFileError when the file cannot be opened
+    or locked."""
+    path = Path(path)
+    try:
+        if make_parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise LockFileError(exc, opening=True) from None
+    waited = 0.0
+    reported = -report_every_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if stop is None:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip()
+                os.close(fd)
+                raise LockHeld(holder) from None
+            if waiting is not None and waited - reported >= report_every_s:
+                waiting()
+                reported = waited
+            if stop.wait(poll_s):
+                os.close(fd)
+                return None
+            waited += poll_s
+        except OSError as exc:
+            os.close(fd)
+            raise LockFileError(exc, opening=False) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
+    return fd
 
 
 def file_version(db: sqlite3.Connection) -> int | None:

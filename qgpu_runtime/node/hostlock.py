@@ -7,16 +7,17 @@ hold and resume the same containers, each undoing the other's holds. So the mana
 before it opens the store, registers a plugin or signals a process, and keeps it for its life; the
 kernel releases it when the process ends, however it ends, so a crash never leaves it stale. A
 second manager waits for it (logging who holds it), as a DaemonSet's new pod waits for the old one
-to stop, and exits 0 if it is stopped while waiting.
+to stop, and exits 0 if it is stopped while waiting. The lock itself is contract/store.py's
+``hold_lock_file``, which the standalone manager's lock uses too (a second one is refused).
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
 import threading
 from pathlib import Path
+
+from qgpu_runtime.contract.store import LockFileError, hold_lock_file
 
 log = logging.getLogger(__name__)
 
@@ -42,29 +43,14 @@ def acquire(dbfile: Path, stop: threading.Event, report_every_s: float = 10.0, p
     """The open, locked lock file's descriptor (keep it open for the manager's life), or None when
     ``stop`` was set before the lock came free. LockError when the file cannot be opened."""
     path = lock_path(dbfile)
+
+    def waiting() -> None:
+        log.warning("another node manager (pid %s, as written in %s) holds the allocation store %s; "
+                    "waiting for it to stop (one manager per store)", holder(path), path, dbfile)
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        raise LockError(f"--dbfile {dbfile}: cannot open its lock file {path}: {exc.strerror or exc}") from None
-    waited = 0.0
-    reported = -report_every_s
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if waited - reported >= report_every_s:
-                log.warning("another node manager (pid %s, as written in %s) holds the allocation store %s; "
-                            "waiting for it to stop (one manager per store)", holder(path), path, dbfile)
-                reported = waited
-            if stop.wait(poll_s):
-                os.close(fd)
-                return None
-            waited += poll_s
-        except OSError as exc:
-            os.close(fd)
-            raise LockError(f"--dbfile {dbfile}: cannot lock {path}: {exc.strerror or exc}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode("ascii"), 0)
-    return fd
+        return hold_lock_file(path, make_parents=True, stop=stop, poll_s=poll_s, waiting=waiting,
+                              report_every_s=report_every_s)
+    except LockFileError as exc:
+        what = f"cannot open its lock file {path}" if exc.opening else f"cannot lock {path}"
+        raise LockError(f"--dbfile {dbfile}: {what}: {exc.error.strerror or exc.error}") from None

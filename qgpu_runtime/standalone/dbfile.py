@@ -11,15 +11,16 @@ The consequence, documented in docs/standalone.md: only the manager's user books
 
 Two managers on one file would both rewrite cards and policy and both duty-cycle the same jobs;
 ``claim`` takes an exclusive ``flock`` on ``<dbfile>.lock`` for the manager's lifetime (released by
-the kernel however the process ends) and writes the holder's PID into it for the refusal.
+the kernel however the process ends) and writes the holder's PID into it for the refusal
+(contract/store.py's ``hold_lock_file``, which the node manager's lock uses too).
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import stat
 
+from qgpu_runtime.contract.store import LockFileError, LockHeld, hold_lock_file
 from qgpu_runtime.standalone.store import StoreError
 
 PRIVATE_MODE = 0o600
@@ -83,18 +84,13 @@ class ManagerLock:
     def __init__(self, path: str):
         self.path = os.path.realpath(path) + LOCK_SUFFIX
         try:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, PRIVATE_MODE)
-        except OSError as err:
-            raise StoreError(f"--dbfile {path!r}: cannot open its lock file {self.path!r}: {err.strerror}") from None
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self._fd)
-            raise StoreError(f"--dbfile {path!r}: another manager (pid {holder}) holds {self.path!r}: "
+            self._fd = hold_lock_file(self.path)
+        except LockFileError as exc:
+            what = "cannot open its lock file" if exc.opening else "cannot lock"
+            raise StoreError(f"--dbfile {path!r}: {what} {self.path!r}: {exc.error.strerror or exc.error}") from None
+        except LockHeld as exc:
+            raise StoreError(f"--dbfile {path!r}: another manager (pid {exc.holder or 'unknown'}) holds {self.path!r}: "
                              "one manager per database; stop that one first or use another --dbfile") from None
-        os.ftruncate(self._fd, 0)
-        os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
         if self._fd >= 0:
