@@ -37,6 +37,21 @@ class ProcStat:
     exiting: bool = False
 
 
+def stat_fields(raw: bytes, where: str) -> list[bytes]:
+    """The fields of a ``stat`` line from field 3 (the state) on, as bytes: ``[0]`` state, ``[2]``
+    process group, ``[3]`` session, ``[6]`` flags, ``[17]`` threads, ``[19]`` start time. The
+    command name (field 2) may hold spaces and parentheses and need not be UTF-8, so the fields
+    start after the last ``)`` and nothing is decoded. ValueError, naming ``where`` (the file),
+    when there is no ``)`` or fewer than 22 fields."""
+    close = raw.rfind(b")")
+    if close < 0:
+        raise ValueError(f"{where} has no ')' closing the command name")
+    fields = raw[close + 1:].split()
+    if len(fields) < 20:
+        raise ValueError(f"{where} has {len(fields) + 2} fields, not the 22 or more expected")
+    return fields
+
+
 class ProcFS:
     """``<root>/<pid>/stat`` and ``<root>/<pid>/cgroup``; a process that ended reads as None."""
 
@@ -50,13 +65,7 @@ class ProcFS:
             raw = (self.root / str(pid) / "stat").read_bytes()
         except _GONE:
             return None
-        close = raw.rfind(b")")
-        if close < 0:
-            raise ValueError(f"{self.root}/{pid}/stat has no ')' closing the command name")
-        # the command name may hold spaces and parentheses: fields start after the last ')'
-        fields = raw[close + 1:].split()
-        if len(fields) < 20:
-            raise ValueError(f"{self.root}/{pid}/stat has {len(fields) + 2} fields, not the 22 or more expected")
+        fields = stat_fields(raw, f"{self.root}/{pid}/stat")
         state, flags, threads = fields[0], int(fields[6]), int(fields[17])
         # a zombie has ended (its number may soon be reused), unless only its main thread did:
         # the leader of a thread group reads "Z" while the process's other threads run on

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from qgpu_runtime.contract.store import SchemaError, open_store, transaction
+from qgpu_runtime.isolation.procfs import stat_fields
 from qgpu_runtime.isolation.watchdog import IsolationEvent
 from qgpu_runtime.model import AppClass
 
@@ -74,22 +75,24 @@ class ProcessInfo:
     start: int  # clock ticks since boot
 
 
-def _stat_fields(pid: int | str, proc: str = "/proc", exited_too: bool = False) -> list[str] | None:
-    """Fields 3.. of /proc/PID/stat, or None when the process is gone or (unless ``exited_too``)
-    a zombie."""
+def _stat_fields(pid: int | str, proc: str = "/proc", exited_too: bool = False) -> list[bytes] | None:
+    """Fields 3.. of /proc/PID/stat (isolation/procfs.py's ``stat_fields``), or None when the
+    process is gone or (unless ``exited_too``) a zombie."""
+    where = f"{proc}/{pid}/stat"
     try:
-        with open(f"{proc}/{pid}/stat", "rb") as f:
-            raw = f.read().decode(errors="replace")
+        with open(where, "rb") as f:
+            raw = f.read()
     except (FileNotFoundError, ProcessLookupError, PermissionError, NotADirectoryError):
         return None
-    # the command name (field 2) may contain spaces and parentheses: split after the last ')'
-    end = raw.rfind(")")
-    fields = raw[end + 2:].split() if end >= 0 else []
-    if len(fields) < 20 or not all(fields[i].isdigit() for i in (3, 17, 19)):
+    try:
+        fields = stat_fields(raw, where)
+    except ValueError:
         return None  # not a stat line as the kernel writes one: nothing to believe
+    if not all(fields[i].isdigit() for i in (3, 17, 19)):
+        return None
     # exited (only its status is left to collect); a "zombie" main thread with other threads still
     # running (pthread_exit in main) is a live process
-    if not exited_too and (fields[0] == "X" or (fields[0] == "Z" and int(fields[17]) <= 1)):
+    if not exited_too and (fields[0] == b"X" or (fields[0] == b"Z" and int(fields[17]) <= 1)):
         return None
     return fields
 
