@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
@@ -51,6 +52,15 @@ class IsolationEvent:
     message: str
 
 
+@dataclass
+class _Stopped:
+    """What the watchdog keeps of one workload it stopped."""
+
+    last_stop: float | None = None  # monotonic time of its last stop; None once it is gone
+    rounds: int = 0  # stops sent while it stayed over its quota
+    cards: set[str] = field(default_factory=set)  # the cards its violation series name
+
+
 class EventSink(Protocol):
     def emit(self, event: IsolationEvent) -> None: ...
 
@@ -74,11 +84,9 @@ class MemoryWatchdog:
         self._stop = stop
         self._clock = clock
         self._stop_round_s = stop_round_s
-        self._stopped: dict[str, float] = {}  # workload key -> monotonic time of its last stop
-        self._rounds: dict[str, int] = {}  # workload key -> stops sent while it stayed over its quota
-        self._series: dict[str, set[str]] = {}  # workload key -> cards its violation series name
+        self._stopped: dict[str, _Stopped] = {}  # workload key -> what is kept of it, while it has series
         self._keep_gone = keep_gone
-        self._gone: dict[str, None] = {}  # keys gone whose series are kept, oldest first
+        self._gone: OrderedDict[str, None] = OrderedDict()  # keys gone whose series are kept, oldest first
         self.violations = Counter(
             "qgpu_memory_quota_violations",
             "Workloads stopped by the memory watchdog for holding more GPU memory than their quota",
@@ -91,19 +99,20 @@ class MemoryWatchdog:
 
         The stop goes first: if it raises, nothing marks the workload stopped, and the next
         violation seen is judged again (marked first, a failed stop would never be retried)."""
-        last = self._stopped.get(violation.key)
-        rounds = self._rounds.get(violation.key, 0)
+        known = self._stopped.get(violation.key)
         # each further round waits twice as long (at most MAX_ROUND_DOUBLINGS times): a workload
         # whose stop cannot reach its processes is retried, but its Events and log lines thin out
-        if last is not None and now_s - last < self._stop_round_s * 2 ** min(rounds - 1, MAX_ROUND_DOUBLINGS):
+        if (known is not None and known.last_stop is not None
+                and now_s - known.last_stop < self._stop_round_s * 2 ** min(known.rounds - 1, MAX_ROUND_DOUBLINGS)):
             return False
         message = violation.message()
         self._stop(violation.key, message)
-        self._stopped[violation.key] = now_s
-        self._rounds[violation.key] = rounds + 1
+        known = self._stopped.setdefault(violation.key, _Stopped())
+        known.last_stop = now_s
+        known.rounds += 1
         log.warning("card %d: %s", card, message)
         self.violations.labels(workload=violation.key, card=str(card)).inc()
-        self._series.setdefault(violation.key, set()).add(str(card))
+        known.cards.add(str(card))
         self._gone.pop(violation.key, None)
         self._sink.emit(IsolationEvent(self._clock(), violation.key, card, REASON_MEMORY, message))
         return True
@@ -113,14 +122,13 @@ class MemoryWatchdog:
         counter series stay for the next scrapes (a job killed for its memory is gone at once);
         only the ``keep_gone`` most recently gone workloads keep theirs, so one series per
         workload ever stopped does not pile up for the manager's life."""
-        self._stopped.pop(key, None)
-        self._rounds.pop(key, None)
-        if key not in self._series:
+        known = self._stopped.get(key)
+        if known is None:
             return
-        self._gone.pop(key, None)
+        known.last_stop, known.rounds = None, 0
         self._gone[key] = None
+        self._gone.move_to_end(key)
         while len(self._gone) > self._keep_gone:
-            oldest = next(iter(self._gone))
-            del self._gone[oldest]
-            for card in self._series.pop(oldest, ()):
+            oldest, _ = self._gone.popitem(last=False)
+            for card in self._stopped.pop(oldest).cards:
                 self.violations.remove(oldest, card)
