@@ -195,6 +195,18 @@ def _uid(p: dict) -> str:
     return p["metadata"]["uid"]
 
 
+def _two_pods_sharing_a_claim(w: DraWorld, core: int = 300, memory_mib: int = 0, demand_milli: float = 1000,
+                              process_mib: int = 0) -> tuple[dict, dict]:
+    """Claim ``shared`` and pods ``one`` and ``two`` whose ``main`` containers both reference it,
+    each running one process on card 0 (101 in ``one``, 202 in ``two``); returns the two pods."""
+    w.claim("shared", core, memory_mib=memory_mib)
+    p1, i1 = w.pod("one", {"main": ["shared"]})
+    p2, i2 = w.pod("two", {"main": ["shared"]})
+    w.run(101, cgroupfs(_uid(p1), i1["main"]), demand_milli, memory_mib=process_mib)
+    w.run(202, cgroupfs(_uid(p2), i2["main"]), demand_milli, memory_mib=process_mib)
+    return p1, p2
+
+
 # ---- one engine, whichever door booked ---------------------------------------------------------
 @pytest.mark.parametrize("policy", [Policy.FIXED_SHARE, Policy.BURST_SHARE])
 def test_a_claims_share_is_held_to_it_beside_a_device_plugin_share(world_of, policy):
@@ -287,11 +299,7 @@ def test_a_claim_shared_by_two_containers_is_one_tenant_held_to_the_claims_share
 
 def test_a_claim_shared_by_two_pods_is_one_tenant(world_of):
     w = world_of(Policy.FIXED_SHARE)
-    w.claim("shared", 300)
-    p1, i1 = w.pod("one", {"main": ["shared"]})
-    p2, i2 = w.pod("two", {"main": ["shared"]})
-    w.run(101, cgroupfs(_uid(p1), i1["main"]), 1000)
-    w.run(202, cgroupfs(_uid(p2), i2["main"]), 1000)
+    _two_pods_sharing_a_claim(w)
     w.drive(2.0)
     a, b = w.used(101), w.used(202)
     w.drive(8.0)
@@ -300,11 +308,7 @@ def test_a_claim_shared_by_two_pods_is_one_tenant(world_of):
 
 def test_a_claim_shared_by_two_pods_is_left_unheld_only_once_both_are_being_deleted_and_from_the_first(world_of):
     w = world_of(Policy.FIXED_SHARE)
-    w.claim("shared", 300)
-    p1, i1 = w.pod("one", {"main": ["shared"]})
-    p2, i2 = w.pod("two", {"main": ["shared"]})
-    w.run(101, cgroupfs(_uid(p1), i1["main"]), 1000)
-    w.run(202, cgroupfs(_uid(p2), i2["main"]), 1000)
+    p1, p2 = _two_pods_sharing_a_claim(w)
     w.drive(1.0)
     [key] = [wl.key for wl in w.loop._workloads]
     held: list[float] = []
@@ -395,11 +399,7 @@ def test_a_restarted_manager_enforces_a_claim_from_the_store_and_its_reserved_po
 
 def test_a_claim_shared_by_two_pods_over_its_memory_stops_both_and_reports_on_one_named_pod(world_of):
     w = world_of(Policy.BEST_EFFORT)
-    w.claim("shared", 500, memory_mib=2048)
-    p1, i1 = w.pod("one", {"main": ["shared"]})
-    p2, i2 = w.pod("two", {"main": ["shared"]})
-    w.run(101, cgroupfs(_uid(p1), i1["main"]), 300, memory_mib=1024)
-    w.run(202, cgroupfs(_uid(p2), i2["main"]), 300, memory_mib=1024)
+    p1, _ = _two_pods_sharing_a_claim(w, 500, memory_mib=2048, demand_milli=300, process_mib=1024)
     w.drive(0.5, events={3: lambda: w.gpus[0].allocate(202, 1024)})  # together over the claim's 2048 MiB
     assert 101 not in w.gpus[0].processes and 202 not in w.gpus[0].processes
     events = [json.loads(line) for line in w.pods_file.with_suffix(".events.jsonl").read_text().splitlines()]
