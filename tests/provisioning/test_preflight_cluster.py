@@ -33,10 +33,17 @@ def one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def daemonset(ns: str, name: str, image: str, labels: dict | None = None) -> dict[str, Any]:
+# what NVIDIA's device plugin mounts to register with kubelet
+PLUGIN_FOLDER = {"name": "device-plugin", "hostPath": {"path": "/var/lib/kubelet/device-plugins"}}
+
+
+def daemonset(ns: str, name: str, image: str, labels: dict | None = None,
+              volumes: list | None = None, **pod_fields: Any) -> dict[str, Any]:
+    pod_spec = {"containers": [{"name": "plugin", "image": image}],
+                "volumes": [PLUGIN_FOLDER] if volumes is None else volumes, **pod_fields}
     return {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": ns, "labels": labels or {}},
             "spec": {"selector": {"matchLabels": {"name": name}}, "template": {
-                "metadata": {"labels": {"name": name}}, "spec": {"containers": [{"name": "plugin", "image": image}]}}}}
+                "metadata": {"labels": {"name": name}}, "spec": pod_spec}}}
 
 
 def pod_of(ds: dict[str, Any], node: str, uid: str = "u") -> dict[str, Any]:
@@ -82,6 +89,21 @@ def test_nvidias_device_plugin_is_found_by_its_image_and_qgpus_own_daemonsets_ar
     assert [(f["namespace"], f["name"], f["selector"]) for f in found] == [
         ("kube-system", "nvidia-device-plugin-daemonset", "name=nvidia-device-plugin-daemonset"),
         ("gpu-operator", "nvidia-device-plugin-daemonset", "name=nvidia-device-plugin-daemonset")]
+
+
+def test_a_daemonset_named_like_the_plugin_without_host_access_is_not_one():
+    """A tenant with ``edit`` creates a DaemonSet of any image name, tolerating every taint; under
+    Pod Security ``baseline`` it gets no hostPath, privilege or host PIDs, so it cannot register
+    with kubelet. Counted, it stopped every cluster.yml and site.yml run."""
+    tenant = daemonset("team-a", "metrics", "registry.example.com/team-a/k8s-device-plugin:latest",
+                       volumes=[{"name": "scratch", "emptyDir": {}}], tolerations=[{"operator": "Exists"}])
+    assert preflight.device_plugin_daemonsets([tenant]) == []
+    result = preflight.device_plugin_conflict_result([], [pod_of(tenant, "gpu-1")], [], ["gpu-1"])
+    assert result["ok"] is True
+    privileged = daemonset("team-a", "privileged", NVIDIA_IMAGE, volumes=[])
+    privileged["spec"]["template"]["spec"]["containers"][0]["securityContext"] = {"privileged": True}
+    host_pids = daemonset("team-a", "host-pids", NVIDIA_IMAGE, volumes=[], hostPID=True)
+    assert [f["name"] for f in preflight.device_plugin_daemonsets([privileged, host_pids])] == ["privileged", "host-pids"]
 
 
 def test_a_device_plugin_pod_on_a_pool_node_is_refused_naming_it_and_the_way_out():

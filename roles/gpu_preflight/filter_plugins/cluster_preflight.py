@@ -9,9 +9,13 @@ way out:
 - ``device_plugin_conflict``: another device plugin serving ``nvidia.com/gpu`` on a node of qgpu's
   pools, which would hand the same cards out twice. Found from the API, two ways: a DaemonSet whose
   image is NVIDIA's k8s-device-plugin (standalone, Helm chart, or the GPU Operator's
-  nvidia-device-plugin-daemonset) with a pod on such a node, and a pool node the GPU Operator is
-  told to run its device plugin on (label ``nvidia.com/gpu.deploy.device-plugin`` other than
-  ``false``), whose pod may not be there yet.
+  nvidia-device-plugin-daemonset) and which can reach kubelet's device-plugin socket (a hostPath
+  volume, a privileged container or the host's PID namespace), with a pod on such a node; and a
+  pool node the GPU Operator is told to run its device plugin on (label
+  ``nvidia.com/gpu.deploy.device-plugin`` other than ``false``), whose pod may not be there yet.
+  An image's name alone is not enough: a tenant may create a DaemonSet of any image name, and one
+  without host access (what Pod Security ``baseline`` leaves a tenant) serves nothing, so it must
+  not stop every run of the playbooks.
 
 Pure functions of the API's answers (dicts), unit-tested in tests/provisioning/test_preflight_cluster.py.
 """
@@ -56,18 +60,28 @@ def _is_qgpu(obj: Mapping[str, Any]) -> bool:
     return labels.get(QGPU_PART_OF[0]) == QGPU_PART_OF[1]
 
 
+def _reaches_the_host(pod_spec: Mapping[str, Any], containers: list[Mapping[str, Any]]) -> bool:
+    """Whether a pod of this template could reach kubelet's device-plugin socket: a hostPath volume
+    (the socket's folder, wherever kubelet's root is), a privileged container, or the host's PIDs
+    (``/proc/1/root``)."""
+    volumes = [v for v in pod_spec.get("volumes") or [] if isinstance(v, Mapping)]
+    privileged = any(((c.get("securityContext") or {}).get("privileged")) is True for c in containers)
+    return any("hostPath" in v for v in volumes) or privileged or pod_spec.get("hostPID") is True
+
+
 def device_plugin_daemonsets(daemonsets: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The DaemonSets running NVIDIA's device plugin (qgpu's own left out), each as ``namespace``,
-    ``name`` and ``selector`` (its pods' matchLabels, for listing them)."""
+    """The DaemonSets running NVIDIA's device plugin with access to the host (qgpu's own left
+    out), each as ``namespace``, ``name`` and ``selector`` (its pods' matchLabels, for listing them)."""
     found = []
     for ds in daemonsets or []:
         if not isinstance(ds, Mapping) or _is_qgpu(ds):
             continue
         spec = ds.get("spec") or {}
         pod_spec = ((spec.get("template") or {}).get("spec")) or {}
-        images = [str(c.get("image") or "") for c in (pod_spec.get("containers") or []) + (pod_spec.get("initContainers") or [])
-                  if isinstance(c, Mapping)]
-        if any(DEVICE_PLUGIN_IMAGE.search(image) for image in images):
+        containers = [c for c in (pod_spec.get("containers") or []) + (pod_spec.get("initContainers") or [])
+                      if isinstance(c, Mapping)]
+        images = [str(c.get("image") or "") for c in containers]
+        if any(DEVICE_PLUGIN_IMAGE.search(image) for image in images) and _reaches_the_host(pod_spec, containers):
             meta = ds.get("metadata") or {}
             labels = ((spec.get("selector") or {}).get("matchLabels")) or {}
             found.append({"namespace": meta.get("namespace", ""), "name": meta.get("name", ""),
