@@ -23,6 +23,8 @@ CHECKSUM_ANNOTATION = "qgpu.io/scheduler-config-checksum"
 # Flags that select a scheduler configuration; the wiring owns them.
 CONFIG_FLAGS = ("--config", "--policy-config-file", "--use-legacy-policy-config",
                 "--policy-configmap", "--policy-configmap-namespace")
+# The flags that name a scheduling configuration; one qgpu did not write is refused, not replaced.
+FOREIGN_CONFIG_FLAGS = ("--config", "--policy-config-file", "--policy-configmap")
 OLDEST_SUPPORTED = (1, 14)
 # resource.k8s.io/v1 (DRA, GA): the first kube-scheduler that allocates ResourceClaims by default.
 DRA_FIRST = (1, 34)
@@ -202,7 +204,9 @@ def scheduler_wire(manifest: dict[str, Any], config_format: str, config_file: st
     container = _scheduler_container(wired)
     for field in ("command", "args"):
         for arg in container.get(field) or []:
-            if flag_name(arg) in ("--config", "--policy-config-file") and not flag_under(arg, config_dir):
+            # a scheduling configuration of the operator's (a file, or a legacy policy ConfigMap, which
+            # is never qgpu's) is refused, never dropped: kube-scheduler would lose it without a word
+            if flag_name(arg) in FOREIGN_CONFIG_FLAGS and not (flag_name(arg) != "--policy-configmap" and flag_under(arg, config_dir)):
                 raise WiringError(
                     f"kube-scheduler manifest: {field} already has {arg}; qgpu will not replace a configuration it did "
                     f"not write. Add the qgpu extender to that file, or remove the flag and re-run.")

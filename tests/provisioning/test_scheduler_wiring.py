@@ -128,6 +128,17 @@ def test_a_foreign_config_flag_is_not_replaced() -> None:
         wiring.scheduler_wire(manifest, "v1", KSC, CONFIG_DIR, "abc")
 
 
+def test_an_operators_legacy_policy_configmap_is_refused_not_dropped() -> None:
+    """Before 1.23 a scheduling policy could come from a ConfigMap; the wiring dropped the flags
+    and kube-scheduler silently lost the operator's policy."""
+    manifest = kubeadm_manifest("1.21.0")
+    manifest["spec"]["containers"][0]["command"] += ["--policy-configmap=ops-scheduler-policy",
+                                                     "--policy-configmap-namespace=kube-system"]
+    with pytest.raises(AnsibleFilterError, match="command already has --policy-configmap=ops-scheduler-policy; qgpu will "
+                                                 "not replace a configuration it did not write"):
+        wiring.scheduler_wire(manifest, "policy", POLICY, CONFIG_DIR, "abc")
+
+
 def test_is_wired_sees_regenerated_manifests_as_drift() -> None:
     wired = wiring.scheduler_wire(kubeadm_manifest(), "v1", KSC, CONFIG_DIR, "abc")
     assert wiring.scheduler_is_wired(wired, "v1", KSC, CONFIG_DIR)
