@@ -18,6 +18,8 @@ In a namespace whose GPU pods become DRA claims (label ``qgpu.io/gpu-mode=dra``)
 removes every dialect's resources from the pod except ``nvidia.com/gpu``, which kube-scheduler turns
 into a claim it creates itself; that claim is charged as a claim, so the pod is not charged for it
 unless it kept its resources for a device plugin (annotation ``qgpu.io/gpu-mode: device-plugin``).
+KAI's share is read from annotations, which stay: a KAI container that /mutate-dra gave a claim
+and left no GPU resource is charged nothing as a pod either (its claim is charged).
 kube-scheduler makes that claim only on a node not advertising ``nvidia.com/gpu``, so /mutate-dra
 pins such a pod to DRA pools (webhook/dra.py).
 
@@ -156,10 +158,17 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
         request = parse_pod(pod, limits)
     except RequestError:
         return refused_pod_charge(pod, default_memory_mib, limits)
+    spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    raw = {str(c.get("name") or ""): c for c in spec.get("containers") or [] if isinstance(c, Mapping)}
     total = Usage()
     for container in request.containers:
         if claims_nvidia and container.dialect is Dialect.NVIDIA:
             continue  # kube-scheduler's extended-resource claim carries it, and is charged as a claim
+        if claims_nvidia and container.dialect is Dialect.KAI and not _asks_gpu(raw.get(container.name, {})):
+            # /mutate-dra put KAI's annotated share on a claim (charged as a claim) and took the
+            # container's nvidia.com/gpu away: without a GPU resource no device plugin grants it a
+            # card, so the annotation alone holds nothing (charged here too, it counted twice)
+            continue
         total += _container_charge(container, default_memory_mib, limits)
     return total
 

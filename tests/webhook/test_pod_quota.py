@@ -113,6 +113,25 @@ def test_in_a_dra_namespace_nvidia_gpu_is_charged_as_kube_schedulers_claim_not_a
     assert pod_usage(pod("p", {"tencent.com/vcuda-core": "100"}), dra_namespace=True) == Usage(1000, CARD)
 
 
+def test_in_a_dra_namespace_a_kai_share_moved_onto_a_claim_is_charged_as_the_claim_only():
+    """/mutate-dra turns KAI's annotated share into a claim and removes the container's
+    nvidia.com/gpu; the annotations stay. The claim is charged as a claim: the pod was charged the
+    same share again."""
+    converted = kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    container = converted["spec"]["containers"][0]
+    container["resources"] = {"claims": [{"name": "qgpu-0"}]}
+    converted["spec"]["resourceClaims"] = [{"name": "qgpu-0", "resourceClaimTemplateName": "qgpu-kai"}]
+    assert pod_usage(converted, dra_namespace=True) == Usage()
+    # a KAI container that still asks nvidia.com/gpu can take cards from a device plugin: charged
+    unconverted = kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    charged = pod_usage(unconverted)
+    assert charged != Usage() and pod_usage(unconverted, dra_namespace=True) == charged
+    # as is a pod that kept its resources for a device plugin, and every pod outside a DRA namespace
+    kept = {**converted, "metadata": {**converted["metadata"], "annotations": {
+        **converted["metadata"]["annotations"], "qgpu.io/gpu-mode": "device-plugin"}}}
+    assert pod_usage(kept, dra_namespace=True) == pod_usage(converted) == charged
+
+
 def test_pods_of_other_namespaces_and_the_pod_being_admitted_are_skipped():
     other = pod("x", {"nvidia.com/gpu": "1"})
     other["metadata"]["namespace"] = "elsewhere"

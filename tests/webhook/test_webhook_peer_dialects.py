@@ -82,3 +82,19 @@ def test_dra_kai_fraction_uses_the_pools_card_sizes():
     ((name, spec),) = templates.items()
     (sub,) = only_request(spec)["firstAvailable"]
     assert sub["capacity"]["requests"]["memory"] == "8192"
+
+
+def test_dra_kai_share_is_charged_once_as_its_claim_not_again_as_the_pod():
+    """The pod /mutate-dra leaves (KAI's annotations, the claim, no nvidia.com/gpu) is charged
+    nothing as a pod; the claim its template makes is charged the share."""
+    from qgpu_runtime.webhook.claimquota import Usage, claim_usage
+    from qgpu_runtime.webhook.podquota import pod_usage
+
+    p = pod(container("main", limits={"nvidia.com/gpu": "2"}), schedulerName="kai-scheduler",
+            annotations={"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    after, templates = applied(p, DraConfig(card_memory_mib=(16384,)))
+    assert after["spec"]["containers"][0]["resources"] == {"limits": {}, "claims": [{"name": "qgpu-0"}]}
+    assert pod_usage(after, dra_namespace=True) == Usage()
+    ((name, spec),) = templates.items()
+    claim = {"metadata": {"namespace": "team-a", "name": f"kai-{name}"}, "spec": spec}
+    assert claim_usage(claim).memory_mib == 2 * 8192  # half of each of two 16 GiB cards
