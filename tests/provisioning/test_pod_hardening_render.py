@@ -33,3 +33,11 @@ def test_the_node_manager_is_unprivileged_with_only_kill_by_default():
         assert context.get("privileged", False) is False and context["allowPrivilegeEscalation"] is False
         assert context["capabilities"] == {"drop": ["ALL"], "add": ["KILL"]}
         assert context["seccompProfile"] == {"type": "RuntimeDefault"}
+
+
+def test_the_node_manager_mounts_kubelets_pod_resources_folder_read_only():
+    """It only connects to kubelet's socket there (a read-only bind mount allows connect(2))."""
+    profile = {"resources": ["tke.cloud.tencent.com/qgpu-core"], "suffix": "", "nodes": None}
+    containers = _containers(render_template("qgpu-manager.yaml.j2", qgpu_manager_profiles=[profile]), "DaemonSet")
+    mounts = [m for c in containers for m in c["volumeMounts"] if m["name"] == "pod-resources"]
+    assert len(mounts) == 3 and all(m.get("readOnly") is True for m in mounts)
