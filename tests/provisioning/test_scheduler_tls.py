@@ -152,12 +152,15 @@ def test_a_reissued_ca_reissues_both_leaves(tmp_path):
     short_ca = {"qgpu_scheduler_ca_days": 20, "qgpu_scheduler_cert_renew_days": 30}  # leaves: a year left
     assert run(tmp_path, **short_ca).returncode == 0
     before = {name: cert(tmp_path, name).serial_number for name in ("ca", "tls", "kube-scheduler")}
+    old_ca = cert(tmp_path, "ca")
     rotated = run(tmp_path, **short_ca)
     assert rotated.returncode == 0, rotated.output[-4000:]
     after = {name: cert(tmp_path, name).serial_number for name in before}
     assert all(after[name] != before[name] for name in before), (before, after)
     for leaf in ("tls", "kube-scheduler"):
         cert(tmp_path, leaf).verify_directly_issued_by(cert(tmp_path, "ca"))
+        # the CA keeps its key: a kube-scheduler still holding the old CA file trusts the new serving pair
+        cert(tmp_path, leaf).verify_directly_issued_by(old_ca)
 
 
 def test_plain_http_is_refused_off_loopback(tmp_path):

@@ -66,10 +66,13 @@ def test_leaves_expiring_within_the_window_are_reissued_and_others_kept(tmp_path
 def test_a_reissued_ca_reissues_the_leaves_it_signs_and_they_verify_against_it(tmp_path):
     short_cas = {"qgpu_webhook_ca_days": 20, "qgpu_webhook_cert_renew_days": 30}  # leaves: 825 days
     _run(tmp_path, **short_cas)
-    before = _serials(tmp_path)
+    before, old = _serials(tmp_path), _certs(tmp_path)
     _run(tmp_path, **short_cas)
     after = _serials(tmp_path)
     assert all(after[name] != before[name] for name in NAMES), (before, after)
     certs = _certs(tmp_path)
-    certs["tls"].verify_directly_issued_by(certs["ca"])
-    certs["apiserver-client"].verify_directly_issued_by(certs["client-ca"])
+    for leaf, ca in (("tls", "ca"), ("apiserver-client", "client-ca")):
+        certs[leaf].verify_directly_issued_by(certs[ca])
+        # the CA keeps its key: whoever still holds the old CA file (the webhook configurations'
+        # caBundle, the webhook's --client-ca-file) until the next step of the run trusts the new leaf
+        certs[leaf].verify_directly_issued_by(old[ca])
