@@ -355,6 +355,17 @@ class ElHost:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def known_hosts(self) -> Path:
+        """A known_hosts file naming this host's own keys (its root's ``/etc/ssh``), so ssh and
+        Ansible check the host key as an operator's controller does (ansible.cfg
+        ``host_key_checking``; docs/provisioning.md, "What the controller trusts")."""
+        keys = sorted((self.root / "etc/ssh").glob("ssh_host_*_key.pub"))
+        if not keys:
+            raise HostError(f"no ssh host keys in {self.root / 'etc/ssh'}")
+        path = self.workdir / "known_hosts"
+        path.write_text("".join(f"[127.0.0.1]:{self.port} {' '.join(k.read_text().split()[:2])}\n" for k in keys))
+        return path
+
     def ssh_args(self) -> list[str]:
         return [
             "ssh",
@@ -365,9 +376,9 @@ class ElHost:
             "-o",
             "BatchMode=yes",
             "-o",
-            "StrictHostKeyChecking=no",
+            "StrictHostKeyChecking=yes",
             "-o",
-            "UserKnownHostsFile=/dev/null",
+            f"UserKnownHostsFile={self.known_hosts()}",
             "-o",
             "LogLevel=ERROR",
             "-o",
@@ -391,7 +402,7 @@ class ElHost:
             "ansible_port": self.port,
             "ansible_user": "root",
             "ansible_ssh_private_key_file": str(self.key),
-            "ansible_ssh_common_args": "-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+            "ansible_ssh_common_args": f"-o StrictHostKeyChecking=yes -o UserKnownHostsFile={self.known_hosts()}",
             "ansible_python_interpreter": "/usr/bin/python3",
             **(host_vars or {}),
         }
