@@ -15,7 +15,8 @@ one without must be a standard name, so ``requests.core.gpu.qgpu.io`` is refused
 nothing for them (no evaluator matches: they are not ``requests.``-prefixed extended resources,
 hugepages or ``count/``), so they mean exactly what this module enforces. The units are those of
 the claims' ``capacity.requests`` (contract/dra.py): whole numbers, core in thousandths of a
-card, memory in MiB, written as quantities without binary suffix (the apiserver serves ``4000`` back
+card, memory in MiB (charged as the allocator consumes them: rounded up to the slices' request
+policy, ``contract.dra.consumed_core`` / ``consumed_memory``), written as quantities without binary suffix (the apiserver serves ``4000`` back
 as ``4k``).
 
 The webhook calls :func:`check_claim` on a ResourceClaim CREATE with the namespace's claims and
@@ -33,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final, Iterable, Mapping
 
-from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, capacity_number, shown
+from qgpu_runtime.contract.dra import CORE, DRIVER, MEMORY, capacity_number, consumed_core, consumed_memory, shown
 from qgpu_runtime.contract.draclaim import DeviceAsk, DraClaimError, claim_requests, qgpu_request_count
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS
 
@@ -87,8 +88,12 @@ def _charge(ask: DeviceAsk, default_memory_mib: int) -> Usage:
     # allocationMode All (a T9k whole-node pod): every matching card of the node, known only after
     # allocation, so the charge is the most a node may have, as the memory default is.
     count = ask.charged_cards
-    core = CORE_MILLI_PER_CARD if ask.core is None else ask.core
-    memory = default_memory_mib if ask.memory is None else ask.memory
+    # what the allocator consumes, not the figure asked: the slices' requestPolicy rounds a request
+    # up to its step and minimum (core 10, memory whole GiB from 1 GiB), so {core: 1, memory: 1}
+    # takes 10 and 1024; charged as asked, a hundred of them took ten times the core quota
+    # (never less than asked: a request above a whole card, which no card can take, keeps its figure)
+    core = CORE_MILLI_PER_CARD if ask.core is None else max(ask.core, consumed_core(ask.core))
+    memory = default_memory_mib if ask.memory is None else max(ask.memory, consumed_memory(ask.memory))
     return Usage(core * count, memory * count)
 
 

@@ -58,7 +58,7 @@ SAME = [
      [Ask(300, 4096)], Usage(300, 4096)),
     ([_exactly(core="1k", memory="32k", count=2)],  # as the apiserver serves 1000 and 32000
      [draclaim.ClaimRequest("gpu", (draclaim.DeviceAsk("gpu", dra.SHARED_CLASS, 2, 1000, 32000),))],
-     [Ask(1000, 32768)] * 2, Usage(2000, 64000)),
+     [Ask(1000, 32768)] * 2, Usage(2000, 65536)),  # both what the allocator consumes
     ([_exactly(dra.WHOLE_CLASS, count=2)],
      [draclaim.ClaimRequest("gpu", (draclaim.DeviceAsk("gpu", dra.WHOLE_CLASS, 2, None, None),))],
      [Ask(None, None)] * 2, Usage(2000, 2 * CARD_MIB)),
@@ -151,7 +151,8 @@ def test_what_the_webhook_writes_decodes_to_what_it_meant():
 # --- the ResourceSlice, both directions ----------------------------------------------------------
 
 def _slice(*devices: dict[str, Any], driver: str = dra.DRIVER, node: str = "node-a") -> dict[str, Any]:
-    return {"metadata": {"name": dra.slice_name(node)}, "spec": {"driver": driver, "nodeName": node, "devices": list(devices)}}
+    pool = {"name": dra.pool_name(node), "generation": 1, "resourceSliceCount": 1}
+    return {"metadata": {"name": dra.slice_name(node)}, "spec": {"driver": driver, "nodeName": node, "pool": pool, "devices": list(devices)}}
 
 
 def test_read_slice_gives_back_the_cards_slice_device_wrote_in_their_order():

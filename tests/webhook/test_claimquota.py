@@ -101,10 +101,34 @@ def test_the_default_memory_is_the_largest_card_qgpu_admits_unless_told():
     assert claim_usage(claim(request(core="100"))).memory_mib == 80 * 1024
 
 
-@pytest.mark.parametrize("value,core", [("1k", 1000), ("5e2", 500), ("300", 300), ("0", 0), ("1.0", 1), ("+7", 7)])
+@pytest.mark.parametrize("value,core", [("1k", 1000), ("5e2", 500), ("300", 300), ("+70", 70), ("7e1", 70)])
 def test_capacities_are_read_as_the_apiserver_serves_them(value, core):
     """kube-apiserver canonicalises quantities: a claim written with 1000 is served with 1k."""
     assert usage(request(core=value, memory="1024")).core_milli == core
+
+
+@pytest.mark.parametrize("core,memory,charged", [
+    ("1", "1", Usage(10, 1024)), ("0", "0", Usage(10, 1024)), ("1.0", "2000", Usage(10, 2048)), ("+7", "1025", Usage(10, 2048)),
+    ("995", "16383", Usage(1000, 16384)), ("1600", "1024", Usage(1600, 1024))])
+def test_a_request_is_charged_what_the_allocator_consumes(core, memory, charged):
+    """The slices' requestPolicy rounds a request up (core to steps of 10 from 10, memory to whole
+    GiB from 1 GiB): {core: 1, memory: 1} takes 10 and 1024 of the card. Charged as asked, a
+    namespace holding core 1000 and memory 16384 was admitted a hundred of them: ten times its core,
+    a hundred GiB of memory. A request above a whole card, which fits no card, keeps its figure."""
+    assert usage(request(core=core, memory=memory)) == charged
+    assert usage(request(core=core, memory=memory, count=3)) == Usage(3 * charged.core_milli, 3 * charged.memory_mib)
+
+
+def test_tiny_claims_fill_the_quota_at_what_they_take():
+    """The reproduction: quota core 1000, memory 16384; claims of {core: 1, memory: 1} each take 10
+    and 1024 of a card. The seventeenth is refused for memory (it was the hundred-and-first, for
+    nothing)."""
+    tiny = request(core="1", memory="1")
+    hard = [quota(core="1000", memory="16384")]
+    existing = [claim(tiny, name=f"t{i}") for i in range(16)]
+    (refusal,) = check_claim(claim(tiny, name="t16"), existing, hard)
+    assert "gpu.qgpu.io/memory used 16384 + requested 1024 > hard 16384" in refusal.message("t16")
+    assert check_claim(claim(tiny, name="t15"), existing[:15], hard) == []
 
 
 @pytest.mark.parametrize("value", ["-100", -100, "1.5", "500m", "1Gi", "64Mi", "", " 100", "0x10", "١٠٠", "NaN",
