@@ -137,7 +137,9 @@ class ClaimQuota:
         self.locks = _NamespaceLocks()
         # when this replica first saw each ledger entry, by ``monotonic``: what expiry is measured by
         self.seen = FirstSeen()
-        self.stored: dict[str, set[str]] = {}  # by namespace: ledger entries this replica saw stored
+        # by namespace: the ledger entries this replica saw stored, each with the stamp of the
+        # reservation it saw stored (a claim deleted and created again is a new reservation)
+        self.stored: dict[str, dict[str, tuple[int, int, float]]] = {}
         self.conflicts = 0  # lost ledger writes, each followed by a fresh check
 
     @property
@@ -218,13 +220,20 @@ class ClaimQuota:
         """The ledger entries whose object this replica has seen listed: stored, so its reservation
         no longer counts even once the object is gone (deleted, or a pod that finished and was
         removed) before a write pruned the entry. Called under the namespace's lock; what it keeps
-        is bounded by the ledger's entries."""
-        known = (self.stored.get(namespace, set()) | visible) & set(entries)
+        is bounded by the ledger's entries.
+
+        Remembered by name *and* stamp: an entry written again under a name seen stored before (a
+        claim deleted and created again) is a new reservation and counts until its object is
+        listed. Remembered by name alone, it was taken for stored at once, and a concurrent claim
+        was admitted past the quota beside it."""
+        current = stamps(entries)
+        known = {name: stamp for name, stamp in self.stored.get(namespace, {}).items() if current.get(name) == stamp}
+        known.update((name, current[name]) for name in visible if name in current)
         if known:
             self.stored[namespace] = known
         else:
             self.stored.pop(namespace, None)
-        return known
+        return set(known)
 
     def _is_dra_namespace(self, namespace: str, deadline: float) -> bool:
         """Whether the namespace's GPU pods become DRA claims (its label, which only cluster admins
@@ -264,6 +273,8 @@ class ClaimQuota:
             counting[key] = Reservation(asked.core_milli, asked.memory_mib, self.clock() + self.ttl)
             try:
                 self._write_ledger(namespace, ledger, counting, deadline)
+                # what this replica saw stored under that name is gone: the entry is a new reservation
+                self.stored.get(namespace, {}).pop(key, None)
                 return Verdict(True)
             except LedgerConflict:
                 self.conflicts += 1

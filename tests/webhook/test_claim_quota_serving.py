@@ -247,3 +247,34 @@ def test_the_ledger_round_trip_through_the_fake_is_the_codec():
     api = FakeApi()
     guard(api)(review("a", 100))
     assert api.lease["metadata"]["annotations"][CLAIM_RESERVATIONS] == encode_ledger({"a": Reservation(100, 1024, 1030.0)})
+
+
+def test_a_claim_deleted_and_created_again_is_reserved_again_until_it_is_listed():
+    """The replica remembered "stored" by name: a claim deleted and created again under that name
+    was taken for stored at once, and a concurrent claim was admitted beside it past the quota
+    (600 + 600 against 1000)."""
+    api = FakeApi()  # core 1000
+    q = guard(api)
+    assert q(review("x", 600)) == Verdict(True)
+    api.claims.append(claim("x", 600))  # stored, and listed
+    assert not q(review("y", 600)).allowed  # refused: nothing written, the ledger keeps x
+    api.claims.clear()  # the tenant deletes x ...
+    assert q(review("x", 600)) == Verdict(True)  # ... and creates it again
+    refused = q(review("z", 600))  # before the new x is listed
+    assert not refused.allowed and "used 600 + requested 600 > hard 1000" in refused.message
+
+
+def test_another_replicas_reservation_under_a_name_seen_stored_counts():
+    """The same across replicas: A saw x stored; B admits x again (a new reservation, its own
+    stamp); A must count it until x is listed."""
+    api, now = FakeApi(), [1000.0]
+    a, b = guard(api, now), guard(api, now)
+    assert a(review("x", 600)) == Verdict(True)
+    api.claims.append(claim("x", 600))
+    assert not a(review("y", 600)).allowed  # A has now seen x stored
+    api.claims.clear()
+    now[0] += 1.0
+    assert b(review("x", 600)) == Verdict(True)
+    refused = a(review("z", 600))
+    assert not refused.allowed and "used 600 + requested 600 > hard 1000" in refused.message
+
