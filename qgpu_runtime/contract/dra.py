@@ -219,13 +219,18 @@ def _slice_card(device: Any) -> SliceCard:
 
 def read_slice(slice_: Any) -> SliceCards | None:
     """The cards of one of qgpu's ResourceSlices (:func:`slice_device` wrote its devices); None for
-    another driver's slice or one without a node.
+    another driver's slice, one without a node, or one whose pool is not its node's
+    (:func:`pool_name`): claims allocated from a slice are placed by their results' pool, so a
+    node publishing another node's pool name would have its allocations booked on that node.
 
     A slice is written by its node, so it is read as a node's inventory is: a device whose index or
     memory is missing or out of bounds is left out (``dropped`` says why), never the whole slice.
     Whether repeated indices or too many devices leave the node out is the reader's call."""
     spec = slice_.get("spec") if isinstance(slice_, dict) else None
     if not isinstance(spec, dict) or spec.get("driver") != DRIVER or not spec.get("nodeName"):
+        return None
+    pool = spec.get("pool")
+    if not isinstance(pool, dict) or pool.get("name") != pool_name(str(spec["nodeName"])):
         return None
     cards: list[SliceCard] = []
     dropped: list[str] = []

@@ -301,6 +301,24 @@ def claim_shares(claim: dict[str, Any], node: str) -> list[ClaimShare]:
     return shares
 
 
+def allocated_node(claim: Mapping[str, Any]) -> str | None:
+    """The node kube-scheduler allocated the claim for, read from ``status.allocation.nodeSelector``
+    (one term, ``matchFields`` ``metadata.name`` ``In`` one node: what it writes for node-local
+    devices); None when the selector says anything else or is absent."""
+    selector = (((claim.get("status") or {}).get("allocation") or {}).get("nodeSelector")) or {}
+    terms = selector.get("nodeSelectorTerms") if isinstance(selector, dict) else None
+    if not isinstance(terms, list) or len(terms) != 1 or not isinstance(terms[0], dict):
+        return None
+    fields = terms[0].get("matchFields")
+    if terms[0].get("matchExpressions") or not isinstance(fields, list) or len(fields) != 1 or not isinstance(fields[0], dict):
+        return None
+    field_ = fields[0]
+    values = field_.get("values")
+    if field_.get("key") != "metadata.name" or field_.get("operator") != "In" or not isinstance(values, list) or len(values) != 1:
+        return None
+    return str(values[0])
+
+
 def allocated_pools(claim: Mapping[str, Any]) -> list[str]:
     """The pools (one per node) that hold qgpu results of the claim's allocation, sorted."""
     results = ((((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results")) or []

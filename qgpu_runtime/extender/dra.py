@@ -35,8 +35,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 import numpy as np
 
-from qgpu_runtime.contract.dra import consumed_core, consumed_memory, read_slice
-from qgpu_runtime.contract.draclaim import DraClaimError, allocated_pools, describe, pool_shares, spec_requests
+from qgpu_runtime.contract.dra import consumed_core, consumed_memory, pool_name, read_slice
+from qgpu_runtime.contract.draclaim import DraClaimError, allocated_node, allocated_pools, describe, pool_shares, spec_requests
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
@@ -110,9 +110,14 @@ def slice_cards(slice_: Mapping[str, Any]) -> tuple[str, list[tuple[str, CardSpe
 
 def claim_usage(claim: Mapping[str, Any]) -> list[Usage]:
     """What an allocated claim consumes on qgpu's devices ([] when unallocated or not qgpu's);
-    a pool whose results do not decode (contract.draclaim.claim_shares refuses them) counts as nothing."""
+    a pool whose results do not decode (contract.draclaim.claim_shares refuses them) counts as nothing,
+    and so does one that is not the node kube-scheduler allocated the claim for (a node's slice can
+    name any pool; booked by pool alone, a node's allocations would fill another node's cards)."""
     out: list[Usage] = []
+    node = allocated_node(claim)
     for pool in allocated_pools(claim):  # a pool is a node
+        if node is not None and pool != pool_name(node):
+            continue
         try:
             shares = pool_shares(claim, pool)
         except DraClaimError:

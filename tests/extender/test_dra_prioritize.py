@@ -98,6 +98,35 @@ def test_usage_is_the_consumed_capacity_of_qgpu_results() -> None:
     assert [(u.node, u.device, u.core, u.memory) for u in claim_usage(doc)] == [("node-a", "gpu-1", 250, 4096)]
 
 
+def _on_node(doc: dict[str, Any], node: str) -> dict[str, Any]:
+    """The nodeSelector kube-scheduler writes into an allocation of node-local devices."""
+    doc["status"]["allocation"]["nodeSelector"] = {"nodeSelectorTerms": [
+        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]}
+    return doc
+
+
+def test_a_node_naming_another_nodes_pool_cannot_fill_that_nodes_cards() -> None:
+    """A compromised node-a publishes its slice with pool "node-b". Claims kube-scheduler allocates
+    on node-a then carry pool "node-b"; booked by pool, node-b looked full (scored 0) and node-a
+    empty. The slice is not read (its pool is not its node's) and the results, allocated for
+    node-a, are not booked on node-b."""
+    hostile = rslice("node-a")
+    hostile["spec"]["pool"]["name"] = "node-b"
+    v = DraView()
+    v.replace_slices([hostile, rslice("node-b")])
+    v.replace_templates([])
+    v.replace_claims([_on_node(claim(f"c{i}", core=1000, memory=16384, allocated=[("node-b", f"gpu-{i}", 1000, 16384)]), "node-a")
+                      for i in range(4)])
+    state = v.state()
+    assert "node-a" not in state.index  # its slice is left out: it scores 0
+    row = state.index["node-b"]
+    assert state.core_free[row].tolist() == [1000] * 4 and state.pods[row].tolist() == [0] * 4
+    assert claim_usage(_on_node(claim("x", allocated=[("node-b", "gpu-0", 250, 4096)]), "node-a")) == []
+    # an allocation really on node-b is booked there
+    honest = _on_node(claim("real", core=500, memory=8192, allocated=[("node-b", "gpu-0", 500, 8192)]), "node-b")
+    assert [(u.node, u.device) for u in claim_usage(honest)] == [("node-b", "gpu-0")]
+
+
 def test_demand_comes_from_named_claims_and_templates() -> None:
     v = view("node-a")
     v.apply_claim("ADDED", claim("mine", core=300, memory=2048))
