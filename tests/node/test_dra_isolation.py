@@ -23,7 +23,7 @@ from podfactory import pod as dp_pod
 from podfactory import write_pods
 
 from qgpu_runtime.contract import draclaim
-from qgpu_runtime.contract.dra import DRIVER
+from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.signals import SignalActuator
@@ -102,7 +102,7 @@ class DraWorld:
         prepared by the plugin; returns its UID."""
         uid = str(uuidlib.uuid5(uuidlib.NAMESPACE_DNS, f"claim/{NS}/{name}"))
         obj = {"metadata": {"namespace": NS, "name": name, "uid": uid},
-               "spec": {"devices": {"requests": [{"name": "gpu"}]}},
+               "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": SHARED_CLASS}}]}},
                "status": {"allocation": {"devices": {"results": [
                    {"request": "gpu", "driver": DRIVER, "pool": NODE, "device": f"gpu-{card}",
                     "consumedCapacity": {"core": str(core), "memory": str(max(memory_mib, 1024)), "pods": "1"}}]}},

@@ -325,6 +325,21 @@ def test_an_all_request_is_refused_more_cards_than_the_quota_charged_it(root, cl
         store.close()
 
 
+def test_a_request_of_another_deviceclass_given_qgpus_cards_is_refused(root, claims):
+    """A DeviceClass other than qgpu's whose selector matches qgpu's cards (an admin's catch-all):
+    the quota charges only qgpu's classes, so its claims were prepared for nothing."""
+    preparer, store = _whole_node(root, claims, 2)
+    try:
+        other = {"name": "gpus", "exactly": {"deviceClassName": "any-gpu.example.com", "allocationMode": "ExactCount", "count": 2}}
+        claims.add(_asking(claim("uid-1", results=_whole_cards("gpus", range(2))), other))
+        with pytest.raises(ClaimRefused, match="request 'gpus' was allocated qgpu's devices but does not ask one of qgpu's "
+                                               r"DeviceClasses \(shared.gpu.qgpu.io, whole.gpu.qgpu.io\)"):
+            preparer.prepare("team-a", "uid-1", "train")
+        assert store.shares() == []
+    finally:
+        store.close()
+
+
 def test_a_request_given_more_devices_than_its_count_is_refused(root, claims):
     preparer, store = _whole_node(root, claims, 2)
     try:

@@ -25,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol, Sequence
 
+from qgpu_runtime.contract.dra import QGPU_CLASSES
 from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, claim_requests, claim_share_settings, claim_shares
 from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
@@ -123,8 +124,15 @@ class ClaimPreparer:
         pod may take, and kube-scheduler's allocator gives it every matching card of the node, so
         on a node of more cards it would get more than was paid for."""
         asks = {ask.name: ask for request in claim_requests(claim) for ask in request.alternatives}
+        listed = bool(((claim.get("spec") or {}).get("devices") or {}).get("requests"))
         for name, given in sorted(Counter(s.request for s in shares).items()):
             ask = asks.get(name)
+            if ask is None and listed:
+                # a DeviceClass other than qgpu's whose selector matches qgpu's cards: the quota
+                # charges only qgpu's classes, so its request would be granted cards for nothing
+                raise ClaimRefused(f"{where}: request {name!r} was allocated qgpu's devices but does not ask one of "
+                                   f"qgpu's DeviceClasses ({', '.join(sorted(QGPU_CLASSES))}), which the namespace's "
+                                   "GPU quota charges: not preparing it")
             if ask is None or given <= ask.charged_cards:
                 continue
             if ask.count is None:
