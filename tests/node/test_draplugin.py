@@ -63,8 +63,22 @@ def claim(uid: str, name: str = "train", namespace: str = "team-a", results: lis
                     "consumedCapacity": {"core": "300", "memory": "4096", "pods": "1"}, "shareID": f"share-{uid}"}]
     return {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
             "metadata": {"namespace": namespace, "name": name, "uid": uid},
-            "spec": {"devices": {"requests": []}},
+            "spec": {"devices": {"requests": _requests_of(results)}},
             "status": {"allocation": {"devices": {"results": results}}}}
+
+
+def _requests_of(results: list[dict]) -> list[dict]:
+    """The spec a claim with these results was allocated from: per request name, as many devices of
+    qgpu's shared class as it was given (``parent/sub``: a prioritized list's subrequest)."""
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[str(r.get("request") or "")] = counts.get(str(r.get("request") or ""), 0) + 1
+    out = []
+    for name, n in counts.items():
+        parent, _, sub = name.partition("/")
+        exactly = {"deviceClassName": dra.SHARED_CLASS, "allocationMode": "ExactCount", "count": n}
+        out.append({"name": parent, "firstAvailable": [{"name": sub, **exactly}]} if sub else {"name": name, "exactly": exactly})
+    return out
 
 
 class Plugin:

@@ -124,16 +124,15 @@ class ClaimPreparer:
         pod may take, and kube-scheduler's allocator gives it every matching card of the node, so
         on a node of more cards it would get more than was paid for."""
         asks = {ask.name: ask for request in claim_requests(claim) for ask in request.alternatives}
-        listed = bool(((claim.get("spec") or {}).get("devices") or {}).get("requests"))
         for name, given in sorted(Counter(s.request for s in shares).items()):
             ask = asks.get(name)
-            if ask is None and listed:
+            if ask is None:
                 # a DeviceClass other than qgpu's whose selector matches qgpu's cards: the quota
                 # charges only qgpu's classes, so its request would be granted cards for nothing
                 raise ClaimRefused(f"{where}: request {name!r} was allocated qgpu's devices but does not ask one of "
                                    f"qgpu's DeviceClasses ({', '.join(sorted(QGPU_CLASSES))}), which the namespace's "
                                    "GPU quota charges: not preparing it")
-            if ask is None or given <= ask.charged_cards:
+            if given <= ask.charged_cards:
                 continue
             if ask.count is None:
                 raise ClaimRefused(
