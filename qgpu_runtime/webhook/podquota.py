@@ -92,6 +92,13 @@ def _asks_gpu(container: Mapping[str, Any]) -> bool:
     return any(k in GPU_RESOURCES or k.startswith(QGPU_PREFIX) for k in names)
 
 
+def _moved_onto_a_claim(container: Mapping[str, Any]) -> bool:
+    """A container that uses a claim and asks no GPU resource: what /mutate-dra leaves of a KAI
+    share (a container the webhook did not convert, as while it was down, keeps its charge)."""
+    resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
+    return bool(resources.get("claims")) and not _asks_gpu(container)
+
+
 # Resources whose value counts a container's cards, and those counting percents of one card's
 # compute (100 a card): what a pod the parser refuses still declares of its size.
 _CARD_COUNTS = frozenset({NVIDIA_GPU, T9K_GPU})
@@ -164,7 +171,7 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
     for container in request.containers:
         if claims_nvidia and container.dialect is Dialect.NVIDIA:
             continue  # kube-scheduler's extended-resource claim carries it, and is charged as a claim
-        if claims_nvidia and container.dialect is Dialect.KAI and not _asks_gpu(raw.get(container.name, {})):
+        if claims_nvidia and container.dialect is Dialect.KAI and _moved_onto_a_claim(raw.get(container.name, {})):
             # /mutate-dra put KAI's annotated share on a claim (charged as a claim) and took the
             # container's nvidia.com/gpu away: without a GPU resource no device plugin grants it a
             # card, so the annotation alone holds nothing (charged here too, it counted twice)

@@ -122,6 +122,10 @@ def test_in_a_dra_namespace_a_kai_share_moved_onto_a_claim_is_charged_as_the_cla
     container["resources"] = {"claims": [{"name": "qgpu-0"}]}
     converted["spec"]["resourceClaims"] = [{"name": "qgpu-0", "resourceClaimTemplateName": "qgpu-kai"}]
     assert pod_usage(converted, dra_namespace=True) == Usage()
+    # one the webhook did not convert (no claim, as while it was down) keeps its charge
+    bare = kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
+    bare["spec"]["containers"][0]["resources"] = {}
+    assert pod_usage(bare, dra_namespace=True) == pod_usage(bare) != Usage()
     # a KAI container that still asks nvidia.com/gpu can take cards from a device plugin: charged
     unconverted = kai_pod({"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2"})
     charged = pod_usage(unconverted)
