@@ -72,7 +72,7 @@ def test_many_concurrent_runs_never_overbook_a_card(db, tmp_path):
 
 
 def test_a_job_that_does_not_fit_now_fails_with_the_reason(db):
-    first = qgpu("run", "--dbfile", str(db), *SIM, "--core", "200", "--", "sleep", "5")
+    first = qgpu("run", "--dbfile", str(db), *SIM, "--core", "200", "--", "sleep", "300")  # held until the SIGTERM below, however slow the machine
     wait_for(lambda: job_pgids(db))
     done = qgpu_done("run", "--dbfile", str(db), "--core", "30", "--memory", "5", "--", "true")
     assert done.returncode == 75
@@ -138,7 +138,7 @@ def test_wait_starts_the_job_once_room_is_released(db, tmp_path):
 
 def test_wait_timeout_gives_up_with_the_reason(db):
     first = qgpu("run", "--dbfile", str(db), "--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G",
-                 "--core", "80", "--memory", "8", "--", "sleep", "5")
+                 "--core", "80", "--memory", "8", "--", "sleep", "300")  # until the SIGTERM below
     wait_for(lambda: job_pgids(db))
     done = qgpu_done("run", "--dbfile", str(db), "--core", "80", "--memory", "8", "--wait", "--wait-timeout", "0.5", "--", "true")
     assert done.returncode == 75 and "still does not fit" in done.stderr
