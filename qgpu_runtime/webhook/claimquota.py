@@ -90,7 +90,7 @@ def _charge(ask: DeviceAsk, default_memory_mib: int) -> Usage:
     count = ask.charged_cards
     # what the allocator consumes, not the figure asked: the slices' requestPolicy rounds a request
     # up to its step and minimum (core 10, memory whole GiB from 1 GiB), so {core: 1, memory: 1}
-    # takes 10 and 1024; charged as asked, a hundred of them took ten times the core quota
+    # takes 10 and 1024; charged as asked, a 1,000-core quota admitted a thousand of them (10,000 core)
     # (never less than asked: a request above a whole card, which no card can take, keeps its figure)
     core = CORE_MILLI_PER_CARD if ask.core is None else max(ask.core, consumed_core(ask.core))
     memory = default_memory_mib if ask.memory is None else max(ask.memory, consumed_memory(ask.memory))
