@@ -107,26 +107,80 @@ def decide(cluster: Cluster, tmp_path: Path, choice: str) -> tuple[Run, bool | N
     return run, (json.loads(out.read_text()) if out.exists() else None)
 
 
-def test_auto_follows_the_crd_and_always_refuses_a_cluster_without_it(cluster: Cluster, tmp_path: Path) -> None:
+def crd_gone(extensions: client.ApiextensionsV1Api) -> bool:
+    try:
+        extensions.read_custom_resource_definition(CRD_NAME)
+    except ApiException as exc:
+        if exc.status == 404:
+            return True
+        raise
+    return False
+
+
+def delete_service_monitor_crd(cluster: Cluster) -> None:
+    """Delete the CRD and wait until it is gone: deletion is asynchronous, and a CRD left
+    terminating refuses the ServiceMonitor of the next module on this worker's cluster."""
     extensions = client.ApiextensionsV1Api(cluster.api_client)
+    try:
+        extensions.delete_custom_resource_definition(CRD_NAME)
+    except ApiException as exc:
+        if exc.status != 404:
+            raise
+    wait_for(f"the CRD {CRD_NAME} gone", lambda: crd_gone(extensions) or None, timeout=60, interval=0.5)
+
+
+def create_service_monitor_crd(cluster: Cluster) -> None:
+    extensions = client.ApiextensionsV1Api(cluster.api_client)
+    extensions.create_custom_resource_definition(service_monitor_crd())
+    wait_for("the CRD established", lambda: any(
+        c.type == "Established" and c.status == "True"
+        for c in (extensions.read_custom_resource_definition(CRD_NAME).status.conditions or [])) or None, timeout=30)
+
+
+def test_auto_follows_the_crd_and_always_refuses_a_cluster_without_it(cluster: Cluster, tmp_path: Path) -> None:
     run, decision = decide(cluster, tmp_path, "auto")
     assert run.returncode == 0, run.output[-3000:]
     assert decision is False
     run, decision = decide(cluster, tmp_path, "always")
     assert run.returncode != 0 and decision is None
     assert f"no CustomResourceDefinition {CRD_NAME}" in " ".join(run.output.split()), run.output[-3000:]
-    extensions.create_custom_resource_definition(service_monitor_crd())
+    create_service_monitor_crd(cluster)
     try:
-        wait_for("the CRD established", lambda: any(
-            c.type == "Established" and c.status == "True"
-            for c in (extensions.read_custom_resource_definition(CRD_NAME).status.conditions or [])) or None, timeout=30)
         for choice, expected in (("auto", True), ("always", True), ("never", False)):
             run, decision = decide(cluster, tmp_path, choice)
             assert run.returncode == 0, run.output[-3000:]
             assert decision is expected, choice
     finally:
+        delete_service_monitor_crd(cluster)
+
+
+def test_a_crd_being_deleted_is_absent_for_auto_and_refused_by_always(cluster: Cluster, tmp_path: Path) -> None:
+    """The Prometheus Operator being uninstalled: its CRD waits for its objects to go, and the
+    apiserver refuses every new ServiceMonitor meanwhile (CI met this: 'create not allowed while
+    custom resource definition is terminating' stopped a rollout). A ServiceMonitor holding a
+    finalizer keeps the CRD in that state for as long as the test needs."""
+    create_service_monitor_crd(cluster)
+    objects = client.CustomObjectsApi(cluster.api_client)
+    held = {"apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+            "metadata": {"name": "held", "namespace": "default", "finalizers": ["qgpu.test/held"]}, "spec": {}}
+    objects.create_namespaced_custom_object("monitoring.coreos.com", "v1", "default", "servicemonitors", held)
+    extensions = client.ApiextensionsV1Api(cluster.api_client)
+    try:
+        extensions.delete_custom_resource_definition(CRD_NAME)
+        wait_for("the CRD terminating", lambda: extensions.read_custom_resource_definition(CRD_NAME)
+                 .metadata.deletion_timestamp or None, timeout=30)
+        run, decision = decide(cluster, tmp_path, "auto")
+        assert run.returncode == 0, run.output[-3000:]
+        assert decision is False  # scrape annotations, the apply goes through
+        run, decision = decide(cluster, tmp_path, "always")
+        assert run.returncode != 0 and decision is None
+        said = " ".join(run.output.split())
+        assert f"the CustomResourceDefinition {CRD_NAME} is being deleted" in said, run.output[-3000:]
+    finally:
         try:
-            extensions.delete_custom_resource_definition(CRD_NAME)
+            objects.patch_namespaced_custom_object("monitoring.coreos.com", "v1", "default", "servicemonitors", "held",
+                                                   {"metadata": {"finalizers": None}})
         except ApiException as exc:
             if exc.status != 404:
                 raise
+        delete_service_monitor_crd(cluster)
