@@ -35,7 +35,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from prometheus_client.parser import text_string_to_metric_families
-from test_manager_observability import CRD_NAME, service_monitor_crd
+from test_manager_observability import delete_service_monitor_crd, service_monitor_crd
 
 from qgpu_runtime.contract.names import RETIRED_FROM
 from qgpu_runtime.contract.record import ALLOCATION
@@ -168,19 +168,25 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     wait_for("the ServiceMonitor CRD served", lambda: service_monitors_served(cluster) or None, timeout=30, interval=0.5)
     write_inventory(work / "inventory", cluster, work / "root", pools)
     first = run_kube_plays(work / "inventory")
-    assert first.returncode == 0, first.output[-6000:]
+    if first.returncode != 0:  # what a failed install applied must not reach the next module on this cluster
+        ansible_playbook("-i", str(work / "inventory"), "playbooks/teardown.yml")
+        delete_webhook_configurations(cluster)
+        delete_service_monitor_crd(cluster)
+        pytest.fail(first.output[-6000:])
     site = Site(cluster, work / "inventory", work / "root", pools, first)
     yield site
     teardown = ansible_playbook("-i", str(site.inventory), "playbooks/teardown.yml")
     xgn_policy = [{"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": "qgpu-xgn-taint"}}
                   for kind in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")]
-    left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy if live_object(cluster, d)]
-    left += [f"Node/{n}: {k}" for names in pools.values() for n in names
-             for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
-    left += [f"Namespace/{NAMESPACE}: {k}" for k in cluster.api.read_namespace(NAMESPACE).metadata.annotations or {}
-             if k in RETIRED_FROM]  # the next install searches kube-system again
-    delete_webhook_configurations(cluster)
-    extensions.delete_custom_resource_definition(CRD_NAME)
+    try:
+        left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy if live_object(cluster, d)]
+        left += [f"Node/{n}: {k}" for names in pools.values() for n in names
+                 for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
+        left += [f"Namespace/{NAMESPACE}: {k}" for k in cluster.api.read_namespace(NAMESPACE).metadata.annotations or {}
+                 if k in RETIRED_FROM]  # the next install searches kube-system again
+    finally:
+        delete_webhook_configurations(cluster)
+        delete_service_monitor_crd(cluster)
     assert teardown.returncode == 0, teardown.output[-4000:]
     # the apiserver unloads the deleted taint policy asynchronously: later modules must not meet it
     wait_for("the xgn taint policy unloaded", lambda: not xgn_taint_policy_active(cluster.api) or None, timeout=60, interval=1.0)
