@@ -6,12 +6,15 @@ import copy
 import json
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 import yaml
 from kubernetes import client
+from kubernetes.client.rest import ApiException
 
+from qgpu_runtime.contract.dra import device_classes
 from qgpu_runtime.contract.inventory import CARDS, cards_annotation
 from qgpu_runtime.contract.record import ALLOCATION, AllocationRecord, parse_record
 from qgpu_runtime.model.requests import GPU_RESOURCES
@@ -184,3 +187,27 @@ def scheduling_failure(api: client.CoreV1Api, namespace: str, name: str, contain
         return wait_for(f"a FailedScheduling event of {namespace}/{name} saying {containing!r}", probe, timeout)
     except AssertionError as exc:
         raise AssertionError(f"{exc}; FailedScheduling messages: {seen}") from None
+
+
+@contextmanager
+def qgpu_device_classes(resource: client.ResourceV1Api) -> Iterator[list[str]]:
+    """qgpu's DeviceClasses for the length of the block: those this block created are deleted at
+    its end (the whole-card class maps nvidia.com/gpu, which a later module's device-plugin pods
+    ask for; kube-scheduler would hold them for a DRA device that no node publishes)."""
+    created: list[str] = []
+    try:
+        for doc in device_classes():
+            try:
+                resource.create_device_class(doc, _preload_content=False)
+                created.append(doc["metadata"]["name"])
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+        yield created
+    finally:
+        for name in created:
+            try:
+                resource.delete_device_class(name, _preload_content=False)
+            except ApiException as exc:
+                if exc.status != 404:
+                    raise

@@ -15,24 +15,14 @@ from typing import Any, Iterator
 
 import pytest
 from kubernetes import client
-from kubernetes.client.rest import ApiException
 
-from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, device_classes, slice_device, slice_name
+from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, slice_device, slice_name
 from tests.k8s.controlplane import QgpuServer, extender_config, extender_server
-from tests.k8s.kubeobjects import PAUSE, cards, gpu_node, wait_for
+from tests.k8s.kubeobjects import PAUSE, cards, gpu_node, qgpu_device_classes, wait_for
 
 NODES = 3
 PODS = 6
 DRA_SCHEDULER = "qgpu-dra"
-
-
-def ensure_device_classes(resource: client.ResourceV1Api) -> None:
-    for doc in device_classes():
-        try:
-            resource.create_device_class(doc)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
 
 
 def publish_slice(resource: client.ResourceV1Api, node: str, n_cards: int = 4) -> None:
@@ -76,7 +66,8 @@ def dra_scheduler(cluster) -> Iterator[QgpuServer]:
     })
     try:
         cluster.cp.start_scheduler_from_file(config, name="kube-scheduler-dra")
-        yield extender
+        with qgpu_device_classes(client.ResourceV1Api(cluster.api_client)):
+            yield extender
     finally:
         cluster.cp.stop_scheduler("kube-scheduler-dra")
         extender.stop()
@@ -85,7 +76,6 @@ def dra_scheduler(cluster) -> Iterator[QgpuServer]:
 def place_one_by_one(cluster, ns: str, scheduler: str | None) -> list[str]:
     """Create PODS claim pods one after the other on fresh nodes; the node each was bound to."""
     resource = client.ResourceV1Api(cluster.api_client)
-    ensure_device_classes(resource)
     label = {"qgpu-test": uuid.uuid4().hex[:10]}
     for i in range(NODES):
         name = f"dra-{label['qgpu-test']}-{i}"
@@ -121,7 +111,6 @@ def test_a_nominated_claim_pod_binds_on_its_nominated_node_without_asking_priori
     kube-scheduler tries the nominated node first (KEP-1923), binds it there, and does not call
     the prioritize entry, which would have preferred the fuller node."""
     resource = client.ResourceV1Api(cluster.api_client)
-    ensure_device_classes(resource)
     label = {"qgpu-test": uuid.uuid4().hex[:10]}
     names = [f"dra-{label['qgpu-test']}-{i}" for i in range(2)]
     for name in names:

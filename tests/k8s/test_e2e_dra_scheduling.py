@@ -25,7 +25,7 @@ from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.node.dra.slices import SlicePublisher
 from qgpu_runtime.node.health import CardHealth
 from qgpu_runtime.node.kube_client import KubePodSource, KubeSlices
-from tests.k8s.kubeobjects import PAUSE, wait_for
+from tests.k8s.kubeobjects import PAUSE, qgpu_device_classes, wait_for
 from tests.k8s.nodemanager import bare_node
 
 GIB = 1024
@@ -47,17 +47,8 @@ def resource(cluster) -> Iterator[client.ResourceV1Api]:
     """The ResourceV1Api, with qgpu's DeviceClasses applied for this module only: the whole-card
     class maps nvidia.com/gpu, which other tests' pods ask the extender for."""
     api = client.ResourceV1Api(cluster.api_client)
-    created = []
-    for device_class in dra.device_classes():
-        try:
-            api.create_device_class(device_class, _preload_content=False)
-            created.append(device_class["metadata"]["name"])
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-    yield api
-    for name in created:
-        api.delete_device_class(name, _preload_content=False)
+    with qgpu_device_classes(api):
+        yield api
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.webhook.dra import TemplateError, convert
 from qgpu_runtime.webhook.templates import TemplateWriter
 from tests.k8s.controlplane import QgpuServer, free_port, kubeconfig
-from tests.k8s.kubeobjects import gpu_node, gpu_pod, read_pod
+from tests.k8s.kubeobjects import gpu_node, gpu_pod, qgpu_device_classes, read_pod
 from tests.polling import poll
 
 DRA_NAMESPACE = {GPU_MODE: GPU_MODE_DRA}
@@ -234,24 +234,19 @@ def pool(cluster, hook) -> Iterator[Pool]:
     gpu_node(cluster.api, node, [])
     # labelled as qgpu_node_pool labels a DRA pool: /mutate-dra pins nvidia.com/gpu pods to it
     cluster.api.patch_node(node, {"metadata": {"labels": {POOL_MODE_LABEL: "dra"}}, "spec": {"taints": [taint]}})
-    for device_class in dra.device_classes():
+    with qgpu_device_classes(hook.resource):  # deleted at the end: the whole-card class maps nvidia.com/gpu
+        cards = [CardInfo(index=i, uuid=f"GPU-{node}-{i}", model="Tesla T4", memory_mib=15360, minor=i) for i in range(4)]
+        hook.resource.create_resource_slice({
+            "apiVersion": dra.API_VERSION, "kind": "ResourceSlice", "metadata": {"name": dra.slice_name(node)},
+            "spec": {"driver": dra.DRIVER, "nodeName": node, "pool": {"name": dra.pool_name(node), "generation": 1, "resourceSliceCount": 1},
+                     "devices": [dra.slice_device(card, "fixed-share") for card in cards]}})
         try:
-            hook.resource.create_device_class(device_class)
-        except ApiException as exc:
-            if exc.status != 409:
-                raise
-    cards = [CardInfo(index=i, uuid=f"GPU-{node}-{i}", model="Tesla T4", memory_mib=15360, minor=i) for i in range(4)]
-    hook.resource.create_resource_slice({
-        "apiVersion": dra.API_VERSION, "kind": "ResourceSlice", "metadata": {"name": dra.slice_name(node)},
-        "spec": {"driver": dra.DRIVER, "nodeName": node, "pool": {"name": dra.pool_name(node), "generation": 1, "resourceSliceCount": 1},
-                 "devices": [dra.slice_device(card, "fixed-share") for card in cards]}})
-    try:
-        yield Pool(node, taint, hook.ns)
-    finally:
-        cp._stop_process("kcm-resourceclaim")
-        cp._stop_process("kube-scheduler-dra")
-        hook.resource.delete_resource_slice(dra.slice_name(node))
-        cluster.api.delete_node(node)
+            yield Pool(node, taint, hook.ns)
+        finally:
+            cp._stop_process("kcm-resourceclaim")
+            cp._stop_process("kube-scheduler-dra")
+            hook.resource.delete_resource_slice(dra.slice_name(node))
+            cluster.api.delete_node(node)
 
 
 def _place(hook: Hook, pool: Pool, name: str, resources: dict, annotations: dict | None = None) -> None:
