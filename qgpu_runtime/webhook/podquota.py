@@ -7,12 +7,14 @@ dialect: a pod is charged what the request model reads from it (model/requests.p
 of the claims, so a namespace's pods and ResourceClaims draw on the same quota.
 
 Per container: a share is charged its core (thousandths of a card) and memory (MiB) times its
-cards; whole cards (qGPU/vcuda multiples of 100, ``tensorstack.dev/nvidia-gpu``,
-``nvidia.com/gpu``) a thousand and ``default_memory_mib`` each, since a card's memory is not known
-before placement (as a claim naming no memory is charged); a T9k percent share that percent of
-``default_memory_mib``; the whole node (``tensorstack.dev/nvidia-gpu-node``) the most cards a node
-may have. Init containers may not ask for GPUs (the parser refuses them), so a pod's charge is the
-sum over its containers.
+cards, each at least the least share a card gives (``CORE_STEP`` core and ``min_shared_memory_mib``
+MiB, what a claim's share consumes at least): every share holds one of its card's pod slots, so a
+memory-only or 1 MiB share is neither free nor invisible to a core-only quota; whole cards
+(qGPU/vcuda multiples of 100, ``tensorstack.dev/nvidia-gpu``, ``nvidia.com/gpu``) a thousand and
+``default_memory_mib`` each, since a card's memory is not known before placement (as a claim
+naming no memory is charged); a T9k percent share that percent of ``default_memory_mib``; the
+whole node (``tensorstack.dev/nvidia-gpu-node``) the most cards a node may have. Init containers
+may not ask for GPUs (the parser refuses them), so a pod's charge is the sum over its containers.
 
 In a namespace whose GPU pods become DRA claims (label ``qgpu.io/gpu-mode=dra``), the webhook
 removes every dialect's resources from the pod except ``nvidia.com/gpu``, which kube-scheduler turns
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 from typing import Any, Final, Iterable, Mapping
 
+from qgpu_runtime.contract.dra import CORE_STEP
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN
 from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.model.requests import (
@@ -80,7 +83,12 @@ def _container_charge(c: ContainerRequest, default_memory_mib: int, limits: Card
     if c.exclusive:
         return Usage(c.cards * CORE_MILLI_PER_CARD, c.cards * default_memory_mib)
     memory = -(-default_memory_mib * c.memory_pct // 100) if c.memory_pct is not None else c.memory_mib
-    return Usage(c.cards * c.core_milli, c.cards * memory)
+    # At least the least share a card gives (as a claim is charged what the allocator consumes):
+    # a share holds one of its card's pod slots however little it names, so a memory-only or 1 MiB
+    # share (HAMi, KAI, T9k percent) is not nearly free, and a core-only quota still counts it.
+    core = max(c.core_milli, CORE_STEP)
+    memory = max(memory, limits.min_shared_memory_mib)
+    return Usage(c.cards * core, c.cards * memory)
 
 
 def _asks_gpu(container: Mapping[str, Any]) -> bool:

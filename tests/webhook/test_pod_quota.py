@@ -41,7 +41,7 @@ def review(name: str, resources: dict[str, Any], **extra: Any) -> dict:
     ({"tencent.com/vcuda-core": "100"}, Usage(1000, CARD)),
     ({"nvidia.com/gpu": "2"}, Usage(2000, 2 * CARD)),
     ({"tensorstack.dev/nvidia-gpu": "1"}, Usage(1000, CARD)),
-    ({"tensorstack.dev/nvidia-gpu-percent": "50"}, Usage(0, CARD // 2)),
+    ({"tensorstack.dev/nvidia-gpu-percent": "50"}, Usage(10, CARD // 2)),  # no core named: the least share's
     ({"tensorstack.dev/nvidia-gpu-node": "1"}, Usage(8000, 8 * CARD)),
     ({"cpu": "1"}, Usage()),
 ])
@@ -141,6 +141,30 @@ def test_pods_of_other_namespaces_and_the_pod_being_admitted_are_skipped():
     other["metadata"]["namespace"] = "elsewhere"
     listed = [other, pod("self", {"nvidia.com/gpu": "1"}), pod("b", {"nvidia.com/gpu": "1"})]
     assert pods_usage(listed, NS, skip="self") == Usage(1000, CARD)
+
+
+@pytest.mark.parametrize("shares", [
+    pod("p", {"nvidia.com/gpu": "8", "nvidia.com/gpumem": "1"}),  # HAMi: 1 MiB and no cores on 8 cards
+    kai_pod({"gpu-memory": "1", "gpu-fraction-num-devices": "8"}),  # KAI: 1 MiB on 8 cards
+    pod("p", {"tke.cloud.tencent.com/qgpu-core": "1", "tke.cloud.tencent.com/qgpu-memory": "1"}),
+], ids=["hami-1mib-x8", "kai-1mib-x8", "qgpu-1-1"])
+def test_a_share_is_charged_at_least_the_least_share_a_card_gives(shares):
+    """Each share holds one of its card's pod slots: eight 1 MiB shares with no core were charged 8
+    MiB and 0 core, so a 16 GiB quota let a tenant fill the slots of thousands of cards, and a
+    core-only quota none at all. Now at least what a claim's share consumes: 10 core, 1 GiB."""
+    cards = 1 if "tke.cloud.tencent.com/qgpu-core" in str(shares) else 8
+    assert pod_usage(shares) == Usage(cards * 10, cards * 1024)
+
+
+def test_memory_only_shares_are_stopped_by_a_core_only_quota():
+    """A namespace capped on gpu.qgpu.io/core alone, its 1000 core used: T9k percent and HAMi memory
+    shares, which name no core, are refused, where they used to be admitted without end."""
+    api = FakeApi(hard_core=1000, pods=[pod("full", {"nvidia.com/gpu": "1"})])
+    api.quotas = [{"metadata": {"name": "gpu"}, "spec": {"hard": {"gpu.qgpu.io/core": "1000"}}}]
+    for resources in ({"tensorstack.dev/nvidia-gpu-percent": "100"}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "1"}):
+        verdict = guard(api).check_pod(review("more", resources))
+        assert not verdict.allowed, resources
+        assert "gpu.qgpu.io/core used 1000 + requested 10 > hard 1000" in verdict.message
 
 
 def test_a_namespace_capped_in_one_dialect_cannot_take_cards_in_another():
