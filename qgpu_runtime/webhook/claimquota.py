@@ -157,6 +157,23 @@ def check_claim(claim: Mapping[str, Any], existing: Iterable[Mapping[str, Any]],
     return quota_refusals(namespace, asked, used, quotas)
 
 
+def claim_charges(claims: Iterable[Mapping[str, Any]], namespace: str,
+                  default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> dict[str, Usage]:
+    """What each listed claim of ``namespace`` asks, by name (as :func:`claims_usage` charges it):
+    a page of a LIST reduced to this before the next is read, so the claims' bodies are not held."""
+    charges: dict[str, Usage] = {}
+    for other in claims:
+        other_ns, other_name = _name(other)
+        if other_ns == namespace:
+            charges[other_name] = charges.get(other_name, Usage()) + claims_usage([other], namespace, None, default_memory_mib)
+    return charges
+
+
+def claim_name(claim: Mapping[str, Any]) -> str:
+    """The name a claim is skipped by among the namespace's claims (:func:`check_claim`)."""
+    return _name(claim)[1]
+
+
 def claims_usage(claims: Iterable[Mapping[str, Any]], namespace: str, skip: str | None = None,
                  default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib) -> Usage:
     """What the listed ``claims`` of ``namespace`` ask (others skipped, and the claim named ``skip``).

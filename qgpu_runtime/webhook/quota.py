@@ -2,9 +2,9 @@
 
 On a ResourceClaim or Pod CREATE in a namespace with a qgpu quota (``gpu.qgpu.io/core``,
 ``gpu.qgpu.io/memory``), :class:`ClaimQuota` lists the namespace's ResourceQuotas, ResourceClaims
-and Pods and judges the new object, counting as used the listed claims, every dialect's share
-of the listed pods, and the reservations of claims and pods admitted a moment ago that the lists do
-not show yet (webhook/ledger.py): one quota for every dialect, on device-plugin and DRA pools.
+and Pods (a page at a time, each reduced to its charges) and judges the new object, counting as
+used the listed claims, every dialect's share of the listed pods, and the reservations of claims
+and pods admitted a moment ago that the lists do not show yet (webhook/ledger.py): one quota for every dialect, on device-plugin and DRA pools.
 An admission is final only once its own reservation is written to the
 namespace's ledger Lease on the resourceVersion it was read at, so two admissions racing each other
 are serialised by the apiserver, in one webhook process or across replicas: the loser's write is a
@@ -24,13 +24,14 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Final, Iterator, Mapping
 
 from kubernetes import client
 
 from qgpu_runtime.contract.leases import LedgerError, Reservation, encode_ledger, ledger_name, parse_ledger
 from qgpu_runtime.contract.names import CLAIM_RESERVATIONS, GPU_MODE, GPU_MODE_DRA
 from qgpu_runtime.contract.observed import FirstSeen
+from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import raw_json
 from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, Unreachable, call
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
@@ -41,8 +42,9 @@ from qgpu_runtime.webhook.claimquota import (
     ClaimQuotaError,
     Usage,
     claim_admission,
+    claim_charges,
+    claim_name,
     claim_usage,
-    claims_usage,
     is_claim_create,
     new_claim,
     quota_refusals,
@@ -54,9 +56,42 @@ log = logging.getLogger(__name__)
 LABELS = {"app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}
 
 
-Judge = Callable[[list[dict[str, Any]], Usage, list[dict[str, Any]], Usage], tuple[bool, str]]
-"""(listed claims, what the listed pods and pending reservations use, quotas, what the object asks)
--> (allowed, message)."""
+Judge = Callable[[Mapping[str, Usage], Usage, list[dict[str, Any]], Usage], tuple[bool, str]]
+"""(what each listed claim asks, by name; what the listed pods and pending reservations use;
+quotas; what the object asks) -> (allowed, message)."""
+
+LIST_PAGE_ITEMS: Final = 100
+"""Objects asked per page of a namespace's LIST (``limit``): each page is reduced to its charges
+before the next is read, so a namespace's pods and claims are never held whole."""
+LIST_PAGE_BYTES: Final = 4 * 1024 * 1024
+"""The most of one page's body read: past it the page is asked again with a quarter of the items
+(an object may be near etcd's 1.5 MiB: 45,000 env entries in a pod that asks no GPU), down to
+one; a single object past it cannot be read, and the check is refused."""
+LIST_PAGES_AT_ONCE: Final = 4
+"""Pages read and decoded at once across namespaces: a decoded page weighs several times its
+body, and the webhook's memory limit is for every review it serves."""
+
+
+_reading = threading.BoundedSemaphore(LIST_PAGES_AT_ONCE)
+
+
+def read_capped(response: Any, cap: int) -> bytes | None:
+    """The body of a ``_preload_content=False`` response, or None (the connection closed, not
+    returned to the pool with the rest unread) once it runs past ``cap`` bytes."""
+    chunks: list[bytes] = []
+    total = 0
+    try:
+        while True:
+            chunk = response.read(64 * 1024)
+            if not chunk:
+                return b"".join(chunks)
+            total += len(chunk)
+            if total > cap:
+                response.close()
+                return None
+            chunks.append(chunk)
+    finally:
+        response.release_conn()
 
 
 class QuotaUnavailable(Exception):
@@ -160,8 +195,11 @@ class ClaimQuota:
         def asked_of(_dra_namespace: bool) -> Usage:
             return claim_usage(claim, self.default_memory_mib)
 
-        def judge(claims: list[dict[str, Any]], others: Usage, quotas: list[dict[str, Any]], _asked: Usage) -> tuple[bool, str]:
-            return claim_admission(request, claims, quotas, self.default_memory_mib, others)
+        own = claim_name(claim)
+
+        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], _asked: Usage) -> tuple[bool, str]:
+            used = sum((u for name, u in charges.items() if name != own), others)
+            return claim_admission(request, [], quotas, self.default_memory_mib, used)
 
         return self._guard("ResourceClaim", namespace, key, request, asked_of, judge)
 
@@ -182,9 +220,9 @@ class ClaimQuota:
         def asked_of(dra_namespace: bool) -> Usage:
             return pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=self.default_memory_mib, limits=self.limits)
 
-        def judge(claims: list[dict[str, Any]], others: Usage, quotas: list[dict[str, Any]], asked: Usage) -> tuple[bool, str]:
+        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], asked: Usage) -> tuple[bool, str]:
             try:
-                refusals = quota_refusals(namespace, asked, others + claims_usage(claims, namespace, None, self.default_memory_mib), quotas)
+                refusals = quota_refusals(namespace, asked, sum(charges.values(), others), quotas)
             except ClaimQuotaError as exc:
                 return False, f"qgpu: {exc}"
             return (False, "qgpu: " + "; ".join(r.message(name, "Pod") for r in refusals)) if refusals else (True, "")
@@ -250,19 +288,24 @@ class ClaimQuota:
         attempt = 0
         while True:
             ledger = self._read_ledger(namespace, deadline)
-            claims = self._list("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline,
-                                api_may_be_absent=True)
+            charges: dict[str, Usage] = {}
+            visible: set[str] = set()
+            for page in self._pages("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline,
+                                    api_may_be_absent=True):
+                visible |= {str((c.get("metadata") or {}).get("name")) for c in page}
+                for name, used in claim_charges(page, namespace, self.default_memory_mib).items():
+                    charges[name] = charges.get(name, Usage()) + used
             # every pod, finished ones too: a pod stored is no longer a pending reservation, whatever its phase
-            pods = self._list("Pods", self.core.list_namespaced_pod, namespace, deadline)
-            visible = {str((c.get("metadata") or {}).get("name")) for c in claims}
-            visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in pods}
+            skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
+            pods_used = Usage()
+            for page in self._pages("Pods", self.core.list_namespaced_pod, namespace, deadline):
+                visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in page}
+                pods_used += pods_usage(page, namespace, skip=skip, dra_namespace=dra_namespace,
+                                        default_memory_mib=self.default_memory_mib, limits=self.limits)
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
             counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))
             counting.pop(key, None)  # a retried CREATE of the same object is not charged twice
-            skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
-            pods_used = pods_usage(pods, namespace, skip=skip, dra_namespace=dra_namespace,
-                                   default_memory_mib=self.default_memory_mib, limits=self.limits)
-            allowed, message = judge(claims, pods_used + reserved_usage(counting), quotas, asked)
+            allowed, message = judge(charges, pods_used + reserved_usage(counting), quotas, asked)
             if not allowed:
                 return Verdict(False, message)
             if request.get("dryRun") is True:
@@ -317,6 +360,53 @@ class ClaimQuota:
                 raise
         found = self._call(f"listing {kind} of namespace {namespace!r}", attempt, deadline)
         return [i for i in found.get("items") or [] if isinstance(i, dict)]
+
+    def _pages(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float, *,
+               api_may_be_absent: bool = False) -> Iterator[list[dict[str, Any]]]:
+        """The namespace's objects of ``kind``, a page at a time (one consistent snapshot: the
+        continue token pins the first page's resourceVersion). The caller reduces each page before
+        asking for the next; at most :data:`LIST_PAGES_AT_ONCE` pages are held across namespaces.
+        ``api_may_be_absent``: a 404 means the apiserver does not serve the kind (resource.k8s.io/v1
+        before Kubernetes 1.34), so none exist."""
+        token: str | None = None
+        limit = LIST_PAGE_ITEMS
+        what = f"listing {kind} of namespace {namespace!r}"
+        while True:
+            def attempt(timeout: tuple[float, float], limit: int = limit, token: str | None = token) -> bytes | None:
+                try:
+                    response = call(list_call, namespace, limit=limit, _continue=token, _preload_content=False,
+                                    _request_timeout=timeout)
+                except NotFound:
+                    if api_may_be_absent:
+                        return b"{}"
+                    raise
+                return read_capped(response, LIST_PAGE_BYTES)
+
+            if not _reading.acquire(timeout=max(0.0, deadline - self.monotonic())):
+                raise QuotaUnavailable(f"{what}: other namespaces' lists took the {self.budget:g}s budget")
+            try:
+                body = self._call(what, attempt, deadline)
+                if body is None:
+                    if limit == 1:
+                        raise QuotaUnavailable(f"{what}: one object's body is larger than {LIST_PAGE_BYTES} bytes")
+                    limit = max(1, limit // 4)
+                    continue
+                try:
+                    found = apijson.loads(body)
+                except ValueError as exc:
+                    raise QuotaUnavailable(f"{what}: the apiserver's answer is not JSON: {exc}") from None
+                del body
+                items = found.get("items") if isinstance(found, dict) else None
+                page = [i for i in items or [] if isinstance(i, dict)]
+                metadata = found.get("metadata") if isinstance(found, dict) else None
+                token = metadata.get("continue") if isinstance(metadata, dict) else None
+                token = token if isinstance(token, str) and token else None
+                del found
+            finally:
+                _reading.release()
+            yield page
+            if not token:
+                return
 
     def _read_ledger(self, namespace: str, deadline: float) -> Ledger:
         name = ledger_name(namespace)

@@ -13,6 +13,7 @@ import base64
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -21,6 +22,7 @@ from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
+from qgpu_runtime.webhook.quota import LIST_PAGE_ITEMS
 from tests.k8s.controlplane import QgpuServer, free_port
 from tests.k8s.kubeobjects import gpu_pod
 from tests.k8s.test_e2e_claimquota_webhook import _race
@@ -130,6 +132,19 @@ def test_a_deleted_or_finished_pod_gives_its_share_back(hook):
     hook.create(ns, "second", {"nvidia.com/gpu": 1})
     hook.cluster.api.patch_namespaced_pod_status("second", ns, {"status": {"phase": "Succeeded"}})
     hook.create(ns, "third", {"nvidia.com/gpu": 1})
+
+
+def test_a_namespace_past_one_page_is_charged_whole(hook):
+    """The check lists a namespace LIST_PAGE_ITEMS pods at a time through the apiserver's continue
+    tokens: 105 shares of 1 GiB over two pages, each counted."""
+    ns = hook.namespace(quota_core=100_000, quota_memory=106 * 1024)
+    share = {"tke.cloud.tencent.com/qgpu-core": 1, "tke.cloud.tencent.com/qgpu-memory": 1}
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda i: hook.create(ns, f"s{i}", share), range(105)))
+    assert LIST_PAGE_ITEMS < 105
+    assert "gpu.qgpu.io/memory used 107520 + requested 2048 > hard 108544" in hook.refusal(
+        ns, "big", {"tke.cloud.tencent.com/qgpu-core": 1, "tke.cloud.tencent.com/qgpu-memory": 2})
+    hook.create(ns, "last", share)
 
 
 def _creator(hook: Hook, ns: str, limits: Callable[[int], dict[str, Any]], refusals: list[str]) -> Callable[[int], bool]:

@@ -4,6 +4,7 @@ The same against the real kube-apiserver: tests/k8s/test_e2e_claimquota_webhook.
 
 from __future__ import annotations
 
+import io
 import json
 from typing import Any
 
@@ -21,14 +22,28 @@ NS = "team-a"
 
 
 class Response:
+    """A ``_preload_content=False`` answer: read in chunks, closed or released as urllib3's."""
+
     def __init__(self, doc: Any):
         self.data = json.dumps(doc).encode()
+        self.body = io.BytesIO(self.data)
+        self.closed = False
 
-    def read(self) -> bytes:
-        return self.data
+    def read(self, amt: int | None = None) -> bytes:
+        return self.body.read(amt)
+
+    def close(self) -> None:
+        self.closed = True
 
     def release_conn(self) -> None:
         pass
+
+
+def page(items: list, limit: int | None = None, _continue: str | None = None, **_: Any) -> Response:
+    """One page of a LIST as the apiserver pages it: ``limit`` items from the ``continue`` token."""
+    start = int(_continue or 0)
+    end = len(items) if limit is None else min(len(items), start + limit)
+    return Response({"items": items[start:end], "metadata": {"continue": str(end) if end < len(items) else ""}})
 
 
 def claim(name: str, core: int) -> dict:
@@ -67,13 +82,13 @@ class FakeApi:
         self._call("quotas")
         return Response({"items": self.quotas})
 
-    def list_namespaced_resource_claim(self, ns, **_):
+    def list_namespaced_resource_claim(self, ns, **kwargs):
         self._call("claims")
-        return Response({"items": self.claims})
+        return page(self.claims, **kwargs)
 
-    def list_namespaced_pod(self, ns, **_):
+    def list_namespaced_pod(self, ns, **kwargs):
         self._call("pods")
-        return Response({"items": self.pods})
+        return page(self.pods, **kwargs)
 
     def read_namespace(self, name, **_):
         self._call("namespace")
