@@ -164,19 +164,19 @@ class BindChoice:
                 problems = over_commitment(committed.card_capacity(node),
                                            [*committed.booked_on(node, key), *held.pods.values()], mine)
                 if problems:
-                    self.cache.unreserve(pod)
+                    self.cache.unreserve(pod, record.to_json())
                     raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
                                     f"{'; '.join(problems)}")
                 try:
                     self.commitments.write(snapshot, held.with_pod(mine))
                     self._wrote(node, mine)
                 except CommitmentConflict:
-                    self.cache.unreserve(pod)
+                    self.cache.unreserve(pod, record.to_json())
                     self.conflicts += 1
                     self.on_conflict()
                     continue
                 except Exception as exc:
-                    self.cache.unreserve(pod)
+                    self.cache.unreserve(pod, record.to_json())
                     raise BindError(f"pod {key}: cannot write the commitment of node {node}: {short(exc)}") from exc
                 return record, now
         raise BindError(f"pod {key}: node {node}'s commitments changed under {self.commit_attempts} attempts in a row "

@@ -172,9 +172,9 @@ class Binder:
     def _bound_already(self, pod: dict[str, Any], node: str) -> BindOutcome:
         meta = pod.get("metadata") or {}
         bound_to = (pod.get("spec") or {}).get("nodeName")
+        self.cache.apply_pod("MODIFIED", pod)  # whatever an earlier attempt (or a replacement pod) holds is the truth now
         if bound_to != node:
             raise BindError(f"pod {meta.get('namespace')}/{meta.get('name')}: already bound to {bound_to}, not {node}")
-        self.cache.apply_pod("MODIFIED", pod)  # whatever an earlier attempt wrote is the truth now
         return BindOutcome(node, (meta.get("annotations") or {}).get(ALLOCATION))
 
     def _bind_gpu(self, pod: dict[str, Any], request: Any, node: str) -> BindOutcome:
@@ -191,7 +191,7 @@ class Binder:
                                                         self.cache.verifier))
             bound = record
         except AlreadyBound as done:
-            self.cache.unreserve(pod)
+            self.cache.unreserve(pod, record.to_json())
             if (done.pod.get("spec") or {}).get("nodeName") != node:
                 self.choice.withdraw(node, str(meta.get("uid", "")), committed)
             elif committed:  # bound here by another binder: its record, not our choice, is what the node holds
@@ -200,7 +200,7 @@ class Binder:
                 bound = record_of(done.pod)
             raise
         except Exception as exc:
-            self.cache.unreserve(pod)
+            self.cache.unreserve(pod, record.to_json())
             self.choice.withdraw(node, str(meta.get("uid", "")), committed)
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {short(exc)}") from exc
         finally:
@@ -264,7 +264,7 @@ class Binder:
                                      signed_annotations(member.record, member.chosen_ns, member.uid, self.signer,
                                                         self.cache.verifier))
         except AlreadyBound as done:
-            self.cache.unreserve(done.pod)
+            self.cache.unreserve(done.pod, member.record.to_json())
             if (done.pod.get("spec") or {}).get("nodeName") != member.node:
                 self.choice.withdraw(member.node, member.uid)
             else:

@@ -411,10 +411,15 @@ class AllocationCache:
         with self.lock:
             return self._reservations.reserve(key, request, node, now_ns, others or {})
 
-    def unreserve(self, pod: Mapping[str, Any]) -> None:
-        """Undo :meth:`reserve` after a failed bind (the caller removed the record)."""
+    def unreserve(self, pod: Mapping[str, Any], record_raw: str) -> None:
+        """Undo :meth:`reserve` after a failed bind (the caller removed the record): only while the
+        pod's name still holds that bind's pinned record. The name may book another pod by then (the
+        pod deleted and created again, as a StatefulSet does, while the Binding was retried; or a
+        second bind of the same pod that won): releasing it would free cards a bound pod uses."""
         key = pod_key(pod)
         with self.lock:
+            if self._pods.pinned(key) != record_raw:
+                return
             self._reservations.unreserve(key)
 
     # -- groups (extender/groups.py) -------------------------------------------------------------

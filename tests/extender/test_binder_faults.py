@@ -17,7 +17,8 @@ from kubernetes.client.exceptions import ApiException
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
-from tests.extender.test_kube_cache import cache, pod
+from qgpu_runtime.placement import engine
+from tests.extender.test_kube_cache import bind_locally, cache, node, pod
 from tests.recordkeys import SIGNER
 
 
@@ -149,3 +150,47 @@ def test_backoff_doubles_is_capped_and_stops_on_permanent_errors():
     with pytest.raises(ApiException):
         with_backoff(lambda: (_ for _ in ()).throw(ApiException(status=422)), sleep=delays.append)
     assert len(delays) == 3
+
+
+class CallingBack(Answering):
+    """Answers every request with ``status``, after running ``before`` (what the watch delivers
+    while the Binding is in flight)."""
+
+    def __init__(self, status: int, before):
+        super().__init__(status)
+        handler = self.httpd.RequestHandlerClass
+        answer = handler._answer
+
+        def _answer(request_handler) -> None:
+            before()
+            answer(request_handler)
+
+        handler.do_POST = _answer
+
+
+def test_a_failed_bind_of_a_replaced_pod_leaves_the_new_pods_cards_booked():
+    """P1's Binding is in flight when P1 is deleted and created again under its name (as a
+    StatefulSet does), and the new pod is bound and booked; then P1's Binding fails. Releasing
+    the name's booking then freed the new pod's card, and the next whole-card pod was given it."""
+    c = cache()
+    c.replace_nodes([node("a", n_cards=1), node("b", n_cards=1)])
+    first = pod("p", core=100, memory=0, uid="uid-1")
+    c.filter(first, parse_pod(first), ["a"], now_ns=time.time_ns())
+
+    def replaced() -> None:
+        c.apply_pod("DELETED", first)
+        second = pod("p", core=100, memory=0, uid="uid-2")
+        c.apply_pod("MODIFIED", bind_locally(c, second, "b", time.time_ns()))
+
+    server = CallingBack(503, replaced)
+    try:
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=1, timeout=(0.5, 2), signer=SIGNER)
+        with pytest.raises(BindError, match="pod ns/p: binding to a failed, cards released"):
+            binder.bind("ns", "p", "uid-1", "a")
+    finally:
+        server.close()
+    booking = c.booking("ns/p")
+    assert booking is not None and booking.node == "b"  # the new pod's, kept
+    q = pod("q", core=100, memory=0)
+    with pytest.raises(engine.Unschedulable):
+        c.reserve(q, parse_pod(q), "b", time.time_ns())

@@ -52,7 +52,7 @@ def test_booked_on_answers_what_a_scan_of_every_booking_answered():
             elif action == 2 and name in pods:
                 c.apply_pod("MODIFIED", pods[name])  # the watch delivers our record
             elif action == 3:
-                c.unreserve(p)
+                c.unreserve(p, c._pods.pinned(f"ns/{name}") or "")  # a failed bind of what this key holds
             elif action == 4:
                 c.apply_pod("DELETED", p)
                 pods.pop(name, None)
