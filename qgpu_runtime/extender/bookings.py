@@ -52,7 +52,7 @@ class Bookings:
             if placement.node not in fresh.index:
                 continue  # the node left; its pods are gone or will be
             try:
-                fresh.commit(key, placement)  # version bumped below
+                fresh.commit(key, fresh.on_known_cards(placement))  # version bumped below
             except StateError as exc:
                 self._report(f"cannot replay booking of {key} after a node change: {exc}")
         self.current = fresh

@@ -98,7 +98,8 @@ class PodEvents:
             self._report(f"pod {entry.key}: bound to {entry.node_name} but its record names {record.node}; record ignored")
             self._bookings.release(state, entry.key)
             return
-        placement = Placement.of_record(record, entry.cpu_milli, entry.memory_mib)
+        # on the cards the node lists now: a card gone unhealthy leaves the pod's other cards booked
+        placement = state.on_known_cards(Placement.of_record(record, entry.cpu_milli, entry.memory_mib))
         current = state.bookings.get(entry.key)
         if current == placement:
             return
@@ -118,9 +119,11 @@ class PodEvents:
                 self._report(f"pod {entry.key}: record does not fit the cache: {exc}")
 
     def replay(self, state: ClusterState) -> None:
-        """After a rebuild: book every pod's record that is not booked yet (our binds in flight aside)."""
+        """After a rebuild: book every pod's record as the new node set takes it (our binds in
+        flight aside): those not booked yet, and those booked on fewer cards than they name (a card
+        that was unhealthy is back: the pod's share of it is booked again)."""
         for entry in self._pods.entries():
-            if entry.key not in state.bookings and self._pods.pinned(entry.key) is None:
+            if self._pods.pinned(entry.key) is None and (entry.key not in state.bookings or entry.record_raw is not None):
                 self.sync(state, entry)
 
     def forget_stale_assumption(self, state: ClusterState, pod: Mapping[str, Any]) -> None:

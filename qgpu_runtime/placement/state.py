@@ -9,7 +9,7 @@ replaying the same allocation twice or releasing twice changes nothing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Mapping, Sequence
 
@@ -176,6 +176,21 @@ class ClusterState:
 
     def gpu_allocated_milli(self) -> int:
         return self.gpu_capacity_milli() - int(self.gpu_free_milli().sum())
+
+    def on_known_cards(self, placement: Placement) -> Placement:
+        """``placement`` without its shares on cards its node does not list now: a card marked
+        unhealthy leaves the node's spec while the pods on it keep running, and their shares of
+        the node's other cards must stay booked. Unchanged when every card is known, or the node
+        is not (commit refuses that)."""
+        n = self.index.get(placement.node)
+        if n is None:
+            return placement
+        known = set(self.card_index[n][self.card_valid[n]].tolist())
+        if all(share.index in known for container in placement.containers for share in container.shares):
+            return placement
+        return replace(placement, containers=tuple(
+            replace(container, shares=tuple(share for share in container.shares if share.index in known))
+            for container in placement.containers))
 
     def slot_of(self, node: int, card_index: int) -> int:
         slots = np.nonzero(self.card_index[node] == card_index)[0]

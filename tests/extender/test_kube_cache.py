@@ -226,6 +226,32 @@ def test_unhealthy_cards_take_no_new_pods():
     assert c.filter(whole, parse_pod(whole), ["h"]).unresolvable.keys() == {"h"}
 
 
+def test_a_card_gone_unhealthy_leaves_its_pods_other_cards_booked_and_its_return_books_it_again():
+    """A pod bound to cards 0 and 1; card 1 is marked unhealthy and leaves the node's spec while the
+    pod keeps running. Its whole record used to stay unbooked ('no card with index 1'), and card 0,
+    which the pod still holds, went to the next whole-card pod."""
+    cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(2)]
+
+    def h(unhealthy: frozenset[int]) -> dict:
+        return {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=unhealthy)}},
+                "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+
+    c = cache()
+    c.replace_nodes([h(frozenset())])
+    two = bind_locally(c, pod("two", core=200, memory=0), "h", 1)
+    c.apply_pod("MODIFIED", two)
+    c.replace_nodes([h(frozenset({1}))])
+    booking = c.booking("ns/two")
+    assert booking is not None and [s.index for ct in booking.containers for s in ct.shares] == [0]
+    whole = pod("whole", core=100, memory=0)
+    assert c.filter(whole, parse_pod(whole), ["h"]).passed == []  # card 0 is the pod's
+    c.apply_pod("MODIFIED", two)  # a later event of the pod books the same part
+    assert [s.index for ct in c.booking("ns/two").containers for s in ct.shares] == [0]
+    c.replace_nodes([h(frozenset())])  # card 1 back: the pod's share of it is booked again
+    assert [s.index for ct in c.booking("ns/two").containers for s in ct.shares] == [0, 1]
+    assert c.filter(whole, parse_pod(whole), ["h"]).passed == []
+
+
 def test_a_record_that_collides_with_a_filter_hold_is_booked_and_the_hold_yields():
     """A filter answered before the caches synced held card capacity that records (arriving in the
     pod list) already book. The records must win, or the cache counts less than is bound and filter
