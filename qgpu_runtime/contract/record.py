@@ -24,6 +24,7 @@ from typing import Any, Mapping
 
 from qgpu_runtime.contract.names import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.jsondoc import load_json
+from qgpu_runtime.model.quantity import show_value
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest
 
 WRITE_VERSION = 1
@@ -125,12 +126,18 @@ def record_annotations(record: AllocationRecord, epoch_ns: int) -> dict[str, str
     return {ALLOCATION: record.to_json(), BIND_TIME: str(epoch_ns)}
 
 
+def _shown(value: Any) -> str:
+    """A record's value in a message, as repr, cut to a readable length: the annotation is up to
+    256 KiB of whatever a pod's owner wrote, and a refusal is logged on every event of the pod."""
+    return show_value(repr(value))
+
+
 def _field(doc: Mapping[str, Any], name: str, kind: type | tuple[type, ...], where: str) -> Any:
     if name not in doc:
         raise RecordError(f"{ALLOCATION}: {where}{name} is missing")
     value = doc[name]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise RecordError(f"{ALLOCATION}: {where}{name}={value!r}: wrong type, expected {getattr(kind, '__name__', kind)}")
+        raise RecordError(f"{ALLOCATION}: {where}{name}={_shown(value)}: wrong type, expected {getattr(kind, '__name__', kind)}")
     return value
 
 
@@ -139,22 +146,22 @@ def parse_record(raw: str) -> AllocationRecord:
     doc = load_json(raw, dict, ALLOCATION, RecordError)
     version = doc.get("version")
     if isinstance(version, bool) or version not in READ_VERSIONS:
-        raise RecordError(f"{ALLOCATION}: version={version!r}: this qgpu reads versions "
+        raise RecordError(f"{ALLOCATION}: version={_shown(version)}: this qgpu reads versions "
                           f"{', '.join(map(str, READ_VERSIONS))}")
     klass_raw = _field(doc, "class", str, "")
     try:
         klass = AppClass(klass_raw)
     except ValueError:
-        raise RecordError(f"{ALLOCATION}: class={klass_raw!r}: must be online, offline or normal") from None
+        raise RecordError(f"{ALLOCATION}: class={_shown(klass_raw)}: must be online, offline or normal") from None
     containers = []
     for i, c in enumerate(_field(doc, "containers", list, "")):
         if not isinstance(c, dict):
-            raise RecordError(f"{ALLOCATION}: containers[{i}]={c!r}: must be an object")
+            raise RecordError(f"{ALLOCATION}: containers[{i}]={_shown(c)}: must be an object")
         shares = []
         for j, card in enumerate(_field(c, "cards", list, f"containers[{i}].")):
             where = f"containers[{i}].cards[{j}]."
             if not isinstance(card, dict):
-                raise RecordError(f"{ALLOCATION}: {where[:-1]}={card!r}: must be an object")
+                raise RecordError(f"{ALLOCATION}: {where[:-1]}={_shown(card)}: must be an object")
             index = _field(card, "index", int, where)
             core = _field(card, "core_milli", int, where)
             memory = _field(card, "memory_mib", int, where)
@@ -185,7 +192,7 @@ def _dialect(doc: Mapping[str, Any], where: str) -> ContainerDialect | None:
         raise RecordError(f"{ALLOCATION}: {where}memory_pct={pct}: must be within 0..100")
     whole = doc.get("whole_node", False)
     if not isinstance(whole, bool):
-        raise RecordError(f"{ALLOCATION}: {where}whole_node={whole!r}: wrong type, expected bool")
+        raise RecordError(f"{ALLOCATION}: {where}whole_node={_shown(whole)}: wrong type, expected bool")
     return ContainerDialect(dialect, pct, whole)
 
 

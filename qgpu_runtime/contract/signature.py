@@ -35,6 +35,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME
 from qgpu_runtime.contract.record import AllocationRecord, RecordError, annotations, parse_record
+from qgpu_runtime.model.quantity import show_value
 
 __all__ = ["ALLOCATION_SIGNATURE", "SigningKeyError", "RecordSigner", "RecordVerifier", "UntrustedRecord", "signed_annotations",
            "trusted_record"]
@@ -127,8 +128,9 @@ class RecordVerifier:
             self.public_key.verify(raw, message)
         except InvalidSignature:
             raise UntrustedRecord(
-                f"{ALLOCATION_SIGNATURE}: does not verify for pod uid {pod_uid!r} on node {node!r} with this record and "
-                f"{BIND_TIME}={bind_time_raw!r}: a record is believed only as the extender signed it for this pod "
+                f"{ALLOCATION_SIGNATURE}: does not verify for pod uid {show_value(repr(pod_uid))} on node "
+                f"{show_value(repr(node))} with this record and {BIND_TIME}={show_value(repr(bind_time_raw))}: a record "
+                "is believed only as the extender signed it for this pod "
                 "(edited, copied from another pod, or signed with another key)") from None
 
     def pem(self) -> bytes:
@@ -196,7 +198,7 @@ def trusted_record(pod: Mapping[str, Any], verifier: RecordVerifier) -> Allocati
     record = parse_record(raw)
     bound_to = (pod.get("spec") or {}).get("nodeName")
     if bound_to and bound_to != record.node:
-        raise UntrustedRecord(f"{ALLOCATION}: node={record.node!r} but the pod is bound to {bound_to!r}: a record is "
+        raise UntrustedRecord(f"{ALLOCATION}: node={show_value(repr(record.node))} but the pod is bound to {show_value(repr(bound_to))}: a record is "
                               "believed only on the node it names")
     uid = str((pod.get("metadata") or {}).get("uid") or "")
     verifier.verify(uid, record.node, raw, str(notes.get(BIND_TIME, "")), signature)

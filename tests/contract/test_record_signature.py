@@ -213,3 +213,21 @@ def test_a_signature_of_odd_characters_is_refused_by_rule_not_by_an_exception(si
     pod["metadata"]["annotations"][ALLOCATION_SIGNATURE] = signature
     with pytest.raises(UntrustedRecord):
         trusted_record(pod, VERIFIER)
+
+
+@pytest.mark.parametrize("tamper", [
+    pytest.param(lambda d: d.update({"class": "x" * 200_000}), id="class"),
+    pytest.param(lambda d: d["containers"].__setitem__(0, ["x" * 200_000]), id="container"),
+    pytest.param(lambda d: d["containers"][0]["cards"][0].update(index="9" * 200_000), id="card index"),
+    pytest.param(lambda d: d.update(node="n" * 200_000), id="node"),
+])
+def test_a_huge_value_in_a_forged_record_comes_back_cut(tamper):
+    """The annotation is up to 256 KiB of whatever the pod's owner wrote, and the refusal is logged
+    on every event of the pod and kept among the extender's problems: the value is named, cut."""
+    pod = _pod(node=None)
+    doc = json.loads(pod["metadata"]["annotations"][ALLOCATION])
+    tamper(doc)
+    pod["metadata"]["annotations"][ALLOCATION] = json.dumps(doc)
+    with pytest.raises((UntrustedRecord, RecordError)) as refused:
+        trusted_record(pod, VERIFIER)
+    assert len(str(refused.value)) < 2000 and "characters)" in str(refused.value)
