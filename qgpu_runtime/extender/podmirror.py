@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any, Mapping
 
+from qgpu_runtime.kube.podslim import kept
+
 SEEN_PODS = 4096
 GONE_PODS = 4096
 
@@ -30,7 +32,7 @@ class PodMirror:
 
     def saw(self, uid: str, pod: Mapping[str, Any]) -> None:
         """Filter was sent this pod; the oldest beyond ``SEEN_PODS`` is forgotten."""
-        self._seen[uid] = dict(pod)
+        self._seen[uid] = kept(pod)
         self._seen.move_to_end(uid)
         while len(self._seen) > SEEN_PODS:
             self._seen.popitem(last=False)
@@ -45,7 +47,7 @@ class PodMirror:
         return self._unbound.get(uid)
 
     def set_unbound(self, uid: str, pod: Mapping[str, Any]) -> None:
-        self._unbound[uid] = dict(pod)
+        self._unbound[uid] = kept(pod)
 
     def drop_unbound(self, uid: str) -> None:
         self._unbound.pop(uid, None)

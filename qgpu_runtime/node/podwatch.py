@@ -28,6 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Mapping, Protocol, TypeVar
 
+from qgpu_runtime.kube.podslim import kept
+
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
 
 D = TypeVar("D")
@@ -133,7 +135,7 @@ class NodePodCache(Generic[D]):
         for pod in pods:
             old = known.get(_uid(pod))
             same = old is not None and bool(_version(pod)) and _version(old[0]) == _version(pod)
-            entries[_uid(pod)] = old if same and old is not None else (pod, self.derive(pod))
+            entries[_uid(pod)] = old if same and old is not None else (kept(pod), self.derive(pod))
         return entries
 
     def _list(self) -> tuple[list[dict[str, Any]], str]:
@@ -175,7 +177,7 @@ class NodePodCache(Generic[D]):
             if gone:
                 self._entries.pop(uid, None)
             elif uid in self._entries or len(self._entries) < self.max_pods:
-                self._entries[uid] = (pod, derived)
+                self._entries[uid] = (kept(pod), derived)
             else:
                 if not self._overflow:
                     log.warning("node %s: more than %d pods; Allocate reads by LIST until they fit", self.node,

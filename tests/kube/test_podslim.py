@@ -1,0 +1,105 @@
+"""What the extender and the node manager keep of a pod (kube/podslim.py): not the bulk a tenant
+controls and no qgpu component reads, so a few dozen pods near etcd's object limit no longer run
+either out of memory."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import tracemalloc
+
+from qgpu_runtime.extender.podmirror import PodMirror
+from qgpu_runtime.kube.podslim import BULK_CONTAINER_FIELDS, kept
+from qgpu_runtime.model.requests import parse_pod
+from qgpu_runtime.node.podwatch import NodePodCache
+
+NODE = "gpu-node-1"
+# ~0.9 MiB of JSON in one container's environment, as a tenant can make it
+HEAVY = json.dumps({
+    "metadata": {"name": "heavy", "namespace": "t", "uid": "u", "resourceVersion": "1", "labels": {"app": "x"},
+                 "annotations": {"qgpu.io/gpu-model": "T4"}, "managedFields": [{"manager": "kubectl"}]},
+    "spec": {"nodeName": NODE, "schedulerName": "qgpu", "volumes": [{"name": "v", "emptyDir": {}}],
+             "containers": [{"name": "c", "image": "i", "env": [{"name": f"E{i:05d}", "value": "v" * 24} for i in range(20_000)],
+                             "command": ["sleep"], "args": ["1"], "volumeMounts": [{"name": "v", "mountPath": "/v"}],
+                             "readinessProbe": {"exec": {"command": ["true"]}},
+                             "resources": {"limits": {"tke.cloud.tencent.com/qgpu-core": "30",
+                                                      "tke.cloud.tencent.com/qgpu-memory": "4"}}}],
+             "initContainers": [{"name": "i", "image": "i", "env": [{"name": "A", "value": "b"}], "resources": {}}]},
+    "status": {"phase": "Running", "containerStatuses": [{"name": "c", "containerID": "containerd://abc"}]},
+})
+
+
+def heavy(i: int) -> dict:
+    pod = json.loads(HEAVY)  # decoded afresh, as each watch event is
+    pod["metadata"]["name"] = pod["metadata"]["uid"] = f"heavy-{i}"
+    return pod
+
+
+def test_kept_drops_the_bulk_and_keeps_what_qgpu_reads():
+    pod = heavy(0)
+    before = copy.deepcopy(pod)
+    slim = kept(pod)
+    assert pod == before  # the event's pod is not changed
+    (container,) = slim["spec"]["containers"]
+    assert not BULK_CONTAINER_FIELDS & container.keys()
+    assert container == {"name": "c", "image": "i", "resources": pod["spec"]["containers"][0]["resources"]}
+    assert slim["spec"]["initContainers"] == [{"name": "i", "image": "i", "resources": {}}]
+    assert "volumes" not in slim["spec"] and "managedFields" not in slim["metadata"]
+    for field in ("name", "namespace", "uid", "resourceVersion", "labels", "annotations"):
+        assert slim["metadata"][field] == pod["metadata"][field]
+    assert slim["status"] == pod["status"]
+    assert (slim["spec"]["nodeName"], slim["spec"]["schedulerName"]) == (NODE, "qgpu")
+    assert parse_pod(slim) == parse_pod(pod)  # the request is read the same
+    assert len(json.dumps(slim)) < 2000 < len(HEAVY)
+
+
+def retained(keep) -> int:
+    """Bytes still allocated after ``keep`` took twelve heavy pods and the caller dropped them."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        keep([heavy(i) for i in range(12)])
+        gc.collect()
+        current, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return current
+
+
+class Source:
+    def __init__(self) -> None:
+        self.pods: list[dict] = []
+
+    def list_pods_on_node(self, node: str) -> tuple[list[dict], str]:
+        pods, self.pods = self.pods, []
+        return pods, "1"
+
+
+def test_a_node_manager_keeps_a_page_of_bytes_not_the_pods_environments():
+    source = Source()
+    cache = NodePodCache(source, NODE, lambda pod: None)
+
+    def keep(pods: list[dict]) -> None:
+        source.pods = pods[:6]
+        cache.relist()  # six through the LIST
+        for pod in pods[6:]:
+            cache.apply("ADDED", pod)  # six through the watch
+
+    held = retained(keep)
+    snapshot = cache.snapshot()
+    assert snapshot is not None and len(snapshot.pods) == 12
+    assert held < len(HEAVY), held  # twelve pods held whole were about 12 x 6 MiB decoded
+
+
+def test_the_extender_keeps_the_unbound_and_seen_pods_without_their_bulk():
+    mirror = PodMirror()
+
+    def keep(pods: list[dict]) -> None:
+        for pod in pods:
+            mirror.set_unbound(pod["metadata"]["uid"], pod)
+            mirror.saw(pod["metadata"]["uid"], pod)
+
+    held = retained(keep)
+    assert mirror.unbound("heavy-0") is not None and mirror.seen("heavy-11") is not None
+    assert held < len(HEAVY), held
