@@ -30,8 +30,10 @@ from kubernetes import client
 
 from qgpu_runtime.contract.dra import ATTR_MEMORY_MIB, DRIVER, read_slice
 from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+from qgpu_runtime.kube import apijson
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import ApiError, Unreachable, call
+from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
 from qgpu_runtime.model.requests import MIB_PER_GIB
 from qgpu_runtime.webhook.dra import MAX_CARD_SIZES, CardSizesUnavailable
 
@@ -56,10 +58,10 @@ def _card_memory(device: Any) -> int | None:
     return memory
 
 
-def published_sizes(slices: Iterable[Any]) -> PublishedSizes:
-    """The card sizes qgpu's ResourceSlices publish: each node counts once per size, and at most
-    ``MAX_CARD_SIZES`` sizes are kept, those the most nodes publish."""
-    nodes: dict[int, set[str]] = defaultdict(set)
+def sizes_by_node(slices: Iterable[Any], nodes: dict[int, set[str]] | None = None) -> dict[int, set[str]]:
+    """Each card size the slices publish, with the nodes publishing it (added to ``nodes``): what
+    a page of the LIST is reduced to before the next is read."""
+    nodes = defaultdict(set) if nodes is None else nodes
     for slice_ in slices:
         cards = read_slice(slice_)
         if cards is None:
@@ -68,8 +70,19 @@ def published_sizes(slices: Iterable[Any]) -> PublishedSizes:
             memory = _card_memory(device)
             if memory is not None:
                 nodes[memory].add(cards.node)
+    return nodes
+
+
+def ranked_sizes(nodes: dict[int, set[str]]) -> PublishedSizes:
+    """At most ``MAX_CARD_SIZES`` sizes, those the most nodes publish; each node counts once per size."""
     ranked = sorted(nodes, key=lambda size: (-len(nodes[size]), size))
     return PublishedSizes(tuple(sorted(ranked[:MAX_CARD_SIZES])), tuple(sorted(ranked[MAX_CARD_SIZES:])))
+
+
+def published_sizes(slices: Iterable[Any]) -> PublishedSizes:
+    """The card sizes qgpu's ResourceSlices publish: each node counts once per size, and at most
+    ``MAX_CARD_SIZES`` sizes are kept, those the most nodes publish."""
+    return ranked_sizes(sizes_by_node(slices))
 
 
 class SliceCardSizes:
@@ -89,7 +102,7 @@ class SliceCardSizes:
             now = self.monotonic()
             if self._cached is not None and now - self._cached[0] < self.refresh_s:
                 return self._cached[1]
-            found = published_sizes(self._list())
+            found = ranked_sizes(self._sizes())
             if found.left_out:
                 log.warning("ResourceSlices of %s publish more than %d card sizes: percent claims choose among %s; left out %s",
                             DRIVER, MAX_CARD_SIZES, list(found.sizes), list(found.left_out))
@@ -97,14 +110,35 @@ class SliceCardSizes:
             self._cached = (now, found.sizes) if found.sizes else None
             return found.sizes
 
-    def _list(self) -> list[Any]:
+    def _sizes(self) -> dict[int, set[str]]:
+        """The sizes of every qgpu slice, the LIST read a page at a time (kube/paging.py): a
+        compromised node may write many slices, each near etcd's object limit."""
         where = f"listing ResourceSlices of driver {DRIVER}"
-        try:
-            response = call(self.api.list_resource_slice, field_selector=f"spec.driver={DRIVER}",
-                            _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
-        except Unreachable as exc:
-            raise CardSizesUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
-        except ApiError as exc:
-            raise CardSizesUnavailable(f"{where}: the apiserver answered {exc}") from None
-        items = raw_json(response).get("items")
-        return items if isinstance(items, list) else []
+        nodes: dict[int, set[str]] = defaultdict(set)
+        token: str | None = None
+        limit = LIST_PAGE_ITEMS
+        while True:
+            try:
+                response = call(self.api.list_resource_slice, field_selector=f"spec.driver={DRIVER}", limit=limit,
+                                _continue=token, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+            except Unreachable as exc:
+                raise CardSizesUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
+            except ApiError as exc:
+                raise CardSizesUnavailable(f"{where}: the apiserver answered {exc}") from None
+            body = read_capped(response, LIST_PAGE_BYTES)
+            if body is None:
+                if limit == 1:
+                    raise CardSizesUnavailable(f"{where}: one slice's body is larger than {LIST_PAGE_BYTES} bytes")
+                limit = max(1, limit // 4)
+                continue
+            try:
+                page = apijson.loads(body)
+            except ValueError as exc:
+                raise CardSizesUnavailable(f"{where}: the apiserver's answer is not JSON: {exc}") from None
+            del body
+            items = page.get("items") if isinstance(page, dict) else None
+            sizes_by_node(items if isinstance(items, list) else [], nodes)
+            token = continue_token(page)
+            del page
+            if token is None:
+                return nodes

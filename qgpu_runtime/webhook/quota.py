@@ -35,6 +35,7 @@ from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import raw_json
 from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, Unreachable, call
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
+from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
 from qgpu_runtime.webhook.claimquota import (
     CORE_QUOTA,
@@ -60,38 +61,12 @@ Judge = Callable[[Mapping[str, Usage], Usage, list[dict[str, Any]], Usage], tupl
 """(what each listed claim asks, by name; what the listed pods and pending reservations use;
 quotas; what the object asks) -> (allowed, message)."""
 
-LIST_PAGE_ITEMS: Final = 100
-"""Objects asked per page of a namespace's LIST (``limit``): each page is reduced to its charges
-before the next is read, so a namespace's pods and claims are never held whole."""
-LIST_PAGE_BYTES: Final = 4 * 1024 * 1024
-"""The most of one page's body read: past it the page is asked again with a quarter of the items
-(an object may be near etcd's 1.5 MiB: 45,000 env entries in a pod that asks no GPU), down to
-one; a single object past it cannot be read, and the check is refused."""
 LIST_PAGES_AT_ONCE: Final = 4
 """Pages read and decoded at once across namespaces: a decoded page weighs several times its
 body, and the webhook's memory limit is for every review it serves."""
 
 
 _reading = threading.BoundedSemaphore(LIST_PAGES_AT_ONCE)
-
-
-def read_capped(response: Any, cap: int) -> bytes | None:
-    """The body of a ``_preload_content=False`` response, or None (the connection closed, not
-    returned to the pool with the rest unread) once it runs past ``cap`` bytes."""
-    chunks: list[bytes] = []
-    total = 0
-    try:
-        while True:
-            chunk = response.read(64 * 1024)
-            if not chunk:
-                return b"".join(chunks)
-            total += len(chunk)
-            if total > cap:
-                response.close()
-                return None
-            chunks.append(chunk)
-    finally:
-        response.release_conn()
 
 
 class QuotaUnavailable(Exception):
@@ -398,9 +373,7 @@ class ClaimQuota:
                 del body
                 items = found.get("items") if isinstance(found, dict) else None
                 page = [i for i in items or [] if isinstance(i, dict)]
-                metadata = found.get("metadata") if isinstance(found, dict) else None
-                token = metadata.get("continue") if isinstance(metadata, dict) else None
-                token = token if isinstance(token, str) and token else None
+                token = continue_token(found)
                 del found
             finally:
                 _reading.release()

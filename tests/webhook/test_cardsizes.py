@@ -79,3 +79,31 @@ def test_unreadable_slices_are_a_500_and_other_pods_never_ask_for_them():
     share = percent_pod()
     share["spec"]["containers"][0]["resources"]["limits"] = {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "4"}
     assert convert(share, config).templates  # no percent: the slices are never read
+
+
+def test_the_slices_are_read_a_page_at_a_time_each_under_the_byte_cap():
+    """A compromised node writes many slices, each near etcd's object limit (labels): the webhook
+    reads them in pages under kube/paging.py's cap, a page past it asked again with fewer items,
+    and keeps only each page's sizes. 250 slices: every node's size counted."""
+    from kubernetes import client
+
+    from qgpu_runtime.kube.paging import LIST_PAGE_BYTES
+    from qgpu_runtime.webhook.cardsizes import SliceCardSizes
+    from tests.webhook.test_claim_quota_serving import Response, page
+
+    slices = [slice_of(f"n{i}", 15360) for i in range(240)] + [slice_of(f"m{i}", 32768) for i in range(10)]
+    for s in slices[:8]:
+        s["metadata"] = {"labels": {f"l{j}": "x" * 60 for j in range(9000)}}  # ~0.6 MiB each
+    answered: list[Response] = []
+
+    class Api:
+        def list_resource_slice(self, **kwargs: Any) -> Response:
+            assert kwargs["field_selector"] == f"spec.driver={dra.DRIVER}"
+            answered.append(page(slices, **{k: v for k, v in kwargs.items() if k in ("limit", "_continue")}))
+            return answered[-1]
+
+    sizes = SliceCardSizes(client.ApiClient())
+    sizes.api = Api()  # type: ignore[assignment]
+    assert sizes() == (15360, 32768)
+    assert len(answered) > 3 and all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
+    assert any(len(r.data) > LIST_PAGE_BYTES for r in answered)  # the first page was past the cap
