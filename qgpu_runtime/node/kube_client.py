@@ -33,6 +33,8 @@ from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
 from qgpu_runtime.kube.errors import NotFound, described
 from qgpu_runtime.kube.events import event_body, node_reference
+from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
+from qgpu_runtime.kube.podslim import kept
 from qgpu_runtime.kube.reader import ApiCaller, load_client
 from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.node.podwatch import WatchExpired, watch_event
@@ -89,18 +91,36 @@ class KubePodSource:
     def _call(self, what: str, fn: Callable[[], T]) -> T:
         return self._calls(what, fn)
 
-    def _items(self, what: str, call: Callable[[], Any]) -> list[dict[str, Any]]:
-        return self._calls.items(what, call)
-
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
-        return self._items(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout))
+        return self.list_pods_on_node(node)[0]
 
     def list_pods_on_node(self, node: str) -> tuple[list[dict[str, Any]], str]:
-        """This node's pods and the list's resourceVersion, where a watch of them starts (node/podwatch.py)."""
-        doc = apijson.loads(self._call(f"listing the pods of node {node}", lambda: self._core.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node}", _preload_content=False, _request_timeout=self._timeout)).data)
-        return list(doc.get("items") or []), str((doc.get("metadata") or {}).get("resourceVersion") or "")
+        """This node's pods (what :func:`~qgpu_runtime.kube.podslim.kept` keeps of each) and the
+        list's resourceVersion, where a watch of them starts (node/podwatch.py). Read a page at a
+        time under kube/paging.py's byte cap: a pod's owner may set ``spec.nodeName``, and pods near
+        etcd's object limit decoded together ran the manager out of memory."""
+        what = f"listing the pods of node {node}"
+        pods: list[dict[str, Any]] = []
+        version = ""
+        token: str | None = None
+        limit = LIST_PAGE_ITEMS
+        while True:
+            response = self._call(what, lambda limit=limit, token=token: self._core.list_pod_for_all_namespaces(
+                field_selector=f"spec.nodeName={node}", limit=limit, _continue=token, _preload_content=False,
+                _request_timeout=self._timeout))
+            body = read_capped(response, LIST_PAGE_BYTES)
+            if body is None:
+                if limit == 1:
+                    raise PodSourceError(f"{what}: one pod's body is larger than {LIST_PAGE_BYTES} bytes")
+                limit = max(1, limit // 4)
+                continue
+            doc = apijson.loads(body)
+            del body
+            pods.extend(kept(p) for p in doc.get("items") or [] if isinstance(p, dict))
+            version = str((doc.get("metadata") or {}).get("resourceVersion") or version)
+            token = continue_token(doc)
+            if token is None:
+                return pods, version
 
     def watch_pods_on_node(self, node: str, resource_version: str, timeout_s: float,
                            stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:

@@ -103,3 +103,34 @@ def test_the_extender_keeps_the_unbound_and_seen_pods_without_their_bulk():
     held = retained(keep)
     assert mirror.unbound("heavy-0") is not None and mirror.seen("heavy-11") is not None
     assert held < len(HEAVY), held
+
+
+def test_the_node_managers_list_is_paged_and_keeps_only_what_it_reads():
+    """The manager's LIST of its node's pods (node/kube_client.py) reads a page at a time under
+    kube/paging.py's cap; a page past it is asked again with fewer items."""
+    from kubernetes import client as kube
+
+    from qgpu_runtime.kube.paging import LIST_PAGE_BYTES
+    from qgpu_runtime.node.kube_client import KubePodSource
+    from tests.webhook.test_claim_quota_serving import Response, page
+
+    pods = [heavy(i) for i in range(6)] + [kept(heavy(i)) for i in range(6, 250)]
+    answered: list[Response] = []
+
+    class Core:
+        def list_pod_for_all_namespaces(self, **kwargs):
+            assert kwargs["field_selector"] == f"spec.nodeName={NODE}"
+            answered.append(page(pods, **{k: v for k, v in kwargs.items() if k in ("limit", "_continue")}))
+            return answered[-1]
+
+    from qgpu_runtime.kube.reader import ApiCaller
+
+    source = KubePodSource.__new__(KubePodSource)  # the constructor needs a kubeconfig: the parts used, set here
+    source._calls = ApiCaller(kube.ApiClient(), timeout=(1, 1), attempts=1)
+    source._core = Core()
+    source._timeout = (1, 1)
+    listed, _ = source.list_pods_on_node(NODE)
+    assert [p["metadata"]["uid"] for p in listed] == [p["metadata"]["uid"] for p in pods]
+    assert all("env" not in p["spec"]["containers"][0] for p in listed)
+    assert len(answered) > 3 and any(len(r.data) > LIST_PAGE_BYTES for r in answered)
+    assert all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
