@@ -10,7 +10,10 @@ again with fewer items.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Callable, Final, Iterator
+
+from qgpu_runtime.kube import apijson
 
 LIST_PAGE_ITEMS: Final = 100
 """Objects asked per page of a LIST (``limit``)."""
@@ -43,3 +46,59 @@ def continue_token(page: Any) -> str | None:
     metadata = page.get("metadata") if isinstance(page, dict) else None
     token = metadata.get("continue") if isinstance(metadata, dict) else None
     return token if isinstance(token, str) and token else None
+
+
+class PageTooLarge(Exception):
+    """One object's body is larger than :data:`LIST_PAGE_BYTES`: the LIST cannot be read."""
+
+
+def pages(fetch: Callable[[int, str | None], Any], *,
+          guard: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Iterator[list[dict[str, Any]]]:
+    """The items of a LIST, a decoded page at a time; the caller reduces each before the next is
+    read. ``fetch(limit, token)`` makes the call (with the caller's timeouts and error mapping) and
+    returns the ``_preload_content=False`` response, or None for an empty answer (a kind the
+    apiserver does not serve). ``guard()`` is held while a page is read and decoded (a bound on
+    the pages held at once). Raises :class:`PageTooLarge`, and ValueError for a body that is not
+    JSON."""
+    for items, _ in _pages(fetch, guard):
+        yield items
+        del items  # not held while the next page is read
+
+
+def paged_list(fetch: Callable[[int, str | None], Any], reduce: Callable[[dict[str, Any]], Any]) -> tuple[list[Any], str]:
+    """Every item of a LIST through ``reduce`` (what is kept of it), and the list's resourceVersion."""
+    kept: list[Any] = []
+    version = ""
+    for items, page_version in _pages(fetch, nullcontext):
+        kept.extend(reduce(item) for item in items)
+        version = page_version or version
+        del items  # not held while the next page is read
+    return kept, version
+
+
+def _pages(fetch: Callable[[int, str | None], Any],
+           guard: Callable[[], AbstractContextManager[Any]]) -> Iterator[tuple[list[dict[str, Any]], str]]:
+    token: str | None = None
+    limit = LIST_PAGE_ITEMS
+    while True:
+        with guard():
+            response = fetch(limit, token)
+            body = b"{}" if response is None else read_capped(response, LIST_PAGE_BYTES)
+            del response
+            if body is None:
+                if limit == 1:
+                    raise PageTooLarge(f"one object's body is larger than {LIST_PAGE_BYTES} bytes")
+                limit = max(1, limit // 4)
+                continue
+            page = apijson.loads(body)
+            del body
+            found = page.get("items") if isinstance(page, dict) else None
+            items = [i for i in found or [] if isinstance(i, dict)]
+            metadata = page.get("metadata") if isinstance(page, dict) else None
+            version = str(metadata.get("resourceVersion") or "") if isinstance(metadata, dict) else ""
+            token = continue_token(page)
+            del page, found
+        yield items, version
+        del items  # not held while the next page is read
+        if token is None:
+            return

@@ -33,7 +33,7 @@ from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT, drain
 from qgpu_runtime.kube.errors import NotFound, described
 from qgpu_runtime.kube.events import event_body, node_reference
-from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
+from qgpu_runtime.kube.paging import PageTooLarge, paged_list
 from qgpu_runtime.kube.podslim import kept
 from qgpu_runtime.kube.reader import ApiCaller, load_client
 from qgpu_runtime.node.pods import PodSourceError
@@ -100,27 +100,18 @@ class KubePodSource:
         time under kube/paging.py's byte cap: a pod's owner may set ``spec.nodeName``, and pods near
         etcd's object limit decoded together ran the manager out of memory."""
         what = f"listing the pods of node {node}"
-        pods: list[dict[str, Any]] = []
-        version = ""
-        token: str | None = None
-        limit = LIST_PAGE_ITEMS
-        while True:
-            response = self._call(what, lambda limit=limit, token=token: self._core.list_pod_for_all_namespaces(
+
+        def fetch(limit: int, token: str | None) -> Any:
+            return self._call(what, lambda: self._core.list_pod_for_all_namespaces(
                 field_selector=f"spec.nodeName={node}", limit=limit, _continue=token, _preload_content=False,
                 _request_timeout=self._timeout))
-            body = read_capped(response, LIST_PAGE_BYTES)
-            if body is None:
-                if limit == 1:
-                    raise PodSourceError(f"{what}: one pod's body is larger than {LIST_PAGE_BYTES} bytes")
-                limit = max(1, limit // 4)
-                continue
-            doc = apijson.loads(body)
-            del body
-            pods.extend(kept(p) for p in doc.get("items") or [] if isinstance(p, dict))
-            version = str((doc.get("metadata") or {}).get("resourceVersion") or version)
-            token = continue_token(doc)
-            if token is None:
-                return pods, version
+
+        try:
+            return paged_list(fetch, kept)
+        except PageTooLarge as exc:
+            raise PodSourceError(f"{what}: {exc}") from None
+        except ValueError as exc:
+            raise PodSourceError(f"{what}: the apiserver's answer is not JSON: {exc}") from None
 
     def watch_pods_on_node(self, node: str, resource_version: str, timeout_s: float,
                            stop: threading.Event) -> Iterator[tuple[str, dict[str, Any]]]:

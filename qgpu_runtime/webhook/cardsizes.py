@@ -30,10 +30,9 @@ from kubernetes import client
 
 from qgpu_runtime.contract.dra import ATTR_MEMORY_MIB, DRIVER, read_slice
 from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
-from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.errors import ApiError, Unreachable, call
-from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
+from qgpu_runtime.kube.paging import PageTooLarge, pages
 from qgpu_runtime.model.requests import MIB_PER_GIB
 from qgpu_runtime.webhook.dra import MAX_CARD_SIZES, CardSizesUnavailable
 
@@ -115,30 +114,22 @@ class SliceCardSizes:
         compromised node may write many slices, each near etcd's object limit."""
         where = f"listing ResourceSlices of driver {DRIVER}"
         nodes: dict[int, set[str]] = defaultdict(set)
-        token: str | None = None
-        limit = LIST_PAGE_ITEMS
-        while True:
+
+        def fetch(limit: int, token: str | None) -> Any:
             try:
-                response = call(self.api.list_resource_slice, field_selector=f"spec.driver={DRIVER}", limit=limit,
-                                _continue=token, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
+                return call(self.api.list_resource_slice, field_selector=f"spec.driver={DRIVER}", limit=limit,
+                            _continue=token, _preload_content=False, _request_timeout=REQUEST_TIMEOUT)
             except Unreachable as exc:
                 raise CardSizesUnavailable(f"{where}: the apiserver could not be reached: {exc}") from None
             except ApiError as exc:
                 raise CardSizesUnavailable(f"{where}: the apiserver answered {exc}") from None
-            body = read_capped(response, LIST_PAGE_BYTES)
-            if body is None:
-                if limit == 1:
-                    raise CardSizesUnavailable(f"{where}: one slice's body is larger than {LIST_PAGE_BYTES} bytes")
-                limit = max(1, limit // 4)
-                continue
-            try:
-                page = apijson.loads(body)
-            except ValueError as exc:
-                raise CardSizesUnavailable(f"{where}: the apiserver's answer is not JSON: {exc}") from None
-            del body
-            items = page.get("items") if isinstance(page, dict) else None
-            sizes_by_node(items if isinstance(items, list) else [], nodes)
-            token = continue_token(page)
-            del page
-            if token is None:
-                return nodes
+
+        try:
+            for page in pages(fetch):
+                sizes_by_node(page, nodes)
+                del page  # not held while the next page is read
+        except PageTooLarge as exc:
+            raise CardSizesUnavailable(f"{where}: {exc}") from None
+        except ValueError as exc:
+            raise CardSizesUnavailable(f"{where}: the apiserver's answer is not JSON: {exc}") from None
+        return nodes

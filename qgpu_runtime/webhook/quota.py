@@ -31,11 +31,10 @@ from kubernetes import client
 from qgpu_runtime.contract.leases import LedgerError, Reservation, encode_ledger, ledger_name, parse_ledger
 from qgpu_runtime.contract.names import CLAIM_RESERVATIONS, GPU_MODE, GPU_MODE_DRA
 from qgpu_runtime.contract.observed import FirstSeen
-from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import raw_json
 from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, Unreachable, call
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
-from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, continue_token, read_capped
+from qgpu_runtime.kube.paging import PageTooLarge, pages
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
 from qgpu_runtime.webhook.claimquota import (
     CORE_QUOTA,
@@ -270,6 +269,7 @@ class ClaimQuota:
                 visible |= {str((c.get("metadata") or {}).get("name")) for c in page}
                 for name, used in claim_charges(page, namespace, self.default_memory_mib).items():
                     charges[name] = charges.get(name, Usage()) + used
+                del page  # not held while the next page is read
             # every pod, finished ones too: a pod stored is no longer a pending reservation, whatever its phase
             skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
             pods_used = Usage()
@@ -277,6 +277,7 @@ class ClaimQuota:
                 visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in page}
                 pods_used += pods_usage(page, namespace, skip=skip, dra_namespace=dra_namespace,
                                         default_memory_mib=self.default_memory_mib, limits=self.limits)
+                del page
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
             counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))
             counting.pop(key, None)  # a retried CREATE of the same object is not charged twice
@@ -343,43 +344,34 @@ class ClaimQuota:
         asking for the next; at most :data:`LIST_PAGES_AT_ONCE` pages are held across namespaces.
         ``api_may_be_absent``: a 404 means the apiserver does not serve the kind (resource.k8s.io/v1
         before Kubernetes 1.34), so none exist."""
-        token: str | None = None
-        limit = LIST_PAGE_ITEMS
         what = f"listing {kind} of namespace {namespace!r}"
-        while True:
-            def attempt(timeout: tuple[float, float], limit: int = limit, token: str | None = token) -> bytes | None:
+
+        def fetch(limit: int, token: str | None) -> Any:
+            def attempt(timeout: tuple[float, float]) -> Any:
                 try:
-                    response = call(list_call, namespace, limit=limit, _continue=token, _preload_content=False,
-                                    _request_timeout=timeout)
+                    return call(list_call, namespace, limit=limit, _continue=token, _preload_content=False,
+                                _request_timeout=timeout)
                 except NotFound:
                     if api_may_be_absent:
-                        return b"{}"
+                        return None
                     raise
-                return read_capped(response, LIST_PAGE_BYTES)
+            return self._call(what, attempt, deadline)
 
+        @contextmanager
+        def one_page_at_a_time() -> Iterator[None]:
             if not _reading.acquire(timeout=max(0.0, deadline - self.monotonic())):
                 raise QuotaUnavailable(f"{what}: other namespaces' lists took the {self.budget:g}s budget")
             try:
-                body = self._call(what, attempt, deadline)
-                if body is None:
-                    if limit == 1:
-                        raise QuotaUnavailable(f"{what}: one object's body is larger than {LIST_PAGE_BYTES} bytes")
-                    limit = max(1, limit // 4)
-                    continue
-                try:
-                    found = apijson.loads(body)
-                except ValueError as exc:
-                    raise QuotaUnavailable(f"{what}: the apiserver's answer is not JSON: {exc}") from None
-                del body
-                items = found.get("items") if isinstance(found, dict) else None
-                page = [i for i in items or [] if isinstance(i, dict)]
-                token = continue_token(found)
-                del found
+                yield
             finally:
                 _reading.release()
-            yield page
-            if not token:
-                return
+
+        try:
+            yield from pages(fetch, guard=one_page_at_a_time)
+        except PageTooLarge as exc:
+            raise QuotaUnavailable(f"{what}: {exc}") from None
+        except ValueError as exc:
+            raise QuotaUnavailable(f"{what}: the apiserver's answer is not JSON: {exc}") from None
 
     def _read_ledger(self, namespace: str, deadline: float) -> Ledger:
         name = ledger_name(namespace)

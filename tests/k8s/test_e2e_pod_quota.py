@@ -21,8 +21,8 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.kube.paging import LIST_PAGE_ITEMS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
-from qgpu_runtime.webhook.quota import LIST_PAGE_ITEMS
 from tests.k8s.controlplane import QgpuServer, free_port
 from tests.k8s.kubeobjects import gpu_pod
 from tests.k8s.test_e2e_claimquota_webhook import _race

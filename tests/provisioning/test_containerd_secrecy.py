@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 from ansible_tools import BIN, REPO, run_tool
+from test_webhook_key_secrecy import flatten
 
 SECRET = "s3cr3t-Registry-Passw0rd"
 MAIN_V2 = f"""\
@@ -113,18 +114,6 @@ def test_the_node_pool_role_prints_no_registry_password(tmp_path: Path) -> None:
                   qgpu_node_pool_containerd_version="2.4.2")
     assert "Read the main containerd config" in output
     assert betrayed(output) == [], "the registry password is in ansible-playbook's output"
-
-
-def flatten(tasks: list[dict]) -> list[dict]:
-    """Tasks, with those inside blocks (block, rescue, always) in their place."""
-    out: list[dict] = []
-    for task in tasks:
-        if "block" in task:
-            for part in ("block", "rescue", "always"):
-                out += flatten(task.get(part) or [])
-        else:
-            out.append(task)
-    return out
 
 
 def test_every_task_applying_a_secret_hides_its_result() -> None:

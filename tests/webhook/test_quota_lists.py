@@ -14,8 +14,9 @@ from __future__ import annotations
 import tracemalloc
 from typing import Any
 
-from qgpu_runtime.webhook import quota as quota_module
-from qgpu_runtime.webhook.quota import LIST_PAGE_BYTES, LIST_PAGE_ITEMS, Verdict
+from qgpu_runtime.kube import paging
+from qgpu_runtime.kube.paging import LIST_PAGE_BYTES, LIST_PAGE_ITEMS
+from qgpu_runtime.webhook.quota import Verdict
 from tests.webhook.test_claim_quota_serving import FakeApi, Response, claim, guard, page
 from tests.webhook.test_claim_quota_serving import review as claim_review
 from tests.webhook.test_pod_quota import CARD, pod, review
@@ -90,7 +91,7 @@ def test_the_check_holds_a_page_not_the_namespace():
 
 
 def test_one_object_past_the_cap_is_a_500_naming_it(monkeypatch):
-    monkeypatch.setattr(quota_module, "LIST_PAGE_BYTES", 64 * 1024)
+    monkeypatch.setattr(paging, "LIST_PAGE_BYTES", 64 * 1024)
     api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[heavy_pod("huge")])
     verdict = guard(api).check_pod(review("gpu", {"nvidia.com/gpu": "1"}))
     assert (verdict.allowed, verdict.code) == (False, 500)
