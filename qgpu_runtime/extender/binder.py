@@ -172,9 +172,9 @@ class Binder:
     def _bound_already(self, pod: dict[str, Any], node: str) -> BindOutcome:
         meta = pod.get("metadata") or {}
         bound_to = (pod.get("spec") or {}).get("nodeName")
-        self.cache.apply_pod("MODIFIED", pod)  # whatever an earlier attempt (or a replacement pod) holds is the truth now
         if bound_to != node:
             raise BindError(f"pod {meta.get('namespace')}/{meta.get('name')}: already bound to {bound_to}, not {node}")
+        self.cache.apply_pod("MODIFIED", pod)  # whatever an earlier attempt wrote is the truth now
         return BindOutcome(node, (meta.get("annotations") or {}).get(ALLOCATION))
 
     def _bind_gpu(self, pod: dict[str, Any], request: Any, node: str) -> BindOutcome:

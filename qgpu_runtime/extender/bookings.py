@@ -51,8 +51,11 @@ class Bookings:
         for key, placement in old.items():
             if placement.node not in fresh.index:
                 continue  # the node left; its pods are gone or will be
+            # a record's (or a bind's in flight) on the cards the node lists now; filter's hold
+            # whole or not at all (a hold of fewer cards than asked would become the bind's record)
+            kept = placement if self._pods.held(key) else fresh.on_known_cards(placement)
             try:
-                fresh.commit(key, fresh.on_known_cards(placement))  # version bumped below
+                fresh.commit(key, kept)  # version bumped below
             except StateError as exc:
                 self._report(f"cannot replay booking of {key} after a node change: {exc}")
         self.current = fresh

@@ -123,7 +123,8 @@ class PodEvents:
         flight aside): those not booked yet, and those booked on fewer cards than they name (a card
         that was unhealthy is back: the pod's share of it is booked again)."""
         for entry in self._pods.entries():
-            if self._pods.pinned(entry.key) is None and (entry.key not in state.bookings or entry.record_raw is not None):
+            if self._pods.pinned(entry.key) is None and (
+                    entry.key not in state.bookings or (entry.record_raw is not None and not self._pods.held(entry.key))):
                 self.sync(state, entry)
 
     def forget_stale_assumption(self, state: ClusterState, pod: Mapping[str, Any]) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from qgpu_runtime.extender.cache import AllocationCache
+from qgpu_runtime.kube.podslim import kept
 from qgpu_runtime.model.requests import CardLimits, PodRequest, RequestError, parse_pod
 
 ReadPod = Callable[[str, str], "dict[str, Any] | None"]  # (namespace, name) -> pod, None when absent
@@ -33,7 +34,9 @@ def _identity(pod: Mapping[str, Any]) -> tuple[str, str, str]:
 
 
 def _same_request_fields(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Cheap check first: what :func:`parse_pod` reads (spec, annotations, labels) is equal."""
+    """Cheap check first: what :func:`parse_pod` reads (spec, annotations, labels) is equal. Both
+    as the cache keeps pods (:func:`~qgpu_runtime.kube.podslim.kept`): the body's pod is whole."""
+    a, b = kept(a), kept(b)
     meta_a, meta_b = a.get("metadata") or {}, b.get("metadata") or {}
     return (a.get("spec") == b.get("spec") and meta_a.get("annotations") == meta_b.get("annotations")
             and meta_a.get("labels") == meta_b.get("labels"))

@@ -250,3 +250,20 @@ def test_a_client_ca_without_a_serving_certificate_is_refused():
     routes = Routes(post={}, get={})
     with pytest.raises(ValueError, match="client CA without a serving certificate"):
         JsonServer("127.0.0.1", 0, routes, client_ca_file="ca.crt")
+
+
+def test_a_pod_with_volumes_and_env_is_matched_without_parsing_the_body(monkeypatch):
+    """The cache keeps pods without their bulk (kube/podslim.py) while kube-scheduler's body carries
+    the pod whole: the cheap field comparison compares both as kept, so the body is not parsed
+    again on every filter of an ordinary pod (nearly every pod has its service-account volume)."""
+    from qgpu_runtime.extender import trust
+
+    real = pod("p", core=30, memory=4)
+    real["spec"]["volumes"] = [{"name": "kube-api-access-x", "projected": {"sources": []}}]
+    real["spec"]["containers"][0]["env"] = [{"name": "A", "value": "b"}]
+    app = app_with(real)
+    parsed = []
+    original = trust.parse_pod
+    monkeypatch.setattr(trust, "parse_pod", lambda *a, **k: parsed.append(1) or original(*a, **k))
+    status, doc = app.handle("filter", filter_body(real))
+    assert doc["Error"] == "" and parsed == []

@@ -294,3 +294,23 @@ def test_nodes_of_a_dra_pool_take_only_what_dra_maps():
     c.replace_nodes([node("d"), node("p")])  # the pool went back to device plugins
     again = pod("again")
     assert c.filter(again, parse_pod(again), ["d"], now_ns=1).passed == ["d"]
+
+
+def test_a_filter_hold_on_a_card_gone_unhealthy_is_not_bound_with_fewer_cards():
+    """Filter held cards 0 and 1 for a two-card pod; card 1 goes unhealthy before the bind. The
+    hold is dropped whole, not trimmed to card 0: the bind chooses two cards the node still lists."""
+    cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(3)]
+
+    def h(unhealthy: frozenset[int]) -> dict:
+        return {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=unhealthy)}},
+                "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+
+    c = cache()
+    c.replace_nodes([h(frozenset())])
+    two = pod("two", core=200, memory=0)
+    assert c.filter(two, parse_pod(two), ["h"], now_ns=1).passed == ["h"]
+    held = c.booking("ns/two")
+    assert held is not None and [s.index for ct in held.containers for s in ct.shares] == [0, 1]
+    c.replace_nodes([h(frozenset({1}))])
+    record = c.reserve(two, parse_pod(two), "h", 2)
+    assert sorted(s.index for ct in record.containers for s in ct.shares) == [0, 2]
