@@ -32,11 +32,13 @@ version = 2
 [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
   runtime_type = "io.containerd.runc.v2"
 """
+# the credentials next to the `imports` line the roles edit: a diff's context lines would show them
 MAIN_V3 = f"""\
 version = 3
+imports = ["/etc/containerd/other.d/*.toml"]
 [plugins."io.containerd.cri.v1.images".registry.configs."registry.example.com".auth]
-  username = "robot"
   password = "{SECRET}"
+  username = "robot"
 """
 
 
