@@ -226,15 +226,19 @@ def test_unhealthy_cards_take_no_new_pods():
     assert c.filter(whole, parse_pod(whole), ["h"]).unresolvable.keys() == {"h"}
 
 
+def node_h(n_cards: int, unhealthy: frozenset[int]) -> dict:
+    """Node h with ``n_cards`` V100s, those of ``unhealthy`` marked so by its manager."""
+    cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(n_cards)]
+    return {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=unhealthy)}},
+            "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+
+
 def test_a_card_gone_unhealthy_leaves_its_pods_other_cards_booked_and_its_return_books_it_again():
     """A pod bound to cards 0 and 1; card 1 is marked unhealthy and leaves the node's spec while the
     pod keeps running. Its whole record used to stay unbooked ('no card with index 1'), and card 0,
     which the pod still holds, went to the next whole-card pod."""
-    cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(2)]
-
     def h(unhealthy: frozenset[int]) -> dict:
-        return {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=unhealthy)}},
-                "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+        return node_h(2, unhealthy)
 
     c = cache()
     c.replace_nodes([h(frozenset())])
@@ -299,11 +303,8 @@ def test_nodes_of_a_dra_pool_take_only_what_dra_maps():
 def test_a_filter_hold_on_a_card_gone_unhealthy_is_not_bound_with_fewer_cards():
     """Filter held cards 0 and 1 for a two-card pod; card 1 goes unhealthy before the bind. The
     hold is dropped whole, not trimmed to card 0: the bind chooses two cards the node still lists."""
-    cards = [CardSpec(i, f"GPU-h-{i}", "V100", 32768) for i in range(3)]
-
     def h(unhealthy: frozenset[int]) -> dict:
-        return {"metadata": {"name": "h", "annotations": {"qgpu.io/gpus": cards_annotation(cards, unhealthy=unhealthy)}},
-                "status": {"allocatable": {"cpu": "8", "memory": "16Gi"}}}
+        return node_h(3, unhealthy)
 
     c = cache()
     c.replace_nodes([h(frozenset())])
