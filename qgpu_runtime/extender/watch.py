@@ -21,12 +21,18 @@ from kubernetes.watch.watch import iter_resp_lines
 from qgpu_runtime.extender.cache import AllocationCache
 from qgpu_runtime.extender.dra import DraView
 from qgpu_runtime.kube import apijson
-from qgpu_runtime.kube.client import REQUEST_TIMEOUT, raw_json
+from qgpu_runtime.kube.client import REQUEST_TIMEOUT
+from qgpu_runtime.kube.paging import paged_list
+from qgpu_runtime.kube.podslim import kept
 
 log = logging.getLogger(__name__)
 
 # Pods that ended hold no cards; leaving them out keeps big clusters' lists small.
 LIVE_PODS = "status.phase!=Succeeded,status.phase!=Failed"
+
+
+def _whole(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj
 
 
 @dataclass
@@ -36,6 +42,8 @@ class Kind:
     replace: Callable[[Iterable[Mapping[str, Any]]], None]
     apply: Callable[[str, Mapping[str, Any]], None]
     field_selector: str | None = None
+    keep: Callable[[dict[str, Any]], dict[str, Any]] = _whole
+    """What a LIST keeps of each object while the rest of its pages are read (all of it by default)."""
 
 
 class CacheFeeder:
@@ -52,7 +60,7 @@ class CacheFeeder:
         self._lock = threading.Lock()
         self.kinds = [
             Kind("nodes", api.list_node, cache.replace_nodes, cache.apply_node),
-            Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS),
+            Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS, kept),
             # preempt's PodDisruptionBudgets (extender/budgets.py)
             Kind("poddisruptionbudgets", (policy_api or client.PolicyV1Api(api.api_client)).list_pod_disruption_budget_for_all_namespaces,
                  cache.budgets.replace, cache.budgets.apply),
@@ -84,16 +92,23 @@ class CacheFeeder:
         self._stop.set()
 
     def _list(self, kind: Kind) -> str:
-        kwargs: dict[str, Any] = {"_preload_content": False, "_request_timeout": (REQUEST_TIMEOUT[0], 60)}
-        if kind.field_selector:
-            kwargs["field_selector"] = kind.field_selector
-        doc = raw_json(kind.list_call(**kwargs))
-        kind.replace(doc.get("items") or [])
+        """LIST the kind a page at a time (kube/paging.py: a tenant's pods near etcd's object limit
+        are not decoded all at once; a pod is kept without the bulk the cache never reads), then
+        replace the cache's copy with it; the list's resourceVersion, where the watch starts."""
+        def fetch(limit: int, token: str | None) -> Any:
+            kwargs: dict[str, Any] = {"limit": limit, "_continue": token, "_preload_content": False,
+                                      "_request_timeout": (REQUEST_TIMEOUT[0], 60)}
+            if kind.field_selector:
+                kwargs["field_selector"] = kind.field_selector
+            return kind.list_call(**kwargs)
+
+        items, version = paged_list(fetch, kind.keep)
+        kind.replace(items)
         with self._lock:
             self._listed.add(kind.name)
             if len(self._listed) == len(self.kinds):
                 self.cache.synced.set()
-        return str((doc.get("metadata") or {}).get("resourceVersion") or "")
+        return version
 
     def _run(self, kind: Kind, version: str) -> None:
         failures = 0

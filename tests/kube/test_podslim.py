@@ -134,3 +134,35 @@ def test_the_node_managers_list_is_paged_and_keeps_only_what_it_reads():
     assert all("env" not in p["spec"]["containers"][0] for p in listed)
     assert len(answered) > 3 and any(len(r.data) > LIST_PAGE_BYTES for r in answered)
     assert all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
+
+
+def test_the_extenders_list_is_paged_and_keeps_pods_without_their_bulk():
+    """The extender's LIST of every live pod (extender/watch.py) reads a page at a time under
+    kube/paging.py's cap and keeps each pod as kept() leaves it until the cache takes them."""
+    from kubernetes import client as kube
+
+    from qgpu_runtime.extender.watch import CacheFeeder
+    from qgpu_runtime.kube.paging import LIST_PAGE_BYTES
+    from tests.extender.test_kube_cache import cache
+    from tests.webhook.test_claim_quota_serving import Response, page
+
+    pods = [heavy(i) for i in range(6)] + [kept(heavy(i)) for i in range(6, 250)]
+    for p in pods:
+        p["metadata"]["namespace"] = "t"
+    answered: list[Response] = []
+    replaced: list[list[dict]] = []
+
+    def list_pods(**kwargs):
+        assert kwargs["field_selector"] == "status.phase!=Succeeded,status.phase!=Failed"
+        answered.append(page(pods, **{k: v for k, v in kwargs.items() if k in ("limit", "_continue")}))
+        return answered[-1]
+
+    feeder = CacheFeeder(kube.CoreV1Api(kube.ApiClient()), cache(), policy_api=kube.PolicyV1Api(kube.ApiClient()))
+    (kind,) = [k for k in feeder.kinds if k.name == "pods"]
+    kind.list_call = list_pods
+    kind.replace = replaced.append
+    feeder._list(kind)
+    (listed,) = replaced
+    assert [p["metadata"]["uid"] for p in listed] == [p["metadata"]["uid"] for p in pods]
+    assert all("env" not in p["spec"]["containers"][0] for p in listed)
+    assert len(answered) > 3 and all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
