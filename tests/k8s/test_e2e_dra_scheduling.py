@@ -185,10 +185,14 @@ def test_a_deleted_slice_is_published_again(cluster, resource, dra_node):
 def test_two_pods_share_one_card_within_its_capacity_and_a_third_that_fits_nowhere_stays_pending(
         cluster, resource, dra_node, ns):
     node = dra_node(2)
+    # One at a time: with both in flight, kube-scheduler's allocator put the second share on gpu-1
+    # once in a full run (it did not count the first's consumed capacity as a share of gpu-0 yet).
+    # What is asserted is that a card with room takes a second share, not the allocator's race.
     submit(cluster, resource, ns, node, "half-a", core="500", memory=str(8 * GIB))
+    a = allocation(resource, ns, "half-a")
     submit(cluster, resource, ns, node, "half-b", core="500", memory=str(8 * GIB))
     assert bound_to(cluster, ns, "half-a") == bound_to(cluster, ns, "half-b") == node.name
-    a, b = allocation(resource, ns, "half-a"), allocation(resource, ns, "half-b")
+    b = allocation(resource, ns, "half-b")
     assert (a["driver"], a["pool"], a["device"]) == (b["driver"], b["pool"], b["device"]) == (dra.DRIVER, node.name, "gpu-0")
     assert a["consumedCapacity"] == b["consumedCapacity"] == {"core": "500", "memory": "8192", "pods": "1"}
     assert a["shareID"] and b["shareID"] and a["shareID"] != b["shareID"]
