@@ -28,8 +28,24 @@ def _container(container: Any) -> Any:
     return {k: v for k, v in container.items() if k not in BULK_CONTAINER_FIELDS}
 
 
+def _bulky(pod: Mapping[str, Any]) -> bool:
+    meta, spec = pod.get("metadata"), pod.get("spec")
+    if isinstance(meta, dict) and "managedFields" in meta:
+        return True
+    if not isinstance(spec, dict):
+        return False
+    if BULK_SPEC_FIELDS & spec.keys():
+        return True
+    return any(isinstance(c, dict) and BULK_CONTAINER_FIELDS & c.keys()
+               for field in CONTAINER_LISTS if isinstance(spec.get(field), list) for c in spec[field])
+
+
 def kept(pod: Mapping[str, Any]) -> dict[str, Any]:
-    """``pod`` without the parts no qgpu component reads (a new dict; ``pod`` is not changed)."""
+    """``pod`` without the parts no qgpu component reads: a new dict, or ``pod`` itself when it
+    has none of them (a pod kept already, compared again on every call). ``pod`` is never changed,
+    and what is returned is not to be changed either."""
+    if not _bulky(pod):
+        return pod if isinstance(pod, dict) else dict(pod)
     out = dict(pod)
     meta = pod.get("metadata")
     if isinstance(meta, dict) and "managedFields" in meta:

@@ -54,6 +54,26 @@ def test_kept_drops_the_bulk_and_keeps_what_qgpu_reads():
     assert len(json.dumps(slim)) < 2000 < len(HEAVY)
 
 
+def test_a_pod_with_nothing_to_drop_is_kept_as_it_is_and_each_bulky_part_alone_is_dropped():
+    slim = kept(heavy(0))
+    assert kept(slim) is slim  # kept already: compared on every call, not copied again
+    bare = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    assert kept(bare) is bare
+    assert kept({"metadata": {"name": "p"}}) == {"metadata": {"name": "p"}}
+    one_each = [
+        {"metadata": {"name": "p", "managedFields": [{}]}},
+        {"spec": {"volumes": [{"name": "v"}]}},
+        {"spec": {"containers": [{"name": "c", "env": [{"name": "A"}]}]}},
+        {"spec": {"initContainers": [{"name": "c", "args": ["x"]}]}},
+        {"spec": {"ephemeralContainers": [{"name": "c", "startupProbe": {}}]}},
+    ]
+    for pod in one_each:
+        before = copy.deepcopy(pod)
+        out = kept(pod)
+        assert out is not pod and pod == before, pod
+        assert out != pod, pod
+
+
 def retained(keep) -> int:
     """Bytes still allocated after ``keep`` took twelve heavy pods and the caller dropped them."""
     gc.collect()
