@@ -323,18 +323,11 @@ class ClaimQuota:
                 raise LedgerConflict(what) from None
             raise QuotaUnavailable(f"{what}: the apiserver answered {exc}") from None
 
-    def _list(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float, *,
-              api_may_be_absent: bool = False) -> list[dict[str, Any]]:
-        """The namespace's objects of ``kind``. ``api_may_be_absent``: a 404 means the apiserver
-        does not serve the kind (resource.k8s.io/v1 before Kubernetes 1.34), so none exist."""
-        def attempt(timeout: tuple[float, float]) -> dict[str, Any]:
-            try:
-                return raw_json(call(list_call, namespace, _preload_content=False, _request_timeout=timeout))
-            except NotFound:
-                if api_may_be_absent:
-                    return {}
-                raise
-        found = self._call(f"listing {kind} of namespace {namespace!r}", attempt, deadline)
+    def _list(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float) -> list[dict[str, Any]]:
+        """The namespace's objects of ``kind`` in one answer: only for kinds a tenant with ``edit``
+        cannot create (ResourceQuotas); what tenants write is read with :meth:`_pages`."""
+        found = self._call(f"listing {kind} of namespace {namespace!r}", lambda t: raw_json(
+            call(list_call, namespace, _preload_content=False, _request_timeout=t)), deadline)
         return [i for i in found.get("items") or [] if isinstance(i, dict)]
 
     def _pages(self, kind: str, list_call: Callable[..., Any], namespace: str, deadline: float, *,
