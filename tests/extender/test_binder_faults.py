@@ -70,14 +70,20 @@ def filtered():
     return c, p
 
 
+def bind_fails(url: str, c, match: str, *, attempts: int, timeout=(0.5, 2), name: str = "p", uid: str = "uid-p",
+               node: str = "a") -> None:
+    """A Binder against ``url`` fails to bind pod ns/``name`` with a BindError matching ``match``."""
+    binder = Binder(api_at(url), c, DEFAULT_LIMITS, attempts=attempts, timeout=timeout, signer=SIGNER)
+    with pytest.raises(BindError, match=match):
+        binder.bind("ns", name, uid, node)
+
+
 def test_refused_connections_are_retried_then_reported_and_the_cards_released(filtered):
     c, p = filtered
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: connections are refused
-    binder = Binder(api_at(f"http://127.0.0.1:{port}"), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 0.5), signer=SIGNER)
-    with pytest.raises(BindError, match="pod ns/p: binding to a failed, cards released"):
-        binder.bind("ns", "p", "uid-p", "a")
+    bind_fails(f"http://127.0.0.1:{port}", c, "pod ns/p: binding to a failed, cards released", attempts=3, timeout=(0.5, 0.5))
     assert c.booking("ns/p") is None
 
 
@@ -85,9 +91,7 @@ def test_server_errors_are_retried_with_backoff_and_the_message_is_passed_on(fil
     c, p = filtered
     server = Answering(503)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2), signer=SIGNER)
-        with pytest.raises(BindError, match=r"503 etcd is sad"):
-            binder.bind("ns", "p", "uid-p", "a")
+        bind_fails(server.url, c, r"503 etcd is sad", attempts=3)
         assert server.requests == 3
     finally:
         server.close()
@@ -98,9 +102,7 @@ def test_client_errors_are_not_retried(filtered):
     c, p = filtered
     server = Answering(403)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=3, timeout=(0.5, 2), signer=SIGNER)
-        with pytest.raises(BindError, match="403"):
-            binder.bind("ns", "p", "uid-p", "a")
+        bind_fails(server.url, c, "403", attempts=3)
         assert server.requests == 1
     finally:
         server.close()
@@ -112,10 +114,8 @@ def test_an_apiserver_that_never_answers_times_out(filtered):
     silent.bind(("127.0.0.1", 0))
     silent.listen(16)  # accepts connections (the kernel does) and never says a word
     try:
-        binder = Binder(api_at(f"http://127.0.0.1:{silent.getsockname()[1]}"), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 0.5), signer=SIGNER)
         started = time.monotonic()
-        with pytest.raises(BindError, match="pod ns/p"):
-            binder.bind("ns", "p", "uid-p", "a")
+        bind_fails(f"http://127.0.0.1:{silent.getsockname()[1]}", c, "pod ns/p", attempts=2, timeout=(0.5, 0.5))
         assert time.monotonic() - started < 10
     finally:
         silent.close()
@@ -126,9 +126,7 @@ def test_unknown_pod_is_a_clear_error():
     c = cache()
     server = Answering(404)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 2), signer=SIGNER)
-        with pytest.raises(BindError, match="pod ns/ghost: cannot read it \\(404"):
-            binder.bind("ns", "ghost", "", "a")
+        bind_fails(server.url, c, "pod ns/ghost: cannot read it \\(404", attempts=2, name="ghost", uid="")
     finally:
         server.close()
 
@@ -184,9 +182,7 @@ def test_a_failed_bind_of_a_replaced_pod_leaves_the_new_pods_cards_booked():
 
     server = CallingBack(503, replaced)
     try:
-        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=1, timeout=(0.5, 2), signer=SIGNER)
-        with pytest.raises(BindError, match="pod ns/p: binding to a failed, cards released"):
-            binder.bind("ns", "p", "uid-1", "a")
+        bind_fails(server.url, c, "pod ns/p: binding to a failed, cards released", attempts=1, uid="uid-1")
     finally:
         server.close()
     booking = c.booking("ns/p")
