@@ -70,6 +70,8 @@ WEBHOOK_OPT_OUT_LABEL: Final = "qgpu.io/webhook"
 """Namespaces labelled ``qgpu.io/webhook=disabled`` are not sent to the webhook."""
 GROUP_MIN_MEMBER: Final = "qgpu.io/group-min-member"
 """Pod annotation a user writes: the minimum size of the pod's T9k group, 1..64 (extender/groups.py)."""
+GROUP_LABEL: Final = "scheduler.tensorstack.dev/group-name"
+"""Pod label a user writes: T9k's group (gang) of the pod, by name within its namespace."""
 GPU_MODE: Final = "qgpu.io/gpu-mode"
 """Label of namespaces (and annotation of pods) choosing how GPU requests are served: ``dra``
 namespaces are registered with the webhook's /mutate-dra, which turns every dialect into DRA claims;

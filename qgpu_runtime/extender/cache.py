@@ -59,6 +59,7 @@ from qgpu_runtime.extender.podstate import PodEntry, PodStates, namespace_of
 from qgpu_runtime.extender.recordtrust import UntrustedRecords, entry_of, pod_key, pod_priority
 from qgpu_runtime.extender.reservations import Reservations
 from qgpu_runtime.extender.scoring import Scorer
+from qgpu_runtime.kube.podslim import kept
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, Dialect, PodRequest
 from qgpu_runtime.placement.disruption import PodLabels, violating
 from qgpu_runtime.placement.preemption import Candidate, FitBudget, choose_victims
@@ -215,6 +216,7 @@ class AllocationCache:
                     self.apply_node("DELETED", {"metadata": {"name": name}})
 
     def apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
+        pod = kept(pod)  # what every part below reads, and holds no more than (kube/podslim.py)
         entry, refusal = entry_of(pod, self.verifier)
         with self.lock:
             self._untrusted.note(entry.key, None if event == "DELETED" or entry.terminal else refusal)

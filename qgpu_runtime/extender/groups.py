@@ -34,10 +34,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from qgpu_runtime.contract.names import GROUP_MIN_MEMBER
+from qgpu_runtime.contract.names import GROUP_LABEL, GROUP_MIN_MEMBER
 from qgpu_runtime.contract.record import AllocationRecord
 
-GROUP_LABEL = "scheduler.tensorstack.dev/group-name"
 MIN_MEMBER_ANNOTATION = GROUP_MIN_MEMBER  # the user writes it; the roles' policy leaves it open
 MAX_GROUP_MEMBERS = 64
 DEFAULT_GROUP_TIMEOUT_S = 60.0

@@ -20,6 +20,8 @@ from qgpu_runtime.kube.client import drain, raw_json
 from qgpu_runtime.kube.errors import ApiError, Conflict, NotFound, call
 from qgpu_runtime.kube.errors import brief as short
 from qgpu_runtime.kube.hotcalls import HotCalls
+from qgpu_runtime.kube.paging import pages
+from qgpu_runtime.kube.podslim import kept
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 
 
@@ -43,14 +45,23 @@ class PodApi:
 
     def list_live(self, namespace: str, label_selector: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
         """The live (neither Succeeded nor Failed) pods of ``namespace`` matching ``label_selector``,
-        at most ``limit`` of them, and whether there are more."""
-        doc = raw_json(with_backoff(
-            lambda: call(self.api.list_namespaced_pod, namespace, label_selector=label_selector,
-                         field_selector="status.phase!=Succeeded,status.phase!=Failed", limit=limit,
-                         _preload_content=False, _request_timeout=self.timeout),
-            attempts=self.attempts))
-        items = list(doc.get("items") or [])
-        return items, bool((doc.get("metadata") or {}).get("continue")) or len(items) > limit
+        at most ``limit`` of them as :func:`~qgpu_runtime.kube.podslim.kept` leaves them, and whether
+        there are more. Read a page at a time under kube/paging.py's byte cap: a group's members are
+        its tenant's pods, each up to etcd's object limit, and were decoded in one answer."""
+        listed: list[dict[str, Any]] = []
+
+        def fetch(page_limit: int, token: str | None) -> Any:
+            return with_backoff(lambda: call(
+                self.api.list_namespaced_pod, namespace, label_selector=label_selector,
+                field_selector="status.phase!=Succeeded,status.phase!=Failed", limit=min(page_limit, limit + 1 - len(listed)),
+                _continue=token, _preload_content=False, _request_timeout=self.timeout), attempts=self.attempts)
+
+        for page in pages(fetch):
+            listed.extend(kept(p) for p in page)
+            del page
+            if len(listed) > limit:
+                return listed[:limit], True
+        return listed, False
 
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""

@@ -135,7 +135,11 @@ class NodePodCache(Generic[D]):
         for pod in pods:
             old = known.get(_uid(pod))
             same = old is not None and bool(_version(pod)) and _version(old[0]) == _version(pod)
-            entries[_uid(pod)] = old if same and old is not None else (kept(pod), self.derive(pod))
+            if same and old is not None:
+                entries[_uid(pod)] = old
+            else:
+                slim = kept(pod)
+                entries[_uid(pod)] = (slim, self.derive(slim))
         return entries
 
     def _list(self) -> tuple[list[dict[str, Any]], str]:
@@ -171,13 +175,14 @@ class NodePodCache(Generic[D]):
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not uid:
             return
         gone = kind == "DELETED" or (pod.get("spec") or {}).get("nodeName") != self.node
+        pod = kept(pod)  # derived from what is kept, as a relist's pods are: nothing holds the whole pod
         derived = None if gone else self.derive(pod)
         with self._lock:
             self._version = _version(pod) or self._version
             if gone:
                 self._entries.pop(uid, None)
             elif uid in self._entries or len(self._entries) < self.max_pods:
-                self._entries[uid] = (kept(pod), derived)
+                self._entries[uid] = (pod, derived)
             else:
                 if not self._overflow:
                     log.warning("node %s: more than %d pods; Allocate reads by LIST until they fit", self.node,

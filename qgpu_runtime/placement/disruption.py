@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 # Bounds on what one budget may carry into the cache (a tenant writes budgets in its namespace).
 MAX_SELECTOR_TERMS = 64
-MAX_TERM_VALUES = 256
+MAX_TERM_VALUES = 256  # in all the selector's terms: 64 terms of 256 each held ~2.3 MiB per budget
 MAX_DISRUPTED = 1_000
 
 _OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
@@ -63,6 +63,7 @@ def parse_selector(selector: Any) -> tuple[Requirement, ...]:
     if not isinstance(selector, Mapping):
         raise SelectorError(f"selector: {type(selector).__name__}: must be an object")
     out: list[Requirement] = []
+    values_in_all = 0
     match_labels = selector.get("matchLabels") or {}
     if not isinstance(match_labels, Mapping):
         raise SelectorError("selector.matchLabels: must be an object of strings")
@@ -84,8 +85,10 @@ def parse_selector(selector: Any) -> tuple[Requirement, ...]:
             raise SelectorError(f"{where}.operator={operator!r}: must be one of {', '.join(_OPERATORS)}")
         if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
             raise SelectorError(f"{where}.values: must be a list of strings")
-        if len(values) > MAX_TERM_VALUES:
-            raise SelectorError(f"{where}.values: {len(values)} values, at most {MAX_TERM_VALUES}")
+        values_in_all += len(values)
+        if values_in_all > MAX_TERM_VALUES:
+            raise SelectorError(f"{where}.values: {values_in_all} values in the selector's terms so far, at most "
+                                f"{MAX_TERM_VALUES} in all")
         if operator in ("In", "NotIn") and not values:
             raise SelectorError(f"{where}.values: {operator} needs at least one value")
         if operator in ("Exists", "DoesNotExist") and values:

@@ -155,7 +155,13 @@ def test_a_body_that_differs_harmlessly_parses_the_apiserver_s_pod_once_for_the_
     monkeypatch.setattr(requests, "_parse_container", counting)
     real = pod("p", version="3")
     app = _app(CountingKey(SIGNER.verifier.public_key), real)
-    body = {**real, "metadata": {**real["metadata"], "annotations": {"scheduler.example/seen": "yes"}}}
+    # a label differs (labels are kept whole, for PodDisruptionBudgets); an annotation qgpu does not
+    # read would not differ at all (kube/podslim.py keeps only the ones it reads)
+    body = {**real, "metadata": {**real["metadata"], "labels": {"scheduler.example/seen": "yes"}}}
     assert app.handle("filter", filter_body(body))[1]["NodeNames"] == ["a", "b"]
     assert parsed == ["c", "c"]  # the body's pod once (the check), the apiserver's once (check and filter)
     assert len(app.cache.requests) == 1
+    parsed.clear()
+    unread = {**real, "metadata": {**real["metadata"], "annotations": {"scheduler.example/seen": "yes"}}}
+    assert app.handle("filter", filter_body(unread))[1]["NodeNames"] == ["a", "b"]
+    assert parsed == []  # the same request as the apiserver's pod, whose parse is remembered

@@ -10,7 +10,7 @@ import json
 import tracemalloc
 
 from qgpu_runtime.extender.podmirror import PodMirror
-from qgpu_runtime.kube.podslim import BULK_CONTAINER_FIELDS, kept
+from qgpu_runtime.kube.podslim import CONTAINER_FIELDS, KEPT_ANNOTATIONS, MAX_KEPT_LABELS, kept
 from qgpu_runtime.model.requests import parse_pod
 from qgpu_runtime.node.podwatch import NodePodCache
 
@@ -42,9 +42,9 @@ def test_kept_drops_the_bulk_and_keeps_what_qgpu_reads():
     slim = kept(pod)
     assert pod == before  # the event's pod is not changed
     (container,) = slim["spec"]["containers"]
-    assert not BULK_CONTAINER_FIELDS & container.keys()
-    assert container == {"name": "c", "image": "i", "resources": pod["spec"]["containers"][0]["resources"]}
-    assert slim["spec"]["initContainers"] == [{"name": "i", "image": "i", "resources": {}}]
+    assert container.keys() <= CONTAINER_FIELDS
+    assert container == {"name": "c", "resources": pod["spec"]["containers"][0]["resources"]}
+    assert slim["spec"]["initContainers"] == [{"name": "i", "resources": {}}]
     assert "volumes" not in slim["spec"] and "managedFields" not in slim["metadata"]
     for field in ("name", "namespace", "uid", "resourceVersion", "labels", "annotations"):
         assert slim["metadata"][field] == pod["metadata"][field]
@@ -54,24 +54,57 @@ def test_kept_drops_the_bulk_and_keeps_what_qgpu_reads():
     assert len(json.dumps(slim)) < 2000 < len(HEAVY)
 
 
-def test_a_pod_with_nothing_to_drop_is_kept_as_it_is_and_each_bulky_part_alone_is_dropped():
+def test_a_pod_with_nothing_to_drop_is_kept_as_it_is_and_each_unread_part_alone_is_dropped():
     slim = kept(heavy(0))
     assert kept(slim) is slim  # kept already: compared on every call, not copied again
-    bare = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}
+    bare = {"metadata": {"name": "p", "labels": {"a": "b"}, "annotations": {"qgpu.io/gpu-model": "T4"}},
+            "spec": {"containers": [{"name": "c", "resources": {}}]}, "status": {"phase": "Pending"}}
     assert kept(bare) is bare
-    assert kept({"metadata": {"name": "p"}}) == {"metadata": {"name": "p"}}
     one_each = [
         {"metadata": {"name": "p", "managedFields": [{}]}},
+        {"metadata": {"name": "p", "ownerReferences": [{}], "finalizers": ["x"]}},
+        {"metadata": {"name": "p", "annotations": {"kubectl.kubernetes.io/last-applied-configuration": "{}"}}},
         {"spec": {"volumes": [{"name": "v"}]}},
+        {"spec": {"tolerations": [{"key": "k"}] * 3, "hostAliases": [{"ip": "1.2.3.4"}], "affinity": {}}},
+        {"spec": {"topologySpreadConstraints": [{}], "readinessGates": [{}], "imagePullSecrets": [{}]}},
         {"spec": {"containers": [{"name": "c", "env": [{"name": "A"}]}]}},
-        {"spec": {"initContainers": [{"name": "c", "args": ["x"]}]}},
+        {"spec": {"containers": [{"name": "c", "image": "i", "ports": [{"containerPort": 1}]}]}},
+        {"spec": {"initContainers": [{"name": "c", "args": ["x"], "restartPolicy": "Always"}]}},
         {"spec": {"ephemeralContainers": [{"name": "c", "startupProbe": {}}]}},
+        {"status": {"phase": "Running", "conditions": [{}], "podIPs": [{}]}},
+        {"metadata": {"name": "p"}, "extra": 1},
     ]
     for pod in one_each:
         before = copy.deepcopy(pod)
         out = kept(pod)
         assert out is not pod and pod == before, pod
-        assert out != pod, pod
+        assert out != pod and kept(out) is out, pod
+    assert kept(one_each[8])["spec"]["initContainers"] == [{"name": "c", "restartPolicy": "Always"}]  # a sidecar stays one
+
+
+def test_only_the_annotations_qgpu_reads_are_kept():
+    notes = {k: "v" for k in KEPT_ANNOTATIONS} | {f"tenant.example/{i}": "x" * 60 for i in range(2000)}
+    slim = kept({"metadata": {"name": "p", "annotations": notes}})
+    assert slim["metadata"]["annotations"] == {k: "v" for k in KEPT_ANNOTATIONS}
+    for key in ("qgpu.io/allocation", "qgpu.io/allocation-signature", "qgpu.io/bind-time", "qgpu.io/assigned",
+                "qgpu.io/group-min-member", "qgpu.io/gpu-model", "tke.cloud.tencent.com/app-class",
+                "nvidia.com/use-gputype", "nvidia.com/nouse-gputype", "gpu-fraction", "gpu-memory"):
+        assert key in KEPT_ANNOTATIONS, key
+
+
+def test_labels_are_kept_whole_up_to_the_bound_and_past_it_only_the_group_label():
+    group = "scheduler.tensorstack.dev/group-name"
+    labels = {f"l{i}": "v" for i in range(MAX_KEPT_LABELS - 1)} | {group: "g"}
+    pod = {"metadata": {"name": "p", "labels": labels}}
+    assert kept(pod)["metadata"]["labels"] == labels  # at the bound: whole (a budget may name any key)
+    many = {"metadata": {"name": "p", "labels": labels | {"one-more": "v"}}}
+    assert kept(many)["metadata"]["labels"] == {group: "g"}
+    prefix = ("a" * 60 + ".") * 4  # a DNS-subdomain key prefix, as long as one may be
+    long = {"metadata": {"name": "p", "labels": {f"{prefix}/k{i}": "v" * 63 for i in range(MAX_KEPT_LABELS - 8)}}}
+    assert len(long["metadata"]["labels"]) < MAX_KEPT_LABELS and kept(long)["metadata"]["labels"] == {}
+    # a tenant's 1.4 MiB of labels is a few bytes kept
+    huge = {"metadata": {"name": "p", "labels": {f"tenant.example/k{i:06d}": "v" * 60 for i in range(16_000)}}}
+    assert len(json.dumps(huge)) > 1_300_000 and kept(huge)["metadata"]["labels"] == {}
 
 
 def retained(keep) -> int:
@@ -98,7 +131,9 @@ class Source:
 
 def test_a_node_manager_keeps_a_page_of_bytes_not_the_pods_environments():
     source = Source()
-    cache = NodePodCache(source, NODE, lambda pod: None)
+    # what is derived may hold the pod it is derived from (the device plugin's match does): it is
+    # given the kept pod, through the watch as through the LIST
+    cache = NodePodCache(source, NODE, lambda pod: pod)
 
     def keep(pods: list[dict]) -> None:
         source.pods = pods[:6]
@@ -122,6 +157,29 @@ def test_the_extender_keeps_the_unbound_and_seen_pods_without_their_bulk():
 
     held = retained(keep)
     assert mirror.unbound("heavy-0") is not None and mirror.seen("heavy-11") is not None
+    assert held < len(HEAVY), held
+
+
+def labelled(i: int) -> dict:
+    """A bound pod carrying ~1.3 MiB of labels (no bound but etcd's object size on their count)."""
+    return {"metadata": {"name": f"l-{i}", "namespace": "t", "uid": f"l-{i}", "resourceVersion": "1",
+                         "labels": {f"tenant.example/k{j:06d}": "v" * 60 for j in range(16_000)}},
+            "spec": {"nodeName": NODE, "containers": [{"name": "c", "resources": {}}]}, "status": {"phase": "Running"}}
+
+
+def test_the_extender_cache_keeps_what_it_reads_of_every_live_pod_not_its_labels_past_the_bound():
+    """Every live pod's labels went into the cache's entry (PodDisruptionBudget matching), from
+    the watch's whole pod: twelve label-heavy pods were ~100 MiB held."""
+    from tests.extender.test_kube_cache import cache
+
+    c = cache()
+
+    def keep(pods: list[dict]) -> None:
+        for i, p in enumerate(pods):
+            c.apply_pod("ADDED", labelled(i) if i % 2 else p)
+
+    held = retained(keep)
+    assert c._pods.entry("t/l-1").labels == () and c._pods.entry("t/l-1").node_name == NODE
     assert held < len(HEAVY), held
 
 
@@ -186,3 +244,37 @@ def test_the_extenders_list_is_paged_and_keeps_pods_without_their_bulk():
     assert [p["metadata"]["uid"] for p in listed] == [p["metadata"]["uid"] for p in pods]
     assert all("env" not in p["spec"]["containers"][0] for p in listed)
     assert len(answered) > 3 and all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
+
+
+def test_a_groups_members_are_listed_a_page_at_a_time_and_kept_slim():
+    """The binder's LIST of a T9k group's live members (extender/podapi.py) was one answer decoded
+    whole: 64 tenant pods near etcd's limit. It now reads pages under kube/paging.py's cap, keeps
+    each member as kept() leaves it, and asks no more than one past the limit."""
+
+    from qgpu_runtime.extender.podapi import PodApi
+    from qgpu_runtime.kube.paging import LIST_PAGE_BYTES
+    from tests.webhook.test_claim_quota_serving import Response, page
+
+    members = [heavy(i) for i in range(8)]
+    asked: list[dict] = []
+    answered: list[Response] = []
+
+    class Core:
+        def list_namespaced_pod(self, namespace, **kwargs):
+            assert namespace == "t" and kwargs["label_selector"] == "g=1"
+            asked.append(kwargs)
+            answered.append(page(members, **{k: v for k, v in kwargs.items() if k in ("limit", "_continue")}))
+            return answered[-1]
+
+    api = PodApi.__new__(PodApi)  # the constructor builds the Binding's client: the parts used, set here
+    api.api, api.timeout, api.attempts = Core(), (1, 1), 1
+    listed, more = api.list_live("t", "g=1", 64)
+    assert (len(listed), more) == (8, False)
+    assert [p["metadata"]["name"] for p in listed] == [f"heavy-{i}" for i in range(8)]
+    assert all("env" not in p["spec"]["containers"][0] for p in listed)
+    assert asked[0]["limit"] == 65 and any(len(r.data) > LIST_PAGE_BYTES for r in answered)
+    assert all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
+
+    asked.clear()
+    listed, more = api.list_live("t", "g=1", 5)
+    assert (len(listed), more) == (5, True) and asked[0]["limit"] == 6

@@ -51,6 +51,8 @@ def test_selector_matching(selector, labels, expected):
     ({"matchExpressions": [{"key": "k", "operator": "In"}]}, "In needs at least one value"),
     ({"matchExpressions": [{"key": "k", "operator": "Exists", "values": ["a"]}]}, "Exists takes no values"),
     ({"matchExpressions": [{"key": "k", "operator": "In", "values": ["v"] * (MAX_TERM_VALUES + 1)}]}, "at most"),
+    ({"matchExpressions": [{"key": f"k{i}", "operator": "In", "values": [f"v{j}" for j in range(MAX_TERM_VALUES // 2)]}
+                           for i in range(3)]}, "selector.matchExpressions[2].values: 384 values in the selector's terms so far"),
 ])
 def test_an_unreadable_selector_is_named_and_matches_nothing(selector, field):
     with pytest.raises(SelectorError, match="^" + field.replace("[", r"\[").replace("]", r"\]").replace("(", r"\(")
