@@ -19,7 +19,13 @@ LIST_PAGE_ITEMS: Final = 100
 """Objects asked per page of a LIST (``limit``)."""
 LIST_PAGE_BYTES: Final = 4 * 1024 * 1024
 """The most of one page's body read: past it the page is asked again with a quarter of the items
-(an object may be near etcd's 1.5 MiB), down to one; a single object past it cannot be read."""
+(an object may be near etcd's 1.5 MiB), down to one, whose body may be up to :data:`OBJECT_BYTES`."""
+OBJECT_BYTES: Final = 16 * 1024 * 1024
+"""The most of a one-object page's body read. etcd's limit is on the stored (protobuf) object; the
+apiserver's JSON escapes ``<``, ``>``, ``&`` and control characters to six bytes each, so a pod of
+1 MB of ``<`` in one env value is served as ~6 MB. Every object the apiserver stores fits (1.5 MiB
+times six and its keys); a LIST that a single object stopped (its reader relisting for ever, as
+the extender's pod watch did) is the attack this bound must not allow."""
 
 
 def read_capped(response: Any, cap: int) -> bytes | None:
@@ -49,7 +55,7 @@ def continue_token(page: Any) -> str | None:
 
 
 class PageTooLarge(Exception):
-    """One object's body is larger than :data:`LIST_PAGE_BYTES`: the LIST cannot be read."""
+    """One object's body is larger than :data:`OBJECT_BYTES`: the LIST cannot be read."""
 
 
 def pages(fetch: Callable[[int, str | None], Any], *,
@@ -83,11 +89,12 @@ def _pages(fetch: Callable[[int, str | None], Any],
     while True:
         with guard():
             response = fetch(limit, token)
-            body = b"{}" if response is None else read_capped(response, LIST_PAGE_BYTES)
+            cap = OBJECT_BYTES if limit == 1 else LIST_PAGE_BYTES
+            body = b"{}" if response is None else read_capped(response, cap)
             del response
             if body is None:
                 if limit == 1:
-                    raise PageTooLarge(f"one object's body is larger than {LIST_PAGE_BYTES} bytes")
+                    raise PageTooLarge(f"one object's body is larger than {OBJECT_BYTES} bytes")
                 limit = max(1, limit // 4)
                 continue
             page = apijson.loads(body)

@@ -92,7 +92,26 @@ def test_the_check_holds_a_page_not_the_namespace():
 
 def test_one_object_past_the_cap_is_a_500_naming_it(monkeypatch):
     monkeypatch.setattr(paging, "LIST_PAGE_BYTES", 64 * 1024)
+    monkeypatch.setattr(paging, "OBJECT_BYTES", 128 * 1024)
     api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[heavy_pod("huge")])
     verdict = guard(api).check_pod(review("gpu", {"nvidia.com/gpu": "1"}))
     assert (verdict.allowed, verdict.code) == (False, 500)
-    assert "listing Pods of namespace 'team-a': one object's body is larger than 65536 bytes" in verdict.message
+    assert "listing Pods of namespace 'team-a': one object's body is larger than 131072 bytes" in verdict.message
+
+
+def test_one_object_past_the_page_cap_is_read_on_a_page_of_its_own():
+    """etcd bounds the stored object, not the apiserver's JSON of it (``<`` is served as six bytes):
+    a pod served as ~6 MB stopped every LIST it was on, the extender's pod watch relisting for ever.
+    A page of one object is read up to OBJECT_BYTES; the pages around it as before."""
+    escaped = heavy_pod("escaped")
+    escaped["spec"]["containers"][0]["env"] = [{"name": "X", "value": "\x01" * (LIST_PAGE_BYTES // 6 + 1)}]  # 6 bytes each
+    small = [heavy_pod(f"s{i}") for i in range(3)]
+    answered: list[Response] = []
+
+    def fetch(limit: int, token: str | None) -> Response:
+        answered.append(page(small[:1] + [escaped] + small[1:], limit=limit, _continue=token))
+        return answered[-1]
+
+    names = [p["metadata"]["name"] for items in paging.pages(fetch) for p in items]
+    assert names == ["s0", "escaped", "s1", "s2"]
+    assert any(r.closed for r in answered) and max(len(r.data) for r in answered if not r.closed) > LIST_PAGE_BYTES
