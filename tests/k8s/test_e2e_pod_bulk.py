@@ -1,0 +1,43 @@
+"""A tenant's pod as large as the apiserver serves it, against the real kube-apiserver and the
+extender's own LIST: etcd bounds the stored object (1.5 MiB), not the JSON served for it, and the
+apiserver's JSON writes ``<`` as ``\\u003c``. A pod of 0.9 MB of ``<`` in one env value is accepted
+and served as more than 5 MB; with kube/paging.py's 4 MiB page cap for a page of one object too,
+the extender's pod LIST could not be read, its restart never became ready and every bind was
+refused (the LIST retried for ever)."""
+
+from __future__ import annotations
+
+import json
+
+from kubernetes.client.exceptions import ApiException
+
+from qgpu_runtime.kube.paging import LIST_PAGE_BYTES
+from tests.k8s.kubeobjects import PAUSE, cards, gpu_node, gpu_pod, read_pod, wait_for
+
+
+def test_a_pod_served_past_the_page_cap_stops_neither_the_extenders_list_nor_its_binds(cluster, ns, label):
+    bulky = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "escaped"}, "spec": {
+        "schedulerName": "no-such-scheduler",  # unbound for ever: the extender keeps it (its mirror)
+        "terminationGracePeriodSeconds": 0, "automountServiceAccountToken": False,
+        "containers": [{"name": "c", "image": PAUSE, "env": [{"name": "X", "value": "<" * 900_000}]}]}}
+    cluster.api.create_namespaced_pod(ns, bulky, _preload_content=False)
+    try:
+        served = cluster.api.read_namespaced_pod("escaped", ns, _preload_content=False).data
+        assert len(served) > LIST_PAGE_BYTES and b"\\u003c" in served[:1_000_000], len(served)
+        cluster.restart_extender()  # its first LIST reads every live pod, this one among them
+        gpu_node(cluster.api, f"{ns}-n", cards(1, node=f"{ns}-n"), label)
+        cluster.api.create_namespaced_pod(ns, gpu_pod("after", {"tke.cloud.tencent.com/qgpu-core": 30,
+                                                                "tke.cloud.tencent.com/qgpu-memory": 1}, selector=label),
+                                          _preload_content=False)
+        bound = wait_for("the GPU pod bound", lambda: read_pod(cluster.api, ns, "after")["spec"].get("nodeName"))
+        assert bound == f"{ns}-n"
+        assert json.loads(served)["spec"]["containers"][0]["env"][0]["value"] == "<" * 900_000
+    finally:
+        cluster.api.delete_namespaced_pod("escaped", ns, grace_period_seconds=0, _preload_content=False)
+        try:
+            cluster.api.delete_node(f"{ns}-n", _preload_content=False)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        if cluster.extender.process is None or cluster.extender.process.popen.poll() is not None:
+            cluster.restart_extender()
