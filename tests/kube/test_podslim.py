@@ -169,7 +169,7 @@ def labelled(i: int) -> dict:
 
 def test_the_extender_cache_keeps_what_it_reads_of_every_live_pod_not_its_labels_past_the_bound():
     """Every live pod's labels went into the cache's entry (PodDisruptionBudget matching), from
-    the watch's whole pod: twelve label-heavy pods were ~100 MiB held."""
+    the watch's whole pod: twelve label-heavy bound pods held 26 MB (18 KB now)."""
     from tests.extender.test_kube_cache import cache
 
     c = cache()
