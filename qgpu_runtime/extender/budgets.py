@@ -26,8 +26,9 @@ class DisruptionBudgets:
         self._over: set[str] = set()
         self._problem = problem or (lambda message: None)
 
-    def replace(self, objects: Iterable[Mapping[str, Any]]) -> None:
-        fresh = [budget_of(obj) for obj in objects]
+    def replace(self, objects: Iterable[Mapping[str, Any] | Budget]) -> None:
+        """Every budget, as objects or as a LIST already reduced them (extender/watch.py)."""
+        fresh = [obj if isinstance(obj, Budget) else budget_of(obj) for obj in objects]
         with self._lock:
             self._by_namespace = {}
             for b in fresh:

@@ -131,6 +131,18 @@ def _key(obj: Mapping[str, Any]) -> str:
     return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
 
 
+@dataclass(frozen=True)
+class ReducedClaim:
+    """What the view keeps of a ResourceClaim (or a template: no uid, no usage): its asks or why
+    they cannot be read, and what it consumes. A LIST reduces each claim as its page is read, so
+    a tenant's claims near etcd's object limit are never held whole together."""
+
+    key: str
+    uid: str
+    asks: "list[Ask] | DemandError"
+    usage: tuple[Usage, ...] = ()
+
+
 class DraView:
     """Slices, claims and templates as the watches deliver them, and the scoring of DRA pods.
 
@@ -171,25 +183,38 @@ class DraView:
             for obj in items:
                 self.apply_slice("ADDED", obj)
 
-    def apply_claim(self, event: str, obj: Mapping[str, Any]) -> None:
-        key = _key(obj)
-        uid = str((obj.get("metadata") or {}).get("uid") or "")
-        with self.lock:
-            if event == "DELETED":
+    def reduce_claim(self, obj: Mapping[str, Any]) -> ReducedClaim:
+        try:
+            asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits, f"{describe(obj)}: spec")
+        except (DemandError, TypeError, ValueError) as exc:
+            asks = DemandError(str(exc))
+        return ReducedClaim(_key(obj), str((obj.get("metadata") or {}).get("uid") or ""), asks, tuple(claim_usage(obj)))
+
+    def reduce_template(self, obj: Mapping[str, Any]) -> ReducedClaim:
+        try:
+            asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits,
+                                                      f"{describe(obj, 'ResourceClaimTemplate')}: spec.spec")
+        except (DemandError, TypeError, ValueError) as exc:
+            asks = DemandError(str(exc))
+        return ReducedClaim(_key(obj), "", asks)
+
+    def apply_claim(self, event: str, obj: "Mapping[str, Any] | ReducedClaim") -> None:
+        if event == "DELETED":
+            key = obj.key if isinstance(obj, ReducedClaim) else _key(obj)
+            uid = obj.uid if isinstance(obj, ReducedClaim) else str((obj.get("metadata") or {}).get("uid") or "")
+            with self.lock:
                 self._asks.pop(key, None)
                 self._set_usage(uid, [])
-                return
-            try:
-                asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits, f"{describe(obj)}: spec")
-            except (DemandError, TypeError, ValueError) as exc:
-                asks = DemandError(str(exc))
-            if asks:
-                self._asks[key] = asks
+            return
+        reduced = obj if isinstance(obj, ReducedClaim) else self.reduce_claim(obj)
+        with self.lock:
+            if reduced.asks:
+                self._asks[reduced.key] = reduced.asks
             else:
-                self._asks.pop(key, None)
-            self._set_usage(uid, claim_usage(obj))
+                self._asks.pop(reduced.key, None)
+            self._set_usage(reduced.uid, list(reduced.usage))
 
-    def replace_claims(self, items: Iterable[Mapping[str, Any]]) -> None:
+    def replace_claims(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
             self._asks.clear()
             self._usage.clear()
@@ -197,23 +222,19 @@ class DraView:
             for obj in items:
                 self.apply_claim("ADDED", obj)
 
-    def apply_template(self, event: str, obj: Mapping[str, Any]) -> None:
-        key = _key(obj)
+    def apply_template(self, event: str, obj: "Mapping[str, Any] | ReducedClaim") -> None:
+        if event == "DELETED":
+            with self.lock:
+                self._template_asks.pop(obj.key if isinstance(obj, ReducedClaim) else _key(obj), None)
+            return
+        reduced = obj if isinstance(obj, ReducedClaim) else self.reduce_template(obj)
         with self.lock:
-            if event == "DELETED":
-                self._template_asks.pop(key, None)
-                return
-            try:
-                asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits,
-                                                          f"{describe(obj, 'ResourceClaimTemplate')}: spec.spec")
-            except (DemandError, TypeError, ValueError) as exc:
-                asks = DemandError(str(exc))
-            if asks:
-                self._template_asks[key] = asks
+            if reduced.asks:
+                self._template_asks[reduced.key] = reduced.asks
             else:
-                self._template_asks.pop(key, None)
+                self._template_asks.pop(reduced.key, None)
 
-    def replace_templates(self, items: Iterable[Mapping[str, Any]]) -> None:
+    def replace_templates(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
             self._template_asks.clear()
             for obj in items:

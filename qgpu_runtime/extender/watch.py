@@ -24,6 +24,7 @@ from qgpu_runtime.kube import apijson
 from qgpu_runtime.kube.client import REQUEST_TIMEOUT
 from qgpu_runtime.kube.paging import paged_list
 from qgpu_runtime.kube.podslim import kept
+from qgpu_runtime.placement.disruption import budget_of
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +40,13 @@ def _whole(obj: dict[str, Any]) -> dict[str, Any]:
 class Kind:
     name: str
     list_call: Callable[..., Any]
-    replace: Callable[[Iterable[Mapping[str, Any]]], None]
+    replace: Callable[[Iterable[Any]], None]
     apply: Callable[[str, Mapping[str, Any]], None]
     field_selector: str | None = None
-    keep: Callable[[dict[str, Any]], dict[str, Any]] = _whole
-    """What a LIST keeps of each object while the rest of its pages are read (all of it by default)."""
+    keep: Callable[[dict[str, Any]], Any] = _whole
+    """What a LIST keeps of each object while the rest of its pages are read (all of it by default;
+    ``replace`` takes what it keeps). A tenant writes pods, budgets and claims, each up to etcd's
+    object limit: each is reduced as its page is read, never held whole with the others."""
 
 
 class CacheFeeder:
@@ -63,16 +66,17 @@ class CacheFeeder:
             Kind("pods", api.list_pod_for_all_namespaces, cache.replace_pods, cache.apply_pod, LIVE_PODS, kept),
             # preempt's PodDisruptionBudgets (extender/budgets.py)
             Kind("poddisruptionbudgets", (policy_api or client.PolicyV1Api(api.api_client)).list_pod_disruption_budget_for_all_namespaces,
-                 cache.budgets.replace, cache.budgets.apply),
+                 cache.budgets.replace, cache.budgets.apply, keep=budget_of),
         ]
         if dra is not None:
             # DRA prioritize: qgpu's slices (cards), claims (demand and usage), templates (demand).
             resource = resource_api or client.ResourceV1Api(api.api_client)
             self.kinds += [
                 Kind("resourceslices", resource.list_resource_slice, dra.replace_slices, dra.apply_slice),
-                Kind("resourceclaims", resource.list_resource_claim_for_all_namespaces, dra.replace_claims, dra.apply_claim),
+                Kind("resourceclaims", resource.list_resource_claim_for_all_namespaces, dra.replace_claims, dra.apply_claim,
+                     keep=dra.reduce_claim),
                 Kind("resourceclaimtemplates", resource.list_resource_claim_template_for_all_namespaces,
-                     dra.replace_templates, dra.apply_template),
+                     dra.replace_templates, dra.apply_template, keep=dra.reduce_template),
             ]
         self.threads: list[threading.Thread] = []
 
