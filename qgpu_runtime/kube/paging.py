@@ -23,9 +23,10 @@ LIST_PAGE_BYTES: Final = 4 * 1024 * 1024
 OBJECT_BYTES: Final = 16 * 1024 * 1024
 """The most of a one-object page's body read. etcd's limit is on the stored (protobuf) object; the
 apiserver's JSON escapes ``<``, ``>``, ``&`` and control characters to six bytes each, so a pod of
-1 MB of ``<`` in one env value is served as ~6 MB. Every object the apiserver stores fits (1.5 MiB
-times six and its keys); a LIST that a single object stopped (its reader relisting for ever, as
-the extender's pod watch did) is the attack this bound must not allow."""
+0.9 MB of ``<`` in one env value is served past 4 MiB (tests/k8s/test_e2e_pod_bulk.py). Every
+object the apiserver stores fits (1.5 MiB times six and its keys); a LIST that a single object
+stopped (its reader relisting for ever, as the extender's pod watch did) is the attack this bound
+must not allow."""
 
 
 def read_capped(response: Any, cap: int) -> bytes | None:

@@ -1,7 +1,7 @@
 """A tenant's pod as large as the apiserver serves it, against the real kube-apiserver and the
 extender's own LIST: etcd bounds the stored object (1.5 MiB), not the JSON served for it, and the
 apiserver's JSON writes ``<`` as ``\\u003c``. A pod of 0.9 MB of ``<`` in one env value is accepted
-and served as more than 5 MB; with kube/paging.py's 4 MiB page cap for a page of one object too,
+and served past 4 MiB; with kube/paging.py's 4 MiB page cap for a page of one object too,
 the extender's pod LIST could not be read, its restart never became ready and every bind was
 refused (the LIST retried for ever)."""
 

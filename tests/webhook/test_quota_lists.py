@@ -101,7 +101,7 @@ def test_one_object_past_the_cap_is_a_500_naming_it(monkeypatch):
 
 def test_one_object_past_the_page_cap_is_read_on_a_page_of_its_own():
     """etcd bounds the stored object, not the apiserver's JSON of it (``<`` is served as six bytes):
-    a pod served as ~6 MB stopped every LIST it was on, the extender's pod watch relisting for ever.
+    a pod served past 4 MiB stopped every LIST it was on, the extender's pod watch relisting for ever.
     A page of one object is read up to OBJECT_BYTES; the pages around it as before."""
     escaped = heavy_pod("escaped")
     escaped["spec"]["containers"][0]["env"] = [{"name": "X", "value": "\x01" * (LIST_PAGE_BYTES // 6 + 1)}]  # 6 bytes each
