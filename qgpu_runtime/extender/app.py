@@ -26,7 +26,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache, GroupError, HoldLimit
-from qgpu_runtime.extender.dra import DraView
+from qgpu_runtime.extender.dra import CLAIM_WAIT_S, DraView
 from qgpu_runtime.extender.trust import PodUnavailable, TrustedPods, UntrustedPod
 from qgpu_runtime.extender.wire import (
     BindingArgs,
@@ -194,7 +194,7 @@ class ExtenderApp:
         except RequestError:
             request = None
         if request is not None and not request.wants_gpu and self.dra is not None and pod is not None:
-            asks = self.dra.demand(pod)
+            asks = self.dra.demand(pod, CLAIM_WAIT_S)
             if asks:
                 scores = self.dra.scores(asks, request, names, self.cache.policy)
                 return 200, RawJSON(encode_priorities_json(names, scores))
@@ -246,7 +246,7 @@ class ExtenderApp:
         except RequestError:
             request = None
         if request is not None and not request.wants_gpu:
-            asks = self.dra.demand(pod)
+            asks = self.dra.demand(pod, CLAIM_WAIT_S)
             if asks:
                 return 200, RawJSON(encode_priorities_json(names, self.dra.scores(asks, request, names, self.cache.policy)))
         return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))

@@ -11,15 +11,24 @@ plugins would spread).
 What it mirrors, from watches (the I/O is in extender/watch.py):
 - ResourceSlices of driver ``gpu.qgpu.io``: the cards of each node (core, memory and pods
   capacities, one column per device in first-fit order);
-- ResourceClaims: the capacity requests of those asking qgpu's DeviceClasses (a pod's demand) and
-  the ``consumedCapacity`` of those allocated on qgpu's devices (the cards' usage);
-- ResourceClaimTemplates: the demand of pods whose claims are made from a template.
+- ResourceClaims: the name of each, the capacity requests of those asking qgpu's DeviceClasses
+  (a pod's demand) and the ``consumedCapacity`` of those allocated on qgpu's devices (the cards'
+  usage);
+- ResourceClaimTemplates: the name of each, and the demand of pods whose claims are made from one.
 Only those few numbers are kept per object, never the objects.
 
 A node's slices are written by that node's DRA plugin, so they get the inventory's bounds
 (contract/inventory.py): a device whose index or memory is out of bounds is dropped, and a node
 with more than ``MAX_CARDS`` devices or a repeated index is left out of the view (scored 0), so
 one node's slice can never make the state fail to build for every DRA pod.
+
+A claim pod may reach prioritize before the claims watch has delivered its claim (kube-scheduler's
+informer and this watch are separate streams; the test created the claim and then the pod, and a
+loaded extender read the claim later). ``demand`` then waits, up to ``wait`` seconds, for the
+claim or template to be known: every claim and template is remembered by name, those asking
+nothing of qgpu with no asks, so only one the watch has not delivered yet is waited for. The watch
+delivers in resourceVersion order, so once the pod's claim is known, every allocation written
+before that claim was created is counted too.
 
 Blind spot: a claim kube-scheduler has allocated in its own memory but not written yet (the write
 is in its binding cycle) is not counted until the watch delivers it; consecutive pods may then be
@@ -30,6 +39,7 @@ checks capacity, so this costs packing quality, never an over-commit.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
@@ -42,6 +52,10 @@ from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, Car
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
 
+CLAIM_WAIT_S = 1.0
+"""How long a prioritize call waits for a claim or template of its pod that the watch has not
+delivered yet, before it answers with no opinion (0 everywhere). Watch lag is milliseconds to a
+few hundred under load; while the watch is down, each new claim pod costs kube-scheduler this."""
 MAX_ASKS = 64
 """Devices one pod may ask through qgpu's classes before the view stops scoring it (a bound on the
 per-call work, far above any card count a node has)."""
@@ -126,6 +140,10 @@ def claim_usage(claim: Mapping[str, Any]) -> list[Usage]:
     return out
 
 
+_UNKNOWN = object()
+"""A claim or template the watch has not delivered (as opposed to one asking nothing of qgpu)."""
+
+
 def _key(obj: Mapping[str, Any]) -> str:
     meta = obj.get("metadata") or {}
     return f"{meta.get('namespace') or ''}/{meta.get('name') or ''}"
@@ -155,6 +173,7 @@ class DraView:
         self.limits = limits
         self.node_specs = node_specs or dict
         self.lock = threading.RLock()
+        self._delivered = threading.Condition(self.lock)  # notified when a claim or template is applied
         self._slices: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}
         self._asks: dict[str, list[Ask] | DemandError] = {}  # claim ns/name -> asks
         self._template_asks: dict[str, list[Ask] | DemandError] = {}
@@ -208,11 +227,9 @@ class DraView:
             return
         reduced = obj if isinstance(obj, ReducedClaim) else self.reduce_claim(obj)
         with self.lock:
-            if reduced.asks:
-                self._asks[reduced.key] = reduced.asks
-            else:
-                self._asks.pop(reduced.key, None)
+            self._asks[reduced.key] = reduced.asks  # [] for a claim asking nothing of qgpu: known
             self._set_usage(reduced.uid, list(reduced.usage))
+            self._delivered.notify_all()
 
     def replace_claims(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
@@ -229,10 +246,8 @@ class DraView:
             return
         reduced = obj if isinstance(obj, ReducedClaim) else self.reduce_template(obj)
         with self.lock:
-            if reduced.asks:
-                self._template_asks[reduced.key] = reduced.asks
-            else:
-                self._template_asks.pop(reduced.key, None)
+            self._template_asks[reduced.key] = reduced.asks
+            self._delivered.notify_all()
 
     def replace_templates(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
@@ -289,24 +304,37 @@ class DraView:
 
     # -- pods ----------------------------------------------------------------------------------
 
-    def demand(self, pod: Mapping[str, Any]) -> list[Ask] | None:
+    def demand(self, pod: Mapping[str, Any], wait: float = 0.0) -> list[Ask] | None:
         """The devices ``pod`` asks of qgpu through its claims; None when it asks none (or one of
-        its claims is not known yet or not readable: then qgpu has no opinion)."""
+        its claims is not readable, or not known after ``wait`` seconds: then qgpu has no opinion).
+        A claim or template the watch has not delivered yet is waited for (module docstring)."""
         meta = pod.get("metadata") or {}
         namespace = meta.get("namespace") or "default"
         refs = (pod.get("spec") or {}).get("resourceClaims") or []
-        asks: list[Ask] = []
+        deadline = time.monotonic() + wait
         with self.lock:
-            for ref in refs:
-                if ref.get("resourceClaimName"):
-                    found = self._asks.get(f"{namespace}/{ref['resourceClaimName']}")
-                elif ref.get("resourceClaimTemplateName"):
-                    found = self._template_asks.get(f"{namespace}/{ref['resourceClaimTemplateName']}")
-                else:
-                    found = None
-                if isinstance(found, DemandError):
-                    return None
-                asks.extend(found or [])
+            while True:
+                asks = self._demand(namespace, refs)
+                left = deadline - time.monotonic()
+                if asks is not _UNKNOWN or left <= 0:
+                    break
+                self._delivered.wait(left)
+        return None if asks is _UNKNOWN else asks
+
+    def _demand(self, namespace: str, refs: list[Any]) -> "list[Ask] | None | object":
+        asks: list[Ask] = []
+        for ref in refs:
+            if ref.get("resourceClaimName"):
+                found = self._asks.get(f"{namespace}/{ref['resourceClaimName']}", _UNKNOWN)
+            elif ref.get("resourceClaimTemplateName"):
+                found = self._template_asks.get(f"{namespace}/{ref['resourceClaimTemplateName']}", _UNKNOWN)
+            else:
+                found = []
+            if found is _UNKNOWN:
+                return _UNKNOWN
+            if isinstance(found, DemandError):
+                return None
+            asks.extend(found)  # type: ignore[arg-type]
         return asks[:MAX_ASKS] or None
 
     def scores(self, asks: list[Ask], request: PodRequest, names: list[str], policy: Any) -> np.ndarray:

@@ -4,6 +4,7 @@ policy's ranking of the state the DRA allocator's first fit would leave on each 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -136,6 +137,41 @@ def test_demand_comes_from_named_claims_and_templates() -> None:
     assert v.demand(pod("unknown")) is None
     assert v.demand({"metadata": {"name": "p"}, "spec": {}}) is None
 
+
+
+def test_a_claim_the_watch_has_not_delivered_yet_is_waited_for_and_then_counted() -> None:
+    """kube-scheduler may ask about a claim pod before the claims watch delivered its claim (the
+    CI failure of tests/provisioning/test_k8s_dra.py: a claim created just before its pod scored 0
+    everywhere, and the pod landed on the emptier node). demand waits for the claim; the watch
+    delivers in order, so an allocation written before the claim is counted once it is known."""
+    v = view("node-a", "node-b")
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(v.demand(pod("late"), wait=60.0)))
+    asking.start()
+    for _ in range(3000):  # until demand waits on the condition (or has answered: the test fails)
+        if answer or v._delivered._waiters:  # type: ignore[attr-defined]
+            break
+        asking.join(0.01)
+    assert answer == []
+    v.apply_claim("ADDED", claim("late", core=300, memory=2048))
+    asking.join(30)
+    assert answer == [[Ask(300, 2048)]]
+
+
+def test_a_known_claim_of_another_driver_and_a_missing_one_are_not_waited_for_past_the_bound() -> None:
+    v = view("node-a")
+    v.apply_claim("ADDED", claim("theirs", cls="gpu.nvidia.com"))
+    v.apply_template("ADDED", {"metadata": {"name": "tpl", "namespace": "ns"},
+                               "spec": {"spec": claim("x", cls="gpu.nvidia.com")["spec"]}})
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(
+        (v.demand(pod("theirs"), wait=3600.0), v.demand(pod(template="tpl"), wait=3600.0))))
+    asking.start()
+    asking.join(30)
+    assert answer == [(None, None)]  # known, asks nothing of qgpu: answered without waiting
+    assert v.demand(pod("missing"), wait=0.05) is None  # never delivered: no opinion after the wait
+    v.apply_claim("DELETED", claim("theirs", cls="gpu.nvidia.com"))
+    assert "ns/theirs" not in v._asks
 
 # -- scoring -------------------------------------------------------------------------------------
 
