@@ -150,6 +150,14 @@ def _key(obj: Mapping[str, Any]) -> str:
 
 
 @dataclass(frozen=True)
+class ReducedSlice:
+    """What the view keeps of a ResourceSlice: its name and, for one of qgpu's, its node and cards."""
+
+    name: str
+    cards: "tuple[str, list[tuple[str, CardSpec]]] | None"
+
+
+@dataclass(frozen=True)
 class ReducedClaim:
     """What the view keeps of a ResourceClaim (or a template: no uid, no usage): its asks or why
     they cannot be read, and what it consumes. A LIST reduces each claim as its page is read, so
@@ -183,10 +191,17 @@ class DraView:
 
     # -- events --------------------------------------------------------------------------------
 
-    def apply_slice(self, event: str, obj: Mapping[str, Any]) -> None:
-        name = str((obj.get("metadata") or {}).get("name") or "")
+    @staticmethod
+    def reduce_slice(obj: Mapping[str, Any]) -> ReducedSlice:
+        """What the view keeps of a ResourceSlice, as a LIST reads its page (a node writes its own
+        slices, each up to etcd's object limit)."""
+        return ReducedSlice(str((obj.get("metadata") or {}).get("name") or ""), slice_cards(obj))
+
+    def apply_slice(self, event: str, obj: "Mapping[str, Any] | ReducedSlice") -> None:
+        reduced = obj if isinstance(obj, ReducedSlice) else None
+        name = reduced.name if reduced is not None else str((obj.get("metadata") or {}).get("name") or "")
         with self.lock:
-            parsed = None if event == "DELETED" else slice_cards(obj)
+            parsed = None if event == "DELETED" else (reduced.cards if reduced is not None else slice_cards(obj))
             if parsed is None:
                 if self._slices.pop(name, None) is not None:
                     self._state = None
@@ -195,7 +210,7 @@ class DraView:
                 self._slices[name] = parsed
                 self._state = None
 
-    def replace_slices(self, items: Iterable[Mapping[str, Any]]) -> None:
+    def replace_slices(self, items: "Iterable[Mapping[str, Any] | ReducedSlice]") -> None:
         with self.lock:
             self._slices.clear()
             self._state = None

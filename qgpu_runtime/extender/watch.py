@@ -72,7 +72,8 @@ class CacheFeeder:
             # DRA prioritize: qgpu's slices (cards), claims (demand and usage), templates (demand).
             resource = resource_api or client.ResourceV1Api(api.api_client)
             self.kinds += [
-                Kind("resourceslices", resource.list_resource_slice, dra.replace_slices, dra.apply_slice),
+                Kind("resourceslices", resource.list_resource_slice, dra.replace_slices, dra.apply_slice,
+                     keep=dra.reduce_slice),
                 Kind("resourceclaims", resource.list_resource_claim_for_all_namespaces, dra.replace_claims, dra.apply_claim,
                      keep=dra.reduce_claim),
                 Kind("resourceclaimtemplates", resource.list_resource_claim_template_for_all_namespaces,

@@ -97,3 +97,23 @@ def test_an_event_and_a_reduced_claim_are_the_same_to_the_view():
     a.apply_claim("DELETED", obj)
     b.apply_claim("DELETED", b.reduce_claim(obj))
     assert a._asks == b._asks == {} and a._usage == b._usage == {}
+
+
+def test_slices_are_reduced_as_their_page_is_read_and_the_view_takes_them():
+    """A node writes its own ResourceSlices, each up to etcd's object limit."""
+    from qgpu_runtime.extender.dra import ReducedSlice
+    from tests.extender.test_dra_prioritize import rslice
+
+    def bulky_slice(i: int) -> dict[str, Any]:
+        doc = rslice(f"n{i}")
+        doc["metadata"]["labels"] = dict(BULK)
+        return doc
+
+    items, held, one = listed_held("resourceslices", bulky_slice)
+    assert all(isinstance(s, ReducedSlice) and s.cards for s in items) and held < one, (held, one)
+    v, reference = DraView(), DraView()
+    v.replace_slices(items)
+    reference.replace_slices([bulky_slice(i) for i in range(24)])
+    assert v._slices == reference._slices and len(v._slices) == 24
+    v.apply_slice("DELETED", items[0])
+    assert len(v._slices) == 23
