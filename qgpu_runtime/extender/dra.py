@@ -217,19 +217,18 @@ class DraView:
             for obj in items:
                 self.apply_slice("ADDED", obj)
 
-    def reduce_claim(self, obj: Mapping[str, Any]) -> ReducedClaim:
+    def _asks_of(self, spec: Mapping[str, Any], where: str) -> "list[Ask] | DemandError":
         try:
-            asks: list[Ask] | DemandError = claim_asks(obj.get("spec") or {}, self.limits, f"{describe(obj)}: spec")
+            return claim_asks(spec, self.limits, where)
         except (DemandError, TypeError, ValueError) as exc:
-            asks = DemandError(str(exc))
+            return DemandError(str(exc))
+
+    def reduce_claim(self, obj: Mapping[str, Any]) -> ReducedClaim:
+        asks = self._asks_of(obj.get("spec") or {}, f"{describe(obj)}: spec")
         return ReducedClaim(_key(obj), str((obj.get("metadata") or {}).get("uid") or ""), asks, tuple(claim_usage(obj)))
 
     def reduce_template(self, obj: Mapping[str, Any]) -> ReducedClaim:
-        try:
-            asks: list[Ask] | DemandError = claim_asks((obj.get("spec") or {}).get("spec") or {}, self.limits,
-                                                      f"{describe(obj, 'ResourceClaimTemplate')}: spec.spec")
-        except (DemandError, TypeError, ValueError) as exc:
-            asks = DemandError(str(exc))
+        asks = self._asks_of((obj.get("spec") or {}).get("spec") or {}, f"{describe(obj, 'ResourceClaimTemplate')}: spec.spec")
         return ReducedClaim(_key(obj), "", asks)
 
     def apply_claim(self, event: str, obj: "Mapping[str, Any] | ReducedClaim") -> None:

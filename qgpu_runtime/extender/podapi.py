@@ -58,7 +58,6 @@ class PodApi:
 
         for page in pages(fetch):
             listed.extend(kept(p) for p in page)
-            del page
             if len(listed) > limit:
                 return listed[:limit], True
         return listed, False
