@@ -14,6 +14,7 @@ to stop, and exits 0 if it is stopped while waiting. The lock itself is contract
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -27,7 +28,9 @@ class LockError(OSError):
 
 
 def lock_path(dbfile: Path) -> Path:
-    return Path(f"{dbfile}.lock")
+    """The lock file of the database ``dbfile`` names, its links resolved: two names of one
+    database (a link, a relative path) are one lock, as the standalone manager's (standalone/dbfile.py)."""
+    return Path(f"{os.path.realpath(dbfile)}.lock")
 
 
 def holder(path: Path) -> str:

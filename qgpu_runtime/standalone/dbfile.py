@@ -33,18 +33,31 @@ def _describe(st: os.stat_result) -> str:
 
 
 def check_directory(path: str, uid: int) -> str:
-    """The real directory of ``path`` after checking it; StoreError when another user could write it."""
+    """The real directory of ``path`` after checking it and every directory above it; StoreError
+    when another user could write it, or could rename it or one above it away (and put their own
+    in its place): each one above must be owned by ``uid`` or root and writable by no one else,
+    or sticky (``/tmp``: only an entry's owner may rename it)."""
     folder = os.path.dirname(os.path.realpath(path))
     try:
         st = os.stat(folder)
     except FileNotFoundError:
         raise StoreError(f"--dbfile {path!r}: directory {folder!r} does not exist") from None
+    owners = "root" if uid == 0 else f"uid {uid} or root"
     if st.st_uid not in (uid, 0) or st.st_mode & _OTHERS_WRITE:
-        owners = "root" if uid == 0 else f"uid {uid} or root"
         raise StoreError(
             f"--dbfile {path!r}: its directory {folder!r} has {_describe(st)}: the manager signals the process groups "
             f"its database names, so the directory must be owned by {owners} and writable by no one else (chmod go-w)")
-    return folder
+    above = os.path.dirname(folder)
+    while True:
+        st = os.stat(above)
+        if st.st_uid not in (uid, 0) or (st.st_mode & _OTHERS_WRITE and not st.st_mode & stat.S_ISVTX):
+            raise StoreError(
+                f"--dbfile {path!r}: {above!r}, above its directory, has {_describe(st)}: whoever may write it can "
+                f"rename the database's directory and put their own in its place, so it must be owned by {owners} "
+                "and writable by no one else, or sticky")
+        if above == os.path.dirname(above):
+            return folder
+        above = os.path.dirname(above)
 
 
 def check_file(path: str, name: str, uid: int) -> None:
@@ -54,6 +67,8 @@ def check_file(path: str, name: str, uid: int) -> None:
         st = os.lstat(name)
     except FileNotFoundError:
         return
+    if stat.S_ISDIR(st.st_mode) and name == os.path.realpath(path):
+        raise StoreError(f"--dbfile {path!r}: is a directory, not a database file")
     if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mode & _OTHERS_WRITE:
         what = "" if name == os.path.realpath(path) else f" ({os.path.basename(name)})"
         kind = "" if stat.S_ISREG(st.st_mode) else "not a regular file, "
@@ -98,7 +113,15 @@ class ManagerLock:
             self._fd = -1
 
 
+def resolve(path: str) -> str:
+    """``path`` with every symbolic link resolved, once: the checks, the lock, the database and its
+    MPS folder then all name the same file. Resolved again at each use, a link in a folder another
+    user may write (``/tmp``) could be pointed elsewhere between the check and the open."""
+    return os.path.realpath(path)
+
+
 def claim(path: str) -> ManagerLock:
-    """What the manager does before it opens its database: check who may write it, then lock it."""
+    """What the manager does before it opens its database: check who may write it, then lock it.
+    ``path`` is :func:`resolve`'s; the manager opens the same one."""
     ensure_private(path)
     return ManagerLock(path)

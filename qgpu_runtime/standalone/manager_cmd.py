@@ -20,7 +20,7 @@ from qgpu_runtime.isolation.mps import MpsError
 from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.serving import JsonServer, metrics_server
 from qgpu_runtime.standalone.config import MPS_MODES, load_config
-from qgpu_runtime.standalone.dbfile import ManagerLock, claim
+from qgpu_runtime.standalone.dbfile import ManagerLock, claim, resolve
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.run_cmd import DEFAULT_DB
 from qgpu_runtime.standalone.store import Store, StoreError
@@ -82,8 +82,9 @@ def serve_standalone(args: argparse.Namespace) -> int:
         ):
             raise ValueError(f"--policy {args.policy!r} and --isolation-policy {node_policy!r} disagree: give one")
         config = load_config(args.config, overrides)
-        lock = claim(str(args.dbfile))
-        store = Store(str(args.dbfile))
+        dbfile = resolve(str(args.dbfile))  # one file from here on (dbfile.py)
+        lock = claim(dbfile)
+        store = Store(dbfile)
         registry = CollectorRegistry()
         manager = StandaloneManager(store, config, registry, args.simulated_usage)
         if args.standalone_metrics_port:

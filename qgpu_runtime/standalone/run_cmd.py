@@ -25,7 +25,8 @@ from qgpu_runtime.model import AppClass
 from qgpu_runtime.placement import Unschedulable
 from qgpu_runtime.standalone.booking import JobRequestError, JobSpec, NeverFits, new_job_id, try_book
 from qgpu_runtime.standalone.config import HostConfig, discover_cards
-from qgpu_runtime.standalone.store import JobRecord, Store, StoreError, job_processes, process_start_ticks, session_members, unusable
+from qgpu_runtime.standalone.dbfile import ensure_private, resolve
+from qgpu_runtime.standalone.store import JobRecord, Store, StoreError, job_processes, process_start_ticks, session_members, unusable, unwritable
 from qgpu_runtime.standalone.supervisor import job_environment, supervise
 
 # the same file `qgpu manager serve` uses by default, so a plain `--standalone` host needs no flags
@@ -119,14 +120,22 @@ def run(args: argparse.Namespace) -> int:
         return _fail(problem)
     klass = AppClass(args.klass)
     spec = JobSpec(args.name or os.path.basename(command[0]), args.core, args.memory, klass)
+    dbfile = resolve(args.dbfile)  # one file from here on (dbfile.py): a link swapped later is not followed
     try:
-        store = Store(args.dbfile)
+        refused = unwritable(dbfile)
+        if refused:
+            raise StoreError(refused)
+        # The job's devices, MPS pipe and environment come from this file's rows: only a file and
+        # directory of this user (or root) that no one else may write are believed (dbfile.py),
+        # and one created here is private.
+        ensure_private(dbfile)
+        store = Store(dbfile)
         ensure_cards(store, args)
         config = host_config(store, args)
     except (StoreError, ValueError, RuntimeError) as err:
         return _fail(str(err))
     except sqlite3.Error as err:
-        return _fail(unusable(args.dbfile, err))
+        return _fail(unusable(dbfile, err))
 
     me, my_start = os.getpid(), process_start_ticks(os.getpid()) or 0
     job_id = new_job_id(spec.name)

@@ -14,6 +14,7 @@ import json
 import logging
 from typing import Mapping, Sequence
 
+from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
 from qgpu_runtime.isolation.control import Usage
 from qgpu_runtime.isolation.engine import Workload
 from qgpu_runtime.isolation.signals import SignalActuator
@@ -22,6 +23,9 @@ from qgpu_runtime.isolation.simgpu import SimulatedGPU
 from qgpu_runtime.standalone.store import JobRecord, StoredCard
 
 log = logging.getLogger("qgpu.standalone.simhost")
+
+MAX_DEMAND_MILLI = 1000
+"""A job's demand on one card, in thousandths of it: all of it at most."""
 
 
 class SimulatedHost:
@@ -44,6 +48,19 @@ class SimulatedHost:
             return {}
         return data if isinstance(data, dict) else {}
 
+    def _wanted(self, key: str, want: object) -> tuple[float, int]:
+        """(demand thousandths, memory MiB) the usage file gives job ``key``; the defaults (1000, 0)
+        for an entry that is absent or malformed (logged): the file must never stop the manager."""
+        if want is None:
+            return 1000.0, 0
+        demand, memory = (want.get("demand_milli", 1000), want.get("memory_mib", 0)) if isinstance(want, dict) else (None, None)
+        if (isinstance(demand, (int, float)) and not isinstance(demand, bool) and 0 <= demand <= MAX_DEMAND_MILLI
+                and isinstance(memory, int) and not isinstance(memory, bool) and 0 <= memory <= MAX_MEMORY_MIB):
+            return float(demand), memory
+        log.warning("simulated usage file %s: entry of job %s must be {\"demand_milli\": 0..%d, \"memory_mib\": "
+                    "0..%d}, got %.200r: the defaults are used", self._usage_file, key, MAX_DEMAND_MILLI, MAX_MEMORY_MIB, want)
+        return 1000.0, 0
+
     def sync(self, jobs: Sequence[JobRecord]) -> None:
         """Mirror the live jobs into the simulated cards and apply the usage file."""
         live = {j.id: j for j in jobs if j.pgid}
@@ -53,9 +70,7 @@ class SimulatedHost:
             del self._known[key]
         usage = self._usage()
         for key, job in live.items():
-            want = usage.get(key, {})
-            demand = float(want.get("demand_milli", 1000))
-            memory = int(want.get("memory_mib", 0))
+            demand, memory = self._wanted(key, usage.get(key))
             if key not in self._known:
                 for share in job.shares:
                     self.sim.start(key, share.index, job.pgid or 0, demand)

@@ -89,3 +89,22 @@ def test_a_lock_file_that_cannot_be_opened_is_an_error_naming_the_flag_and_path(
     (tmp_path / "meta.db.lock").mkdir()
     with pytest.raises(LockError, match=r"--dbfile .*meta\.db: cannot open its lock file .*meta\.db\.lock"):
         acquire(tmp_path / "meta.db", threading.Event())
+
+
+def test_two_names_of_one_store_are_one_lock(tmp_path):
+    """A link to the store (or another spelling of its path) locks the same file: two managers given
+    the two names would otherwise both serve one store."""
+    db = tmp_path / "meta.db"
+    link = tmp_path / "other-name.db"
+    link.symlink_to(db)
+    assert lock_path(link) == lock_path(db)
+    held = acquire(db, threading.Event())
+    assert held is not None
+    stop, got = threading.Event(), []
+    second = threading.Thread(target=lambda: got.append(acquire(link, stop, poll_s=0.05)))
+    second.start()
+    second.join(1.0)  # it waits for the first holder (a lock of its own would have been taken at once)
+    stop.set()
+    second.join(30)
+    os.close(held)
+    assert got == [None]

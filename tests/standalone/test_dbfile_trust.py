@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.standalone.config import HostConfig
-from qgpu_runtime.standalone.dbfile import ManagerLock, check_directory, check_file, ensure_private
+from qgpu_runtime.standalone.dbfile import ManagerLock, check_directory, check_file, claim, ensure_private, resolve
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.store import JobRecord, JobShare, Store, StoreError, process_start_ticks
 
@@ -142,3 +142,71 @@ def test_a_restarted_manager_resumes_the_jobs_a_killed_one_held(tmp_path):
         job.kill()
         job.wait()
         store.close()
+
+
+# -- a --dbfile named through a link (the link's own folder may be anyone's) ---------------------
+
+
+def _linked(tmp_path):
+    """A private folder for the database and a sticky, world-writable one (a /tmp) holding a link to it."""
+    private, shared = tmp_path / "private", tmp_path / "shared"
+    private.mkdir(mode=0o700)
+    shared.mkdir()
+    shared.chmod(0o1777)
+    link = shared / "qgpu.db"
+    link.symlink_to(private / "host.db")
+    return private / "host.db", link
+
+
+def test_a_database_named_through_a_link_is_the_linked_file_from_the_first_check_on(tmp_path):
+    """The manager resolves --dbfile once: the checks, the lock, the database and its MPS folder
+    are the linked file's, in its private folder. Resolved at each use, a link in a folder anyone
+    may write could be pointed at another file between the check and the open."""
+    real, link = _linked(tmp_path)
+    lock = claim(resolve(str(link)))
+    try:
+        store = Store(resolve(str(link)))
+        store.close()
+        assert lock.path == f"{real}.lock" and os.path.samefile(store.path, real) and store.path == str(real)
+        assert sorted(p.name for p in link.parent.iterdir()) == ["qgpu.db"]  # nothing made next to the link
+        assert {p.name for p in real.parent.iterdir()} >= {"host.db", "host.db.lock"}
+    finally:
+        lock.release()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a file of another user: root gives one away")
+def test_qgpu_run_refuses_a_link_pointed_at_a_database_of_another_user(tmp_path):
+    """A job's devices, MPS pipe and environment come from the database's rows: once the link is
+    pointed at a file another user owns (theirs to write), qgpu run refuses it, naming the file."""
+    real, link = _linked(tmp_path)
+    (tmp_path / "other").mkdir(mode=0o755)
+    theirs = tmp_path / "other" / "theirs.db"
+    Store(str(theirs)).close()
+    theirs.chmod(0o600)
+    os.chown(theirs, 4242, -1)
+    link.unlink()
+    link.symlink_to(theirs)
+    done = qgpu_done("run", "--dbfile", str(link), *SIM, "--core", "10", "--memory", "1", "--", "true")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"--dbfile '{theirs}': mode 0600, owner uid 4242" in done.stderr, done.stderr
+    assert not real.exists()
+
+
+def test_a_database_qgpu_run_creates_is_private(db):
+    done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true")
+    assert done.returncode == 0, done.stderr
+    assert _mode(db) == 0o600
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775], ids=oct)
+def test_a_folder_above_the_database_that_others_may_write_is_refused(tmp_path, mode):
+    """Whoever may write a folder above the database's can rename the database's folder away and
+    put their own in its place; a sticky one (/tmp) lets only the entry's owner rename it."""
+    above, folder = tmp_path / "open", tmp_path / "open" / "qgpu"
+    folder.mkdir(parents=True, mode=0o700)
+    above.chmod(mode)
+    with pytest.raises(StoreError, match=rf"'{above}', above its directory, has mode {mode:04o}.* or sticky"):
+        check_directory(str(folder / "host.db"), os.geteuid())
+    above.chmod(0o1777)
+    assert check_directory(str(folder / "host.db"), os.geteuid()) == str(folder)
