@@ -132,7 +132,8 @@ class NodeManager:
         if config.dra:
             from qgpu_runtime.node.dra.plugin import dra_plugin
 
-            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health)
+            self.registration = dra_plugin(config, self.cards, store, pods, lambda: self.policy.value, self.health,
+                                           node_labels=lambda: pods.node_labels(config.node))
         else:
             self.registration = KubeletRegistration(config.resources, self, config.plugin_dir)
         self.plugins = self.registration.plugins

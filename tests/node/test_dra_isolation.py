@@ -24,6 +24,7 @@ from podfactory import write_pods
 
 from qgpu_runtime.contract import draclaim
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS
+from qgpu_runtime.contract.names import MIXED_LABEL
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.signals import SignalActuator
@@ -80,7 +81,8 @@ class DraWorld:
         self.store = Store(self.tmp / "meta.db")
         self.store.sync_cards(list(self.cards.values()))
         self.preparer = ClaimPreparer(DraSettings(NODE, cdi_dir=self.tmp / "cdi"), self.cards, self.store, self.claims,
-                                      lambda: self.policy.value, device_exists=lambda path: False)
+                                      lambda: self.policy.value, device_exists=lambda path: False,
+                                      node_labels=lambda: {MIXED_LABEL: "enable"})
         self.metrics = ManagerMetrics.create(NODE)
 
         def backend(resolver: ContainerResolver):

@@ -18,6 +18,7 @@ from drakubelet import Kubelet
 
 from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.dra import DRIVER
+from qgpu_runtime.contract.names import MIXED_LABEL
 from qgpu_runtime.contract.record import CardShare
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
@@ -91,8 +92,15 @@ class Plugin:
         self.store.sync_cards(list(CARDS.values()))
         existing = devices if devices is not None else {"/dev/nvidia0", "/dev/nvidiactl"}
         self.health = CardHealth(CARDS)
+        self.labels: dict[str, str] = {MIXED_LABEL: "enable"}  # a mixed node unless a test says otherwise
+
+        def node_labels() -> dict[str, str]:
+            if isinstance(self.labels, Exception):
+                raise self.labels
+            return self.labels
+
         self.preparer = ClaimPreparer(self.settings, CARDS, self.store, claims, lambda: "fixed-share",
-                                      self.health.unhealthy, device_exists=existing.__contains__)
+                                      self.health.unhealthy, device_exists=existing.__contains__, node_labels=node_labels)
         self.server = DraKubeletPlugin(self.settings, self.preparer, self.health, health_resend_s)
         self.server.serve()
         self.kubelet = Kubelet(self.settings)
@@ -485,6 +493,30 @@ def test_the_class_of_the_claims_share_config_is_booked_and_set_in_the_cdi_env(p
     (device,) = _spec(plugin, "uid-1")["devices"]
     assert "QGPU_CLASS=offline" in device["containerEdits"]["env"]
     assert ("team-a", "train", "gpu", 0, 300, 4096, "offline") in read_status(plugin.store.path).shares
+
+
+@pytest.mark.parametrize("klass", ["online", "offline"])
+def test_an_online_or_offline_claim_is_refused_on_a_node_that_is_not_mixed(plugin, claims, klass):
+    """The class is the tenant's word (the claim's ShareConfig); an online share books no core and
+    is never throttled. Like the extender's placement, the node takes online and offline work only
+    when labelled mixed-qgpu-enable=enable; a claim written by hand meets this check."""
+    plugin.labels = {"other": "label"}
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config(klass, klass == "offline"))))
+    error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+    assert f"asks the {klass} class (ShareConfig appClass), but node {NODE} is not labelled {MIXED_LABEL}=enable" in error
+    assert _claim_shares(plugin, "uid-1") == [] and not read_status(plugin.store.path).shares
+    plugin.labels = OSError("apiserver unreachable")
+    error = plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error
+    assert f"cannot read node {NODE}'s labels to check {MIXED_LABEL}=enable: apiserver unreachable" in error
+    plugin.labels = {MIXED_LABEL: "enable"}
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    assert [s.klass for s in _claim_shares(plugin, "uid-1")] == [klass]
+
+
+def test_a_normal_claim_needs_no_mixed_node(plugin, claims):
+    plugin.labels = OSError("not read for a normal claim")
+    claims.add(_configured("uid-1", _opaque(draclaim.share_config("normal", False))))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
 
 
 def test_a_hami_claims_dialect_gives_its_container_hamis_limits_as_the_device_plugin_does(plugin, claims):

@@ -171,8 +171,9 @@ class DraKubeletPlugin:
 
 
 def dra_plugin(config, cards: Mapping[int, CardInfo], store: Store, claims: ClaimSource, policy: Callable[[], str],
-               health: CardHealth) -> DraKubeletPlugin:
+               health: CardHealth, node_labels: Callable[[], Mapping[str, str]] | None = None) -> DraKubeletPlugin:
     """The plugin for the node manager's ``config`` (ManagerConfig with ``dra`` set)."""
     settings = DraSettings(config.node, config.kubelet_plugins_dir, config.plugins_registry_dir, config.cdi_dir,
                            config.pass_device_specs)
-    return DraKubeletPlugin(settings, ClaimPreparer(settings, cards, store, claims, policy, health.unhealthy), health)
+    return DraKubeletPlugin(settings, ClaimPreparer(settings, cards, store, claims, policy, health.unhealthy,
+                                                    node_labels=node_labels), health)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from qgpu_runtime.contract.dra import QGPU_CLASSES
 from qgpu_runtime.contract.draclaim import ClaimShare, DraClaimError, claim_requests, claim_share_settings, claim_shares
+from qgpu_runtime.contract.names import MIXED_LABEL
 from qgpu_runtime.contract.record import CardShare, ContainerDialect
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model import AppClass
@@ -55,8 +56,12 @@ class ClaimPreparer:
     def __init__(self, settings: DraSettings, cards: Mapping[int, CardInfo], store: Store, claims: ClaimSource,
                  policy: Callable[[], str], unhealthy: Callable[[], Mapping[int, str]] = dict,
                  device_exists: Callable[[str], bool] = os.path.exists,
-                 clock_ns: Callable[[], int] = time.time_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns,
+                 node_labels: Callable[[], Mapping[str, str]] | None = None) -> None:
         self.settings = settings
+        # The node's labels, read when a claim asks the online or offline class (only a node
+        # labelled mixed-qgpu-enable=enable takes those); None: no API, such claims are refused.
+        self.node_labels = node_labels
         self.cards = dict(cards)
         self.store = store
         self.claims = claims
@@ -96,6 +101,7 @@ class ClaimPreparer:
             self._check_charged(where, claim, shares)
         except DraClaimError as exc:
             raise ClaimRefused(str(exc)) from None
+        self._check_class(where, {settings[s.request].app_class for s in shares})
         # Online work books memory only, as the device plugin books it (the extender's core 0): the
         # 10 the webhook asks (the capacity's minimum step) would otherwise cap it at 1 % of the card.
         # A peer's memory-only share (HAMi without gpucores, KAI) likewise (ShareConfig memoryOnly).
@@ -142,6 +148,29 @@ class ClaimPreparer:
                     f"at most {ask.charged_cards} cards")
             raise ClaimRefused(f"{where}: request {name!r} was allocated {given} devices, more than its count "
                                f"{ask.count}: not preparing more than the namespace's quota paid for")
+
+    def _check_class(self, where: str, classes: set[str]) -> None:
+        """Online and offline claims only on a node labelled ``mixed-qgpu-enable=enable``, as the
+        extender places online and offline pods (placement/engine.py). The class is the tenant's
+        own word (the claim's opaque ShareConfig, written by anyone who may create claims), and
+        an online share books no core: it is never throttled, so on a fixed-share or burst-share
+        card it would take the time other tenants' shares paid for. The webhook's node selector
+        keeps converted pods to mixed nodes; a claim written by hand meets this check."""
+        asked = sorted(classes & {AppClass.ONLINE.value, AppClass.OFFLINE.value})
+        if not asked:
+            return
+        if self.node_labels is None:
+            raise ClaimRefused(f"{where}: asks the {asked[0]} class, which only a node labelled {MIXED_LABEL}=enable "
+                               "takes, and this plugin cannot read its node's labels")
+        try:
+            labels = self.node_labels()
+        except Exception as exc:  # noqa: BLE001 - the per-claim error names it; kubelet retries
+            raise ClaimRefused(f"{where}: asks the {asked[0]} class; cannot read node {self.settings.node}'s labels "
+                               f"to check {MIXED_LABEL}=enable: {exc}") from exc
+        if labels.get(MIXED_LABEL) != "enable":
+            raise ClaimRefused(f"{where}: asks the {asked[0]} class (ShareConfig appClass), but node "
+                               f"{self.settings.node} is not labelled {MIXED_LABEL}=enable: online and offline work "
+                               "shares only the cards of mixed nodes (docs/placement.md); not preparing it")
 
     def _check_cards(self, where: str, shares: Sequence[ClaimShare]) -> None:
         sick = self.unhealthy()
