@@ -28,6 +28,12 @@ def over_booking(cards: Mapping[int, CardInfo], held: Iterable[Share], key: str,
                  uses: Sequence[CardUse]) -> list[str]:
     """Why booking ``uses`` (for ``key``, named ``name`` in the messages) on top of the ``held``
     store rows would put a card over its capacity; empty when it fits."""
-    booked = [Commitment(f"{s.workload_id}/{s.container}", f"{s.namespace}/{s.workload}", 0,
-                         (card_use(s.card_index, s.core_milli, s.memory_mib),)) for s in held]
+    # One commitment per holder with all of its cards: the rule counts a holder once (it
+    # deduplicates by holder), so one commitment per row counted a multi-card holder's first card only.
+    rows: dict[str, list[Share]] = {}
+    for s in held:
+        rows.setdefault(f"{s.workload_id}/{s.container}", []).append(s)
+    booked = [Commitment(holder, f"{mine[0].namespace}/{mine[0].workload}", 0,
+                         tuple(card_use(s.card_index, s.core_milli, s.memory_mib) for s in mine))
+              for holder, mine in rows.items()]
     return over_commitment({i: c.memory_mib for i, c in cards.items()}, booked, Commitment(key, name, 0, tuple(uses)))

@@ -293,6 +293,30 @@ def test_a_claim_that_would_over_book_a_card_is_refused(plugin, claims):
     assert _claim_shares(plugin, "uid-1") == [] and _spec(plugin, "uid-1") is None
 
 
+def _on(device: str, core: int, request: str = "gpu", uid: str = "") -> dict:
+    return {"request": request, "driver": DRIVER, "pool": NODE, "device": device,
+            "consumedCapacity": {"core": str(core), "memory": "1024", "pods": "1"}, "shareID": f"share-{uid}-{device}"}
+
+
+def test_every_card_of_a_multi_card_holder_counts_against_a_new_claim(plugin, claims):
+    """A claim of two devices (600 thousandths on cards 0 and 1) is still prepared; a claim given
+    600 on card 1 would take that card to 1200. The guard counted one commitment per store row and
+    each holder once, so the holder's second card was never counted (the window the docs name:
+    a claim deallocated while kubelet has not unprepared it, or a scheduler that lost count)."""
+    claims.add(claim("uid-a", name="a", results=[_on("gpu-0", 600, uid="a"), _on("gpu-1", 600, uid="a")]))
+    assert plugin.kubelet.prepare(("team-a", "uid-a", "a"))["uid-a"].error == ""
+    claims.add(claim("uid-b", name="b", results=[_on("gpu-1", 600, uid="b")]))
+    error = plugin.kubelet.prepare(("team-a", "uid-b", "b"))["uid-b"].error
+    assert "would over-book this node" in error and "card 1: core 1200‰ committed > 1000‰" in error, error
+    assert _claim_shares(plugin, "uid-b") == []
+    # and a device-plugin container on both cards counts for both, too
+    plugin.kubelet.unprepare(("team-a", "uid-a", "a"))
+    plugin.store.record(Grant("pod-1", "team-b", "big", "main", "tke.cloud.tencent.com/qgpu-core", ("d0", "d1"), 2),
+                        [Share("pod-1", "team-b", "big", "main", i, CARDS[i].uuid, 600, 1024, "normal", 1) for i in (0, 1)])
+    error = plugin.kubelet.prepare(("team-a", "uid-b", "b"))["uid-b"].error
+    assert "card 1: core 1200‰ committed > 1000‰" in error, error
+
+
 def test_two_claims_that_fit_share_a_card(plugin, claims):
     claims.add(claim("uid-1", name="a"))
     claims.add(claim("uid-2", name="b"))
