@@ -101,9 +101,9 @@ class Reconciler:
 
     def _pod_shares(self):
         """Shares booked for pods; a prepared ResourceClaim's (keyed by the claim's UID, not a
-        pod's) is kubelet's to release through NodeUnprepareResources."""
-        claims = self.store.claim_uids()
-        return [s for s in self.store.shares() if s.workload_id not in claims]
+        pod's) is kubelet's to release through NodeUnprepareResources. One read of the store: a
+        claim the DRA plugin books meanwhile (under its own lock) is either wholly in or wholly out."""
+        return self.store.pod_shares()
 
     def _remove_stale_container_dirs(self, pods: list[dict]) -> None:
         """Quota folders of pods that are gone or finished (also ones written just before a crash)."""

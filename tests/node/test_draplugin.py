@@ -432,6 +432,17 @@ def test_the_reconciler_leaves_claim_shares_to_kubelet(plugin, claims, root):
     assert len(_claim_shares(plugin, "uid-1")) == 1
 
 
+def test_a_claim_booked_between_two_reads_of_the_reconciler_is_not_released(plugin, claims):
+    """The reconciler read the claims' UIDs, then the shares: a claim the DRA plugin booked between
+    the two reads (under its own lock) looked like the shares of a pod that is gone, and was
+    released. One read now, and the store never releases a prepared claim's shares as a pod's."""
+    claims.add(claim("uid-1"))
+    assert plugin.kubelet.prepare(("team-a", "uid-1", "train"))["uid-1"].error == ""
+    assert plugin.store.pod_shares() == [] and len(plugin.store.shares()) == 1
+    assert plugin.store.release_pods(["uid-1"]) == 0  # what the stale plan asked for
+    assert len(_claim_shares(plugin, "uid-1")) == 1
+
+
 def test_a_store_of_the_previous_release_gets_the_claims_table_and_keeps_its_version(root):
     dump = Path(__file__).parents[1] / "contract" / "previous_release" / "node_store_v1.sql"
     db = sqlite3.connect(root / "old.db")
