@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "resourceclaims, resourcequotas and pods list, namespaces get, leases get/create/update in "
                             "--quota-ledger-namespace")
     serve.add_argument("--dra-card-memory-mib", type=int, action="append", default=[], metavar="MIB",
-                       help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests; default: "
+                       help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests and the quota "
+                            "charge of a request naming no memory (the largest size, when above 80 GiB); default: "
                             "the sizes the pools' ResourceSlices publish (needs RBAC: resourceslices list)")
     serve.add_argument("--pod-quota", action="store_true",
                        help="on /validate, charge every dialect's GPU share of a pod against the namespace's gpu.qgpu.io/core "
@@ -211,11 +212,13 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"qgpu webhook serve: {'--dra' if args.dra else '--pod-quota'}: {where}: {exc}") from None
         # One guard for claims and pods: one namespace lock, one ledger, one quota; its 8 s budget
         # sits inside the 10 s the role's quota entries wait.
-        quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
-                           default_memory_mib=dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra)
         if args.dra:
             # the card sizes T9k percent pods need: the flag's, else what the pools' slices publish
             dra_config = replace(dra_config, published=SliceCardSizes(connection))
+        quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
+                           default_memory_mib=dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra,
+                           card_sizes=dra_config.card_sizes if args.dra else None)
+        if args.dra:
             dra = (dra_config, TemplateWriter(connection))
             claim_quota = quota
         if args.pod_quota:

@@ -49,6 +49,7 @@ from qgpu_runtime.webhook.claimquota import (
     new_claim,
     quota_refusals,
 )
+from qgpu_runtime.webhook.dra import CardSizesUnavailable
 from qgpu_runtime.webhook.ledger import MAX_ENTRIES, pending, reserved_usage, stamps
 from qgpu_runtime.webhook.podquota import POD_KEY_PREFIX, pod_key, pod_usage, pods_usage
 
@@ -56,7 +57,7 @@ log = logging.getLogger(__name__)
 LABELS = {"app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}
 
 
-Judge = Callable[[Mapping[str, Usage], Usage, list[dict[str, Any]], Usage], tuple[bool, str]]
+Judge = Callable[[Mapping[str, Usage], Usage, list[dict[str, Any]], Usage, int], tuple[bool, str]]
 """(what each listed claim asks, by name; what the listed pods and pending reservations use;
 quotas; what the object asks) -> (allowed, message)."""
 
@@ -128,7 +129,8 @@ class ClaimQuota:
     def __init__(self, api_client: client.ApiClient, ledger_namespace: str, *, reservation_ttl_s: float = 30.0,
                  budget_s: float = 8.0, call_timeout: tuple[float, float] = (2.0, 4.0),
                  default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, limits: CardLimits = DEFAULT_LIMITS,
-                 dra: bool = False, clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
+                 dra: bool = False, card_sizes: Callable[[], tuple[int, ...]] | None = None,
+                 clock: Callable[[], float] = time.time, monotonic: Callable[[], float] = time.monotonic) -> None:
         if reservation_ttl_s <= 0 or budget_s <= 0:
             raise ValueError(f"reservation_ttl_s={reservation_ttl_s}, budget_s={budget_s}: both must be > 0")
         self.core = client.CoreV1Api(api_client)
@@ -139,6 +141,9 @@ class ClaimQuota:
         self.budget = budget_s
         self.call_timeout = call_timeout
         self.default_memory_mib = default_memory_mib
+        # The card sizes of the DRA pools (--dra-card-memory-mib, else what their slices publish):
+        # a request naming no memory is given a whole card, charged as the largest of them.
+        self.card_sizes = card_sizes
         self.limits = limits
         self.dra = dra
         self.clock = clock
@@ -166,14 +171,15 @@ class ClaimQuota:
         namespace = claim["metadata"]["namespace"]
         key = str(claim["metadata"].get("name") or f"uid:{request.get('uid')}")
 
-        def asked_of(_dra_namespace: bool) -> Usage:
-            return claim_usage(claim, self.default_memory_mib)
+        def asked_of(_dra_namespace: bool, memory: int) -> Usage:
+            return claim_usage(claim, memory)
 
         own = claim_name(claim)
 
-        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], _asked: Usage) -> tuple[bool, str]:
+        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], _asked: Usage,
+                  memory: int) -> tuple[bool, str]:
             used = sum((u for name, u in charges.items() if name != own), others)
-            return claim_admission(request, [], quotas, self.default_memory_mib, used)
+            return claim_admission(request, [], quotas, memory, used)
 
         return self._guard("ResourceClaim", namespace, key, request, asked_of, judge)
 
@@ -191,10 +197,11 @@ class ClaimQuota:
         name = str(meta.get("name") or request.get("name") or f"uid:{request.get('uid')}")
         key = pod_key(name)
 
-        def asked_of(dra_namespace: bool) -> Usage:
-            return pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=self.default_memory_mib, limits=self.limits)
+        def asked_of(dra_namespace: bool, memory: int) -> Usage:
+            return pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=memory, limits=self.limits)
 
-        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], asked: Usage) -> tuple[bool, str]:
+        def judge(charges: Mapping[str, Usage], others: Usage, quotas: list[dict[str, Any]], asked: Usage,
+                  _memory: int) -> tuple[bool, str]:
             try:
                 refusals = quota_refusals(namespace, asked, sum(charges.values(), others), quotas)
             except ClaimQuotaError as exc:
@@ -203,7 +210,7 @@ class ClaimQuota:
 
         return self._guard("Pod", namespace, key, request, asked_of, judge)
 
-    def _guard(self, kind: str, namespace: str, key: str, request: Mapping[str, Any], asked_of: Callable[[bool], Usage],
+    def _guard(self, kind: str, namespace: str, key: str, request: Mapping[str, Any], asked_of: Callable[[bool, int], Usage],
                judge: Judge) -> Verdict:
         deadline = self.monotonic() + self.budget
         try:
@@ -211,8 +218,9 @@ class ClaimQuota:
             if not any(r in ((q.get("spec") or {}).get("hard") or {}) for q in quotas for r in (CORE_QUOTA, MEMORY_QUOTA)):
                 return Verdict(True)  # no qgpu quota here: nothing to reserve against
             dra_namespace = self._is_dra_namespace(namespace, deadline)
+            memory = self.unsized_memory()  # one figure for the whole check: the new object's and the others'
             try:
-                asked = asked_of(dra_namespace)
+                asked = asked_of(dra_namespace, memory)
             except ClaimQuotaError as exc:
                 return Verdict(False, f"qgpu: {exc}")
             if asked.core_milli == 0 and asked.memory_mib == 0:
@@ -221,12 +229,26 @@ class ClaimQuota:
                 if not acquired:
                     raise QuotaUnavailable(f"other claims and pods of namespace {namespace!r} are being checked; "
                                            f"none finished within {self.budget:g}s")
-                return self._admit(request, namespace, key, asked, quotas, dra_namespace, judge, deadline)
+                return self._admit(request, namespace, key, asked, quotas, dra_namespace, judge, deadline, memory)
         except QuotaUnavailable as exc:
             message = (f"qgpu: {kind} {namespace}/{key.removeprefix(POD_KEY_PREFIX)}: the GPU quota cannot be checked, so the "
                        f"{'claim' if kind == 'ResourceClaim' else 'pod'} is refused (fail closed; try again): {exc}")
             log.warning("%s", message)
             return Verdict(False, message, 500)
+
+    def unsized_memory(self) -> int:
+        """What one card of a request naming no memory is charged (MiB): ``default_memory_mib``, or
+        the largest card the DRA pools have when that is larger (an H200's 140 GiB: charged 80, two
+        whole cards took 280 GiB of a 160 GiB quota). The sizes are the operator's
+        (--dra-card-memory-mib) or, without it, the pools' slices' (each node writes its own, so a
+        compromised node can raise this charge: refused admissions, never a quota passed)."""
+        if self.card_sizes is None:
+            return self.default_memory_mib
+        try:
+            sizes = self.card_sizes()
+        except CardSizesUnavailable as exc:
+            raise QuotaUnavailable(f"the card sizes a request naming no memory is charged by: {exc}") from None
+        return max((self.default_memory_mib, *sizes))
 
     def _stored(self, namespace: str, entries: Mapping[str, Reservation], visible: set[str]) -> set[str]:
         """The ledger entries whose object this replica has seen listed: stored, so its reservation
@@ -258,7 +280,7 @@ class ClaimQuota:
         return isinstance(labels, dict) and labels.get(GPU_MODE) == GPU_MODE_DRA
 
     def _admit(self, request: Mapping[str, Any], namespace: str, key: str, asked: Usage, quotas: list[dict[str, Any]],
-               dra_namespace: bool, judge: Judge, deadline: float) -> Verdict:
+               dra_namespace: bool, judge: Judge, deadline: float, memory: int) -> Verdict:
         attempt = 0
         while True:
             ledger = self._read_ledger(namespace, deadline)
@@ -267,7 +289,7 @@ class ClaimQuota:
             for page in self._pages("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline,
                                     api_may_be_absent=True):
                 visible |= {str((c.get("metadata") or {}).get("name")) for c in page}
-                for name, used in claim_charges(page, namespace, self.default_memory_mib).items():
+                for name, used in claim_charges(page, namespace, memory).items():
                     charges[name] = charges.get(name, Usage()) + used
                 del page  # not held while the next page is read
             # every pod, finished ones too: a pod stored is no longer a pending reservation, whatever its phase
@@ -276,12 +298,12 @@ class ClaimQuota:
             for page in self._pages("Pods", self.core.list_namespaced_pod, namespace, deadline):
                 visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in page}
                 pods_used += pods_usage(page, namespace, skip=skip, dra_namespace=dra_namespace,
-                                        default_memory_mib=self.default_memory_mib, limits=self.limits)
+                                        default_memory_mib=memory, limits=self.limits)
                 del page
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
             counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))
             counting.pop(key, None)  # a retried CREATE of the same object is not charged twice
-            allowed, message = judge(charges, pods_used + reserved_usage(counting), quotas, asked)
+            allowed, message = judge(charges, pods_used + reserved_usage(counting), quotas, asked, memory)
             if not allowed:
                 return Verdict(False, message)
             if request.get("dryRun") is True:

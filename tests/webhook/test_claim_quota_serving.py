@@ -12,10 +12,11 @@ import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from qgpu_runtime.contract.dra import SHARED_CLASS
+from qgpu_runtime.contract.dra import SHARED_CLASS, WHOLE_CLASS
 from qgpu_runtime.contract.leases import Reservation, encode_ledger, parse_ledger
 from qgpu_runtime.contract.names import CLAIM_RESERVATIONS
 from qgpu_runtime.webhook.claimquota import CORE_QUOTA, MEMORY_QUOTA
+from qgpu_runtime.webhook.dra import CardSizesUnavailable
 from qgpu_runtime.webhook.quota import ClaimQuota, Verdict
 
 NS = "team-a"
@@ -293,3 +294,35 @@ def test_another_replicas_reservation_under_a_name_seen_stored_counts():
     refused = a(review("z", 600))
     assert not refused.allowed and "used 600 + requested 600 > hard 1000" in refused.message
 
+
+
+def whole_claim(name: str) -> dict:
+    return {"metadata": {"name": name, "namespace": NS}, "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+        "deviceClassName": WHOLE_CLASS}}]}}}
+
+
+def test_a_request_naming_no_memory_is_charged_the_largest_card_of_the_pools():
+    """A whole card of an H200 pool (140 GiB) was charged the 80 GiB default: a 160 GiB quota
+    admitted two, 280 GiB. It is charged the largest card size the pools have (the flag's or the
+    published ones), never less than the default; the claims already stored are charged the same."""
+    h200 = 143360
+    api = FakeApi(hard_core=8000, hard_memory=160 * 1024)
+    first = {**review("a", 0), "object": whole_claim("a")}
+    assert guard(api, card_sizes=lambda: (16384, h200))(first) == Verdict(True)
+    assert api.reservations()["a"].memory_mib == h200
+    api.claims.append(whole_claim("a"))
+    verdict = guard(api, card_sizes=lambda: (16384, h200))({**review("b", 0), "object": whole_claim("b")})
+    assert not verdict.allowed and f"used {h200} + requested {h200} > hard {160 * 1024}" in verdict.message, verdict.message
+    # pools of small cards only: the default still (a whole card of a size not published yet stays covered)
+    assert guard(FakeApi(hard_core=8000, hard_memory=160 * 1024), card_sizes=lambda: (16384,)).unsized_memory() == 80 * 1024
+
+
+def test_card_sizes_that_cannot_be_read_refuse_the_admission_as_a_500():
+    def unreadable() -> tuple[int, ...]:
+        raise CardSizesUnavailable("listing ResourceSlices of driver gpu.qgpu.io: the apiserver could not be reached: boom")
+
+    api = FakeApi()
+    verdict = guard(api, card_sizes=unreadable)({**review("a", 0), "object": whole_claim("a")})
+    assert not verdict.allowed and verdict.code == 500, verdict
+    assert "the card sizes a request naming no memory is charged by: listing ResourceSlices" in verdict.message
+    assert "write" not in api.calls
