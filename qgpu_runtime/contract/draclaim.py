@@ -113,10 +113,17 @@ def _read_dialect(parameters: dict[str, Any]) -> ContainerDialect | None:
     return ContainerDialect(doc["dialect"], pct, whole)
 
 
+_SHARE_CONFIG_KEYS = frozenset({"apiVersion", "kind", "appClass", "greedy", "memoryOnly", "dialect"})
+
+
 def read_share_settings(parameters: Any) -> ShareSettings:
     """The :class:`ShareSettings` of opaque parameters written by :func:`share_config`; DraClaimError otherwise."""
     if not isinstance(parameters, dict) or parameters.get("apiVersion") != CONFIG_API_VERSION or parameters.get("kind") != CONFIG_KIND:
         raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: expected apiVersion {CONFIG_API_VERSION}, kind {CONFIG_KIND}")
+    unknown = sorted(str(k) for k in set(parameters) - _SHARE_CONFIG_KEYS)
+    if unknown:
+        raise DraClaimError(f"opaque parameters {shown(parameters)} are not allowed: {CONFIG_KIND} has no key "
+                            f"{', '.join(repr(k[:64]) for k in unknown[:4])}; it takes {', '.join(sorted(_SHARE_CONFIG_KEYS))}")
     app_class, greedy = parameters.get("appClass", "normal"), parameters.get("greedy", False)
     if app_class not in ("online", "offline", "normal") or not isinstance(greedy, bool):
         raise DraClaimError(f"opaque parameters {parameters!r} are not allowed: appClass online|offline|normal, greedy a boolean")

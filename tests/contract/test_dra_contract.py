@@ -95,6 +95,9 @@ def test_share_config_round_trips_and_refuses_what_qgpu_never_writes():
         draclaim.read_share_config({"apiVersion": "other/v1", "kind": "ShareConfig"})
     with pytest.raises(draclaim.DraClaimError, match="greedy a boolean"):
         draclaim.read_share_config({**draclaim.share_config("online", False), "greedy": "yes"})
+    # a key ShareConfig does not have (a typo of memoryOnly would otherwise be silently ignored)
+    with pytest.raises(draclaim.DraClaimError, match=r"ShareConfig has no key 'memoryonly'; it takes apiVersion, appClass, dialect"):
+        draclaim.read_share_settings({**draclaim.share_config("normal", False), "memoryonly": True})
 
 
 def test_share_config_carries_a_peers_dialect_and_memory_only_and_refuses_anything_else():
