@@ -390,6 +390,26 @@ def test_a_tenant_cannot_create_a_pod_carrying_qgpu_state(world, tenant, annotat
     assert "rule: qgpu.io/ annotations on pods are qgpu state" in message, message
 
 
+def test_a_tenant_writes_its_claims_and_never_their_allocation(world, tenant):
+    """The DRA node believes a claim's status.allocation (its devices and consumedCapacity), which
+    only kube-scheduler and the resourceclaim controller may write: a tenant with `edit` creates
+    and changes claims, never their status (docs/security.md)."""
+    _, namespace = tenant
+    authz = client.AuthorizationV1Api(world.cluster.api_client)
+
+    def allowed(verb: str, resource: str, subresource: str = "") -> bool:
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+            "user": f"tenant-{namespace}", "resourceAttributes": {
+                "namespace": namespace, "verb": verb, "group": "resource.k8s.io", "resource": resource,
+                "subresource": subresource}}}
+        return bool(authz.create_subject_access_review(review).status.allowed)
+
+    for resource in ("resourceclaims", "resourceclaimtemplates"):
+        assert allowed("create", resource) and allowed("update", resource), resource
+    for verb in ("update", "patch"):
+        assert not allowed(verb, "resourceclaims", "status"), verb
+
+
 def test_a_tenant_still_writes_the_annotations_meant_for_users(world, tenant):
     _create_as_tenant(world, tenant, tenant_pod(f"models-{uuid.uuid4().hex[:6]}", {"qgpu.io/gpu-model": "V100|T4"}))
     # a T9k group's minimum size is the owner's request for its own group (docs/extender.md, Groups)
