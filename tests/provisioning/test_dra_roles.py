@@ -193,7 +193,11 @@ def test_dra_pools_get_a_dra_manager_on_their_nodes_only(mixed_modes: list[dict[
         assert "--dra-unhealthy-effect=NoSchedule" in container["args"]  # the default: running pods stay
         assert not [a for a in container["args"] if a.startswith(("--resources", "--device-plugin-dir", "--pod-resources"))]
         mounts = {m["mountPath"] for m in container["volumeMounts"]}
-        assert {"/var/lib/kubelet/plugins", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
+        # kubelet's plugin folder only where qgpu's socket lives: other drivers' sockets are not mounted
+        assert {"/var/lib/kubelet/plugins/gpu.qgpu.io", "/var/lib/kubelet/plugins_registry", "/var/run/cdi"} <= mounts
+        assert "/var/lib/kubelet/plugins" not in mounts
+        paths = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+        assert paths["kubelet-plugins"] == "/var/lib/kubelet/plugins/gpu.qgpu.io"
         assert "/var/lib/kubelet/device-plugins" not in mounts
         ds = daemonsets[f"qgpu-manager-dra-{policy}"]
         assert ds["spec"]["selector"]["matchLabels"][names.POOL_MODE_LABEL] == "dra"
