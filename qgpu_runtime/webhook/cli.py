@@ -27,7 +27,9 @@ from typing import Any, Callable
 
 from kubernetes.config import ConfigException
 
+from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
 from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, MIB_PER_GIB
 from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
 from qgpu_runtime.webhook.cardsizes import SliceCardSizes
@@ -69,6 +71,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests and the quota "
                             "charge of a request naming no memory (the largest size, when above 80 GiB); default: "
                             "the sizes the pools' ResourceSlices publish (needs RBAC: resourceslices list)")
+    serve.add_argument("--largest-card-memory-mib", type=int, default=None, metavar="MIB",
+                       help="the memory (MiB) of the largest card of the cluster's pools, what the GPU quota charges "
+                            f"a whole card or a request naming no memory (default {DEFAULT_LIMITS.max_card_memory_mib}, "
+                            "80 GiB; set it where cards are larger, an H200's 143771): the card is not known before "
+                            "placement; with --dra a larger card the pools publish counts too")
     serve.add_argument("--pod-quota", action="store_true",
                        help="on /validate, charge every dialect's GPU share of a pod against the namespace's gpu.qgpu.io/core "
                             "and gpu.qgpu.io/memory quota, with its claims (docs/extender.md, 'One GPU quota for every "
@@ -194,6 +201,12 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("qgpu webhook serve: --kubeconfig, --quota-ledger-namespace and --claim-reservation-seconds: "
                          "only with --dra or --pod-quota")
     claim_quota = pod_quota = None
+    largest = args.largest_card_memory_mib
+    if largest is not None and not MIB_PER_GIB <= largest <= MAX_MEMORY_MIB:
+        raise SystemExit(f"qgpu webhook serve: --largest-card-memory-mib {largest}: must be within "
+                         f"{MIB_PER_GIB}..{MAX_MEMORY_MIB} (MiB, a card of 1 GiB to 1 TiB)")
+    if largest is not None and not (args.dra or args.pod_quota):
+        raise SystemExit("qgpu webhook serve: --largest-card-memory-mib: only with --dra or --pod-quota (it sizes the quota's charge)")
     dra_config = DraConfig()
     if args.dra:
         try:
@@ -216,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
             # the card sizes T9k percent pods need: the flag's, else what the pools' slices publish
             dra_config = replace(dra_config, published=SliceCardSizes(connection))
         quota = ClaimQuota(connection, args.quota_ledger_namespace or DEFAULT_LEDGER_NAMESPACE, reservation_ttl_s=reservation_s,
-                           default_memory_mib=dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra,
+                           default_memory_mib=largest or dra_config.limits.max_card_memory_mib, limits=dra_config.limits, dra=args.dra,
                            card_sizes=dra_config.card_sizes if args.dra else None)
         if args.dra:
             dra = (dra_config, TemplateWriter(connection))

@@ -66,7 +66,8 @@ def test_device_plugin_pools_get_the_one_gpu_quota_with_exactly_the_rbac_it_call
     with reads of the namespace's quotas, claims and pods and the ledger, and nothing of DRA."""
     docs = device_plugin_docs
     assert one(docs, "ServiceAccount")["automountServiceAccountToken"] is True
-    assert container(docs)["args"][-3:] == ["--pod-quota", "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30"]
+    assert container(docs)["args"][-4:] == ["--pod-quota", "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30",
+                                            "--largest-card-memory-mib=81920"]
     assert not [a for a in container(docs)["args"] if a.startswith("--dra")]
     assert one(docs, "ClusterRole", "qgpu-webhook-quota")["rules"] == [
         {"apiGroups": ["resource.k8s.io"], "resources": ["resourceclaims"], "verbs": ["list"]},
@@ -78,6 +79,12 @@ def test_device_plugin_pools_get_the_one_gpu_quota_with_exactly_the_rbac_it_call
     entry = hooks(docs, "ValidatingWebhookConfiguration")["validate.qgpu.io"]
     assert entry["sideEffects"] == "NoneOnDryRun" and entry["timeoutSeconds"] == 10 and entry["failurePolicy"] == "Fail"
     assert set(hooks(docs, "MutatingWebhookConfiguration")) == {"mutate.qgpu.io"}
+
+
+def test_the_largest_card_the_quota_charges_is_the_operators(tmp_path: Path):
+    """An H200 pool: a whole card is charged 143771 MiB, not the 80 GiB default."""
+    docs = render(tmp_path, "device-plugin", qgpu_webhook_largest_card_memory_mib=143771)
+    assert "--largest-card-memory-mib=143771" in container(docs)["args"]
 
 
 def test_device_plugin_pools_without_the_pod_quota_keep_the_webhook_without_api_access(tmp_path: Path):
@@ -94,8 +101,8 @@ def test_device_plugin_pools_without_the_pod_quota_keep_the_webhook_without_api_
 
 def test_a_dra_pool_runs_the_webhook_with_dra_and_its_flags(dra_docs):
     args = container(dra_docs)["args"]
-    assert args[-6:] == ["--dra", "--dra-card-memory-mib=15360", "--dra-card-memory-mib=32768", "--pod-quota",
-                         "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30"]
+    assert args[-7:] == ["--dra", "--dra-card-memory-mib=15360", "--dra-card-memory-mib=32768", "--pod-quota",
+                         "--quota-ledger-namespace=qgpu-system", "--claim-reservation-seconds=30", "--largest-card-memory-mib=81920"]
     assert one(dra_docs, "ServiceAccount")["automountServiceAccountToken"] is True
     assert one(dra_docs, "Deployment")["spec"]["template"]["spec"]["automountServiceAccountToken"] is True
 

@@ -326,3 +326,15 @@ def test_card_sizes_that_cannot_be_read_refuse_the_admission_as_a_500():
     assert not verdict.allowed and verdict.code == 500, verdict
     assert "the card sizes a request naming no memory is charged by: listing ResourceSlices" in verdict.message
     assert "write" not in api.calls
+
+
+def test_a_whole_card_is_charged_the_largest_card_the_operator_names():
+    """Device-plugin pools of H200 cards: --largest-card-memory-mib 143771. Charged the 80 GiB
+    default, `nvidia.com/gpu: 2` fitted a 160 GiB memory quota and held about 280 GiB."""
+    pod = {"metadata": {"name": "p", "namespace": NS}, "spec": {"containers": [
+        {"name": "c", "image": "x", "resources": {"limits": {"nvidia.com/gpu": "2"}}}]}}
+    request = {"uid": "u-p", "operation": "CREATE", "namespace": NS, "kind": {"group": "", "kind": "Pod"}, "object": pod}
+    api = FakeApi(hard_core=8000, hard_memory=160 * 1024)
+    assert guard(api).check_pod(request) == Verdict(True)  # the default: 2 x 80 GiB fits
+    verdict = guard(FakeApi(hard_core=8000, hard_memory=160 * 1024), default_memory_mib=143771).check_pod(request)
+    assert not verdict.allowed and f"requested {2 * 143771} > hard {160 * 1024}" in verdict.message, verdict.message

@@ -503,6 +503,8 @@ def test_the_dra_route_exists_only_with_dra():
     (["--dra", "--claim-reservation-seconds", "0"], "--claim-reservation-seconds 0: must be within 1..3600"),
     (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
     (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),
+    (["--pod-quota", "--largest-card-memory-mib", "1000"], r"--largest-card-memory-mib 1000: must be within 1024\.\.1048576"),
+    (["--largest-card-memory-mib", "143771"], "--largest-card-memory-mib: only with --dra or --pod-quota"),
 ])
 def test_bad_dra_flags_are_refused_before_serving(argv, message):
     from qgpu_runtime.cli import main
