@@ -47,6 +47,7 @@ POOL_MODE_LABEL: Final = "qgpu.io/pool-mode"
 """How the pool's cards reach pods: ``device-plugin`` (extended resources, the extender places) or
 ``dra`` (ResourceSlices, kube-scheduler allocates claims). The manager DaemonSets select on it."""
 POOL_MODES: Final = ("device-plugin", "dra")
+POOL_MODE_DRA: Final = "dra"  # of POOL_MODES: the pools whose cards are DRA devices
 
 # --- Leases: written and read by every extender -------------------------------------------------
 COMMITMENTS: Final = "qgpu.io/commitments"

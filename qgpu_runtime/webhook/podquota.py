@@ -40,7 +40,7 @@ import math
 from typing import Any, Final, Iterable, Mapping
 
 from qgpu_runtime.contract.dra import CORE_STEP
-from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN
+from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, POOL_MODE_DRA, POOL_MODE_LABEL
 from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.model.requests import (
     CORE_MILLI_PER_CARD,
@@ -168,18 +168,24 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
         return Usage()
     meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
     annotations = meta.get("annotations") if isinstance(meta.get("annotations"), Mapping) else {}
-    claims_nvidia = dra_namespace and annotations.get(GPU_MODE) != GPU_MODE_DEVICE_PLUGIN
+    converted = dra_namespace and annotations.get(GPU_MODE) != GPU_MODE_DEVICE_PLUGIN
     try:
         request = parse_pod(pod, limits)
     except RequestError:
         return refused_pod_charge(pod, default_memory_mib, limits)
     spec = pod.get("spec") if isinstance(pod.get("spec"), Mapping) else {}
+    selector = spec.get("nodeSelector") if isinstance(spec.get("nodeSelector"), Mapping) else {}
+    # Only a pod /mutate-dra pinned to DRA pools: there kube-scheduler's extended-resource claim
+    # carries nvidia.com/gpu. A pod of the namespace from before its label runs on a device-plugin
+    # node, which grants the cards with no claim: charged as a pod (uncharged, a namespace labelled
+    # dra freed its running pods' quota for new ones).
+    claims_nvidia = converted and selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA
     raw = {str(c.get("name") or ""): c for c in spec.get("containers") or [] if isinstance(c, Mapping)}
     total = Usage()
     for container in request.containers:
         if claims_nvidia and container.dialect is Dialect.NVIDIA:
             continue  # kube-scheduler's extended-resource claim carries it, and is charged as a claim
-        if claims_nvidia and container.dialect is Dialect.KAI and _moved_onto_a_claim(raw.get(container.name, {})):
+        if converted and container.dialect is Dialect.KAI and _moved_onto_a_claim(raw.get(container.name, {})):
             # /mutate-dra put KAI's annotated share on a claim (charged as a claim) and took the
             # container's nvidia.com/gpu away: without a GPU resource no device plugin grants it a
             # card, so the annotation alone holds nothing (charged here too, it counted twice)

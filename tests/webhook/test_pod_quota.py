@@ -107,7 +107,9 @@ def test_annotating_a_pod_into_a_refusal_never_lowers_its_charge(valid, broken):
 
 
 def test_in_a_dra_namespace_nvidia_gpu_is_charged_as_kube_schedulers_claim_not_as_the_pod():
-    assert pod_usage(pod("p", {"nvidia.com/gpu": "1"}), dra_namespace=True) == Usage()
+    pinned = pod("p", {"nvidia.com/gpu": "1"})
+    pinned["spec"]["nodeSelector"] = {"qgpu.io/pool-mode": "dra"}  # what /mutate-dra adds
+    assert pod_usage(pinned, dra_namespace=True) == Usage()
     kept = pod("p", {"nvidia.com/gpu": "1"}, annotations={"qgpu.io/gpu-mode": "device-plugin"})
     assert pod_usage(kept, dra_namespace=True) == Usage(1000, CARD)
     assert pod_usage(pod("p", {"tencent.com/vcuda-core": "100"}), dra_namespace=True) == Usage(1000, CARD)
@@ -202,7 +204,9 @@ def test_a_pod_admitted_a_moment_ago_counts_until_listed_then_as_itself():
 
 def test_a_dra_webhook_reads_the_namespace_label_and_leaves_nvidia_gpu_to_the_claim():
     api = FakeApi(hard_core=1000, hard_memory=10 * CARD, claims=[claim("c", 1000)], namespace_labels={"qgpu.io/gpu-mode": "dra"})
-    assert guard(api, dra=True).check_pod(review("p", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    converted = review("p", {"nvidia.com/gpu": "1"})
+    converted["object"]["spec"]["nodeSelector"] = {"qgpu.io/pool-mode": "dra"}  # /mutate-dra ran before /validate
+    assert guard(api, dra=True).check_pod(converted) == Verdict(True)
     assert "namespace" in api.calls and "write" not in api.calls  # charged nothing: nothing reserved
     assert not guard(FakeApi(hard_core=1000, hard_memory=10 * CARD, claims=[claim("c", 1000)])).check_pod(review("p", {"nvidia.com/gpu": "1"})).allowed
 
@@ -252,3 +256,11 @@ def test_a_pod_deleted_after_this_replica_saw_it_stored_stops_counting_before_it
     api.pods.clear()  # a deleted
     assert replica.check_pod(review("b", {"nvidia.com/gpu": "1"})) == Verdict(True)
     assert not guard(api).check_pod(review("c", {"nvidia.com/gpu": "1"})).allowed  # b reserved
+
+
+def test_a_pod_from_before_the_namespace_was_labelled_dra_is_still_charged():
+    """`nvidia.com/gpu: 8` admitted before the namespace was labelled qgpu.io/gpu-mode=dra runs on a
+    device-plugin node, which grants the cards with no claim. Skipped as a converted pod's, it was
+    charged nothing once the label came, and its quota admitted the same cards again."""
+    before = pod("p", {"nvidia.com/gpu": "8"})
+    assert pod_usage(before, dra_namespace=True) == pod_usage(before) == Usage(8000, 8 * CARD)
