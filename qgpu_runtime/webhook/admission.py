@@ -130,7 +130,7 @@ def mutation(pod: Mapping[str, Any], config: WebhookConfig) -> list[dict[str, An
                         ops.append({"op": "add", "path": f"{base}/{missing_name}/{_escape(k)}", "value": v})
     if not request.wants_gpu:
         return ops
-    ops.extend(kai_carrier(pod, request))
+    ops.extend(gpu_carrier(pod, request))
     if config.scheduler_name and spec.get("schedulerName", DEFAULT_SCHEDULER) in ("", DEFAULT_SCHEDULER):
         ops.append({"op": "add", "path": "/spec/schedulerName", "value": config.scheduler_name})
     if any(c.exclusive or c.whole_node for c in request.containers):
@@ -142,25 +142,37 @@ def mutation(pod: Mapping[str, Any], config: WebhookConfig) -> list[dict[str, An
     return ops
 
 
-def kai_carrier(pod: Mapping[str, Any], request: PodRequest) -> list[dict[str, Any]]:
-    """KAI-Scheduler's share comes by annotation, and such a pod asks no extended resource: give its
-    container ``nvidia.com/gpu``, one per card, so that kube-scheduler sends it to the extender, the
-    namespace quota counts it and the kubelet calls the device plugin for it (docs/migration.md)."""
-    kai = next((c for c in request.containers if c.dialect is Dialect.KAI), None)
-    if kai is None:
-        return []
+def gpu_carrier(pod: Mapping[str, Any], request: PodRequest) -> list[dict[str, Any]]:
+    """Give ``nvidia.com/gpu``, one per card, to the containers whose dialect asks cards without it,
+    so that the kubelet calls the device plugin for them (it serves ``nvidia.com/gpu``, never KAI's
+    annotations or HAMi's ``gpumem``/``gpucores``), kube-scheduler sends the pod to the extender and
+    the namespace quota counts it (docs/migration.md):
+
+    - KAI-Scheduler's share comes by annotation, and such a pod asks no extended resource;
+    - HAMi's ``nvidia.com/gpumem: 3000`` alone is one card (HAMi's ``defaultGPUNum``), as HAMi's own
+      webhook writes it: without the resource the extender booked a share the container never got.
+    """
     containers = (pod.get("spec") or {}).get("containers") or []
-    i = next(i for i, c in enumerate(containers) if str(c.get("name") or "") == kai.name)
-    resources = containers[i].get("resources") or {}
+    index = {str(c.get("name") or ""): i for i, c in enumerate(containers)}
     ops: list[dict[str, Any]] = []
-    if containers[i].get("resources") is None:
-        ops.append({"op": "add", "path": f"/spec/containers/{i}/resources", "value": {}})
-    for section in ("limits", "requests"):
-        values = resources.get(section)
-        if values is None:
-            ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}", "value": {NVIDIA_GPU: str(kai.cards)}})
-        elif NVIDIA_GPU not in values:
-            ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}/{_escape(NVIDIA_GPU)}", "value": str(kai.cards)})
+    for asked in request.containers:
+        if asked.dialect not in (Dialect.KAI, Dialect.HAMI) or asked.name not in index:
+            continue
+        i = index[asked.name]
+        resources = containers[i].get("resources") or {}
+        sections = {section: resources.get(section) or {} for section in ("limits", "requests")}
+        if any(NVIDIA_GPU in values for values in sections.values()):
+            continue  # the other section gets it from the copy above
+        # a section the copy above creates (the container names one of our resources) exists by now
+        copied = any(_ours(k) for values in sections.values() for k in values)
+        if containers[i].get("resources") is None:
+            ops.append({"op": "add", "path": f"/spec/containers/{i}/resources", "value": {}})
+        for section in ("limits", "requests"):
+            if resources.get(section) is None and not copied:
+                ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}", "value": {NVIDIA_GPU: str(asked.cards)}})
+            else:
+                ops.append({"op": "add", "path": f"/spec/containers/{i}/resources/{section}/{_escape(NVIDIA_GPU)}",
+                            "value": str(asked.cards)})
     return ops
 
 

@@ -143,6 +143,8 @@ def test_hamis_documented_pods_get_their_vgpus(cluster, hooked, schedulers, labe
     assert [(d, core, mem) for _, d, _, core, mem in shares(bound(cluster.api, hooked, "percent"))] == [("hami", 0, 20480)]
     memonly = bound(cluster.api, hooked, "memonly")
     assert memonly["spec"]["nodeName"] == t4 and [(core, mem) for *_, core, mem in shares(memonly)] == [(0, 1024)]
+    # HAMi's defaultGPUNum written as HAMi's webhook writes it: the kubelet asks the device plugin for that card
+    assert memonly["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
     whole = bound(cluster.api, hooked, "whole")
     assert whole["spec"]["nodeName"] == a100 and [(d, core) for _, d, _, core, _ in shares(whole)] == [("nvidia", 1000)]
     message = refused(cluster, hooked, gpu_pod("both", {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 3000, "nvidia.com/gpumem-percentage": 50}))

@@ -33,6 +33,26 @@ def test_hami_resources_are_copied_between_requests_and_limits():
     assert after["spec"]["containers"][0]["resources"]["requests"] == {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "3000"}
 
 
+def test_a_hami_share_without_nvidia_gpu_gets_its_one_card_as_hamis_webhook_writes_it():
+    """`nvidia.com/gpumem: 3000` alone is one card (HAMi's defaultGPUNum). Without nvidia.com/gpu the
+    kubelet never calls the device plugin (it serves nvidia.com/gpu, not gpumem): the extender
+    booked a share the container never got."""
+    for limits, requests in (({"nvidia.com/gpumem": "3000"}, None), (None, {"nvidia.com/gpumem": "3000"}),
+                             ({"nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"}, {"nvidia.com/gpumem": "3000"})):
+        p = pod(container(limits=limits, requests=requests))
+        after = apply_patch(p, patch_of(mutate(review(p), CONFIG)))
+        resources = after["spec"]["containers"][0]["resources"]
+        assert resources["limits"]["nvidia.com/gpu"] == resources["requests"]["nvidia.com/gpu"] == "1", resources
+        assert resources["limits"] == resources["requests"], resources
+        assert validate(review(after), CONFIG)["response"]["allowed"] is True
+        assert apply_patch(after, patch_of(mutate(review(after), CONFIG))) == after  # once
+    # a HAMi pod that names its cards keeps them; the chart's zero-GPU variant stays CPU-only
+    for limits in ({"nvidia.com/gpu": "2", "nvidia.com/gpumem": "3000"}, {"nvidia.com/gpu": "0", "nvidia.com/gpumem": "3000"}):
+        p = pod(container(limits=dict(limits)))
+        after = apply_patch(p, patch_of(mutate(review(p), CONFIG)))
+        assert after["spec"]["containers"][0]["resources"]["limits"] == limits
+
+
 def test_kai_annotations_become_the_named_containers_nvidia_gpu():
     p = pod(container("main"), container("side"), schedulerName="kai-scheduler",
             annotations={"gpu-fraction": "0.5", "gpu-fraction-num-devices": "2", "gpu-fraction-container-name": "side"})
