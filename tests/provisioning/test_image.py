@@ -230,6 +230,7 @@ def test_registry_set_pushes_the_archive_with_skopeo_instead_of_importing(builds
         assert recorded == [["inspect", "--raw", f"docker://{pushed}"],
                             ["copy", "--preserve-digests", f"oci-archive:{archive}", f"docker://{pushed}"]]
         assert task_result(run, "Import the image into this node's containerd") == "skipping"
+        assert '"pushed": true' in run.output  # cluster.yml then names it by digest in the pod templates
     finally:
         if run.returncode == 0:
             remove_archive(built_archive(run))

@@ -35,3 +35,25 @@ def test_every_pod_template_carries_the_images_digest_when_it_is_known(tmp_path:
     assert set(by_kind(manager, "DaemonSet")) <= set(found) and "qgpu-scheduler" in found and "qgpu-webhook" in found
     for name, notes in found.items():
         assert notes.get(ANNOTATION) == (digest or None), name
+
+
+def containers(docs: list[dict[str, Any]]) -> dict[str, str]:
+    return {d["metadata"]["name"]: d["spec"]["template"]["spec"]["containers"][0]["image"]
+            for d in docs if d["kind"] in ("DaemonSet", "Deployment")}
+
+
+def test_a_pushed_image_is_named_by_its_digest(tmp_path: Path) -> None:
+    """A registry's image under a reused tag: with IfNotPresent a node that holds the tag from an
+    earlier build kept running that one, whatever the annotation rolled. Named by digest it pulls."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "s").mkdir()
+    pinned = {"qgpu_image_digest": DIGEST, "qgpu_image_by_digest": True}
+    run, manager = render_manager(tmp_path / "m", MIXED_MODES, **pinned)
+    assert run.returncode == 0, run.output[-4000:]
+    found = {**containers(manager), **containers(render_scheduler(tmp_path / "s", MIXED_MODES, **pinned)),
+             **containers(render(tmp_path / "w", "device-plugin", **pinned))}
+    assert "qgpu-scheduler" in found and "qgpu-webhook" in found
+    assert all(image.endswith("@" + DIGEST) and ":" in image.split("@")[0] for image in found.values()), found
+    # imported images (no registry) keep the tag: each node's containerd holds the new build under it
+    webhook = render(tmp_path / "w2", "device-plugin", qgpu_image_digest=DIGEST)
+    assert "@" not in containers(webhook)["qgpu-webhook"]
