@@ -179,7 +179,17 @@ def site(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     xgn_policy = [{"apiVersion": "admissionregistration.k8s.io/v1", "kind": kind, "metadata": {"name": "qgpu-xgn-taint"}}
                   for kind in ("MutatingAdmissionPolicy", "MutatingAdmissionPolicyBinding")]
     try:
-        left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy if live_object(cluster, d)]
+        # beside the manifests: the extender's TLS Secret and the re-wiring watcher's identity, whose
+        # token never expires (the record signing key stays, so a reinstall verifies running pods' records)
+        beside = [{"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "qgpu-scheduler-tls", "namespace": NAMESPACE}},
+                  {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "qgpu-scheduler-wiring-token", "namespace": NAMESPACE}},
+                  {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "qgpu-scheduler-wiring", "namespace": NAMESPACE}},
+                  {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+                   "metadata": {"name": "qgpu-scheduler-wiring", "namespace": "default"}},
+                  {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+                   "metadata": {"name": "qgpu-scheduler-wiring", "namespace": "default"}}]
+        left = [f"{d['kind']}/{d['metadata']['name']}" for d in rendered_objects(site) + xgn_policy + beside
+                if live_object(cluster, d)]
         left += [f"Node/{n}: {k}" for names in pools.values() for n in names
                  for k in site.node(n)["metadata"]["labels"] if k in expected_pool_labels(site.group_vars(POOLS[0]))]
         left += [f"Namespace/{NAMESPACE}: {k}" for k in cluster.api.read_namespace(NAMESPACE).metadata.annotations or {}
