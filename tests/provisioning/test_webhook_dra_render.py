@@ -81,6 +81,17 @@ def test_device_plugin_pools_get_the_one_gpu_quota_with_exactly_the_rbac_it_call
     assert set(hooks(docs, "MutatingWebhookConfiguration")) == {"mutate.qgpu.io"}
 
 
+def test_a_drain_leaves_a_webhook_replica_serving(device_plugin_docs):
+    """failurePolicy Fail: with both replicas gone no GPU pod is admitted. A PodDisruptionBudget lets
+    a drain take one at a time, and the replicas prefer different nodes."""
+    budget = one(device_plugin_docs, "PodDisruptionBudget", "qgpu-webhook")
+    assert budget["spec"] == {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "qgpu-webhook"}}}
+    pod = one(device_plugin_docs, "Deployment")["spec"]["template"]
+    assert budget["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (term,) = pod["spec"]["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+
+
 def test_the_largest_card_the_quota_charges_is_the_operators(tmp_path: Path):
     """An H200 pool: a whole card is charged 143771 MiB, not the 80 GiB default."""
     docs = render(tmp_path, "device-plugin", qgpu_webhook_largest_card_memory_mib=143771)
