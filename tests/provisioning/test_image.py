@@ -221,14 +221,17 @@ def test_registry_set_pushes_the_archive_with_skopeo_instead_of_importing(builds
     skopeo.chmod(0o755)
     pushed = f"registry.test:5000/qgpu/qgpu-runtime:{VERSION}"
     run = ansible_playbook("-i", str(builds.inventory), PLAYBOOK, "-e", json.dumps({
-        "qgpu_image_registry": "registry.test:5000", "qgpu_image": pushed, "qgpu_image_skopeo": str(skopeo)}))
+        "qgpu_image_registry": "registry.test:5000", "qgpu_image": pushed, "qgpu_image_skopeo": str(skopeo),
+        "qgpu_image_registry_auth_file": "/etc/qgpu/registry-auth.json"}))
     try:
         assert run.returncode == 0, run.output[-6000:]
         archive = built_archive(run)
         assert archive.name == f"registry.test_5000_qgpu_qgpu-runtime_{VERSION}-amd64.oci.tar"
         recorded = [json.loads(line) for line in calls.read_text().splitlines()]
-        assert recorded == [["inspect", "--raw", f"docker://{pushed}"],
-                            ["copy", "--preserve-digests", f"oci-archive:{archive}", f"docker://{pushed}"]]
+        # the credentials by file, never on the command line (readable in /proc by every local user)
+        assert recorded == [["inspect", "--raw", "--authfile", "/etc/qgpu/registry-auth.json", f"docker://{pushed}"],
+                            ["copy", "--preserve-digests", "--dest-authfile", "/etc/qgpu/registry-auth.json",
+                             f"oci-archive:{archive}", f"docker://{pushed}"]]
         assert task_result(run, "Import the image into this node's containerd") == "skipping"
         assert '"pushed": true' in run.output  # cluster.yml then names it by digest in the pod templates
     finally:

@@ -354,6 +354,7 @@ def test_every_rendered_object_is_in_the_apiserver(site: Site) -> None:
     kinds = sorted({d["kind"] for d in docs})
     assert kinds == ["ClusterRole", "ClusterRoleBinding", "ConfigMap",  # the Grafana dashboard
                      "DaemonSet", "Deployment", "MutatingWebhookConfiguration",
+                     "PodDisruptionBudget",  # the webhook's: a drain leaves a replica serving
                      "Role", "RoleBinding",  # the extender's node commitment Leases
                      "Secret", "Service", "ServiceAccount", "ServiceMonitor",  # the managers' metrics
                      "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding", "ValidatingWebhookConfiguration"]
