@@ -190,6 +190,7 @@ SERVED_FROM = {
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): "1.30",
     ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): "1.30",
     ("coordination.k8s.io/v1", "Lease"): "1.14",
+    ("policy/v1", "PodDisruptionBudget"): "1.21",
 }
 MATCH_CONDITIONS_FROM = "1.30"  # webhooks' matchConditions: GA in 1.30
 
