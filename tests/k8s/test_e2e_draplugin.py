@@ -16,6 +16,7 @@ import pytest
 from kubernetes import client
 
 from qgpu_runtime.contract.dra import DRIVER, SHARED_CLASS, pool_name
+from qgpu_runtime.contract.names import MIXED_LABEL
 from qgpu_runtime.contract.store import read_status
 from qgpu_runtime.gpu.simulated import build_cards, parse_spec
 from qgpu_runtime.node.dra import cdi
@@ -45,8 +46,9 @@ class Node:
     def start(self) -> None:
         self.store = Store(self.root / "meta.db")
         self.store.sync_cards(list(CARDS.values()))
-        preparer = ClaimPreparer(self.settings, CARDS, self.store, KubePodSource(str(self.kubeconfig)),
-                                 lambda: "burst-share", device_exists=lambda path: False)
+        source = KubePodSource(str(self.kubeconfig))
+        preparer = ClaimPreparer(self.settings, CARDS, self.store, source, lambda: "burst-share", device_exists=lambda path: False,
+                                 node_labels=lambda: source.node_labels(NODE))
         self.plugin = DraKubeletPlugin(self.settings, preparer)
         self.plugin.serve()
 
@@ -227,7 +229,14 @@ def test_the_share_config_and_reserved_pod_reach_the_store_and_the_isolation_ten
                        "nodeSelector": selector},
         "reservedFor": [{"resource": "pods", "name": "batch-0", "uid": pod.metadata.uid}]}}, _content_type=MERGE_PATCH)
 
-    assert node.kubelet.prepare((ns, uid, "batch"))[uid].error == ""
+    # offline work only on a node labelled mixed-qgpu-enable=enable, read from the apiserver's Node
+    core.create_node({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+    try:
+        assert f"is not labelled {MIXED_LABEL}=enable" in node.kubelet.prepare((ns, uid, "batch"))[uid].error
+        core.patch_node(NODE, {"metadata": {"labels": {MIXED_LABEL: "enable"}}})
+        assert node.kubelet.prepare((ns, uid, "batch"))[uid].error == ""
+    finally:
+        core.delete_node(NODE)
     assert (ns, "batch", "gpu", 1, 400, 2048, "offline") in read_status(node.store.path).shares
     (booked,) = node.store.prepared_claims()
     assert [(p.uid, p.name) for p in booked.pods] == [(pod.metadata.uid, "batch-0")]
