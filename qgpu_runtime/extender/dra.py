@@ -182,6 +182,10 @@ class DraView:
         self.node_specs = node_specs or dict
         self.lock = threading.RLock()
         self._delivered = threading.Condition(self.lock)  # notified when a claim or template is applied
+        # whether each watch has listed and is following: only then is a claim it has not
+        # delivered worth waiting for (before its first LIST, or while it relists after a break,
+        # every claim pod would wait, and kube-scheduler's cycle is serial)
+        self._following = {"claims": False, "templates": False}
         self._slices: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}
         self._asks: dict[str, list[Ask] | DemandError] = {}  # claim ns/name -> asks
         self._template_asks: dict[str, list[Ask] | DemandError] = {}
@@ -245,8 +249,15 @@ class DraView:
             self._set_usage(reduced.uid, list(reduced.usage))
             self._delivered.notify_all()
 
+    def following(self, kind: str, yes: bool) -> None:
+        """The ``claims`` or ``templates`` watch listed (True) or broke (False, set by its feeder)."""
+        with self.lock:
+            self._following[kind] = yes
+            self._delivered.notify_all()
+
     def replace_claims(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
+            self._following["claims"] = True
             self._asks.clear()
             self._usage.clear()
             self._state = None
@@ -265,6 +276,7 @@ class DraView:
 
     def replace_templates(self, items: "Iterable[Mapping[str, Any] | ReducedClaim]") -> None:
         with self.lock:
+            self._following["templates"] = True
             self._template_asks.clear()
             for obj in items:
                 self.apply_template("ADDED", obj)
@@ -325,21 +337,29 @@ class DraView:
         meta = pod.get("metadata") or {}
         namespace = meta.get("namespace") or "default"
         refs = (pod.get("spec") or {}).get("resourceClaims") or []
+        # a template's claim, once the resourceclaim controller made it, is named in the pod's
+        # status (kube-scheduler waits for it): that claim is what gets allocated, and it stays
+        # readable when the template is deleted
+        made = {str(s.get("name")): str(s.get("resourceClaimName"))
+                for s in (pod.get("status") or {}).get("resourceClaimStatuses") or []
+                if isinstance(s, dict) and s.get("resourceClaimName")}
         deadline = time.monotonic() + wait
         with self.lock:
             while True:
-                asks = self._demand(namespace, refs)
+                asks = self._demand(namespace, refs, made)
                 left = deadline - time.monotonic()
-                if asks is not _UNKNOWN or left <= 0:
+                if asks is not _UNKNOWN or left <= 0 or not all(self._following.values()):
                     break
                 self._delivered.wait(left)
         return None if asks is _UNKNOWN else asks
 
-    def _demand(self, namespace: str, refs: list[Any]) -> "list[Ask] | None | object":
+    def _demand(self, namespace: str, refs: list[Any], made: Mapping[str, str]) -> "list[Ask] | None | object":
         asks: list[Ask] = []
         for ref in refs:
             if ref.get("resourceClaimName"):
                 found = self._asks.get(f"{namespace}/{ref['resourceClaimName']}", _UNKNOWN)
+            elif str(ref.get("name")) in made:
+                found = self._asks.get(f"{namespace}/{made[str(ref.get('name'))]}", _UNKNOWN)
             elif ref.get("resourceClaimTemplateName"):
                 found = self._template_asks.get(f"{namespace}/{ref['resourceClaimTemplateName']}", _UNKNOWN)
             else:

@@ -47,6 +47,8 @@ class Kind:
     """What a LIST keeps of each object while the rest of its pages are read (all of it by default;
     ``replace`` takes what it keeps). A tenant writes pods, budgets and claims, each up to etcd's
     object limit: each is reduced as its page is read, never held whole with the others."""
+    broken: Callable[[], None] | None = None
+    """Told when the watch broke, before the relist (the DRA view stops waiting for its claims)."""
 
 
 class CacheFeeder:
@@ -75,9 +77,10 @@ class CacheFeeder:
                 Kind("resourceslices", resource.list_resource_slice, dra.replace_slices, dra.apply_slice,
                      keep=dra.reduce_slice),
                 Kind("resourceclaims", resource.list_resource_claim_for_all_namespaces, dra.replace_claims, dra.apply_claim,
-                     keep=dra.reduce_claim),
+                     keep=dra.reduce_claim, broken=lambda: dra.following("claims", False)),
                 Kind("resourceclaimtemplates", resource.list_resource_claim_template_for_all_namespaces,
-                     dra.replace_templates, dra.apply_template, keep=dra.reduce_template),
+                     dra.replace_templates, dra.apply_template, keep=dra.reduce_template,
+                     broken=lambda: dra.following("templates", False)),
             ]
         self.threads: list[threading.Thread] = []
 
@@ -127,6 +130,8 @@ class CacheFeeder:
                 failures += 1
                 delay = min(10.0, 0.2 * 2 ** min(failures, 6))
                 log.warning("watch %s broke (%s); relisting in %.1fs", kind.name, exc, delay)
+                if kind.broken is not None:
+                    kind.broken()
                 version = ""
                 self._stop.wait(delay)
 

@@ -156,7 +156,7 @@ class Store:
         """The shares booked for pods, not for prepared ResourceClaims, in one read: read apart, a
         claim booked between the two reads looked like the shares of a pod that is gone."""
         with self._lock:
-            rows = self._db.execute("SELECT * FROM shares WHERE workload_id NOT IN (SELECT claim_uid FROM claims) "
+            rows = self._db.execute("SELECT * FROM shares WHERE NOT EXISTS (SELECT 1 FROM claims WHERE claim_uid = shares.workload_id) "
                                     "ORDER BY card_index, created_ns, workload_id, container").fetchall()
         return [Share(*r) for r in rows]
 
@@ -176,7 +176,7 @@ class Store:
         with self._lock, self._tx():
             a = self._db.execute(f"DELETE FROM grants WHERE pod_uid IN ({marks})", uids).rowcount
             b = self._db.execute(f"DELETE FROM shares WHERE workload_id IN ({marks}) "
-                                 "AND workload_id NOT IN (SELECT claim_uid FROM claims)", uids).rowcount
+                                 "AND NOT EXISTS (SELECT 1 FROM claims WHERE claim_uid = shares.workload_id)", uids).rowcount
         return a + b
 
     def release_grant(self, pod_uid: str, container: str, resource: str) -> None:

@@ -42,6 +42,8 @@ def check_directory(path: str, uid: int) -> str:
         st = os.stat(folder)
     except FileNotFoundError:
         raise StoreError(f"--dbfile {path!r}: directory {folder!r} does not exist") from None
+    except OSError as err:
+        raise StoreError(f"--dbfile {path!r}: cannot read directory {folder!r}: {err.strerror}") from None
     owners = "root" if uid == 0 else f"uid {uid} or root"
     if st.st_uid not in (uid, 0) or st.st_mode & _OTHERS_WRITE:
         raise StoreError(
@@ -49,7 +51,10 @@ def check_directory(path: str, uid: int) -> str:
             f"its database names, so the directory must be owned by {owners} and writable by no one else (chmod go-w)")
     above = os.path.dirname(folder)
     while True:
-        st = os.stat(above)
+        try:
+            st = os.stat(above)
+        except OSError as err:
+            raise StoreError(f"--dbfile {path!r}: cannot read {above!r}, above its directory: {err.strerror}") from None
         if st.st_uid not in (uid, 0) or (st.st_mode & _OTHERS_WRITE and not st.st_mode & stat.S_ISVTX):
             raise StoreError(
                 f"--dbfile {path!r}: {above!r}, above its directory, has {_describe(st)}: whoever may write it can "
@@ -67,6 +72,8 @@ def check_file(path: str, name: str, uid: int) -> None:
         st = os.lstat(name)
     except FileNotFoundError:
         return
+    except OSError as err:
+        raise StoreError(f"--dbfile {path!r}: cannot read {name!r}: {err.strerror}") from None
     if stat.S_ISDIR(st.st_mode) and name == os.path.realpath(path):
         raise StoreError(f"--dbfile {path!r}: is a directory, not a database file")
     if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_mode & _OTHERS_WRITE:

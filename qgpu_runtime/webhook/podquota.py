@@ -179,7 +179,10 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
     # carries nvidia.com/gpu. A pod of the namespace from before its label runs on a device-plugin
     # node, which grants the cards with no claim: charged as a pod (uncharged, a namespace labelled
     # dra freed its running pods' quota for new ones).
-    claims_nvidia = converted and selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA
+    # A pod kube-scheduler gave its extended-resource claim says so in its status (Kubernetes >= 1.34;
+    # pods/status is not a tenant's to write): one admitted before /mutate-dra pinned pods counts so.
+    claims_nvidia = converted and (selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA
+                                   or bool(status.get("extendedResourceClaimStatus")))
     raw = {str(c.get("name") or ""): c for c in spec.get("containers") or [] if isinstance(c, Mapping)}
     total = Usage()
     for container in request.containers:

@@ -144,6 +144,7 @@ class ClaimQuota:
         # The card sizes of the DRA pools (--dra-card-memory-mib, else what their slices publish):
         # a request naming no memory is given a whole card, charged as the largest of them.
         self.card_sizes = card_sizes
+        self._last_sizes: tuple[int, ...] | None = None
         self.limits = limits
         self.dra = dra
         self.clock = clock
@@ -247,7 +248,10 @@ class ClaimQuota:
         try:
             sizes = self.card_sizes()
         except CardSizesUnavailable as exc:
-            raise QuotaUnavailable(f"the card sizes a request naming no memory is charged by: {exc}") from None
+            if self._last_sizes is None:
+                raise QuotaUnavailable(f"the card sizes a request naming no memory is charged by: {exc}") from None
+            sizes = self._last_sizes  # the apiserver blinked: the sizes it gave last (cards change rarely)
+        self._last_sizes = tuple(sizes)
         return max((self.default_memory_mib, *sizes))
 
     def _stored(self, namespace: str, entries: Mapping[str, Reservation], visible: set[str]) -> set[str]:

@@ -173,6 +173,37 @@ def test_a_known_claim_of_another_driver_and_a_missing_one_are_not_waited_for_pa
     v.apply_claim("DELETED", claim("theirs", cls="gpu.nvidia.com"))
     assert "ns/theirs" not in v._asks
 
+
+def test_nothing_is_waited_for_before_the_watches_listed_or_while_one_relists() -> None:
+    """Before a watch's first LIST, or after it broke and until its relist, every claim pod would
+    wait the whole bound, one after the other (kube-scheduler's cycle is serial): no opinion at once."""
+    fresh = DraView()
+    fresh.replace_slices([rslice("node-a")])
+    answer: list[Any] = []
+    asking = threading.Thread(target=lambda: answer.append(fresh.demand(pod("late"), wait=3600.0)))
+    asking.start()
+    asking.join(30)
+    assert answer == [None]  # claims and templates never listed
+    v = view("node-a")
+    v.following("claims", False)  # the claims watch broke
+    asking = threading.Thread(target=lambda: answer.append(v.demand(pod("late"), wait=3600.0)))
+    asking.start()
+    asking.join(30)
+    assert answer == [None, None]
+    v.replace_claims([claim("late", core=300, memory=2048)])  # relisted
+    assert v.demand(pod("late"), wait=3600.0) == [Ask(300, 2048)]
+
+
+def test_a_template_pods_claim_is_read_from_the_claim_its_status_names() -> None:
+    """The resourceclaim controller names the claim it made from the template in the pod's status
+    (kube-scheduler waits for it): that claim is read, and a deleted template changes nothing."""
+    v = view("node-a")
+    v.apply_claim("ADDED", claim("p-gpu-x7", core=400, memory=1024))
+    made = pod(template="tpl")
+    made["status"] = {"resourceClaimStatuses": [{"name": "t", "resourceClaimName": "p-gpu-x7"}]}
+    assert v.demand(made) == [Ask(400, 1024)]  # no template known at all
+    assert v.demand(pod(template="tpl")) is None
+
 # -- scoring -------------------------------------------------------------------------------------
 
 def test_binpack_prefers_the_node_whose_cards_claims_already_use() -> None:

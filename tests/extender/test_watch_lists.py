@@ -117,3 +117,21 @@ def test_slices_are_reduced_as_their_page_is_read_and_the_view_takes_them():
     assert v._slices == reference._slices and len(v._slices) == 24
     v.apply_slice("DELETED", items[0])
     assert len(v._slices) == 23
+
+
+def test_a_broken_claims_watch_tells_the_view_which_stops_waiting_until_the_relist():
+    f, dra = feeder()
+    (kind,) = [k for k in f.kinds if k.name == "resourceclaims"]
+    dra.replace_claims([])
+    dra.replace_templates([])
+    assert all(dra._following.values())
+    calls: list[int] = []
+
+    def broken_list(**_: Any) -> Any:
+        calls.append(1)
+        f.stop()  # one failure, then the loop ends
+        raise OSError("connection reset")
+
+    kind.list_call = broken_list
+    f._run(kind, "")
+    assert calls == [1] and dra._following == {"claims": False, "templates": True}

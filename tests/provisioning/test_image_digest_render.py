@@ -47,7 +47,8 @@ def test_a_pushed_image_is_named_by_its_digest(tmp_path: Path) -> None:
     earlier build kept running that one, whatever the annotation rolled. Named by digest it pulls."""
     (tmp_path / "m").mkdir()
     (tmp_path / "s").mkdir()
-    pinned = {"qgpu_image_digest": DIGEST, "qgpu_image_by_digest": True}
+    built = containers(render(tmp_path / "w0", "device-plugin"))["qgpu-webhook"]  # every role's default image
+    pinned = {"qgpu_image_digest": DIGEST, "qgpu_image_by_digest": True, "qgpu_image_built_reference": built}
     run, manager = render_manager(tmp_path / "m", MIXED_MODES, **pinned)
     assert run.returncode == 0, run.output[-4000:]
     found = {**containers(manager), **containers(render_scheduler(tmp_path / "s", MIXED_MODES, **pinned)),
@@ -57,3 +58,7 @@ def test_a_pushed_image_is_named_by_its_digest(tmp_path: Path) -> None:
     # imported images (no registry) keep the tag: each node's containerd holds the new build under it
     webhook = render(tmp_path / "w2", "device-plugin", qgpu_image_digest=DIGEST)
     assert "@" not in containers(webhook)["qgpu-webhook"]
+    # a component given another image (or one already named by digest) is not given the build's digest
+    for image in ("registry.example/other:2", "registry.example/qgpu@sha256:" + "a1" * 32):
+        webhook = render(tmp_path / f"w-{len(image)}", "device-plugin", qgpu_webhook_image=image, **pinned)
+        assert containers(webhook)["qgpu-webhook"] == image

@@ -210,3 +210,14 @@ def test_a_folder_above_the_database_that_others_may_write_is_refused(tmp_path, 
         check_directory(str(folder / "host.db"), os.geteuid())
     above.chmod(0o1777)
     assert check_directory(str(folder / "host.db"), os.geteuid()) == str(folder)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a folder another user cannot enter: root runs the command as nobody")
+def test_a_database_in_a_folder_the_user_cannot_enter_is_one_line_not_a_traceback(tmp_path, open_folder):
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    done = subprocess.run([sys.executable, "-m", "qgpu_runtime.cli", "run", "--dbfile", str(private / "host.db"), "--core", "10",
+                           "--memory", "1", "--", "true"], env=env(), capture_output=True, text=True, timeout=60,
+                          preexec_fn=as_another_user(open_folder))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and "Permission denied" in done.stderr, done.stderr

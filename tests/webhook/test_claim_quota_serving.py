@@ -326,6 +326,17 @@ def test_card_sizes_that_cannot_be_read_refuse_the_admission_as_a_500():
     assert not verdict.allowed and verdict.code == 500, verdict
     assert "the card sizes a request naming no memory is charged by: listing ResourceSlices" in verdict.message
     assert "write" not in api.calls
+    # once read, a later failure keeps the sizes read last instead of refusing every GPU pod
+    answers: list[Any] = [(143360,), CardSizesUnavailable("boom")]
+
+    def blinking() -> tuple[int, ...]:
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    quota = guard(FakeApi(), card_sizes=blinking)
+    assert quota.unsized_memory() == quota.unsized_memory() == 143360
 
 
 def test_a_whole_card_is_charged_the_largest_card_the_operator_names():

@@ -264,3 +264,7 @@ def test_a_pod_from_before_the_namespace_was_labelled_dra_is_still_charged():
     charged nothing once the label came, and its quota admitted the same cards again."""
     before = pod("p", {"nvidia.com/gpu": "8"})
     assert pod_usage(before, dra_namespace=True) == pod_usage(before) == Usage(8000, 8 * CARD)
+    # one whose cards kube-scheduler's extended-resource claim carries says so in its status
+    # (admitted before /mutate-dra pinned pods): charged as that claim, not twice
+    claimed = {**before, "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-x"}}}
+    assert pod_usage(claimed, dra_namespace=True) == Usage()
