@@ -54,8 +54,8 @@ from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
 
 CLAIM_WAIT_S = 1.0
 """How long a prioritize call waits for a claim or template of its pod that the watch has not
-delivered yet, before it answers with no opinion (0 everywhere). Watch lag is milliseconds to a
-few hundred under load; while the watch is down, each new claim pod costs kube-scheduler this."""
+delivered yet, before it answers with no opinion (0 everywhere). Only while both watches follow:
+before their first LIST or while one relists, nothing is waited for (``DraView.demand``)."""
 MAX_ASKS = 64
 """Devices one pod may ask through qgpu's classes before the view stops scoring it (a bound on the
 per-call work, far above any card count a node has)."""
@@ -202,10 +202,10 @@ class DraView:
         return ReducedSlice(str((obj.get("metadata") or {}).get("name") or ""), slice_cards(obj))
 
     def apply_slice(self, event: str, obj: "Mapping[str, Any] | ReducedSlice") -> None:
-        reduced = obj if isinstance(obj, ReducedSlice) else None
-        name = reduced.name if reduced is not None else str((obj.get("metadata") or {}).get("name") or "")
+        reduced = obj if isinstance(obj, ReducedSlice) else self.reduce_slice(obj)
+        name = reduced.name
         with self.lock:
-            parsed = None if event == "DELETED" else (reduced.cards if reduced is not None else slice_cards(obj))
+            parsed = None if event == "DELETED" else reduced.cards
             if parsed is None:
                 if self._slices.pop(name, None) is not None:
                     self._state = None
