@@ -169,6 +169,22 @@ def claim_charges(claims: Iterable[Mapping[str, Any]], namespace: str,
     return charges
 
 
+def claim_controllers(claims: Iterable[Mapping[str, Any]], namespace: str) -> dict[str, str]:
+    """The UID of the controlling owner of each listed claim of ``namespace`` that has one, by name
+    (the apiserver lets an object have one owner reference with ``controller: true``): what
+    kube-scheduler writes on the claim it makes for a pod's extended resources."""
+    out: dict[str, str] = {}
+    for claim in claims:
+        claim_ns, name = _name(claim)
+        meta = claim.get("metadata") if isinstance(claim.get("metadata"), dict) else {}
+        refs = meta.get("ownerReferences") if isinstance(meta.get("ownerReferences"), list) else []
+        for ref in refs:
+            if claim_ns == namespace and isinstance(ref, dict) and ref.get("controller") is True and ref.get("uid"):
+                out[name] = str(ref["uid"])
+                break
+    return out
+
+
 def claim_name(claim: Mapping[str, Any]) -> str:
     """The name a claim is skipped by among the namespace's claims (:func:`check_claim`)."""
     return _name(claim)[1]

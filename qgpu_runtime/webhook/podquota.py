@@ -37,6 +37,7 @@ Pure: dicts in, a :class:`Usage` out.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Final, Iterable, Mapping
 
 from qgpu_runtime.contract.dra import CORE_STEP
@@ -159,10 +160,43 @@ def refused_pod_charge(pod: Mapping[str, Any], default_memory_mib: int, limits: 
     return Usage(cards * CORE_MILLI_PER_CARD, cards * max(default_memory_mib, limits.max_card_memory_mib))
 
 
+@dataclass(frozen=True)
+class ClaimSeen:
+    """A claim of the namespace as the quota check listed it: what it is charged, and the UID of
+    its controlling owner (None: it has none)."""
+
+    usage: Usage
+    controller: str | None = None
+
+
+def _less(a: Usage, b: Usage) -> Usage:
+    """``a`` less ``b``, each part at least zero."""
+    return Usage(max(0, a.core_milli - b.core_milli), max(0, a.memory_mib - b.memory_mib))
+
+
+def _status_claim(pod: Mapping[str, Any], status: Mapping[str, Any], claims: Mapping[str, ClaimSeen] | None) -> Usage | None:
+    """The charge of the claim a pod's ``status.extendedResourceClaimStatus`` names, when that
+    claim was listed and this pod controls it (kube-scheduler makes it so); None otherwise.
+
+    Status is written by more than kube-scheduler, so the name alone proves nothing: pointed at
+    another claim, or at none, it took the pod's cards off its namespace's quota."""
+    ext = status.get("extendedResourceClaimStatus")
+    if not claims or not isinstance(ext, Mapping):
+        return None
+    meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
+    seen = claims.get(str(ext.get("resourceClaimName") or ""))
+    uid = meta.get("uid")
+    if seen is None or not uid or seen.controller != str(uid):
+        return None
+    return seen.usage
+
+
 def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib,
-              limits: CardLimits = DEFAULT_LIMITS) -> Usage:
+              limits: CardLimits = DEFAULT_LIMITS, claims: Mapping[str, ClaimSeen] | None = None) -> Usage:
     """What ``pod`` is charged (nothing for a finished pod). A pod the parser refuses is charged
-    :func:`refused_pod_charge`, so a malformed pod cannot hide usage."""
+    :func:`refused_pod_charge`, so a malformed pod cannot hide usage. ``claims``: the namespace's
+    claims by name, against which a pod's extended-resource claim status is checked (without
+    them, that status lowers no charge)."""
     status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
     if status.get("phase") in TERMINAL_PHASES:
         return Usage()
@@ -179,14 +213,20 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
     # carries nvidia.com/gpu. A pod of the namespace from before its label runs on a device-plugin
     # node, which grants the cards with no claim: charged as a pod (uncharged, a namespace labelled
     # dra freed its running pods' quota for new ones).
-    # A pod kube-scheduler gave its extended-resource claim says so in its status (Kubernetes >= 1.34;
-    # pods/status is not a tenant's to write): one admitted before /mutate-dra pinned pods counts so.
-    claims_nvidia = converted and (selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA
-                                   or bool(status.get("extendedResourceClaimStatus")))
+    pinned = converted and selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA
+    # A pod kube-scheduler gave its extended-resource claim says so in its status (Kubernetes >=
+    # 1.34): one admitted before /mutate-dra pinned pods. NodeRestriction keeps the pod's node from
+    # changing that field, but whoever may write pods/status can, so it counts only for a listed
+    # claim this pod controls, and only as far as that claim's own charge goes:
+    # the pod's cards and the claim are charged the larger of the two, never less than the pod asks.
+    credit = _status_claim(pod, status, claims) if converted and not pinned else None
     raw = {str(c.get("name") or ""): c for c in spec.get("containers") or [] if isinstance(c, Mapping)}
     total = Usage()
+    nvidia = Usage()
     for container in request.containers:
-        if claims_nvidia and container.dialect is Dialect.NVIDIA:
+        if container.dialect is Dialect.NVIDIA and (pinned or credit is not None):
+            if not pinned:
+                nvidia += _container_charge(container, default_memory_mib, limits)
             continue  # kube-scheduler's extended-resource claim carries it, and is charged as a claim
         if converted and container.dialect is Dialect.KAI and _moved_onto_a_claim(raw.get(container.name, {})):
             # /mutate-dra put KAI's annotated share on a claim (charged as a claim) and took the
@@ -194,17 +234,21 @@ def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_me
             # card, so the annotation alone holds nothing (charged here too, it counted twice)
             continue
         total += _container_charge(container, default_memory_mib, limits)
+    if credit is not None:
+        total += _less(nvidia, credit)
     return total
 
 
 def pods_usage(pods: Iterable[Mapping[str, Any]], namespace: str, *, skip: str | None = None, dra_namespace: bool = False,
-               default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, limits: CardLimits = DEFAULT_LIMITS) -> Usage:
+               default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib, limits: CardLimits = DEFAULT_LIMITS,
+               claims: Mapping[str, ClaimSeen] | None = None) -> Usage:
     """The charge of the listed ``pods`` of ``namespace`` (others skipped, and the pod named ``skip``:
-    the one being admitted)."""
+    the one being admitted); ``claims`` as :func:`pod_usage` takes them."""
     total = Usage()
     for pod in pods:
         meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
         if meta.get("namespace", namespace) != namespace or (skip is not None and meta.get("name") == skip):
             continue
-        total += pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=default_memory_mib, limits=limits)
+        total += pod_usage(pod, dra_namespace=dra_namespace, default_memory_mib=default_memory_mib, limits=limits,
+                           claims=claims)
     return total

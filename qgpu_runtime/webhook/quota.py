@@ -43,6 +43,7 @@ from qgpu_runtime.webhook.claimquota import (
     Usage,
     claim_admission,
     claim_charges,
+    claim_controllers,
     claim_name,
     claim_usage,
     is_claim_create,
@@ -51,7 +52,7 @@ from qgpu_runtime.webhook.claimquota import (
 )
 from qgpu_runtime.webhook.dra import CardSizesUnavailable
 from qgpu_runtime.webhook.ledger import MAX_ENTRIES, pending, reserved_usage, stamps
-from qgpu_runtime.webhook.podquota import POD_KEY_PREFIX, pod_key, pod_usage, pods_usage
+from qgpu_runtime.webhook.podquota import POD_KEY_PREFIX, ClaimSeen, pod_key, pod_usage, pods_usage
 
 log = logging.getLogger(__name__)
 LABELS = {"app.kubernetes.io/managed-by": "qgpu-webhook", "app.kubernetes.io/component": "claim-quota-ledger"}
@@ -289,20 +290,23 @@ class ClaimQuota:
         while True:
             ledger = self._read_ledger(namespace, deadline)
             charges: dict[str, Usage] = {}
+            controllers: dict[str, str] = {}
             visible: set[str] = set()
             for page in self._pages("ResourceClaims", self.resource.list_namespaced_resource_claim, namespace, deadline,
                                     api_may_be_absent=True):
                 visible |= {str((c.get("metadata") or {}).get("name")) for c in page}
                 for name, used in claim_charges(page, namespace, memory).items():
                     charges[name] = charges.get(name, Usage()) + used
+                controllers.update(claim_controllers(page, namespace))
                 del page  # not held while the next page is read
+            seen = {name: ClaimSeen(used, controllers.get(name)) for name, used in charges.items()}
             # every pod, finished ones too: a pod stored is no longer a pending reservation, whatever its phase
             skip = key.removeprefix(POD_KEY_PREFIX) if key.startswith(POD_KEY_PREFIX) else None
             pods_used = Usage()
             for page in self._pages("Pods", self.core.list_namespaced_pod, namespace, deadline):
                 visible |= {pod_key(str((p.get("metadata") or {}).get("name"))) for p in page}
                 pods_used += pods_usage(page, namespace, skip=skip, dra_namespace=dra_namespace,
-                                        default_memory_mib=memory, limits=self.limits)
+                                        default_memory_mib=memory, limits=self.limits, claims=seen)
                 del page
             ages = self.seen.ages(namespace, stamps(ledger.entries), self.monotonic())
             counting = pending(ledger.entries, ages, self.ttl, visible | self._stored(namespace, ledger.entries, visible))

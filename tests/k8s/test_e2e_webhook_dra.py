@@ -20,7 +20,9 @@ from qgpu_runtime.contract import dra, draclaim
 from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, GPU_MODE_DRA, POOL_MODE_LABEL
 from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.kube.client import api_client
+from qgpu_runtime.webhook.claimquota import Usage, claim_controllers, claim_usage
 from qgpu_runtime.webhook.dra import TemplateError, convert
+from qgpu_runtime.webhook.podquota import ClaimSeen, pod_usage
 from qgpu_runtime.webhook.templates import TemplateWriter
 from tests.k8s.controlplane import QgpuServer, free_port, kubeconfig
 from tests.k8s.kubeobjects import gpu_node, gpu_pod, qgpu_device_classes, read_pod
@@ -294,6 +296,14 @@ def test_nvidia_gpu_is_a_whole_card_through_the_classes_extended_resource_name(h
     claim = json.loads(hook.resource.read_namespaced_resource_claim(name, pool.ns, _preload_content=False).data)
     (share,) = draclaim.claim_shares(claim, pool.node)
     assert (share.core_milli, share.memory_mib) == (1000, 15360)
+    # the pod quota credits that claim to the pod only because kube-scheduler made the pod its
+    # controller: checked on the real objects (a status naming another claim credits nothing)
+    assert claim_controllers([claim], pool.ns) == {name: pod["metadata"]["uid"]}
+    # (read as a pod from before /mutate-dra pinned pods to DRA pools, which the pin alone credits)
+    unpinned = {**pod, "spec": {**pod["spec"], "nodeSelector": {}}}
+    seen = {name: ClaimSeen(claim_usage(claim), pod["metadata"]["uid"])}
+    assert pod_usage(unpinned, dra_namespace=True, claims=seen) == Usage()
+    assert pod_usage(unpinned, dra_namespace=True, claims={}) == pod_usage(unpinned) != Usage()
 
 
 def test_a_pod_naming_another_model_is_not_allocated(hook, pool):

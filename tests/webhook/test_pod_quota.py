@@ -13,7 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from qgpu_runtime.contract.leases import Reservation
 from qgpu_runtime.webhook.claimquota import Usage
-from qgpu_runtime.webhook.podquota import pod_usage, pods_usage
+from qgpu_runtime.webhook.podquota import ClaimSeen, pod_usage, pods_usage
 from qgpu_runtime.webhook.quota import Verdict
 from tests.webhook.test_claim_quota_serving import NS, FakeApi, claim, guard
 from tests.webhook.test_claim_quota_serving import review as claim_review
@@ -266,5 +266,56 @@ def test_a_pod_from_before_the_namespace_was_labelled_dra_is_still_charged():
     assert pod_usage(before, dra_namespace=True) == pod_usage(before) == Usage(8000, 8 * CARD)
     # one whose cards kube-scheduler's extended-resource claim carries says so in its status
     # (admitted before /mutate-dra pinned pods): charged as that claim, not twice
-    claimed = {**before, "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-x"}}}
-    assert pod_usage(claimed, dra_namespace=True) == Usage()
+    claimed = {**before, "metadata": {**before["metadata"], "uid": "pod-uid"},
+               "status": {"extendedResourceClaimStatus": {"resourceClaimName": "p-extended-resources-x"}}}
+    made = {"p-extended-resources-x": ClaimSeen(Usage(8000, 8 * CARD), "pod-uid")}
+    assert pod_usage(claimed, dra_namespace=True, claims=made) == Usage()
+
+
+def test_an_extended_resource_claim_status_lowers_a_charge_only_by_a_claim_the_pod_controls():
+    """``status.extendedResourceClaimStatus`` is pod status: NodeRestriction keeps the pod's node from
+    changing it, but anyone who may write pods/status can. Believed on its own, a name pointing at
+    no claim, another pod's claim or a one-share claim took eight cards off the namespace's quota."""
+    base = pod("p", {"nvidia.com/gpu": "8"})
+    claimed = {**base, "metadata": {**base["metadata"], "uid": "pod-uid"},
+               "status": {"extendedResourceClaimStatus": {"resourceClaimName": "x"}}}
+    eight = Usage(8000, 8 * CARD)
+    assert pod_usage(claimed, dra_namespace=True) == eight  # no claims listed: nothing to check it against
+    assert pod_usage(claimed, dra_namespace=True, claims={}) == eight  # the named claim does not exist
+    assert pod_usage(claimed, dra_namespace=True, claims={"x": ClaimSeen(eight, "other-pod")}) == eight
+    assert pod_usage(claimed, dra_namespace=True, claims={"x": ClaimSeen(eight, None)}) == eight
+    # a claim the pod controls counts as far as its own charge goes: pod and claim together are
+    # charged the larger of the two
+    small = Usage(10, 1024)
+    assert pod_usage(claimed, dra_namespace=True, claims={"x": ClaimSeen(small, "pod-uid")}) == Usage(7990, 8 * CARD - 1024)
+    assert pod_usage(claimed, dra_namespace=True, claims={"x": ClaimSeen(eight, "pod-uid")}) == Usage()
+    no_uid = {**claimed, "metadata": {k: v for k, v in claimed["metadata"].items() if k != "uid"}}
+    assert pod_usage(no_uid, dra_namespace=True, claims={"x": ClaimSeen(eight, "")}) == eight
+    assert pod_usage(claimed, claims={"x": ClaimSeen(eight, "pod-uid")}) == eight  # not a DRA namespace
+
+
+def test_the_quota_check_reads_the_controller_of_the_claim_a_pods_status_names():
+    """Through ClaimQuota.check_pod: a running `nvidia.com/gpu: 1` pod whose status names a claim is
+    charged nothing only when that claim is listed and controlled by the pod (as kube-scheduler
+    makes it); then the claim's own charge counts."""
+    def running(owner: str | None) -> tuple[dict, dict]:
+        old = pod("old", {"nvidia.com/gpu": "1"})
+        old["metadata"]["uid"] = "old-uid"
+        old["status"] = {"phase": "Running", "extendedResourceClaimStatus": {"resourceClaimName": "old-gpu"}}
+        made = claim("old-gpu", 10)  # a one-share claim: the least a tenant could write
+        if owner is not None:
+            made["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod", "name": "old", "uid": owner,
+                                                    "controller": True}]
+        return old, made
+
+    for owner in (None, "someone-else"):
+        old, made = running(owner)
+        api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[old], claims=[made],
+                      namespace_labels={"qgpu.io/gpu-mode": "dra"})
+        share = review("share", {"tke.cloud.tencent.com/qgpu-core": "10"})
+        verdict = guard(api, dra=True).check_pod(share)
+        assert not verdict.allowed and "used 1010" in verdict.message, (owner, verdict)  # the pod's card and the claim
+    old, made = running("old-uid")
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[old], claims=[made], namespace_labels={"qgpu.io/gpu-mode": "dra"})
+    verdict = guard(api, dra=True).check_pod(review("share", {"tke.cloud.tencent.com/qgpu-core": "10"}))
+    assert not verdict.allowed and "used 1000" in verdict.message  # the card, once: the claim's 10 and the pod's remaining 990
