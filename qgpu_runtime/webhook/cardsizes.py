@@ -86,12 +86,17 @@ def published_sizes(slices: Iterable[Any]) -> PublishedSizes:
 
 class SliceCardSizes:
     """``__call__() -> sizes``: the published sizes, listed at most once per ``refresh_s`` while
-    some are published (only percent pods ask, so an idle cluster lists nothing). Raises CardSizesUnavailable, naming the
-    call, when the slices cannot be listed."""
+    some are published, and once per ``empty_refresh_s`` while none are (a pool still starting: its
+    first percent pod waits at most that long for its node's slice). Every quota check of a
+    namespace with a qgpu quota asks (webhook/quota.py ``unsized_memory``), so a tenant creating
+    pods fast costs the apiserver at most one LIST per interval either way. Raises
+    CardSizesUnavailable, naming the call, when the slices cannot be listed."""
 
-    def __init__(self, api_client: client.ApiClient, refresh_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic):
+    def __init__(self, api_client: client.ApiClient, refresh_s: float = 10.0, monotonic: Callable[[], float] = time.monotonic,
+                 empty_refresh_s: float = 1.0):
         self.api = client.ResourceV1Api(api_client)
         self.refresh_s = refresh_s
+        self.empty_refresh_s = empty_refresh_s
         self.monotonic = monotonic
         self._lock = threading.Lock()
         self._cached: tuple[float, tuple[int, ...]] | None = None
@@ -99,14 +104,13 @@ class SliceCardSizes:
     def __call__(self) -> tuple[int, ...]:
         with self._lock:
             now = self.monotonic()
-            if self._cached is not None and now - self._cached[0] < self.refresh_s:
+            if self._cached is not None and now - self._cached[0] < (self.refresh_s if self._cached[1] else self.empty_refresh_s):
                 return self._cached[1]
             found = ranked_sizes(self._sizes())
             if found.left_out:
                 log.warning("ResourceSlices of %s publish more than %d card sizes: percent claims choose among %s; left out %s",
                             DRIVER, MAX_CARD_SIZES, list(found.sizes), list(found.left_out))
-            # nothing published yet (a pool still starting): listed again at the next percent pod
-            self._cached = (now, found.sizes) if found.sizes else None
+            self._cached = (now, found.sizes)
             return found.sizes
 
     def _sizes(self) -> dict[int, set[str]]:

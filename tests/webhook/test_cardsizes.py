@@ -107,3 +107,39 @@ def test_the_slices_are_read_a_page_at_a_time_each_under_the_byte_cap():
     assert sizes() == (15360, 32768)
     assert len(answered) > 3 and all(r.closed for r in answered if len(r.data) > LIST_PAGE_BYTES)
     assert any(len(r.data) > LIST_PAGE_BYTES for r in answered)  # the first page was past the cap
+
+
+def test_no_published_size_is_listed_again_after_a_second_not_at_every_check():
+    """Every quota check asks the card sizes; while no slice publishes one, the empty answer was
+    not kept, so each pod a tenant created cost the apiserver a LIST of every ResourceSlice. Now
+    an empty answer is kept ``empty_refresh_s`` (1 s) and a published one ``refresh_s`` (10 s)."""
+    from kubernetes import client
+
+    from qgpu_runtime.webhook.cardsizes import SliceCardSizes
+    from tests.webhook.test_claim_quota_serving import page
+
+    published: list[dict] = []
+    lists: list[int] = []
+    now = [100.0]
+
+    class Api:
+        def list_resource_slice(self, **kwargs: Any):
+            lists.append(1)
+            return page(published, **{k: v for k, v in kwargs.items() if k in ("limit", "_continue")})
+
+    sizes = SliceCardSizes(client.ApiClient(), monotonic=lambda: now[0])
+    sizes.api = Api()  # type: ignore[assignment]
+    for _ in range(50):
+        assert sizes() == ()
+    assert len(lists) == 1
+    published.append(slice_of("n1", 15360))
+    now[0] += 0.5
+    assert sizes() == () and len(lists) == 1  # still the empty answer, half a second old
+    now[0] += 0.6
+    assert sizes() == (15360,) and len(lists) == 2  # the pool's first size, a second later
+    now[0] += 9.0
+    for _ in range(50):
+        assert sizes() == (15360,)
+    assert len(lists) == 2
+    now[0] += 1.1
+    assert sizes() == (15360,) and len(lists) == 3
