@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,26 @@ def test_every_verb_the_role_wires_by_default_is_one_the_extender_serves() -> No
     app = ExtenderApp(AllocationCache(make_policy("binpack"), "binpack", verifier=VERIFIER), None, DEFAULT_LIMITS)
     for verb in verbs:
         assert app.handle(verb, b"{}")[0] == 400, verb  # understood, and this body is malformed
+
+
+def test_a_reapply_without_the_token_keeps_the_watchers_events_identity(tmp_path: Path) -> None:
+    """playbooks/control-plane.yml passes the watcher its Events token; reapply-scheduler-extender.yml
+    (after a master upgrade) does not. The unit the reapply wrote dropped `--kubeconfig`, so the
+    watcher, restarted, recorded no Event of the re-wirings that followed."""
+    unit = tmp_path / "1.25.16/etc/systemd/system/qgpu-scheduler-wiring.service"
+    kubeconfig = tmp_path / "1.25.16/etc/kubernetes/qgpu/scheduler-wiring.kubeconfig"
+
+    def render(**extra: str) -> list[str]:
+        run = ansible_playbook("-i", "localhost,", str(REPO / "tests/provisioning/playbooks/render-scheduler-configs.yml"),
+                               "-e", json.dumps({"sandbox": str(tmp_path), "versions": ["1.25.16"], **extra}))
+        assert run.returncode == 0, run.output[-4000:]
+        (line,) = [line for line in unit.read_text().splitlines() if line.startswith("ExecStart=")]
+        return shlex.split(line.removeprefix("ExecStart="))
+
+    first = render(events_token="token-of-control-plane-run")
+    assert first[first.index("--kubeconfig") + 1] == str(kubeconfig)
+    assert yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"] == "token-of-control-plane-run"
+    assert render() == first  # the reapply: same unit, so the watcher is not restarted without its identity
+    assert yaml.safe_load(kubeconfig.read_text())["users"][0]["user"]["token"] == "token-of-control-plane-run"
+    kubeconfig.unlink()
+    assert "--kubeconfig" not in render()  # no identity was ever written: the watcher only logs
