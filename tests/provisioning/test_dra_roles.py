@@ -282,6 +282,28 @@ def test_the_manager_refuses_an_unknown_pool_mode(tmp_path: Path) -> None:
     assert 'gpu-x: qgpu_pool_mode "DRA" is not allowed; allowed values: device-plugin, dra' in one_line(run.output)
 
 
+def test_the_dra_manager_serves_in_the_folders_mounted_for_it(tmp_path: Path) -> None:
+    """A kubelet with another root folder (`--root-dir=/data/kubelet`): the role mounted the folders
+    it was told, but the manager served its sockets and wrote its CDI specs at its defaults, inside
+    the container and outside every mount, so kubelet never saw the driver and containerd no spec."""
+    dirs = {"qgpu_manager_kubelet_plugins_dir": "/data/kubelet/plugins",
+            "qgpu_manager_kubelet_plugins_registry_dir": "/data/kubelet/plugins_registry",
+            "qgpu_manager_cdi_dir": "/etc/cdi"}
+    run, docs = render_manager(tmp_path, MIXED_MODES, **dirs)
+    assert run.returncode == 0, run.output[-4000:]
+    for policy in POLICIES:
+        pod = by_kind(docs, "DaemonSet")[f"qgpu-manager-dra-{policy}"]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = dict(a.split("=", 1) for a in container["args"] if a.startswith("--") and "=" in a)
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert args["--kubelet-plugins-dir"] == "/data/kubelet/plugins"
+        assert f"{args['--kubelet-plugins-dir']}/gpu.qgpu.io" in mounts  # where the socket is made
+        assert args["--plugins-registry-dir"] == "/data/kubelet/plugins_registry" in mounts
+        assert args["--cdi-dir"] == "/etc/cdi" in mounts
+        paths = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+        assert paths["kubelet-plugins"] == "/data/kubelet/plugins/gpu.qgpu.io"  # the same path on the host
+
+
 def test_the_operator_can_have_an_unhealthy_cards_pods_evicted_on_dra_pools(tmp_path: Path) -> None:
     (tmp_path / "ok").mkdir()
     (tmp_path / "bad").mkdir()
