@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from qgpu_runtime.contract import dra, names
-from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS
+from qgpu_runtime.model.requests import GPU_RESOURCES, KAI_ANNOTATIONS, QGPU_PREFIX
 from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -76,3 +76,13 @@ def test_the_request_annotation_policy_fixes_exactly_what_a_pods_charge_is_read_
     assert sorted(fixed) == sorted(CHARGE_ANNOTATIONS) and len(fixed) == len(set(fixed))
     # KAI's keys are fixed only on KAI's pods, the only ones the parser reads them on
     assert sorted(role["__qgpu_scheduler_kai_request_annotations"]) == sorted(KAI_ANNOTATIONS)
+
+
+def test_the_bound_pod_policy_knows_every_gpu_resource_the_parser_reads() -> None:
+    """The admission policy qgpu-pod-placed-by-extender refuses a pod created already bound when it
+    asks for a GPU resource: a resource the parser reads and the list lacks would let such a pod past
+    the extender and its record (its Allocate then matched to another pod's)."""
+    role = yaml.safe_load((ROOT / "roles/qgpu_scheduler/vars/main.yml").read_text())
+    listed = role["__qgpu_scheduler_gpu_resources"]
+    assert sorted(listed) == sorted(GPU_RESOURCES) and len(listed) == len(set(listed))
+    assert role["__qgpu_scheduler_gpu_resource_prefix"] == QGPU_PREFIX

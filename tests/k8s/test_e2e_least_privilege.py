@@ -179,7 +179,19 @@ def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
         "qgpu-pod-request-annotations": lambda: w.api.patch_namespaced_pod(
             w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={"tke.cloud.tencent.com/app-class": "offline"}), dry_run="All",
             _content_type=MERGE),
+        "qgpu-pod-placed-by-extender": lambda: w.api.create_namespaced_pod(
+            w.ns, bound_gpu_pod("probe-bound", w.node_a), dry_run="All"),
     }, timeout)
+
+
+def bound_gpu_pod(name_: str, node: str, resources: dict[str, str] | None = None, *, init: bool = False) -> dict[str, Any]:
+    """A pod created already bound to ``node`` (spec.nodeName) asking for a GPU resource."""
+    container = {"name": "c", "image": PAUSE, "resources": {"limits": resources or {"tke.cloud.tencent.com/qgpu-core": "30"}}}
+    spec: dict[str, Any] = {"nodeName": node, "automountServiceAccountToken": False, "tolerations": [{"operator": "Exists"}],
+                            "containers": [{"name": "main", "image": PAUSE}, container] if not init else [{"name": "main", "image": PAUSE}]}
+    if init:
+        spec["initContainers"] = [container]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name_}, "spec": spec}
 
 
 def name(pod: dict[str, Any]) -> str:
@@ -388,6 +400,29 @@ def test_a_tenant_cannot_create_a_pod_carrying_qgpu_state(world, tenant, annotat
     message = refusal(lambda: _create_as_tenant(world, tenant, doc))
     assert f"annotation {annotation} set, changed or removed by tenant-" in message, message
     assert "rule: qgpu.io/ annotations on pods are qgpu state" in message, message
+
+
+@pytest.mark.parametrize("resources, init", [
+    ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "4"}, False),
+    ({"nvidia.com/gpu": "1"}, False),
+    ({"tensorstack.dev/nvidia-gpu-percent": "50"}, False),
+    ({"tke.cloud.tencent.com/qgpu-core": "10"}, True),  # an init container's devices are allocated too
+])
+def test_a_tenant_cannot_create_a_gpu_pod_already_bound_to_a_node(world, tenant, resources, init):
+    """Kubelet's Allocate names devices, not the pod: a pod created with spec.nodeName and a GPU
+    resource carries no allocation record, and the node manager matched its Allocate to another
+    pending pod of the same size, granting that pod's cards to the stranger (helper audit, 2026-12-01)."""
+    name_ = f"bound-{uuid.uuid4().hex[:6]}"
+    message = refusal(lambda: _create_as_tenant(world, tenant, bound_gpu_pod(name_, world.node_b, resources, init=init)))
+    assert f"{name_}: created with spec.nodeName {world.node_b} and GPU resource {next(iter(resources))}" in message, message
+    assert "rule: a pod asking for GPU resources is placed by kube-scheduler through the qgpu extender" in message, message
+
+
+def test_a_gpu_pod_left_to_the_scheduler_and_a_bound_pod_without_gpus_are_admitted(world, tenant):
+    gpu = tenant_pod(f"unbound-{uuid.uuid4().hex[:6]}")
+    gpu["spec"]["containers"][0]["resources"] = {"limits": {"tke.cloud.tencent.com/qgpu-core": "30"}}
+    _create_as_tenant(world, tenant, gpu)
+    _create_as_tenant(world, tenant, tenant_pod(f"bound-cpu-{uuid.uuid4().hex[:6]}", node=world.node_b))
 
 
 def test_a_tenant_writes_its_claims_and_never_their_allocation(world, tenant):

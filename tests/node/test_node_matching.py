@@ -221,3 +221,50 @@ def test_without_a_verifier_pods_file_records_are_read_unsigned():
     assert match(N, CORE, 30, [one("a", signed=False)], set(), None).pod == "a"
     with pytest.raises(NoMatch, match="a record may grant at most what is asked"):
         match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), None)
+
+
+def stranger(name, limits, *, init=False, phase="Pending"):
+    """A pod bound to the node at creation (spec.nodeName) with GPU resources and no record."""
+    container = {"name": "main", "resources": {"limits": dict(limits)}}
+    spec = {"nodeName": N, "containers": [{"name": "side"}] if init else [container]}
+    if init:
+        spec["initContainers"] = [container]
+    return {"metadata": {"name": name, "namespace": "tenant", "uid": f"uid-{name}", "annotations": {}},
+            "spec": spec, "status": {"phase": phase}}
+
+
+def test_a_call_that_may_be_for_a_pod_with_no_record_is_refused_not_granted_to_the_recorded_one():
+    """A tenant's pod created with spec.nodeName and qgpu-core 30 (no record): kubelet admitting it
+    calls Allocate for 30, and the pending pod of that size with a record was matched, its cards
+    granted to the stranger (helper audit, 2026-12-01). Now the call is refused, naming both."""
+    victim = one("victim", bind_time=10)
+    for intruder in (stranger("intruder", {CORE: "30", MEM: "5"}), stranger("intruder", {CORE: "30"}, init=True)):
+        with pytest.raises(NoMatch) as err:
+            match(N, CORE, 30, [victim, intruder], set(), VERIFIER)
+        message = str(err.value)
+        assert "may be for tenant/intruder" in message and "no qgpu.io/allocation record" in message, message
+        assert "cards recorded for default/victim" in message, message
+
+
+def test_a_pod_with_no_record_of_another_size_or_finished_leaves_the_match_alone():
+    victim = one("victim", bind_time=10)
+    for other in (stranger("other", {CORE: "40"}), stranger("done", {CORE: "30"}, phase="Failed"),
+                  stranger("cpu", {"cpu": "1"}), stranger("vcuda", {"tencent.com/vcuda-core": "30"})):
+        assert match(N, CORE, 30, [victim, other], set(), VERIFIER).pod == "victim"
+    # the stranger's container already counted as served for this resource (never by qgpu, but
+    # the rule reads only what is left): not a reason to refuse
+    intruder = stranger("intruder", {CORE: "30"})
+    assert match(N, CORE, 30, [victim, intruder], {("uid-intruder", "main", CORE)}, VERIFIER).pod == "victim"
+
+
+def test_a_container_in_flight_keeps_its_second_resource_beside_a_stranger():
+    """qgpu-memory after qgpu-core of the same container: kubelet is admitting that pod now."""
+    victim = one("victim", bind_time=10, mem=5)
+    intruder = stranger("intruder", {CORE: "30", MEM: "5"})
+    m = match(N, MEM, 5, [victim, intruder], {(victim["metadata"]["uid"], "main", CORE)}, VERIFIER)
+    assert (m.pod, m.in_flight) == ("victim", True)
+
+
+def test_with_no_recorded_candidate_the_stranger_is_named_in_the_refusal():
+    with pytest.raises(NoMatch, match="tenant/intruder asks for it with no allocation record"):
+        match(N, CORE, 30, [stranger("intruder", {CORE: "30"})], set(), VERIFIER)

@@ -23,6 +23,13 @@ pod-resources API and corrects the store's owner (see node/deviceplugin/plugin.p
 
 No candidate → :class:`NoMatch` whose message lists every pod considered and why it was refused;
 kubelet shows it to the user as UnexpectedAdmissionError.
+
+5. A pending pod of this node that asks for GPU resources and carries no record was not placed
+   through the extender (created with ``spec.nodeName``, which the qgpu_scheduler role's admission
+   policy ``qgpu-pod-placed-by-extender`` refuses where it runs). When its next container asks for
+   as many units of R as kubelet sent, the call may be for it: granting the candidate's cards then
+   hands them to the stranger, and the candidate is refused at its own admission while the card is
+   held unisolated. So the call is refused, naming both: nothing is granted on a guess.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from qgpu_runtime.contract.record import (
     parse_record,
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
-from qgpu_runtime.model.requests import RequestError, parse_pod, parse_quantity
+from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, RequestError, parse_pod, parse_quantity
 from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
 
@@ -119,6 +126,29 @@ class Examined:
     refused: str | None = None
     untrusted: str | None = None
     bind_time: int | None = None
+    unrecorded: bool = False  # asks for GPU resources and carries no record (rule 5)
+
+
+def _asks_gpu(pod: Mapping[str, Any]) -> bool:
+    spec = pod.get("spec") or {}
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        resources = (c.get("resources") or {}) if isinstance(c, Mapping) else {}
+        for section in ("limits", "requests"):
+            values = resources.get(section) or {}
+            if isinstance(values, Mapping) and any(k in GPU_RESOURCES or str(k).startswith(QGPU_PREFIX) for k in values):
+                return True
+    return False
+
+
+def _asks_unserved(e: "Examined", resource: str, device_count: int, served: set[tuple[str, str, str]]) -> bool:
+    """Whether a container of the unrecorded pod ``e``, not yet served ``resource``, asks for
+    exactly ``device_count`` of it (kubelet allocates init containers as well)."""
+    spec = e.pod.get("spec") or {}
+    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
+        if isinstance(c, Mapping) and (e.uid, str(c.get("name", "")), resource) not in served \
+                and container_quantity(c, resource) == device_count:
+            return True
+    return False
 
 
 def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) -> Examined | None:
@@ -132,10 +162,12 @@ def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) 
     spec = pod.get("spec") or {}
     if spec.get("nodeName") != node or meta.get("deletionTimestamp"):
         return None
-    if annotations(pod).get(ALLOCATION) is None or phase(pod) != PENDING:
+    if phase(pod) != PENDING:
         return None
     label = _label(pod)
     uid = str(meta.get("uid", ""))
+    if annotations(pod).get(ALLOCATION) is None:
+        return Examined(pod, uid, label, unrecorded=True) if _asks_gpu(pod) else None
     try:
         record = parse_record(annotations(pod)[ALLOCATION]) if verifier is None else trusted_record(pod, verifier)
     except UntrustedRecord as exc:
@@ -177,7 +209,12 @@ def choose(
     candidates: list[tuple[tuple, Match]] = []
     refused: list[str] = []
     untrusted: list[str] = []
+    strangers: list[str] = []
     for e in pods:
+        if e.unrecorded:
+            if _asks_unserved(e, resource, device_count, served):
+                strangers.append(e.label)
+            continue
         if e.untrusted is not None:
             untrusted.append(e.untrusted)
             continue
@@ -199,11 +236,18 @@ def choose(
         rank = (0 if in_flight else 1, e.bind_time is None, e.bind_time or 0, meta.get("namespace", ""), meta.get("name", ""))
         candidates.append((rank, Match(str(meta.get("namespace", "default")), str(meta.get("name", "")), e.uid, name,
                                        e.record, share, in_flight, e.pod)))
+    candidates.sort(key=lambda c: c[0])
+    if candidates and strangers and not candidates[0][1].in_flight:  # in flight: kubelet is admitting that pod now
+        raise NoMatch(f"node {node}: Allocate of {device_count} {resource} may be for {', '.join(sorted(strangers))}, "
+                      f"which asks for as much with no qgpu.io/allocation record (not placed through the qgpu "
+                      f"extender: created with spec.nodeName); refused rather than grant the cards recorded for "
+                      f"{candidates[0][1].namespace}/{candidates[0][1].pod}. Delete that pod, or create it without "
+                      f"spec.nodeName", tuple(untrusted))
     if not candidates:
-        reasons = [*refused, *(f"{u} (record not trusted, nothing granted)" for u in untrusted)]
+        reasons = [*refused, *(f"{u} (record not trusted, nothing granted)" for u in untrusted),
+                   *(f"{s} asks for it with no allocation record (not placed through the qgpu extender)" for s in strangers)]
         why = "; ".join(reasons) if reasons else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
         raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}", tuple(untrusted))
-    candidates.sort(key=lambda c: c[0])
     return replace(candidates[0][1], untrusted=tuple(untrusted))
 
 
