@@ -7,7 +7,10 @@ keeps a copy; a door's ``derive`` runs once per version of a pod (the device plu
 verifies the allocation record there), so a call reads work already done.
 
 Trust and bounds: the pods are the apiserver's answer for this node only; what a tenant wrote in
-them is checked by ``derive`` as before, once per version instead of once per call. At most
+them is checked by ``derive`` as before, once per version instead of once per call. Finished pods
+(Succeeded, Failed) are not kept: every reader treats them as gone (nothing is granted to them,
+their shares are released, they are isolated no more), and a tenant may park any number of them
+on a node (a pod's owner sets ``spec.nodeName``; quota counts only pods not finished). At most
 ``max_pods`` pods are kept: past it the cache stops answering (``snapshot`` None, logged) and the
 callers read with a LIST, as before the cache; the next relist that fits makes it answer again.
 
@@ -28,6 +31,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Iterator, Mapping, Protocol, TypeVar
 
+from qgpu_runtime.contract.names import finished
 from qgpu_runtime.kube.podslim import kept
 
 log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
@@ -115,7 +119,7 @@ class NodePodCache(Generic[D]):
     def fresh(self) -> NodePods[D]:
         """One LIST, for a caller the snapshot could not answer. ``derive`` is reused for pods
         whose version the cache already holds; the cache itself only learns through its watch."""
-        pods, _ = self._list()
+        pods = [p for p in self._list()[0] if not finished(p)]
         if len(pods) > self.max_pods:
             raise ValueError(f"node {self.node} has {len(pods)} pods: more than max_pods={self.max_pods}, "
                              "refusing to read them")
@@ -149,7 +153,8 @@ class NodePodCache(Generic[D]):
     # ---- keeping it ---------------------------------------------------------------------------
     def relist(self) -> None:
         """Replace the copy with a LIST; the watch resumes from its version."""
-        pods, version = self._list()
+        listed, version = self._list()
+        pods = [p for p in listed if not finished(p)]
         overflow = len(pods) > self.max_pods
         if overflow:
             log.warning("node %s: %d pods listed, more than the cache keeps (%d); Allocate reads by LIST until "
@@ -174,7 +179,7 @@ class NodePodCache(Generic[D]):
         uid = _uid(pod)
         if kind not in ("ADDED", "MODIFIED", "DELETED") or not uid:
             return
-        gone = kind == "DELETED" or (pod.get("spec") or {}).get("nodeName") != self.node
+        gone = kind == "DELETED" or (pod.get("spec") or {}).get("nodeName") != self.node or finished(pod)
         pod = kept(pod)  # derived from what is kept, as a relist's pods are: nothing holds the whole pod
         derived = None if gone else self.derive(pod)
         with self._lock:

@@ -161,6 +161,28 @@ def test_more_pods_than_the_bound_stop_the_cache_answering_and_a_fresh_read_refu
         NodePodCache(source, NODE, Counting(), max_pods=0)
 
 
+def test_finished_pods_count_for_nothing_so_a_tenant_parking_them_on_a_node_cannot_stop_its_allocates():
+    """Failed and Succeeded pods were kept and counted: past max_pods of them (a tenant creates
+    pods with spec.nodeName that kubelet rejects; quota counts only unfinished pods) the cache
+    stopped answering and the LIST fallback refused, so every Allocate on the node failed
+    (helper audit, 2026-12-01). They are now left out, as every reader treats them as gone."""
+    parked = [versioned(gpu_pod(f"parked{i}", phase="Failed"), i + 1) for i in range(5)]
+    live = versioned(gpu_pod("live"), 10)
+    source = Source([*parked, live])
+    cache = NodePodCache(source, NODE, Counting(), max_pods=2)
+    cache.relist()
+    snap = cache.snapshot()
+    assert snap is not None and [p["metadata"]["name"] for p in snap.pods] == ["live"]
+    assert [p["metadata"]["name"] for p in cache.fresh().pods] == ["live"]
+    # a pod that finishes is dropped as a deleted one is; one more finished pod changes nothing
+    done = versioned(live, 11)
+    done["status"]["phase"] = "Succeeded"
+    cache.apply("MODIFIED", done)
+    cache.apply("ADDED", versioned(gpu_pod("parked-late", phase="Failed"), 12))
+    snap = cache.snapshot()
+    assert snap is not None and snap.pods == () and snap.derived == ()
+
+
 def test_a_source_without_a_watch_is_read_by_a_list_every_time():
     source = Source([versioned(gpu_pod("a"), 1)])
     view = node_pods(type("Plain", (), {"pods_on_node": source.pods_on_node})(), NODE, Counting())
