@@ -149,6 +149,8 @@ class AllocationCache:
     def state(self) -> ClusterState:
         """The current ClusterState, rebuilt (bookings replayed) when the node set changed."""
         with self.lock:
+            if self._nodes.take_due():
+                self._booked.invalidate()
             state = self._booked.current
             if state is None:
                 state = self._booked.rebuild(self._nodes.sorted_specs(), self._nodes.dra_pool)

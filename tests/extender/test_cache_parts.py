@@ -106,6 +106,48 @@ def test_the_node_view_says_when_the_state_must_be_rebuilt():
     assert view.names() == [] and problems == []
 
 
+def test_a_node_flapping_its_spec_rebuilds_the_state_a_few_times_then_once_per_interval():
+    """A compromised node alternating two valid inventories (a card's memory 32768 <-> 16384)
+    rebuilt the whole ClusterState under the cache's one lock on every change (helper audit,
+    2026-12-01). It may change CHANGE_BURST times at once, then once per interval; its latest
+    spec waits and applies when it may change again; another node is not held back."""
+    now = [100.0]
+    view = NodeView(lambda _: None, clock=lambda: now[0], burst=3, interval_s=5.0)
+    assert view.apply("ADDED", node("a")) is True  # the first of three
+    flips = [view.apply("MODIFIED", node("a", memory_mib=m)) for m in [16384, 32768] * 10]
+    # the burst's last two, then every change away from the current spec waits (and every change
+    # back to it drops what waited)
+    assert flips == [True, True] + [False] * 18 and view.held_back == 9
+    assert view.spec("a").cards[0].memory_mib == 32768 and view.waiting == {}  # the last flip came back to it
+    assert view.apply("MODIFIED", node("a", memory_mib=8192)) is False  # waits
+    assert view.take_due() is False and view.spec("a").cards[0].memory_mib == 32768
+    assert view.apply("ADDED", node("b")) is True  # other nodes change as ever
+    now[0] += 5.0
+    assert view.take_due() is True and view.spec("a").cards[0].memory_mib == 8192 and view.waiting == {}
+    assert view.take_due() is False  # nothing waits: no work
+    # a node that changes rarely is never held back
+    for _ in range(4):
+        now[0] += 5.0
+        assert view.apply("MODIFIED", node("b", n_cards=3 if _ % 2 else 1)) is True
+
+
+def test_a_flapping_node_costs_the_cache_one_rebuild_per_interval():
+    c = cache()
+    now = [c._nodes._clock()]
+    c._nodes._clock = lambda: now[0]  # the test's clock, from where the cache's was
+    c.state()
+    versions = [c._booked.version]
+    for i in range(40):
+        c.apply_node("MODIFIED", node("a", memory_mib=16384 if i % 2 == 0 else 32768))
+        c.state()
+        versions.append(c._booked.version)
+    rebuilds = len(set(versions)) - 1
+    assert rebuilds <= 5, rebuilds  # the burst (5), not forty
+    c.apply_node("MODIFIED", node("a", memory_mib=8192))
+    now[0] += 60.0
+    assert c.state().card_mem_cap[c.state().index["a"], 0] == 8192  # the latest, once due
+
+
 def test_an_untrusted_record_is_reported_once_per_change():
     problems: list[str] = []
     records = UntrustedRecords(problems.append)
