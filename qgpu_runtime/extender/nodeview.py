@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 # that lock for every filter and bind of the cluster. Each node may change its spec CHANGE_BURST
 # times at once, then once per CHANGE_INTERVAL_S; a change past that waits, the node's latest spec
 # replacing any earlier waiting one, and applies as soon as the node may change again.
-CHANGE_BURST = 5
+CHANGE_BURST = 10
 CHANGE_INTERVAL_S = 5.0
 
 

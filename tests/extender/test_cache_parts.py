@@ -142,7 +142,7 @@ def test_a_flapping_node_costs_the_cache_one_rebuild_per_interval():
         c.state()
         versions.append(c._booked.version)
     rebuilds = len(set(versions)) - 1
-    assert rebuilds <= 5, rebuilds  # the burst (5), not forty
+    assert rebuilds <= 10, rebuilds  # the burst (10), not forty
     c.apply_node("MODIFIED", node("a", memory_mib=8192))
     now[0] += 60.0
     assert c.state().card_mem_cap[c.state().index["a"], 0] == 8192  # the latest, once due
