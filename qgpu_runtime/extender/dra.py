@@ -38,6 +38,7 @@ checks capacity, so this costs packing quality, never an over-commit.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -48,9 +49,12 @@ import numpy as np
 from qgpu_runtime.contract.dra import consumed_core, consumed_memory, pool_name, read_slice
 from qgpu_runtime.contract.draclaim import DraClaimError, allocated_node, allocated_pools, describe, pool_shares, spec_requests
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
+from qgpu_runtime.extender.pacing import ChangePacer
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
+
+log = logging.getLogger(__name__)
 
 CLAIM_WAIT_S = 1.0
 """How long a prioritize call waits for a claim or template of its pod that the watch has not
@@ -192,6 +196,9 @@ class DraView:
         self._usage: dict[str, list[Usage]] = {}  # claim UID -> consumption
         self._state: ClusterState | None = None
         self._columns: dict[str, dict[str, int]] = {}  # node -> device name -> card slot
+        # a slice change rebuilds the card state: paced per node as the nodes' specs are (extender/pacing.py)
+        self.pacer = ChangePacer()
+        self.waiting: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}  # slice name -> its latest cards, held back
 
     # -- events --------------------------------------------------------------------------------
 
@@ -206,17 +213,38 @@ class DraView:
         name = reduced.name
         with self.lock:
             parsed = None if event == "DELETED" else reduced.cards
-            if parsed is None:
+            if parsed is None:  # at once: a slice gone publishes nothing
+                self.waiting.pop(name, None)
                 if self._slices.pop(name, None) is not None:
                     self._state = None
                 return
-            if self._slices.get(name) != parsed:
+            if self._slices.get(name) == parsed:
+                self.waiting.pop(name, None)
+            elif name in self._slices and not self.pacer.may_change(parsed[0]):  # a new slice is not a change
+                if not self.waiting:
+                    log.warning("ResourceSlice %s of node %s changes faster than %d times at once and once per %g s: "
+                                "its latest devices apply when it may change again", name, parsed[0],
+                                self.pacer.burst, self.pacer.interval_s)
+                self.waiting[name] = parsed
+            else:
+                self.waiting.pop(name, None)
                 self._slices[name] = parsed
                 self._state = None
+
+    def _take_due(self) -> None:
+        """Apply the held-back slices whose nodes may change again (under the lock)."""
+        if not self.waiting:
+            return
+        due = [name for name, parsed in self.waiting.items() if self.pacer.may_change(parsed[0])]
+        for name in due:
+            self._slices[name] = self.waiting.pop(name)
+            self._state = None
+        self.pacer.forget_full(len(self._slices))
 
     def replace_slices(self, items: "Iterable[Mapping[str, Any] | ReducedSlice]") -> None:
         with self.lock:
             self._slices.clear()
+            self.waiting.clear()
             self._state = None
             for obj in items:
                 self.apply_slice("ADDED", obj)
@@ -296,6 +324,7 @@ class DraView:
         slices by name, each one's devices as listed: the allocator's walk), minus what allocated
         claims consume."""
         with self.lock:
+            self._take_due()
             if self._state is None:
                 cards: dict[str, list[tuple[str, CardSpec]]] = {}
                 for name in sorted(self._slices):  # the allocator walks a pool's slices by name

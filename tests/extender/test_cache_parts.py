@@ -14,6 +14,7 @@ from qgpu_runtime.extender import memo, podmirror
 from qgpu_runtime.extender.committed import PHANTOM
 from qgpu_runtime.extender.memo import ParsedRequests
 from qgpu_runtime.extender.nodeview import NodeView
+from qgpu_runtime.extender.pacing import ChangePacer
 from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.recordtrust import UntrustedRecords
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, RequestError, parse_pod
@@ -112,7 +113,7 @@ def test_a_node_flapping_its_spec_rebuilds_the_state_a_few_times_then_once_per_i
     2026-12-01). It may change CHANGE_BURST times at once, then once per interval; its latest
     spec waits and applies when it may change again; another node is not held back."""
     now = [100.0]
-    view = NodeView(lambda _: None, clock=lambda: now[0], burst=3, interval_s=5.0)
+    view = NodeView(lambda _: None, ChangePacer(lambda: now[0], burst=3, interval_s=5.0))
     assert view.apply("ADDED", node("a")) is True  # the first of three
     flips = [view.apply("MODIFIED", node("a", memory_mib=m)) for m in [16384, 32768] * 10]
     # the burst's last two, then every change away from the current spec waits (and every change
@@ -133,8 +134,8 @@ def test_a_node_flapping_its_spec_rebuilds_the_state_a_few_times_then_once_per_i
 
 def test_a_flapping_node_costs_the_cache_one_rebuild_per_interval():
     c = cache()
-    now = [c._nodes._clock()]
-    c._nodes._clock = lambda: now[0]  # the test's clock, from where the cache's was
+    now = [c._nodes.pacer.clock()]
+    c._nodes.pacer.clock = lambda: now[0]  # the test's clock, from where the cache's was
     c.state()
     versions = [c._booked.version]
     for i in range(40):

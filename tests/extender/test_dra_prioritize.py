@@ -312,3 +312,27 @@ def test_dra_prioritize_scores_claim_pods_only() -> None:
     status, doc = ExtenderApp(cache, None, DEFAULT_LIMITS).handle(
         "dra-prioritize", json.dumps({"Pod": the_pod, "NodeNames": names}).encode())
     assert status == 404 and "--dra-prioritize" in doc["Error"]
+
+
+def test_a_node_flapping_its_slice_rebuilds_the_card_state_a_few_times_then_once_per_interval() -> None:
+    """A node writes its own ResourceSlice: alternating two valid versions, it made every DRA
+    prioritize rebuild the card state. Paced as node specs are (extender/pacing.py); a new slice and
+    a deleted one apply at once; the latest held-back version applies once the node may change."""
+    from qgpu_runtime.extender.pacing import ChangePacer
+
+    now = [100.0]
+    v = view("a", "b")
+    v.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
+    states = [v.state()]  # kept, so no two are the same object by accident
+    for i in range(10):
+        v.apply_slice("MODIFIED", rslice("a", cards=2 if i % 2 == 0 else 4))
+        states.append(v.state())
+    assert len({id(s) for s in states}) <= 3  # the state before and the burst's two, not eleven
+    v.apply_slice("MODIFIED", rslice("a", cards=3))  # the latest, held back
+    assert v.state().n_cards[v.state().index["a"]] != 3
+    v.apply_slice("ADDED", rslice("c", cards=1))  # another node's new slice: at once
+    assert "c" in v.state().index
+    now[0] += 5.0
+    assert v.state().n_cards[v.state().index["a"]] == 3 and v.waiting == {}
+    v.apply_slice("DELETED", rslice("a"))
+    assert "a" not in v.state().index  # a slice gone: at once
