@@ -144,6 +144,10 @@ class IsolationEngine:
                          if not self._act("resume", key, partial(self._actuator.resume, key), failed)}
         self._held = want_held | resume_failed
         if self._watchdog is not None:
+            over = {v.key for _, v in violations}
+            # measured within its quota on every card it was sampled on: a stop round that ended
+            measured = {key for card_usage in usage.values() for key in card_usage}
+            self._watchdog.within_quota(sorted(measured - over))
             for index, violation in violations:
                 self._act("stop", violation.key, partial(self._watchdog.handle, index, violation, self._elapsed_s), failed)
         self._failing = {what: err for what, err in self._failing.items() if what[1] in live | self._held}

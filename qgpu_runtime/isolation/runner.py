@@ -30,7 +30,8 @@ def build_engine(
     params: ControlParams = ControlParams(),
 ) -> IsolationEngine:
     """An engine whose memory watchdog stops offenders through ``actuator`` and counts them in ``registry``."""
-    watchdog = MemoryWatchdog(registry, sink, actuator.stop)
+    # a repeat offender is killed without the grace period where the actuator can (signals.py kill)
+    watchdog = MemoryWatchdog(registry, sink, actuator.stop, kill=getattr(actuator, "kill", None))
     return IsolationEngine(policy, sampler, actuator, params, watchdog=watchdog,
                            memory_tolerance_mib=memory_tolerance_mib, enforce_compute=enforce_compute)
 

@@ -78,6 +78,14 @@ class SignalActuator:
         # a stop of a workload already being stopped does not put its SIGKILL off
         self._kill_due.setdefault(key, self._clock() + self._grace_s)
 
+    def kill(self, key: str, reason: str) -> None:
+        """Kill at once, without the grace period: a workload over its memory quota again soon
+        after a stop (isolation/watchdog.py)."""
+        log.warning("killing %s: %s", key, reason)
+        self._kill_due.pop(key, None)
+        self._signal(key, signal.SIGCONT)
+        self._signal(key, signal.SIGKILL)
+
     def reap(self) -> None:
         """SIGKILL the workloads whose grace period ran out; call every tick.
 

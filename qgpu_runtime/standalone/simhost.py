@@ -99,3 +99,8 @@ class SimulatedHost:
         self._signals.stop(key, reason)
         self.sim.stop(key, reason)
         self._known.pop(key, None)
+
+    def kill(self, key: str, reason: str) -> None:
+        self._signals.kill(key, reason)
+        self.sim.stop(key, reason)
+        self._known.pop(key, None)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
@@ -78,6 +79,25 @@ def test_stop_terminates_a_held_job_and_kills_it_after_the_grace_period():
     clock["now"] = 6.0
     act.reap()
     assert p.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_kill_ends_a_held_job_that_ignores_sigterm_at_once_and_cancels_its_pending_grace_kill():
+    p = subprocess.Popen(["sh", "-c", "trap '' TERM; echo ready; sleep 30"], start_new_session=True, stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline() == "ready\n"
+    sent: list[int] = []
+
+    def killpg(pgid: int, sig: int) -> None:
+        sent.append(sig)
+        os.killpg(pgid, sig)
+    act = SignalActuator(lambda key: [p.pid], grace_s=5.0, clock=lambda: 0.0, killpg=killpg)
+    act.hold("job")
+    act.stop("job", "over quota")
+    act.kill("job", "over quota again")  # no grace: SIGCONT (it is held), then SIGKILL
+    assert p.wait(timeout=5) == -signal.SIGKILL
+    assert sent[-2:] == [signal.SIGCONT, signal.SIGKILL]
+    sent.clear()
+    act.reap()
+    assert sent == []  # the grace kill the stop scheduled went with it
 
 
 def test_signals_to_a_gone_job_are_harmless():

@@ -7,6 +7,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from qgpu_runtime.isolation.engine import CardQuota, IsolationEngine, Workload
+from qgpu_runtime.isolation.memory import MemoryViolation
 from qgpu_runtime.isolation.policy import Policy
 from qgpu_runtime.isolation.simbackend import SimBackend, drive
 from qgpu_runtime.isolation.watchdog import STOP_ROUND_S, MemoryWatchdog
@@ -126,8 +127,42 @@ def test_a_workload_still_over_its_quota_a_stop_round_later_is_stopped_again():
         if len(stops) > len(times):
             times.append(t)
     drive(backend, engine, [job("escapee", 500, memory=1024)], duration_s=16 * STOP_ROUND_S, tick_s=TICK, observe=observe)
-    # stopped again while the violation lasts, not once for good; each round twice as long as the last
-    assert stops == ["escapee"] * 5  # at 0, 10, 30, 70 and 150 s
-    gaps = [round((b - a) / STOP_ROUND_S) for a, b in zip(times, times[1:])]
-    assert gaps == [1, 2, 4, 8], times
-    assert len(sink.events) == len(stops)
+    # stopped again every round while the violation lasts, not once for good
+    assert stops == ["escapee"] * 16, times  # at 0, 10, 20 … 150 s
+    assert all(round((b - a) / STOP_ROUND_S) == 1 for a, b in zip(times, times[1:])), times
+    # but reported at rounds twice as far apart each time: 0, 10, 30, 70 and 150 s
+    assert len(sink.events) == 5
+
+
+def test_a_supervisor_restarting_its_worker_over_the_quota_is_killed_at_once_each_time():
+    """Stops used to thin out like the reports (10, 20, 40 … 640 s apart): a container whose PID 1
+    started its GPU worker again after each stop held memory over its quota for all but a few
+    seconds of every ten minutes (helper audit, 2026-12-01). A violation after the workload was
+    seen within its quota is a new one, stopped at once; within a minute of a stop it is killed
+    without the grace period; the reports still thin out."""
+    sink = ListSink()
+    calls: list[tuple[str, float]] = []
+    now = [0.0]
+    watchdog = MemoryWatchdog(CollectorRegistry(), sink, lambda key, _: calls.append(("stop", now[0])), clock=lambda: 0.0,
+                              kill=lambda key, _: calls.append(("kill", now[0])))
+    over = MemoryViolation("ns/p/c", 61440, 4096, 0)
+    for restart in range(30):  # every 2 s: the worker starts, allocates, is stopped, memory is freed
+        now[0] = restart * 2.0
+        watchdog.handle(0, over, now[0])
+        now[0] += 1.0
+        watchdog.within_quota(["ns/p/c"])
+    assert calls[0] == ("stop", 0.0) and [c for c, _ in calls[1:]] == ["kill"] * 29  # each restart, at once
+    assert len(sink.events) < 5  # the trail thins out: 0, 10, 30 s
+    # a minute after the last stop, a violation is a first one again: SIGTERM and its grace
+    now[0] = 58.0 + 61.0
+    watchdog.handle(0, over, now[0])
+    assert calls[-1] == ("stop", now[0])
+
+
+def test_a_workload_within_its_quota_after_a_stop_is_not_stopped_again():
+    calls: list[str] = []
+    watchdog = MemoryWatchdog(CollectorRegistry(), ListSink(), lambda key, _: calls.append(key), clock=lambda: 0.0)
+    watchdog.handle(0, MemoryViolation("k", 8192, 4096, 0), 0.0)
+    for _ in range(1, 100):
+        watchdog.within_quota(["k"])
+    assert calls == ["k"]
