@@ -120,6 +120,11 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
     IMMEDIATE takes the write lock up front, so a read-then-write (place a job, record an
     Allocate) cannot interleave with another writer. Re-entrant: inside an open transaction it
     adds nothing, and the outer one commits or rolls back.
+
+    A ``COMMIT`` that fails (a full disk, an I/O error, a deferred constraint) may leave SQLite's
+    transaction open; it is rolled back before the error goes on. Left open, every later
+    ``transaction()`` took the re-entrant branch above: its writes were never committed, while the
+    caller (Allocate answering kubelet, a standalone booking) believed them durable.
     """
     if db.in_transaction:
         yield
@@ -130,7 +135,12 @@ def transaction(db: sqlite3.Connection) -> Iterator[None]:
     except BaseException:
         db.execute("ROLLBACK")
         raise
-    db.execute("COMMIT")
+    try:
+        db.execute("COMMIT")
+    except BaseException:
+        if db.in_transaction:
+            db.execute("ROLLBACK")
+        raise
 
 
 class LockFileError(Exception):

@@ -184,3 +184,23 @@ def test_the_previous_dra_plugin_still_books_and_reads_claims_in_a_file_this_rel
         assert [(c.claim_uid, c.pods) for c in store.prepared_claims()] == [("old-claim", ())]  # leftovers name no claim
     finally:
         store.close()
+
+
+def test_a_commit_that_fails_leaves_no_transaction_open_and_later_writes_are_committed(tmp_path: Path) -> None:
+    """A COMMIT that fails may leave SQLite's transaction open; every later `transaction()` then
+    took the re-entrant branch and its writes were never committed while their callers believed
+    them durable (helper audit, 2026-12-01). A deferred foreign key makes COMMIT fail for real."""
+    path = tmp_path / "s.db"
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA foreign_keys=ON")
+    db.execute("CREATE TABLE parent (id INTEGER PRIMARY KEY)")
+    db.execute("CREATE TABLE child (id INTEGER PRIMARY KEY, parent INTEGER REFERENCES parent(id) DEFERRABLE INITIALLY DEFERRED)")
+    with pytest.raises(sqlite3.IntegrityError):
+        with schema.transaction(db):
+            db.execute("INSERT INTO child VALUES (1, 42)")  # no parent 42: refused at COMMIT
+    assert not db.in_transaction
+    with schema.transaction(db):
+        db.execute("INSERT INTO parent VALUES (7)")
+    other = sqlite3.connect(path)
+    assert other.execute("SELECT id FROM parent").fetchall() == [(7,)]  # committed, seen by another connection
+    assert other.execute("SELECT id FROM child").fetchall() == []
