@@ -167,9 +167,11 @@ class BindChoice:
                     self.cache.unreserve(pod, record.to_json())
                     raise BindError(f"pod {key}: node {node} cannot take it: committed by other binds: "
                                     f"{'; '.join(problems)}")
+                # remembered as ours before the write: a write that lands while its answer is lost
+                # comes back from the retry as a conflict, and the entry read then is this one
+                self._wrote(node, mine)
                 try:
                     self.commitments.write(snapshot, held.with_pod(mine))
-                    self._wrote(node, mine)
                 except CommitmentConflict:
                     self.cache.unreserve(pod, record.to_json())
                     self.conflicts += 1

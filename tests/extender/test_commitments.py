@@ -158,3 +158,46 @@ def test_the_extender_refuses_to_bind_before_its_caches_are_synced():
     body = b'{"PodName": "p", "PodNamespace": "ns", "PodUID": "u", "Node": "a"}'
     status, doc = app.handle("bind", body)
     assert status == 200 and "not synced yet" in doc["Error"]
+
+
+def test_a_commitment_write_that_landed_while_its_answer_was_lost_is_taken_for_this_binders_own():
+    """The Lease write lands, its answer is lost, the retry comes back 409 (a CommitmentConflict).
+    The fresh read then holds this bind's own entry, which was taken for another binder's (not yet
+    remembered as written): every retry refused the pod, and the phantom entry held its cards for
+    every binder until the grace ended (helper audit, 2026-12-01). Now the pod is bound."""
+    import time as _time
+
+    from qgpu_runtime.extender.bindchoice import BindChoice
+    from qgpu_runtime.extender.commitments import CommitmentConflict, Snapshot
+    from qgpu_runtime.model.requests import parse_pod
+    from tests.extender.test_kube_cache import cache, pod
+
+    class LandsThenConflicts:
+        """A node's Lease whose first write is stored but answered 409 (the retry's answer)."""
+
+        def __init__(self) -> None:
+            self.doc: NodeCommitments = NodeCommitments("a")
+            self.version = 1
+            self.writes = 0
+
+        def read(self, node: str) -> Snapshot:
+            return Snapshot(self.doc, str(self.version))
+
+        read_fresh = read
+
+        def write(self, snapshot: Snapshot, commitments: NodeCommitments) -> None:
+            if snapshot.resource_version != str(self.version):
+                raise CommitmentConflict("changed")
+            self.writes += 1
+            self.doc, self.version = commitments, self.version + 1
+            if self.writes == 1:
+                raise CommitmentConflict("the retry of a write that landed")
+
+    lease = LandsThenConflicts()
+    c = cache()
+    choice = BindChoice(c, lease, _time.time_ns, commit_attempts=3, commitment_grace_ns=60 * 10**9,
+                        on_conflict=lambda: None, monotonic_ns=_time.monotonic_ns)  # type: ignore[arg-type]
+    p = pod("p")
+    record, _, committed = choice.choose(p, parse_pod(p), "a")
+    assert committed and record.node == "a"
+    assert list(lease.doc.pods) == ["uid-p"] and lease.writes == 2  # the entry rewritten, not refused
