@@ -106,6 +106,8 @@ class Binder:
         self.choice = BindChoice(cache, commitments, clock_ns, commit_attempts, commitment_grace_ns, on_conflict,
                                  monotonic_ns)
         self.clock_ns = clock_ns
+        self._in_flight: set[str] = set()  # pod keys whose bind runs now
+        self._in_flight_guard = threading.Lock()
         self._group_lock = threading.Lock()  # one group decision (hold, or complete and bind) at a time
 
     def track_binders(self, leases: LeaseDocuments, identity: str, mode: str, duration_s: int = DEFAULT_DURATION_S,
@@ -151,12 +153,34 @@ class Binder:
                             "not bound, retry when it answers") from exc
 
     def _bind(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
+        key = f"{namespace}/{name}"
+        with self._in_flight_guard:
+            if key in self._in_flight:
+                # kube-scheduler gave up on a slow bind (its httpTimeout) and binds the pod again:
+                # the second would unpin and release the first one's booking while it may land
+                raise BindError(f"pod {key}: another bind of this pod is in flight; not bound now, the scheduler "
+                                "will retry")
+            self._in_flight.add(key)
+        try:
+            return self._bind_once(namespace, name, uid, node)
+        finally:
+            with self._in_flight_guard:
+                self._in_flight.discard(key)
+
+    def _bind_once(self, namespace: str, name: str, uid: str, node: str) -> BindOutcome:
         pod = self._pod(namespace, name, uid)
         meta = pod.get("metadata") or {}
         if uid and meta.get("uid") != uid:
             raise BindError(f"pod {namespace}/{name}: uid {meta.get('uid')} is not the scheduled uid {uid}; the pod was replaced")
         if (pod.get("spec") or {}).get("nodeName"):
             return self._bound_already(pod, node)
+        if uid and self.cache.bound_node(f"{namespace}/{name}", uid):
+            # the watch shows it bound (filter's copy of the pod is older): the apiserver's pod decides
+            try:
+                current = self.pods.read_pod(namespace, name)
+            except ApiError as exc:
+                raise BindError(f"pod {namespace}/{name}: cannot read it ({short(exc)})") from exc
+            return self._bound_already(current, node)
         try:
             request = self.cache.requests.of(pod, self.limits)  # the apiserver's pod (_pod)
         except RequestError as exc:
@@ -200,12 +224,38 @@ class Binder:
                 bound = record_of(done.pod)
             raise
         except Exception as exc:
+            # A failed POST may still have landed (its answer lost, then every retry failed before
+            # reaching the apiserver): the pod as the apiserver has it now decides what is released.
+            fate = self._binding_fate(namespace, name, str(meta.get("uid", "")))
+            if fate is None:
+                bound = record  # a presence publishes it: an entry of a bind that did not land is pruned
+                self.cache.outcome_unknown(pod, record.to_json(), self.clock_ns())
+                raise BindError(f"pod {namespace}/{name}: binding to {node} failed ({short(exc)}) and whether it "
+                                f"landed cannot be read: its cards stay booked until the pod is seen bound, "
+                                f"scheduled again or deleted, or --assume-timeout passes") from exc
+            if (fate.get("spec") or {}).get("nodeName") == node:
+                log.info("pod %s/%s: the Binding to %s landed though its answer was lost", namespace, name, node)
+                bound = record_of(fate)
+                self.cache.apply_pod("MODIFIED", fate)  # what is bound is the truth now
+                return BindOutcome(node, ((fate.get("metadata") or {}).get("annotations") or {}).get(ALLOCATION))
             self.cache.unreserve(pod, record.to_json())
             self.choice.withdraw(node, str(meta.get("uid", "")), committed)
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {short(exc)}") from exc
         finally:
             self.choice.ended(node, pod, bound, now, committed)
         return BindOutcome(node, record.to_json())
+
+    def _binding_fate(self, namespace: str, name: str, uid: str) -> dict[str, Any] | None:
+        """The pod now, to learn whether a failed Binding landed: the apiserver's pod when it is the
+        same pod, an empty one when it is gone or was replaced (nothing of ours is bound), None when
+        it cannot be read (the outcome is unknown)."""
+        try:
+            found = self.pods.read_pod_once(namespace, name)
+        except Exception:  # noqa: BLE001 - unknown is an answer here; the caller keeps the cards booked
+            return None
+        if found is None or (uid and (found.get("metadata") or {}).get("uid") != uid):
+            return {}
+        return found
 
     def _bind_member(self, pod: dict[str, Any], request: Any, node: str, group: GroupKey) -> BindOutcome:
         """Hold this member's cards until its group is complete; the bind completing it binds all."""

@@ -115,6 +115,8 @@ class AllocationCache:
         self._pods = PodStates()  # the booking lifecycle: one PodState per pod key
         self._mirror = PodMirror()
         self._untrusted = UntrustedRecords(self._problem)  # pod key -> the refusal last reported
+        # pod key -> (record, when): binds whose Binding failed without an answer on whether it landed
+        self._unknown_binds: dict[str, tuple[str, int]] = {}
         self._booked = Bookings(limits, self._pods, self._problem)
         self._events = PodEvents(self._pods, self._mirror, self._booked, self._problem)
         self._holds = HoldGate(self._pods, self._booked, self.state, max_holds, per_namespace)
@@ -426,6 +428,20 @@ class AllocationCache:
                 return
             self._reservations.unreserve(key)
 
+    def bound_node(self, key: str, uid: str) -> str | None:
+        """The node the watch shows pod ``key`` (of that UID) bound to, None when it shows none."""
+        with self.lock:
+            entry = self._pods.entry(key)
+            return entry.node_name or None if entry is not None and entry.uid == uid else None
+
+    def outcome_unknown(self, pod: Mapping[str, Any], record_raw: str, now_ns: int) -> None:
+        """A bind whose Binding failed and whose pod could not be read: it may have landed (its
+        answer lost), so its booking stays pinned, as a bind in flight's does, until the pod is
+        seen bound, filtered again or deleted, or :meth:`expire` finds it older than the TTL."""
+        with self.lock:
+            if self._pods.pinned(pod_key(pod)) == record_raw:
+                self._unknown_binds[pod_key(pod)] = (record_raw, now_ns)
+
     # -- groups (extender/groups.py) -------------------------------------------------------------
 
     def group_held(self, key: str) -> HeldMember | None:
@@ -483,6 +499,12 @@ class AllocationCache:
         """
         with self.lock:
             state = self.state()
+            for key, (raw, since) in list(self._unknown_binds.items()):
+                if self._pods.pinned(key) != raw:
+                    del self._unknown_binds[key]  # seen bound, bound again or released meanwhile
+                elif now_ns - since >= self.assume_ttl_ns:
+                    del self._unknown_binds[key]
+                    self._reservations.unreserve(key)
             self._holds.expire(state, now_ns, self.assume_ttl_ns)
             self._nominations.expire(state, now_ns, self.assume_ttl_ns)
             return self._events.expire(state, now_ns, self.assume_ttl_ns)

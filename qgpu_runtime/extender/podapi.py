@@ -62,6 +62,15 @@ class PodApi:
                 return listed[:limit], True
         return listed, False
 
+    def read_pod_once(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """One GET of the pod, None if it does not exist; any other failure raises (no retries:
+        the caller has spent its own on the call whose outcome this asks)."""
+        try:
+            return raw_json(call(self.api.read_namespaced_pod, name, namespace, _preload_content=False,
+                                 _request_timeout=self.timeout))
+        except NotFound:
+            return None
+
     def read_pod_if_exists(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod from the apiserver, None if it does not exist (the trust check's fallback)."""
         from qgpu_runtime.extender.trust import PodUnavailable, UntrustedPod

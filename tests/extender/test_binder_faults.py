@@ -18,7 +18,7 @@ from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.kube.retry import is_transient, with_backoff
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
 from qgpu_runtime.placement import engine
-from tests.extender.test_kube_cache import bind_locally, cache, node, pod
+from tests.extender.test_kube_cache import SEC, bind_locally, cache, node, pod
 from tests.recordkeys import SIGNER
 
 
@@ -83,7 +83,16 @@ def test_refused_connections_are_retried_then_reported_and_the_cards_released(fi
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: connections are refused
-    bind_fails(f"http://127.0.0.1:{port}", c, "pod ns/p: binding to a failed, cards released", attempts=3, timeout=(0.5, 0.5))
+    bind_fails(f"http://127.0.0.1:{port}", c, "pod ns/p: binding to a failed .* whether it landed cannot be read",
+               attempts=3, timeout=(0.5, 0.5))
+    released_after_the_assume_timeout(c)
+
+
+def released_after_the_assume_timeout(c) -> None:
+    """A bind whose outcome could not be read keeps its cards (it may have landed, its answer
+    lost) until the pod is filtered again, deleted or --assume-timeout passes."""
+    assert c.booking("ns/p") is not None
+    c.expire(time.time_ns() + c.assume_ttl_ns + SEC)
     assert c.booking("ns/p") is None
 
 
@@ -92,10 +101,10 @@ def test_server_errors_are_retried_with_backoff_and_the_message_is_passed_on(fil
     server = Answering(503)
     try:
         bind_fails(server.url, c, r"503 etcd is sad", attempts=3)
-        assert server.requests == 3
+        assert server.requests == 3 + 1  # and one GET: did any of them land?
     finally:
         server.close()
-    assert c.booking("ns/p") is None
+    released_after_the_assume_timeout(c)
 
 
 def test_client_errors_are_not_retried(filtered):
@@ -103,7 +112,7 @@ def test_client_errors_are_not_retried(filtered):
     server = Answering(403)
     try:
         bind_fails(server.url, c, "403", attempts=3)
-        assert server.requests == 1
+        assert server.requests == 1 + 1  # the POST, and the GET asking whether it landed
     finally:
         server.close()
 
@@ -119,6 +128,75 @@ def test_an_apiserver_that_never_answers_times_out(filtered):
         assert time.monotonic() - started < 10
     finally:
         silent.close()
+    released_after_the_assume_timeout(c)
+
+
+class LandsUnanswered:
+    """An apiserver whose Binding lands (the pod bound with its annotations) while the answer is a
+    503 (the answer lost, and every retry failing before it reached the store); a GET of the pod
+    shows it bound, or unbound with ``lands`` False."""
+
+    def __init__(self, p: dict, lands: bool = True):
+        self.bound: dict | None = None
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # noqa: ANN002
+                pass
+
+            def _send(self, status: int, doc: dict) -> None:
+                body = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_POST(self) -> None:  # noqa: N802
+                binding = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
+                if lands and outer.bound is None:
+                    meta = {**p["metadata"], "annotations": binding["metadata"].get("annotations", {})}
+                    outer.bound = {**p, "metadata": meta, "spec": {**p["spec"], "nodeName": binding["target"]["name"]}}
+                self._send(503, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 503, "message": "busy"})
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._send(200, outer.bound or p)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_binding_that_landed_while_every_answer_was_lost_keeps_its_cards_and_is_bound(filtered):
+    """The Binding lands, its answer is lost and the retries fail: the cards were released and the
+    node's Lease entry withdrawn, and another bind took the same cards while the pod ran on them
+    (helper audit, 2026-12-01). The pod as the apiserver has it now decides: bound here, the bind
+    succeeded and its record is booked."""
+    c, p = filtered
+    server = LandsUnanswered(p)
+    try:
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=2, timeout=(0.5, 2), signer=SIGNER)
+        outcome = binder.bind("ns", "p", "uid-p", "a")
+    finally:
+        server.close()
+    assert outcome.node == "a" and outcome.record is not None
+    booking = c.booking("ns/p")
+    assert booking is not None and booking.node == "a"
+    c.expire(time.time_ns() + c.assume_ttl_ns + SEC)
+    assert c.booking("ns/p") is not None  # a bound pod's record, not an assumed bind: it stays
+
+
+def test_a_binding_that_did_not_land_releases_its_cards_once_the_pod_is_read_unbound(filtered):
+    c, p = filtered
+    server = LandsUnanswered(p, lands=False)
+    try:
+        bind_fails(server.url, c, "pod ns/p: binding to a failed, cards released", attempts=2)
+    finally:
+        server.close()
     assert c.booking("ns/p") is None
 
 
@@ -182,7 +260,7 @@ def test_a_failed_bind_of_a_replaced_pod_leaves_the_new_pods_cards_booked():
 
     server = CallingBack(503, replaced)
     try:
-        bind_fails(server.url, c, "pod ns/p: binding to a failed, cards released", attempts=1, uid="uid-1")
+        bind_fails(server.url, c, "pod ns/p: binding to a failed", attempts=1, uid="uid-1")
     finally:
         server.close()
     booking = c.booking("ns/p")
@@ -190,3 +268,55 @@ def test_a_failed_bind_of_a_replaced_pod_leaves_the_new_pods_cards_booked():
     q = pod("q", core=100, memory=0)
     with pytest.raises(engine.Unschedulable):
         c.reserve(q, parse_pod(q), "b", time.time_ns())
+
+
+def test_a_second_bind_of_a_pod_while_its_first_runs_is_refused_and_leaves_the_first_alone(filtered):
+    """kube-scheduler gives up on a bind after its httpTimeout (30 s) while the extender's retries
+    run longer, and binds the pod again: the second bind unpinned and released the first one's
+    booking while the first could still land (helper audit, 2026-12-01)."""
+    c, p = filtered
+    binder = Binder(api_at("http://127.0.0.1:9"), c, DEFAULT_LIMITS, attempts=1, timeout=(0.5, 0.5), signer=SIGNER)
+    binder._in_flight.add("ns/p")  # the first bind, still running
+    with pytest.raises(BindError, match="pod ns/p: another bind of this pod is in flight"):
+        binder.bind("ns", "p", "uid-p", "a")
+    assert c.booking("ns/p") is not None  # filter's hold, untouched
+
+
+def test_a_bind_of_a_pod_the_watch_shows_bound_asks_the_apiserver_and_books_nothing_new(filtered):
+    """Filter's copy of the pod is unbound, the watch has since delivered it bound (an earlier
+    bind that landed): the bind reads the pod and answers from it instead of choosing cards again
+    and releasing the record's booking meanwhile."""
+    c, p = filtered
+    bound = bind_locally(c, p, "a", time.time_ns())
+    c.apply_pod("MODIFIED", bound)
+    record = c.booking("ns/p")
+
+    class Bound(BaseHTTPRequestHandler):
+        posts = 0
+
+        def log_message(self, *args):  # noqa: ANN002
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802
+            body = json.dumps(bound).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            Bound.posts += 1
+            self.send_response(500)
+            self.end_headers()
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Bound)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        binder = Binder(api_at(f"http://127.0.0.1:{httpd.server_address[1]}"), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
+        outcome = binder.bind("ns", "p", "uid-p", "a")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert outcome.node == "a" and Bound.posts == 0
+    assert c.booking("ns/p") == record
