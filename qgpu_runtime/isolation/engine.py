@@ -99,6 +99,9 @@ class IsolationEngine:
         self._live: set[str] = set()
         self._elapsed_s = 0.0  # the engine's own clock: the sum of the ticks' dt_s
         self._failing: dict[tuple[str, str], str] = {}  # (action, key) -> the error last logged for it
+        # whether a workload's processes run (not stopped), where the actuator can tell
+        self._running: Callable[[str], bool] | None = getattr(actuator, "running", None)
+        self._escaped: set[str] = set()  # held workloads found running last tick
 
     @property
     def held(self) -> frozenset[str]:
@@ -134,7 +137,13 @@ class IsolationEngine:
                 self._watchdog.forget(gone)
         self._live = live
         failed: list[str] = []
-        to_hold = sorted((want_held - self._held) | (want_held & self._hold_failed))
+        # a held workload whose processes run again (resumed by a helper of its own, which the
+        # hold's signals do not reach) is held again, every tick it is found running
+        escaped = {key for key in want_held & self._held if self._running is not None and self._running(key)}
+        for key in sorted(escaped - self._escaped):
+            log.warning("isolation: %s runs while held (resumed by someone else); held again every tick it runs", key)
+        self._escaped = escaped
+        to_hold = sorted((want_held - self._held) | (want_held & self._hold_failed) | escaped)
         self._hold_failed = {key for key in to_hold if not self._act("hold", key, partial(self._actuator.hold, key), failed)}
         # A held workload that left the list, or is now unheld, is resumed too (a container whose
         # pod is being deleted must be able to handle its SIGTERM; signals to ended work are

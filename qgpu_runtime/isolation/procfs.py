@@ -35,6 +35,7 @@ class ProcStat:
     pgid: int
     start_ticks: int
     exiting: bool = False
+    stopped: bool = False  # state T (stopped by a signal) or t (stopped by a tracer)
 
 
 def stat_fields(raw: bytes, where: str) -> list[bytes]:
@@ -71,7 +72,8 @@ class ProcFS:
         # the leader of a thread group reads "Z" while the process's other threads run on
         if state in (b"Z", b"X") and threads <= 1:
             return None
-        return ProcStat(pid, int(fields[2]), int(fields[19]), exiting=bool(flags & _PF_EXITING) and threads <= 1)
+        return ProcStat(pid, int(fields[2]), int(fields[19]), exiting=bool(flags & _PF_EXITING) and threads <= 1,
+                        stopped=state in (b"T", b"t"))
 
     def stat(self, pid: int) -> ProcStat | None:
         """The process's group and start time; None when it ended or cannot be read (then
@@ -115,9 +117,17 @@ class ProcFS:
     def group_members(self, pgid: int) -> list[int]:
         """Every live process whose process group is, or may be, ``pgid``: those whose ``stat``
         names it, and those whose ``stat`` cannot be read (they could be in it; the caller must
-        treat them as members it cannot vouch for). A scan of the root: only run when a signal
-        is about to be sent, which the engine does on change, not every tick."""
-        members = []
+        treat them as members it cannot vouch for). A scan of the root."""
+        groups, unreadable = self.group_index()
+        return sorted([*groups.get(pgid, ()), *unreadable])
+
+    def group_index(self) -> tuple[dict[int, list[int]], list[int]]:
+        """One scan of the root: the live processes by process group, and those whose ``stat``
+        cannot be read (members of any group, as far as anyone can vouch). A caller signalling
+        several groups in one pass reads this once (a tenant's thousands of idle processes made
+        a scan per group cost the isolation loop seconds)."""
+        groups: dict[int, list[int]] = {}
+        unreadable: list[int] = []
         for entry in self.root.iterdir():
             if not entry.name.isdigit():
                 continue
@@ -125,11 +135,11 @@ class ProcFS:
             try:
                 stat = self._stat(pid)
             except (OSError, ValueError):
-                members.append(pid)
+                unreadable.append(pid)
                 continue
-            if stat is not None and stat.pgid == pgid:
-                members.append(pid)
-        return sorted(members)
+            if stat is not None:
+                groups.setdefault(stat.pgid, []).append(pid)
+        return groups, unreadable
 
 
 def _read_text(path: Path) -> str | None:

@@ -42,8 +42,13 @@ class SignalActuator:
     """
 
     def __init__(self, groups: Callable[[str], Sequence[int]], grace_s: float = 5.0, clock: Callable[[], float] = time.monotonic,
-                 killpg: Callable[[int, int], None] = os.killpg, own_pgid: int | None = None):
+                 killpg: Callable[[int, int], None] = os.killpg, own_pgid: int | None = None,
+                 running: Callable[[str], bool] | None = None):
+        """``running(key)``: whether the workload's processes run (are not stopped), so the
+        engine holds again a workload resumed behind its back; None: not known."""
         self._groups = groups
+        if running is not None:
+            self.running = running
         self._grace_s = grace_s
         self._clock = clock
         self._killpg = killpg

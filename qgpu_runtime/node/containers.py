@@ -43,6 +43,8 @@ from qgpu_runtime.node.tenants import TenantRef, tenants_of
 log = logging.getLogger("qgpu.node.isolation")
 
 TERMINATING_UNHELD_S = 30.0
+GROUP_INDEX_S = 0.5
+"""How long one scan of /proc by process group answers the signals of a tick (a tick is 50 ms)."""
 """How long a pod being deleted is left unheld (resumed, never held) to handle its SIGTERM, from
 when this manager first saw it terminating; then its share is enforced again until it is gone.
 Kubernetes' default ``terminationGracePeriodSeconds`` is as long, so a pod that honours SIGTERM
@@ -78,6 +80,8 @@ class ContainerResolver:
         self._booked_uids: set[str] = set()
         self._proc = ProcFS(proc_root)
         self._pids: dict[int, _Attributed] = {}
+        self._group_index: tuple[dict[int, list[int]], list[int]] | None = None  # this tick's /proc by group
+        self._group_index_at = 0.0
         self._logged: set[tuple[int, str]] = set()  # (pid, start time) of unmanaged processes already logged
         self.unmanaged: set[int] = set()  # GPU processes seen in the last sample that are not ours
         self.unknown_containers = 0  # processes of booked pods whose container ID the pod list lacks
@@ -149,6 +153,18 @@ class ContainerResolver:
     def begin_sample(self) -> None:
         self.unmanaged = set()
         self.unknown_containers = 0
+        self._group_index = None  # one /proc scan per tick at most, and only when a signal goes out
+        self._group_index_at = 0.0
+
+    def running(self, key: str) -> bool:
+        """Whether a GPU process of ``key`` (still the process it was) is not stopped: a held
+        workload's processes resumed by someone else (a helper of the tenant sending SIGCONT)."""
+        for pid in self.pids(key):
+            seen = self._pids[pid]
+            stat = self._proc.stat(pid)
+            if stat is not None and stat.start_ticks == seen.start_ticks and not stat.stopped and not stat.exiting:
+                return True
+        return False
 
     def owner(self, pid: int) -> str | None:
         """The key of the qgpu container ``pid`` runs in, or None (left alone, logged once)."""
@@ -225,7 +241,11 @@ class ContainerResolver:
         member that is alive but whose cgroup or stat cannot be read is a stranger: nothing
         vouches for it."""
         outsiders = []
-        for member in self._proc.group_members(pgid):
+        now = time.monotonic()
+        if self._group_index is None or now - self._group_index_at > GROUP_INDEX_S:
+            self._group_index, self._group_index_at = self._proc.group_index(), now
+        groups, unreadable = self._group_index
+        for member in sorted([*groups.get(pgid, ()), *unreadable]):
             if self._in_container(member, container):
                 continue
             if self._proc.ended(member):

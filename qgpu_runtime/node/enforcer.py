@@ -139,7 +139,7 @@ def default_backend(backend: GpuBackend) -> IsolationBackend:
             sampler = NvmlSampler(backend.processes.reader(), resolver.owner)
         else:
             sampler = BackendSampler(backend, resolver.owner)
-        return sampler, SignalActuator(resolver.groups)
+        return sampler, SignalActuator(resolver.groups, running=resolver.running)
 
     return build
 

@@ -166,3 +166,42 @@ def test_a_workload_within_its_quota_after_a_stop_is_not_stopped_again():
     for _ in range(1, 100):
         watchdog.within_quota(["k"])
     assert calls == ["k"]
+
+
+class Escaping(Failing):
+    """The simulated actuator, whose held workload ``key`` is resumed behind its back after each
+    hold (a helper of the tenant sending SIGCONT) and reads as running."""
+
+    def __init__(self, backend: SimBackend, key: str) -> None:
+        super().__init__(backend, "none", key)
+        self.resumed_by_tenant = False
+
+    def hold(self, key: str) -> None:
+        super().hold(key)
+        if key == self.key:
+            self.backend.resume(key)  # the tenant's SIGCONT, right after
+            self.resumed_by_tenant = True
+
+    def running(self, key: str) -> bool:
+        return key == self.key and self.resumed_by_tenant
+
+
+def test_a_held_workload_resumed_behind_the_engines_back_is_held_again_every_tick_it_runs():
+    """A hold was sent once, on the change; a helper process of the tenant (its own group, never
+    signalled) sending SIGCONT kept the workload running at a whole card against a 300 share
+    (helper audit, 2026-12-01). The engine now asks whether held workloads run and holds again."""
+    backend = make_backend()
+    backend.start("greedy", 0, 1, demand_milli=1000)
+    backend.start("fair", 0, 2, demand_milli=1000)
+    escaping = Escaping(backend, "greedy")
+    engine = engine_over(escaping, backend)
+    drive(backend, engine, [job("greedy", 300), job("fair", 700)], duration_s=2.0, tick_s=TICK)
+    holds = [k for action, k, _ in escaping.calls if action == "hold" and k == "greedy"]
+    assert len(holds) > 10  # held again while it ran, not once
+
+    plain = Failing(make_backend(), "none", "greedy")
+    plain.backend.start("greedy", 0, 1, demand_milli=1000)
+    plain.backend.start("fair", 0, 2, demand_milli=1000)
+    drive(plain.backend, engine_over(plain, plain.backend), [job("greedy", 300), job("fair", 700)], duration_s=2.0, tick_s=TICK)
+    plain_holds = [k for action, k, _ in plain.calls if action == "hold" and k == "greedy"]
+    assert len(plain_holds) < len(holds)  # an actuator that cannot tell: holds on change only, as before

@@ -126,3 +126,36 @@ def test_a_real_process_that_renamed_itself_in_bytes_that_are_not_utf8_reads(tmp
     finally:
         p.kill()
         p.wait()
+
+
+def test_a_stopped_process_reads_stopped_and_a_real_one_too(tmp_path):
+    _write_stat(tmp_path, 20, _stat_line(20, b"held", 20, 1, state=b"T"))
+    _write_stat(tmp_path, 21, _stat_line(21, b"traced", 21, 1, state=b"t"))
+    _write_stat(tmp_path, 22, _stat_line(22, b"busy", 22, 1, state=b"R"))
+    proc = ProcFS(tmp_path)
+    assert [proc.stat(p).stopped for p in (20, 21, 22)] == [True, True, False]  # type: ignore[union-attr]
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        real = ProcFS()
+        child.send_signal(19)  # SIGSTOP
+        deadline = time.monotonic() + 5
+        while not real.stat(child.pid).stopped and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert real.stat(child.pid).stopped  # type: ignore[union-attr]
+        child.send_signal(18)  # SIGCONT: what a tenant's helper sends its held worker
+        deadline = time.monotonic() + 5
+        while real.stat(child.pid).stopped and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert not real.stat(child.pid).stopped  # type: ignore[union-attr]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_one_scan_answers_every_group(tmp_path):
+    for pid, pgid in ((30, 30), (31, 30), (32, 32)):
+        _write_stat(tmp_path, pid, _stat_line(pid, b"p", pgid, 1))
+    _write_stat(tmp_path, 33, b"33 garbled")
+    groups, unreadable = ProcFS(tmp_path).group_index()
+    assert {k: sorted(v) for k, v in groups.items()} == {30: [30, 31], 32: [32]}
+    assert unreadable == [33]

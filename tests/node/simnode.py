@@ -33,6 +33,15 @@ class FakeProc:
         (d / "stat").write_bytes(b"%d (%s) %s 1 %d %d 0 -1 4194560 " % (pid, comm, state, pgid, pgid) + b"0 " * 10
                                  + b"%d 0 %d 0 0\n" % (threads, start_time))
 
+    def set_state(self, pid: int, state: bytes) -> None:
+        """What ``stat`` field 3 says now (``T`` once stopped, ``S`` once continued)."""
+        path = self.root / str(pid) / "stat"
+        raw = path.read_bytes()
+        head, tail = raw.rsplit(b")", 1)
+        fields = tail.split(b" ")
+        fields[1] = state  # tail starts with the space after ")": ["", state, ppid, ...]
+        path.write_bytes(head + b")" + b" ".join(fields))
+
     def remove(self, pid: int) -> None:
         for f in (self.root / str(pid)).iterdir():
             f.unlink()
@@ -70,15 +79,23 @@ class SimKernel:
             if handler is not None and sig not in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCONT):
                 self._pending.append(handler)
                 continue
-            for gpu in self.gpus.values():
-                if sig == signal.SIGSTOP:
-                    gpu.suspend(pid)
-                elif sig == signal.SIGCONT:
-                    gpu.resume(pid)
-                elif sig in (signal.SIGTERM, signal.SIGKILL):
-                    gpu.exit(pid)
-            if sig in (signal.SIGTERM, signal.SIGKILL):
-                self.proc.remove(pid)
+            self.deliver(pid, signal.Signals(sig))
+
+    def deliver(self, pid: int, sig: signal.Signals) -> None:
+        """One process receives ``sig`` (also what a tenant's own process sends it: it has the right)."""
+        for gpu in self.gpus.values():
+            if sig == signal.SIGSTOP:
+                gpu.suspend(pid)
+            elif sig == signal.SIGCONT:
+                gpu.resume(pid)
+            elif sig in (signal.SIGTERM, signal.SIGKILL):
+                gpu.exit(pid)
+        if sig in (signal.SIGTERM, signal.SIGKILL):
+            self.proc.remove(pid)
+        elif sig == signal.SIGSTOP:
+            self.proc.set_state(pid, b"T")
+        elif sig == signal.SIGCONT:
+            self.proc.set_state(pid, b"S")
 
     def run_handlers(self) -> None:
         """The processes that caught a signal run their handlers (call once per tick)."""

@@ -65,7 +65,8 @@ class World:
 
         def backend(resolver: ContainerResolver):
             return (wrap_sampler(SimProcessSampler(self.gpus, resolver.owner)),
-                    SignalActuator(resolver.groups, killpg=self.kernel.killpg, clock=lambda: self.now))
+                    SignalActuator(resolver.groups, killpg=self.kernel.killpg, clock=lambda: self.now,
+                                   running=resolver.running))  # as node/enforcer.py wires it
 
         self.loop = NodeIsolation(policy, self.store, lambda max_age: self.source.pods_on_node(NODE),
                                   ContainerResolver(self.proc.root, clock=lambda: self.now), backend, self.metrics, self.source,
@@ -633,3 +634,43 @@ def test_the_memory_of_unmanaged_processes_logged_goes_with_them(tmp_path, caplo
         proc.remove(pid)
     resolver.update([], [])
     assert resolver._logged == {(1049, "1000")}
+
+
+def test_a_worker_its_own_helper_resumes_while_held_is_held_again_and_kept_to_its_share(world_of, caplog):
+    """A helper process of the tenant, in a group of its own (never signalled), sends SIGCONT to
+    the held GPU worker: the hold was sent once, on the change, and the worker ran on (helper
+    audit, 2026-12-01): 990 of 1000 against a 250 share. The loop reads the worker's state each
+    tick and holds it again: what the helper wins is the rest of the tick after each resume (a
+    helper resuming every millisecond keeps most of the card: docs/security.md, what stays
+    possible)."""
+    w = world_of(Policy.FIXED_SHARE)
+    uid, cid = w.add_pod("sly", 250)
+    w.run_process(101, cgroupfs(uid, cid), 1000)
+    resume = {n: (lambda: w.kernel.deliver(101, signal.SIGCONT)) for n in range(0, 200, 3)}  # every 150 ms
+    with caplog.at_level(logging.WARNING, logger="qgpu.isolation.engine"):
+        w.drive(10.0, events=resume)
+    # a third of the ticks resumed, each run until the next tick's hold: about 250 + 1000 / 3 · (1 - 0.25)
+    assert w.used(101) / 10.0 < 400
+    assert any("runs while held" in r.getMessage() for r in caplog.records)
+
+
+def test_one_scan_of_proc_serves_every_signal_of_a_tick(world_of, monkeypatch):
+    """Each signal's safety check scanned all of /proc once per process group: a tenant with
+    thousands of idle processes and several GPU groups made every tick cost seconds for the whole
+    node (helper audit, 2026-12-01). Now one scan serves a tick's signals."""
+    from qgpu_runtime.isolation.procfs import ProcFS
+
+    scans = []
+    real = ProcFS.group_index
+    monkeypatch.setattr(ProcFS, "group_index", lambda self: scans.append(1) or real(self))
+    w = world_of(Policy.FIXED_SHARE)
+    for i, share in enumerate((200, 300, 400)):
+        uid, cid = w.add_pod(f"t{i}", share)
+        for j in range(3):  # three GPU processes, each in a group of its own
+            pid = 100 + 10 * i + j
+            w.run_process(pid, cgroupfs(uid, cid), 1000, pgid=pid)
+    w.drive(2.0)
+    ticks = round(2.0 / TICK)
+    signalled = sum(1 for _ in w.kernel.sent)
+    assert signalled > ticks  # several groups signalled in many ticks
+    assert len(scans) <= ticks  # never more than one scan a tick
