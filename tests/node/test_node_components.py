@@ -17,7 +17,7 @@ from qgpu_runtime.node.manager import ManagerConfig, NodeManager
 from qgpu_runtime.node.metrics import ManagerMetrics
 from qgpu_runtime.node.publisher import NodePublisher
 from qgpu_runtime.node.reconciler import Reconciler
-from qgpu_runtime.node.store import Store
+from qgpu_runtime.node.store import Share, Store
 from tests.recordkeys import VERIFIER
 
 NODE = "gpu-node-1"
@@ -260,3 +260,21 @@ def test_the_pods_of_a_card_are_its_device_plugin_pods_and_the_pods_of_its_claim
     assert pods_on_card(1, shares, claims) == [("ml", "eval", "uid-u"), ("ml", "train", "uid-t"), ("team", "a", "uid-a")]
     assert pods_on_card(0, shares, claims) == [("team", "b", "uid-b")]
     assert pods_on_card(2, shares, claims) == []
+
+
+def test_rows_of_a_pod_the_watched_view_does_not_show_yet_still_hold_their_card():
+    """X was allocated by a LIST ahead of the watch; Y is then matched on the watched view, which
+    does not show X yet: X's rows were dropped as a gone pod's, and Y's record got X's card (helper
+    audit, 2026-12-01). On a view, a pod it does not show holds its rows; a LIST decides."""
+    from qgpu_runtime.node.deviceplugin.allocator import over_commit
+    from qgpu_runtime.node.deviceplugin.matching import match
+
+    x = pod("x", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=1)
+    y = pod("y", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=2)
+    x_rows = [Share(x["metadata"]["uid"], "default", "x", "main", 0, "GPU-0", 600, 4096, "normal", 1)]
+    m = match(NODE, CORE.name, 60, [y], set(), VERIFIER)
+    assert over_commit(m, CARDS, x_rows, [y], unseen_hold=True)  # the view: X unseen, still holds card 0
+    assert over_commit(m, CARDS, x_rows, [y]) == []  # a LIST without X: X is gone
+    assert over_commit(m, CARDS, x_rows, [x, y], unseen_hold=True)  # both seen: X live
+    done = {**x, "status": {"phase": "Succeeded"}}
+    assert over_commit(m, CARDS, x_rows, [done, y], unseen_hold=True) == []  # seen finished: released

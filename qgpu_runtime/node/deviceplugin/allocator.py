@@ -151,7 +151,10 @@ class Allocator:
             if sick:
                 raise AllocateRefused(f"pod {m.namespace}/{m.pod} container {m.container}: record names card(s) "
                                       f"{sick}, unhealthy ({', '.join(bad[i] for i in sick)})")
-            problems = over_commit(m, self.cards, self.store.shares(), list(pods.pods), self.store.claim_uids())
+            # on the watched view a pod it does not show holds its rows (allocated by a LIST ahead of
+            # the watch); a LIST decides: what it does not show is gone
+            problems = over_commit(m, self.cards, self.store.shares(), list(pods.pods), self.store.claim_uids(),
+                                   unseen_hold=not pods.listed)
             if problems and not pods.listed:  # a deletion the watch has not delivered yet: decide on a LIST
                 self.metrics.fallback_lists.labels(kind.name).inc()
                 problems = over_commit(m, self.cards, self.store.shares(), list(self.view.fresh().pods),
@@ -213,14 +216,16 @@ class Allocator:
 
 
 def over_commit(m: matching.Match, cards: dict[int, CardInfo], shares: list[Share], pods: list[dict],
-                claims: Collection[str] = ()) -> list[str]:
+                claims: Collection[str] = (), unseen_hold: bool = False) -> list[str]:
     """Why granting ``m``'s cards would put a card over its capacity (node/overbooking.py), given
     the shares of the node's live pods in the store (deleted and finished pods no longer hold
     theirs) and of the prepared ResourceClaims ``claims`` (UIDs; kubelet releases those); empty
-    when it fits."""
-    live = {str((p.get("metadata") or {}).get("uid", "")) for p in pods
-            if not finished(p)} | set(claims)
-    held = [s for s in shares if s.workload_id in live and (s.workload_id, s.container) != m.key]
+    when it fits. ``unseen_hold``: a pod ``pods`` does not show at all still holds its shares
+    (``pods`` is a view that may lag the store, not a LIST)."""
+    listed = {str((p.get("metadata") or {}).get("uid", "")): p for p in pods}
+    live = {uid for uid, p in listed.items() if not finished(p)} | set(claims)
+    held = [s for s in shares if (s.workload_id in live or (unseen_hold and s.workload_id not in listed))
+            and (s.workload_id, s.container) != m.key]
     return over_booking(cards, held, f"{m.pod_uid}/{m.container}", f"{m.namespace}/{m.pod}",
                         [card_use(s.index, s.core_milli, s.memory_mib) for s in m.share.shares])
 
