@@ -231,13 +231,20 @@ class Binder:
                 bound = record  # a presence publishes it: an entry of a bind that did not land is pruned
                 self.cache.outcome_unknown(pod, record.to_json(), self.clock_ns())
                 raise BindError(f"pod {namespace}/{name}: binding to {node} failed ({short(exc)}) and whether it "
-                                f"landed cannot be read: its cards stay booked until the pod is seen bound, "
-                                f"scheduled again or deleted, or --assume-timeout passes") from exc
+                                f"landed cannot be read: its cards stay booked until the pod is seen bound "
+                                f"or deleted, or --assume-timeout passes") from exc
             if (fate.get("spec") or {}).get("nodeName") == node:
-                log.info("pod %s/%s: the Binding to %s landed though its answer was lost", namespace, name, node)
+                landed = ((fate.get("metadata") or {}).get("annotations") or {}).get(ALLOCATION)
+                log.info("pod %s/%s: a Binding to %s landed though its answer was lost", namespace, name, node)
+                if landed != record.to_json():
+                    # an earlier attempt's record (or another binder's): that one holds the node's cards,
+                    # and this attempt's pin would hide it from the cache
+                    self.cache.unreserve(pod, record.to_json())
+                    if committed:
+                        self.choice.correct(node, fate)
                 bound = record_of(fate)
                 self.cache.apply_pod("MODIFIED", fate)  # what is bound is the truth now
-                return BindOutcome(node, ((fate.get("metadata") or {}).get("annotations") or {}).get(ALLOCATION))
+                return BindOutcome(node, landed)
             self.cache.unreserve(pod, record.to_json())
             self.choice.withdraw(node, str(meta.get("uid", "")), committed)
             raise BindError(f"pod {namespace}/{name}: binding to {node} failed, cards released: {short(exc)}") from exc

@@ -151,8 +151,6 @@ class AllocationCache:
     def state(self) -> ClusterState:
         """The current ClusterState, rebuilt (bookings replayed) when the node set changed."""
         with self.lock:
-            if self._nodes.take_due():
-                self._booked.invalidate()
             state = self._booked.current
             if state is None:
                 state = self._booked.rebuild(self._nodes.sorted_specs(), self._nodes.dra_pool)
@@ -205,7 +203,16 @@ class AllocationCache:
 
     def apply_node(self, event: str, node: Mapping[str, Any]) -> None:
         with self.lock:
-            if self._nodes.apply(event, node):
+            changed = self._nodes.apply(event, node)
+            if self._nodes.take_due() or changed:  # and what waited on the pacer (extender/pacing.py)
+                self._booked.invalidate()
+
+    def take_due_nodes(self) -> None:
+        """Apply the node specs the pacer held back whose nodes may change again (the expiry loop
+        asks every period, node events at each event). Only here, at the top of a locked call:
+        inside one, a rebuild would leave the caller working on a discarded state."""
+        with self.lock:
+            if self._nodes.take_due():
                 self._booked.invalidate()
 
     def replace_nodes(self, nodes: Iterable[Mapping[str, Any]]) -> None:
@@ -437,7 +444,8 @@ class AllocationCache:
     def outcome_unknown(self, pod: Mapping[str, Any], record_raw: str, now_ns: int) -> None:
         """A bind whose Binding failed and whose pod could not be read: it may have landed (its
         answer lost), so its booking stays pinned, as a bind in flight's does, until the pod is
-        seen bound, filtered again or deleted, or :meth:`expire` finds it older than the TTL."""
+        seen bound or deleted, or :meth:`expire` finds it older than the TTL (then a pod bound
+        after all is booked by the record on it)."""
         with self.lock:
             if self._pods.pinned(pod_key(pod)) == record_raw:
                 self._unknown_binds[pod_key(pod)] = (record_raw, now_ns)
@@ -497,6 +505,7 @@ class AllocationCache:
         A record comes back on every call until its deletion shows up in the watch, so a failed
         delete is simply retried on the next round.
         """
+        self.take_due_nodes()
         with self.lock:
             state = self.state()
             for key, (raw, since) in list(self._unknown_binds.items()):
@@ -505,6 +514,9 @@ class AllocationCache:
                 elif now_ns - since >= self.assume_ttl_ns:
                     del self._unknown_binds[key]
                     self._reservations.unreserve(key)
+                    entry = self._pods.entry(key)
+                    if entry is not None and entry.node_name:  # bound after all, with the record the pin hid
+                        self._events.sync(state, entry)
             self._holds.expire(state, now_ns, self.assume_ttl_ns)
             self._nominations.expire(state, now_ns, self.assume_ttl_ns)
             return self._events.expire(state, now_ns, self.assume_ttl_ns)

@@ -199,6 +199,7 @@ class DraView:
         # a slice change rebuilds the card state: paced per node as the nodes' specs are (extender/pacing.py)
         self.pacer = ChangePacer()
         self.waiting: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}  # slice name -> its latest cards, held back
+        self._slice_nodes: set[str] = set()  # nodes whose slices were seen (one entry per node)
 
     # -- events --------------------------------------------------------------------------------
 
@@ -213,14 +214,19 @@ class DraView:
         name = reduced.name
         with self.lock:
             parsed = None if event == "DELETED" else reduced.cards
-            if parsed is None:  # at once: a slice gone publishes nothing
+            if parsed is None:  # at once: a slice gone publishes nothing (counted: no free delete-and-create)
                 self.waiting.pop(name, None)
-                if self._slices.pop(name, None) is not None:
+                gone = self._slices.pop(name, None)
+                if gone is not None:
+                    self.pacer.may_change(gone[0])
                     self._state = None
                 return
+            # a node's first slice applies at once; any later change, new slice names included, is paced
+            known = parsed[0] in self._slice_nodes
+            self._slice_nodes.add(parsed[0])
             if self._slices.get(name) == parsed:
                 self.waiting.pop(name, None)
-            elif name in self._slices and not self.pacer.may_change(parsed[0]):  # a new slice is not a change
+            elif known and not self.pacer.may_change(parsed[0]):
                 if not self.waiting:
                     log.warning("ResourceSlice %s of node %s changes faster than %d times at once and once per %g s: "
                                 "its latest devices apply when it may change again", name, parsed[0],

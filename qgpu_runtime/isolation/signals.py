@@ -48,7 +48,9 @@ class SignalActuator:
         engine holds again a workload resumed behind its back; None: not known."""
         self._groups = groups
         if running is not None:
-            self.running = running
+            # a workload being stopped runs because the stop continued it (SIGCONT before SIGTERM,
+            # so it can handle SIGTERM in its grace): not a workload resumed behind the engine's back
+            self.running = lambda key: key not in self._kill_due and running(key)
         self._grace_s = grace_s
         self._clock = clock
         self._killpg = killpg

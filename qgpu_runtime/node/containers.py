@@ -43,12 +43,12 @@ from qgpu_runtime.node.tenants import TenantRef, tenants_of
 log = logging.getLogger("qgpu.node.isolation")
 
 TERMINATING_UNHELD_S = 30.0
-GROUP_INDEX_S = 0.5
-"""How long one scan of /proc by process group answers the signals of a tick (a tick is 50 ms)."""
 """How long a pod being deleted is left unheld (resumed, never held) to handle its SIGTERM, from
 when this manager first saw it terminating; then its share is enforced again until it is gone.
 Kubernetes' default ``terminationGracePeriodSeconds`` is as long, so a pod that honours SIGTERM
 is gone before its window ends."""
+GROUP_INDEX_S = 0.5
+"""How long one scan of /proc by process group answers signals (a tick is 50 ms)."""
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,11 @@ class ContainerResolver:
         self._booked_uids: set[str] = set()
         self._proc = ProcFS(proc_root)
         self._pids: dict[int, _Attributed] = {}
-        self._group_index: tuple[dict[int, list[int]], list[int]] | None = None  # this tick's /proc by group
+        # /proc by process group, one scan serving the signals of GROUP_INDEX_S (a group's members
+        # are its session's: nobody outside the container joins one later)
+        self._group_index: tuple[dict[int, list[int]], list[int]] | None = None
         self._group_index_at = 0.0
+        self._outsiders_logged: set[tuple[int, tuple[int, ...]]] = set()  # (group, outsiders) warned of
         self._logged: set[tuple[int, str]] = set()  # (pid, start time) of unmanaged processes already logged
         self.unmanaged: set[int] = set()  # GPU processes seen in the last sample that are not ours
         self.unknown_containers = 0  # processes of booked pods whose container ID the pod list lacks
@@ -153,8 +156,6 @@ class ContainerResolver:
     def begin_sample(self) -> None:
         self.unmanaged = set()
         self.unknown_containers = 0
-        self._group_index = None  # one /proc scan per tick at most, and only when a signal goes out
-        self._group_index_at = 0.0
 
     def running(self, key: str) -> bool:
         """Whether a GPU process of ``key`` (still the process it was) is not stopped: a held
@@ -225,8 +226,13 @@ class ContainerResolver:
         for pgid, container in sorted(groups.items()):
             foreign = self._outsiders(pgid, container)
             if foreign:
-                log.warning("process group %d of %s also holds process(es) %s outside the container: not signalled",
-                            pgid, key, ", ".join(map(str, foreign)))
+                seen = (pgid, tuple(foreign))
+                if seen not in self._outsiders_logged:  # asked every tick while the workload is held
+                    if len(self._outsiders_logged) >= 1024:
+                        self._outsiders_logged.clear()
+                    self._outsiders_logged.add(seen)
+                    log.warning("process group %d of %s also holds process(es) %s outside the container: not signalled",
+                                pgid, key, ", ".join(map(str, foreign)))
                 continue
             safe.append(pgid)
         return safe
@@ -241,8 +247,8 @@ class ContainerResolver:
         member that is alive but whose cgroup or stat cannot be read is a stranger: nothing
         vouches for it."""
         outsiders = []
-        now = time.monotonic()
-        if self._group_index is None or now - self._group_index_at > GROUP_INDEX_S:
+        now = self._clock()
+        if self._group_index is None or not 0 <= now - self._group_index_at <= GROUP_INDEX_S:
             self._group_index, self._group_index_at = self._proc.group_index(), now
         groups, unreadable = self._group_index
         for member in sorted([*groups.get(pgid, ()), *unreadable]):

@@ -320,3 +320,46 @@ def test_a_bind_of_a_pod_the_watch_shows_bound_asks_the_apiserver_and_books_noth
         httpd.server_close()
     assert outcome.node == "a" and Bound.posts == 0
     assert c.booking("ns/p") == record
+
+
+def test_a_binding_found_landed_with_an_earlier_attempts_record_books_that_record(filtered):
+    """The pod is found bound to the node, but with the record of an earlier attempt (its answer
+    lost too) rather than this attempt's: this attempt's pin hid the real record from the cache
+    for the pod's life, and its real cards looked free (review, 2026-12-01)."""
+    c, p = filtered
+    earlier = bind_locally(c, p, "a", time.time_ns() - 10 * SEC)  # what an earlier attempt put on the pod
+    c.unreserve(p, earlier["metadata"]["annotations"]["qgpu.io/allocation"])
+    c.filter(p, parse_pod(p), ["a", "b"], now_ns=time.time_ns())
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # noqa: ANN002
+            pass
+
+        def _send(self, status: int, doc: dict) -> None:
+            body = json.dumps(doc).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self._send(504, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 504, "message": "timeout"})
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._send(200, earlier)
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        binder = Binder(api_at(f"http://127.0.0.1:{httpd.server_address[1]}"), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
+        outcome = binder.bind("ns", "p", "uid-p", "a")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert outcome.record == earlier["metadata"]["annotations"]["qgpu.io/allocation"]
+    booking = c.booking("ns/p")
+    from qgpu_runtime.contract.record import parse_record
+    assert booking is not None and booking.containers == parse_record(outcome.record).containers
+    assert c._pods.pinned("ns/p") is None  # the bound record rules, not a pin of this attempt's

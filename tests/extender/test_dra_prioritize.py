@@ -336,3 +336,23 @@ def test_a_node_flapping_its_slice_rebuilds_the_card_state_a_few_times_then_once
     assert v.state().n_cards[v.state().index["a"]] == 3 and v.waiting == {}
     v.apply_slice("DELETED", rslice("a"))
     assert "a" not in v.state().index  # a slice gone: at once
+
+
+def test_a_node_deleting_and_creating_its_slice_is_paced_too() -> None:
+    """A new slice and a deleted one applied at once, so a node alternating delete and create
+    (or fresh slice names) rebuilt the card state at every prioritize (review, 2026-12-01)."""
+    from qgpu_runtime.extender.pacing import ChangePacer
+
+    now = [100.0]
+    v = view("a")
+    v.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
+    states = [v.state()]
+    for i in range(10):
+        if i % 2 == 0:
+            v.apply_slice("DELETED", rslice("a"))
+        else:
+            v.apply_slice("ADDED", rslice("a", cards=2 + i % 3))
+        states.append(v.state())
+    assert len({id(s) for s in states}) <= 4, len({id(s) for s in states})  # not eleven
+    v.apply_slice("ADDED", rslice("b"))  # another node's first slice: at once
+    assert "b" in v.state().index

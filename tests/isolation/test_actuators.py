@@ -230,3 +230,14 @@ def test_a_second_stop_does_not_put_the_grace_kill_off():
     clock["now"] = 5.0
     act.reap()
     assert (777, signal.SIGKILL) in kill.sent
+
+
+def test_a_workload_being_stopped_does_not_read_as_resumed_behind_the_engines_back():
+    """The stop continues a held workload (SIGCONT, then SIGTERM) so it can handle SIGTERM in its
+    grace; read as running, the engine held it again at the next tick and it was frozen until the
+    SIGKILL (review, 2026-12-01)."""
+    act = SignalActuator(lambda key: [], killpg=lambda pgid, sig: None, clock=lambda: 0.0, running=lambda key: True)
+    assert act.running("job")  # type: ignore[attr-defined]
+    act.stop("job", "over its memory quota")
+    assert not act.running("job")  # type: ignore[attr-defined]
+    assert act.running("other")  # type: ignore[attr-defined]

@@ -278,3 +278,18 @@ def test_rows_of_a_pod_the_watched_view_does_not_show_yet_still_hold_their_card(
     assert over_commit(m, CARDS, x_rows, [x, y], unseen_hold=True)  # both seen: X live
     done = {**x, "status": {"phase": "Succeeded"}}
     assert over_commit(m, CARDS, x_rows, [done, y], unseen_hold=True) == []  # seen finished: released
+
+
+def test_after_one_refusal_for_a_pod_with_no_record_the_next_allocate_is_served(parts):
+    """Kubelet refused one Allocate for the stranger's sake (rule 5) and failed that pod, but the
+    stranger still read Pending when the next recorded pod's Allocate came: it was refused too,
+    for good (review, 2026-12-01). A stranger a refusal was made for is not counted again."""
+    victim = pod("victim", NODE, [("main", qgpu(30, 4), [(0, "GPU-0", 300, 4096)])], bind_time=1)
+    stranger = {"metadata": {"name": "intruder", "namespace": "tenant", "uid": "uid-intruder", "annotations": {}},
+                "spec": {"nodeName": NODE, "containers": [{"name": "main", "resources": {"limits": {CORE.name: "30"}}}]},
+                "status": {"phase": "Pending"}}
+    allocator = _allocator(parts, Pods([victim, stranger]))
+    with pytest.raises(AllocateRefused, match="may be for tenant/intruder"):
+        allocator.allocate(CORE, _units(0, 0, 30))  # kubelet fails the pod it was for
+    grant = allocator.allocate(CORE, _units(0, 30, 30))  # the next call: served
+    assert grant.envs["NVIDIA_VISIBLE_DEVICES"] == "GPU-0"

@@ -70,3 +70,18 @@ def test_the_per_namespace_hold_share_is_passed_only_when_set():
 
     assert not [a for a in args() if a.startswith("--max-holds-per-namespace")]
     assert "--max-holds-per-namespace=7" in args(qgpu_scheduler_max_holds_per_namespace=7)
+
+
+def test_the_bound_gpu_pod_policy_exempts_nodes_and_only_the_creators_the_operator_names():
+    """qgpu-pod-placed-by-extender applies to every requester but a node (its mirror pods) and the
+    usernames of qgpu_scheduler_bound_gpu_pod_creators (software placing its own GPU pods on nodes
+    qgpu does not serve): none by default."""
+    default = by_name(render_template("qgpu-scheduler.yaml.j2"), "ValidatingAdmissionPolicy")["qgpu-pod-placed-by-extender"]
+    conditions = {c["name"]: c["expression"] for c in default["spec"]["matchConditions"]}
+    assert conditions["not-a-node"] == "!('system:nodes' in request.userInfo.groups)"
+    assert conditions["not-an-exempt-creator"] == "!(request.userInfo.username in [])"
+    creator = "system:serviceaccount:gpu-operator:nvidia-operator-validator"
+    named = by_name(render_template("qgpu-scheduler.yaml.j2", qgpu_scheduler_bound_gpu_pod_creators=[creator]),
+                    "ValidatingAdmissionPolicy")["qgpu-pod-placed-by-extender"]
+    assert {c["name"]: c["expression"] for c in named["spec"]["matchConditions"]}["not-an-exempt-creator"] == \
+        f'!(request.userInfo.username in ["{creator}"])'

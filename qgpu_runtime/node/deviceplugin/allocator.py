@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
 from typing import Callable, Collection
 
@@ -41,7 +42,8 @@ from qgpu_runtime.node.pods import PodSource
 from qgpu_runtime.node.podwatch import ListedPods, NodePodCache, NodePods
 from qgpu_runtime.node.store import Share, Store
 
-log = logging.getLogger("qgpu_runtime.node.manager")  # the log lines operators grep for keep their logger
+log = logging.getLogger("qgpu_runtime.node.manager")
+MAX_DISMISSED = 1024  # the log lines operators grep for keep their logger
 
 
 class Allocator:
@@ -65,6 +67,8 @@ class Allocator:
         self.writer = writer if writer is not None else AnnotationWriter(pods.patch_pod_annotations)
         self._preferred: tuple[str, int, frozenset, int | None, matching.Match] | None = None
         self._advertised: dict[str, dict[str, tuple[int, ...]]] = {}
+        # pods with no record an Allocate was refused for (matching.py rule 5), most recent last
+        self._dismissed: OrderedDict[str, None] = OrderedDict()
 
     def examine(self, pod: dict) -> matching.Examined | None:
         """Rule 1 of the matcher for one pod, as the cache runs it once per version of the pod."""
@@ -75,7 +79,7 @@ class Allocator:
 
     def _choose(self, pods: NodePods[matching.Examined], resource: str, count: int,
                 served: set[tuple[str, str, str]]) -> matching.Match:
-        return matching.choose(self.config.node, resource, count, pods.derived, served)
+        return matching.choose(self.config.node, resource, count, pods.derived, served, self._dismissed)
 
     def _decide(self, kind: ResourceKind, count: int, served: set[tuple[str, str, str]]
                 ) -> tuple[matching.Match, NodePods[matching.Examined], int | None]:
@@ -137,6 +141,10 @@ class Allocator:
                 m, pods, _ = self._decide(kind, len(device_ids), served)
             except matching.NoMatch as exc:
                 self._report_untrusted(kind.name, exc.untrusted)
+                for uid in exc.strangers:  # refused once for them: kubelet failed that pod or the candidate
+                    self._dismissed[uid] = None
+                    while len(self._dismissed) > MAX_DISMISSED:
+                        self._dismissed.popitem(last=False)
                 raise AllocateRefused(str(exc)) from exc
             except Exception as exc:
                 raise AllocateRefused(f"cannot read the pods of node {self.config.node}: {exc}") from exc

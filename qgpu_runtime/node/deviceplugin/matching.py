@@ -35,7 +35,7 @@ kubelet shows it to the user as UnexpectedAdmissionError.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract.names import ALLOCATION, PENDING, phase
 from qgpu_runtime.contract.record import (
@@ -73,9 +73,10 @@ class Match:
 class NoMatch(LookupError):
     """No pending pod fits the call; ``str()`` explains, pod by pod."""
 
-    def __init__(self, message: str, untrusted: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, untrusted: tuple[str, ...] = (), strangers: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.untrusted = untrusted
+        self.strangers = strangers  # UIDs of the pods with no record this refusal was made for (rule 5)
 
 
 # A plain count of at most this many ASCII digits is read directly; anything else (full-width
@@ -203,8 +204,12 @@ def choose(
     device_count: int,
     pods: Iterable[Examined],
     served: set[tuple[str, str, str]],
+    dismissed: Collection[str] = (),
 ) -> Match:
-    """Rules 2-4 over pods already examined (rule 1): the container this Allocate is for."""
+    """Rules 2-5 over pods already examined (rule 1): the container this Allocate is for.
+    ``dismissed``: UIDs of pods with no record that an earlier refusal was made for (rule 5): that
+    refusal went to one of them or to the candidate, which kubelet then failed, so they are not
+    counted again (the refused pod's Failed status may not be visible yet)."""
     served_containers = {(uid, c) for uid, c, _ in served}
     candidates: list[tuple[tuple, Match]] = []
     refused: list[str] = []
@@ -212,8 +217,8 @@ def choose(
     strangers: list[str] = []
     for e in pods:
         if e.unrecorded:
-            if _asks_unserved(e, resource, device_count, served):
-                strangers.append(e.label)
+            if e.uid not in dismissed and _asks_unserved(e, resource, device_count, served):
+                strangers.append(e)
             continue
         if e.untrusted is not None:
             untrusted.append(e.untrusted)
@@ -238,14 +243,15 @@ def choose(
                                        e.record, share, in_flight, e.pod)))
     candidates.sort(key=lambda c: c[0])
     if candidates and strangers and not candidates[0][1].in_flight:  # in flight: kubelet is admitting that pod now
-        raise NoMatch(f"node {node}: Allocate of {device_count} {resource} may be for {', '.join(sorted(strangers))}, "
+        raise NoMatch(f"node {node}: Allocate of {device_count} {resource} may be for "
+                      f"{', '.join(sorted(e.label for e in strangers))}, "
                       f"which asks for as much with no qgpu.io/allocation record (not placed through the qgpu "
                       f"extender: created with spec.nodeName); refused rather than grant the cards recorded for "
                       f"{candidates[0][1].namespace}/{candidates[0][1].pod}. Delete that pod, or create it without "
-                      f"spec.nodeName", tuple(untrusted))
+                      f"spec.nodeName", tuple(untrusted), tuple(e.uid for e in strangers))
     if not candidates:
         reasons = [*refused, *(f"{u} (record not trusted, nothing granted)" for u in untrusted),
-                   *(f"{s} asks for it with no allocation record (not placed through the qgpu extender)" for s in strangers)]
+                   *(f"{e.label} asks for it with no allocation record (not placed through the qgpu extender)" for e in strangers)]
         why = "; ".join(reasons) if reasons else "no pending pod on this node carries a qgpu.io/allocation record asking for it"
         raise NoMatch(f"node {node}: no pod matches Allocate of {device_count} {resource}: {why}", tuple(untrusted))
     return replace(candidates[0][1], untrusted=tuple(untrusted))
