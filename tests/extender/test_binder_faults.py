@@ -28,7 +28,20 @@ def api_at(url: str) -> client.CoreV1Api:
     return client.CoreV1Api(client.ApiClient(configuration))
 
 
-class Answering:
+class Served:
+    """A real HTTP server on a free loopback port, serving ``handler`` until :meth:`close`."""
+
+    def _serve(self, handler: type[BaseHTTPRequestHandler]) -> None:
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class Answering(Served):
     """A real HTTP server that answers every request with one status, counting requests."""
 
     def __init__(self, status: int):
@@ -52,13 +65,7 @@ class Answering:
 
             do_GET = do_POST = do_PATCH = _answer
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 @pytest.fixture
@@ -131,13 +138,14 @@ def test_an_apiserver_that_never_answers_times_out(filtered):
     released_after_the_assume_timeout(c)
 
 
-class LandsUnanswered:
+class LandsUnanswered(Served):
     """An apiserver whose Binding lands (the pod bound with its annotations) while the answer is a
     503 (the answer lost, and every retry failing before it reached the store); a GET of the pod
-    shows it bound, or unbound with ``lands`` False."""
+    shows it bound, or unbound with ``lands`` False, or ``shows`` whatever the POSTs did."""
 
-    def __init__(self, p: dict, lands: bool = True):
-        self.bound: dict | None = None
+    def __init__(self, p: dict, lands: bool = True, shows: dict | None = None):
+        self.bound: dict | None = shows
+        self.posts = 0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -153,6 +161,7 @@ class LandsUnanswered:
                 self.wfile.write(body)
 
             def do_POST(self) -> None:  # noqa: N802
+                outer.posts += 1
                 binding = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
                 if lands and outer.bound is None:
                     meta = {**p["metadata"], "annotations": binding["metadata"].get("annotations", {})}
@@ -162,13 +171,7 @@ class LandsUnanswered:
             def do_GET(self) -> None:  # noqa: N802
                 self._send(200, outer.bound or p)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._serve(Handler)
 
 
 def test_a_binding_that_landed_while_every_answer_was_lost_keeps_its_cards_and_is_bound(filtered):
@@ -291,34 +294,13 @@ def test_a_bind_of_a_pod_the_watch_shows_bound_asks_the_apiserver_and_books_noth
     c.apply_pod("MODIFIED", bound)
     record = c.booking("ns/p")
 
-    class Bound(BaseHTTPRequestHandler):
-        posts = 0
-
-        def log_message(self, *args):  # noqa: ANN002
-            pass
-
-        def do_GET(self) -> None:  # noqa: N802
-            body = json.dumps(bound).encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:  # noqa: N802
-            Bound.posts += 1
-            self.send_response(500)
-            self.end_headers()
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Bound)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = LandsUnanswered(p, lands=False, shows=bound)
     try:
-        binder = Binder(api_at(f"http://127.0.0.1:{httpd.server_address[1]}"), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
         outcome = binder.bind("ns", "p", "uid-p", "a")
     finally:
-        httpd.shutdown()
-        httpd.server_close()
-    assert outcome.node == "a" and Bound.posts == 0
+        server.close()
+    assert outcome.node == "a" and server.posts == 0
     assert c.booking("ns/p") == record
 
 
@@ -331,33 +313,12 @@ def test_a_binding_found_landed_with_an_earlier_attempts_record_books_that_recor
     c.unreserve(p, earlier["metadata"]["annotations"]["qgpu.io/allocation"])
     c.filter(p, parse_pod(p), ["a", "b"], now_ns=time.time_ns())
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # noqa: ANN002
-            pass
-
-        def _send(self, status: int, doc: dict) -> None:
-            body = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            self._send(504, {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 504, "message": "timeout"})
-
-        def do_GET(self) -> None:  # noqa: N802
-            self._send(200, earlier)
-
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    server = LandsUnanswered(p, lands=False, shows=earlier)  # every POST answered 503, the GET shows it bound
     try:
-        binder = Binder(api_at(f"http://127.0.0.1:{httpd.server_address[1]}"), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
+        binder = Binder(api_at(server.url), c, DEFAULT_LIMITS, attempts=1, signer=SIGNER)
         outcome = binder.bind("ns", "p", "uid-p", "a")
     finally:
-        httpd.shutdown()
-        httpd.server_close()
+        server.close()
     assert outcome.record == earlier["metadata"]["annotations"]["qgpu.io/allocation"]
     booking = c.booking("ns/p")
     from qgpu_runtime.contract.record import parse_record
