@@ -60,6 +60,8 @@ def render_extender(**overrides: object) -> list[dict]:
     fixed = yaml.safe_load((REPO / "roles/qgpu_scheduler/vars/main.yml").read_text())  # names shared with the runtime
     variables = {**defaults, "__qgpu_scheduler_request_annotations": fixed["__qgpu_scheduler_request_annotations"],
                  "__qgpu_scheduler_kai_request_annotations": fixed["__qgpu_scheduler_kai_request_annotations"],
+                 "__qgpu_scheduler_gpu_resources": fixed["__qgpu_scheduler_gpu_resources"],
+                 "__qgpu_scheduler_gpu_resource_prefix": fixed["__qgpu_scheduler_gpu_resource_prefix"],
                  "qgpu_scheduler_namespace": "qgpu-system", "qgpu_scheduler_image": "qgpu:test",
                  "qgpu_scheduler_kube_apiserver_host": "", **overrides}
     text = env.get_template("qgpu-scheduler.yaml.j2").render(ansible_managed="test", **variables)
