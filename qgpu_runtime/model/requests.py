@@ -107,6 +107,18 @@ DIALECT_OF_RESOURCE: dict[str, Dialect] = {
     EGPU_MEMORY: Dialect.ELASTIC,
 }
 GPU_RESOURCES = frozenset(DIALECT_OF_RESOURCE)
+
+
+def asks_gpu_resource(container: Mapping[str, Any]) -> bool:
+    """Whether a container lists a GPU resource of any dialect (or of the qGPU prefix) in its
+    limits or requests, read without the parser's rules: its resources are fixed once the pod
+    exists, whatever else in the pod breaks a parse."""
+    resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
+    for side in ("limits", "requests"):
+        values = resources.get(side)
+        if isinstance(values, Mapping) and any(k in GPU_RESOURCES or str(k).startswith(QGPU_PREFIX) for k in values):
+            return True
+    return False
 HAMI_RESOURCES = frozenset({HAMI_GPUMEM, HAMI_GPUMEM_PCT, HAMI_GPUCORES})
 
 

@@ -62,6 +62,7 @@ from qgpu_runtime.model.requests import (
     ContainerRequest,
     Dialect,
     RequestError,
+    asks_gpu_resource,
     parse_pod,
 )
 from qgpu_runtime.webhook.claimquota import Usage
@@ -92,20 +93,11 @@ def _container_charge(c: ContainerRequest, default_memory_mib: int, limits: Card
     return Usage(c.cards * core, c.cards * memory)
 
 
-def _asks_gpu(container: Mapping[str, Any]) -> bool:
-    resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
-    names: set[str] = set()
-    for side in ("limits", "requests"):
-        if isinstance(resources.get(side), Mapping):
-            names |= set(resources[side])
-    return any(k in GPU_RESOURCES or k.startswith(QGPU_PREFIX) for k in names)
-
-
 def _moved_onto_a_claim(container: Mapping[str, Any]) -> bool:
     """A container that uses a claim and asks no GPU resource: what /mutate-dra leaves of a KAI
     share (a container the webhook did not convert, as while it was down, keeps its charge)."""
     resources = container.get("resources") if isinstance(container.get("resources"), Mapping) else {}
-    return bool(resources.get("claims")) and not _asks_gpu(container)
+    return bool(resources.get("claims")) and not asks_gpu_resource(container)
 
 
 # Resources whose value counts a container's cards, and those counting percents of one card's
@@ -156,7 +148,7 @@ def refused_pod_charge(pod: Mapping[str, Any], default_memory_mib: int, limits: 
     if spec.get("schedulerName") == KAI_SCHEDULER:
         cards = len(containers) * limits.max_cards_per_node
     else:
-        cards = sum(_declared_cards(c, limits) for c in containers if _asks_gpu(c))
+        cards = sum(_declared_cards(c, limits) for c in containers if asks_gpu_resource(c))
     return Usage(cards * CORE_MILLI_PER_CARD, cards * max(default_memory_mib, limits.max_card_memory_mib))
 
 

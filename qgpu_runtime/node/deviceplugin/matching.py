@@ -47,7 +47,7 @@ from qgpu_runtime.contract.record import (
     parse_record,
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
-from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, RequestError, parse_pod, parse_quantity
+from qgpu_runtime.model.requests import RequestError, asks_gpu_resource, parse_pod, parse_quantity
 from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
 
@@ -130,23 +130,17 @@ class Examined:
     unrecorded: bool = False  # asks for GPU resources and carries no record (rule 5)
 
 
-def _asks_gpu(pod: Mapping[str, Any]) -> bool:
+def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The pod's containers and init containers (kubelet allocates devices for both)."""
     spec = pod.get("spec") or {}
-    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-        resources = (c.get("resources") or {}) if isinstance(c, Mapping) else {}
-        for section in ("limits", "requests"):
-            values = resources.get(section) or {}
-            if isinstance(values, Mapping) and any(k in GPU_RESOURCES or str(k).startswith(QGPU_PREFIX) for k in values):
-                return True
-    return False
+    return [c for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])] if isinstance(c, Mapping)]
 
 
 def _asks_unserved(e: "Examined", resource: str, device_count: int, served: set[tuple[str, str, str]]) -> bool:
     """Whether a container of the unrecorded pod ``e``, not yet served ``resource``, asks for
     exactly ``device_count`` of it (kubelet allocates init containers as well)."""
-    spec = e.pod.get("spec") or {}
-    for c in [*(spec.get("containers") or []), *(spec.get("initContainers") or [])]:
-        if isinstance(c, Mapping) and (e.uid, str(c.get("name", "")), resource) not in served \
+    for c in _containers(e.pod):
+        if (e.uid, str(c.get("name", "")), resource) not in served \
                 and container_quantity(c, resource) == device_count:
             return True
     return False
@@ -168,7 +162,7 @@ def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) 
     label = _label(pod)
     uid = str(meta.get("uid", ""))
     if annotations(pod).get(ALLOCATION) is None:
-        return Examined(pod, uid, label, unrecorded=True) if _asks_gpu(pod) else None
+        return Examined(pod, uid, label, unrecorded=True) if any(asks_gpu_resource(c) for c in _containers(pod)) else None
     try:
         record = parse_record(annotations(pod)[ALLOCATION]) if verifier is None else trusted_record(pod, verifier)
     except UntrustedRecord as exc:
