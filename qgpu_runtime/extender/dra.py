@@ -49,7 +49,7 @@ import numpy as np
 from qgpu_runtime.contract.dra import consumed_core, consumed_memory, pool_name, read_slice
 from qgpu_runtime.contract.draclaim import DraClaimError, allocated_node, allocated_pools, describe, pool_shares, spec_requests
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
-from qgpu_runtime.extender.pacing import ChangePacer
+from qgpu_runtime.extender.pacing import PacedChanges
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, DEFAULT_LIMITS, CardLimits, PodRequest
 from qgpu_runtime.placement.engine import MAX_SCORE
 from qgpu_runtime.placement.state import CardSpec, ClusterState, NodeSpec
@@ -197,8 +197,7 @@ class DraView:
         self._state: ClusterState | None = None
         self._columns: dict[str, dict[str, int]] = {}  # node -> device name -> card slot
         # a slice change rebuilds the card state: paced per node as the nodes' specs are (extender/pacing.py)
-        self.pacer = ChangePacer()
-        self.waiting: dict[str, tuple[str, list[tuple[str, CardSpec]]]] = {}  # slice name -> its latest cards, held back
+        self.paced: PacedChanges[tuple[str, list[tuple[str, CardSpec]]]] = PacedChanges()  # slice name -> its latest cards, held back
         self._slice_nodes: set[str] = set()  # nodes whose slices were seen (one entry per node)
 
     # -- events --------------------------------------------------------------------------------
@@ -215,42 +214,38 @@ class DraView:
         with self.lock:
             parsed = None if event == "DELETED" else reduced.cards
             if parsed is None:  # at once: a slice gone publishes nothing (counted: no free delete-and-create)
-                self.waiting.pop(name, None)
                 gone = self._slices.pop(name, None)
+                self.paced.removed(name, gone[0] if gone is not None else None)
                 if gone is not None:
-                    self.pacer.may_change(gone[0])
                     self._state = None
                 return
             # a node's first slice applies at once; any later change, new slice names included, is paced
             known = parsed[0] in self._slice_nodes
             self._slice_nodes.add(parsed[0])
             if self._slices.get(name) == parsed:
-                self.waiting.pop(name, None)
-            elif known and not self.pacer.may_change(parsed[0]):
-                if not self.waiting:
+                self.paced.settled(name)
+                return
+            quiet = bool(self.paced.waiting)  # one warning while slices wait, however many names a node makes
+            if known and not self.paced.offer(name, parsed[0], parsed):
+                if not quiet:
                     log.warning("ResourceSlice %s of node %s changes faster than %d times at once and once per %g s: "
                                 "its latest devices apply when it may change again", name, parsed[0],
-                                self.pacer.burst, self.pacer.interval_s)
-                self.waiting[name] = parsed
-            else:
-                self.waiting.pop(name, None)
-                self._slices[name] = parsed
-                self._state = None
+                                self.paced.pacer.burst, self.paced.pacer.interval_s)
+                return
+            self.paced.settled(name)
+            self._slices[name] = parsed
+            self._state = None
 
     def _take_due(self) -> None:
         """Apply the held-back slices whose nodes may change again (under the lock)."""
-        if not self.waiting:
-            return
-        due = [name for name, parsed in self.waiting.items() if self.pacer.may_change(parsed[0])]
-        for name in due:
-            self._slices[name] = self.waiting.pop(name)
+        for name, parsed in self.paced.take_due(len(self._slices)):
+            self._slices[name] = parsed
             self._state = None
-        self.pacer.forget_full(len(self._slices))
 
     def replace_slices(self, items: "Iterable[Mapping[str, Any] | ReducedSlice]") -> None:
         with self.lock:
             self._slices.clear()
-            self.waiting.clear()
+            self.paced.clear()
             self._state = None
             for obj in items:
                 self.apply_slice("ADDED", obj)

@@ -10,7 +10,7 @@ import logging
 from typing import Any, Callable, Mapping
 
 from qgpu_runtime.extender.nodes import NodeInventoryError, dra_pool, failed_cards, node_inventory, node_spec, refused_spec
-from qgpu_runtime.extender.pacing import ChangePacer
+from qgpu_runtime.extender.pacing import ChangePacer, PacedChanges
 from qgpu_runtime.placement.state import NodeSpec
 
 log = logging.getLogger(__name__)
@@ -30,9 +30,7 @@ class NodeView:
         self.failed: dict[str, dict[int, tuple[str, str]]] = {}  # node -> its unhealthy cards (index -> UUID, reason)
         self._report = report
         # each node's spec changes are paced (extender/pacing.py): every change rebuilds the state
-        self.pacer = pacer or ChangePacer()
-        self.waiting: dict[str, NodeSpec] = {}  # node -> its latest spec, held back by the pacer
-        self.held_back = 0  # changes that waited (for tests and the log)
+        self.paced: PacedChanges[NodeSpec] = PacedChanges(pacer)  # node -> its latest spec, held back
 
     def _set(self, name: str, spec: NodeSpec) -> None:
         self._specs[name] = spec
@@ -44,12 +42,9 @@ class NodeView:
     def take_due(self) -> bool:
         """Apply the held-back specs whose nodes may change again; True when one was applied (the
         state is rebuilt). Costs nothing while none waits."""
-        if not self.waiting:
-            return False
-        due = [name for name in self.waiting if self.pacer.may_change(name)]
-        for name in due:
-            self._set(name, self.waiting.pop(name))
-        self.pacer.forget_full(len(self._specs))
+        due = self.paced.take_due(len(self._specs))
+        for name, spec in due:
+            self._set(name, spec)
         return bool(due)
 
     def apply(self, event: str, node: Mapping[str, Any]) -> bool:
@@ -59,9 +54,7 @@ class NodeView:
             self.dra_pool.discard(name)
             self._invalid.pop(name, None)
             self.failed.pop(name, None)
-            self.waiting.pop(name, None)
-            if name in self._specs:
-                self.pacer.may_change(name)
+            self.paced.removed(name, name if name in self._specs else None)
             return self._specs.pop(name, None) is not None
         try:
             inventory = node_inventory(node)  # read once: for the unhealthy cards and the spec
@@ -82,17 +75,15 @@ class NodeView:
             self._invalid[name] = str(exc)
             spec = refused_spec(node)
         if self._specs.get(name) == spec:
-            self.waiting.pop(name, None)  # back where it is: nothing waits
+            self.paced.settled(name)  # back where it is: nothing waits
             return False
-        if not self.pacer.may_change(name):
-            if name not in self.waiting:
+        first = name not in self.paced.waiting
+        if not self.paced.offer(name, name, spec):
+            if first:
                 log.warning("node %s changes its inventory, labels or allocatable faster than %d times at once and once "
-                            "per %g s: its latest spec applies when it may change again", name, self.pacer.burst,
-                            self.pacer.interval_s)
-            self.waiting[name] = spec
-            self.held_back += 1
+                            "per %g s: its latest spec applies when it may change again", name, self.paced.pacer.burst,
+                            self.paced.pacer.interval_s)
             return False
-        self.waiting.pop(name, None)
         self._set(name, spec)
         return True
 

@@ -6,17 +6,18 @@ extender rebuild a whole placement state under a lock every filter or prioritize
 every booking (~95 ms at 2,000 nodes and 8,000 bound pods for the device-plugin state). A node
 writes its own inventory, status and slices, so a compromised one alternating two valid values
 would hold that lock for the whole cluster. :class:`ChangePacer` lets each node make ``burst``
-changes at once, then one per ``interval_s``; the callers keep a change past that waiting (the
-latest replacing an earlier one) and apply it once the node may change again.
+changes at once, then one per ``interval_s``; :class:`PacedChanges` keeps a change past that
+waiting (the latest replacing an earlier one) until the node may change again.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
 CHANGE_BURST = 10
 CHANGE_INTERVAL_S = 5.0
+V = TypeVar("V")
 
 
 class ChangePacer:
@@ -50,3 +51,49 @@ class ChangePacer:
         if len(self._allowance) > 2 * max(nodes, 1):
             now = self.clock()
             self._allowance = {n: v for n, v in self._allowance.items() if self._left(n, now) < self.burst}
+
+
+class PacedChanges(Generic[V]):
+    """Changes by key (a node's spec, a ResourceSlice), each counted against its node's
+    :class:`ChangePacer` allowance. A change past the allowance waits, the latest replacing an
+    earlier one of the same key, until :meth:`take_due` finds its node may change again. Not
+    thread-safe: its owner's lock guards it."""
+
+    def __init__(self, pacer: ChangePacer | None = None) -> None:
+        self.pacer = pacer or ChangePacer()
+        self.waiting: dict[str, tuple[str, V]] = {}  # key -> (its node, its latest value)
+        self.held_back = 0  # changes that waited (for tests and the log)
+
+    def offer(self, key: str, node: str, value: V) -> bool:
+        """Count a change of ``key`` against ``node``: True when it applies now, False when it waits."""
+        if self.pacer.may_change(node):
+            self.waiting.pop(key, None)
+            return True
+        self.waiting[key] = (node, value)
+        self.held_back += 1
+        return False
+
+    def settled(self, key: str) -> None:
+        """``key`` is back at what applies: nothing of it waits (and nothing is counted)."""
+        self.waiting.pop(key, None)
+
+    def removed(self, key: str, node: str | None) -> None:
+        """``key`` is gone: nothing of it waits, and a removal of what applied (``node`` given) is
+        counted, so a node cannot delete and create freely."""
+        self.waiting.pop(key, None)
+        if node is not None:
+            self.pacer.may_change(node)
+
+    def take_due(self, known: int) -> list[tuple[str, V]]:
+        """The waiting changes whose nodes may change again, taken out of the wait; ``known``
+        (how many keys apply) bounds the pacer's memory. Costs nothing while none waits."""
+        if not self.waiting:
+            return []
+        due = [(key, value) for key, (node, value) in self.waiting.items() if self.pacer.may_change(node)]
+        for key, _ in due:
+            del self.waiting[key]
+        self.pacer.forget_full(known)
+        return due
+
+    def clear(self) -> None:
+        self.waiting.clear()

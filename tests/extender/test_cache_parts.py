@@ -118,13 +118,13 @@ def test_a_node_flapping_its_spec_rebuilds_the_state_a_few_times_then_once_per_i
     flips = [view.apply("MODIFIED", node("a", memory_mib=m)) for m in [16384, 32768] * 10]
     # the burst's last two, then every change away from the current spec waits (and every change
     # back to it drops what waited)
-    assert flips == [True, True] + [False] * 18 and view.held_back == 9
-    assert view.spec("a").cards[0].memory_mib == 32768 and view.waiting == {}  # the last flip came back to it
+    assert flips == [True, True] + [False] * 18 and view.paced.held_back == 9
+    assert view.spec("a").cards[0].memory_mib == 32768 and view.paced.waiting == {}  # the last flip came back to it
     assert view.apply("MODIFIED", node("a", memory_mib=8192)) is False  # waits
     assert view.take_due() is False and view.spec("a").cards[0].memory_mib == 32768
     assert view.apply("ADDED", node("b")) is True  # other nodes change as ever
     now[0] += 5.0
-    assert view.take_due() is True and view.spec("a").cards[0].memory_mib == 8192 and view.waiting == {}
+    assert view.take_due() is True and view.spec("a").cards[0].memory_mib == 8192 and view.paced.waiting == {}
     assert view.take_due() is False  # nothing waits: no work
     # a node that changes rarely is never held back
     for _ in range(4):
@@ -134,8 +134,8 @@ def test_a_node_flapping_its_spec_rebuilds_the_state_a_few_times_then_once_per_i
 
 def test_a_flapping_node_costs_the_cache_one_rebuild_per_interval():
     c = cache()
-    now = [c._nodes.pacer.clock()]
-    c._nodes.pacer.clock = lambda: now[0]  # the test's clock, from where the cache's was
+    now = [c._nodes.paced.pacer.clock()]
+    c._nodes.paced.pacer.clock = lambda: now[0]  # the test's clock, from where the cache's was
     c.state()
     versions = [c._booked.version]
     for i in range(40):

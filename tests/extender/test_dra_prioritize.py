@@ -322,7 +322,7 @@ def test_a_node_flapping_its_slice_rebuilds_the_card_state_a_few_times_then_once
 
     now = [100.0]
     v = view("a", "b")
-    v.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
+    v.paced.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
     states = [v.state()]  # kept, so no two are the same object by accident
     for i in range(10):
         v.apply_slice("MODIFIED", rslice("a", cards=2 if i % 2 == 0 else 4))
@@ -333,7 +333,7 @@ def test_a_node_flapping_its_slice_rebuilds_the_card_state_a_few_times_then_once
     v.apply_slice("ADDED", rslice("c", cards=1))  # another node's new slice: at once
     assert "c" in v.state().index
     now[0] += 5.0
-    assert v.state().n_cards[v.state().index["a"]] == 3 and v.waiting == {}
+    assert v.state().n_cards[v.state().index["a"]] == 3 and v.paced.waiting == {}
     v.apply_slice("DELETED", rslice("a"))
     assert "a" not in v.state().index  # a slice gone: at once
 
@@ -345,7 +345,7 @@ def test_a_node_deleting_and_creating_its_slice_is_paced_too() -> None:
 
     now = [100.0]
     v = view("a")
-    v.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
+    v.paced.pacer = ChangePacer(lambda: now[0], burst=2, interval_s=5.0)
     states = [v.state()]
     for i in range(10):
         if i % 2 == 0:
