@@ -47,6 +47,11 @@ class StateError(ValueError):
     """The role's state file is missing, unreadable or lacks a field."""
 
 
+class ManifestChanged(RuntimeError):
+    """The manifest changed between the watcher's reading it and its write (an upgrade writing the
+    new one meanwhile): nothing was written over it, and the next look wires what is there now."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """One look at the manifest: ``changed`` when the watcher rewrote it; ``what`` says why, for the
@@ -77,14 +82,21 @@ def _on_host(state: Mapping[str, Any], path: str) -> Path:
     return Path(f"{state['root']}{path}")
 
 
-def _write_atomically(path: Path, text: str, mode: int) -> None:
+def _write_atomically(path: Path, text: str, mode: int, unless_changed_from: bytes | None = None) -> None:
     """Write ``path`` through a hidden file in its directory and a rename: kubelet skips names that
-    start with a dot, and never sees half a manifest."""
+    start with a dot, and never sees half a manifest.
+
+    ``unless_changed_from``: what the caller read and rewired. The file is read again right before
+    the rename, and a file that no longer holds it is left alone (:class:`ManifestChanged`): kubeadm
+    writing an upgraded manifest while the watcher wired the old one would otherwise have it put
+    back, old image included. What is left is the window between that reading and the rename."""
     handle, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".qgpu-tmp", dir=path.parent)
     try:
         with os.fdopen(handle, "w") as out:
             out.write(text)
         os.chmod(tmp, mode)
+        if unless_changed_from is not None and path.read_bytes() != unless_changed_from:
+            raise ManifestChanged(f"{path} changed while the watcher wired it: not written; it is read again")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -122,7 +134,8 @@ def heal(state_path: Path) -> Outcome:
     """
     state = read_state(state_path)
     manifest_path = _on_host(state, state["manifest"])
-    manifest = yaml.safe_load(manifest_path.read_text())
+    manifest_bytes = manifest_path.read_bytes()
+    manifest = yaml.safe_load(manifest_bytes.decode())
     if not isinstance(manifest, dict):
         raise formats.WiringError(f"{manifest_path}: not a pod manifest (a YAML {type(manifest).__name__})")
     version = _version(manifest, state)
@@ -147,7 +160,8 @@ def heal(state_path: Path) -> Outcome:
     if new_format != state["format"]:
         _write_atomically(_on_host(state, new_file), config_text, 0o644)
     if wired != manifest:
-        _write_atomically(manifest_path, yaml.safe_dump(wired, indent=2, default_flow_style=False), 0o600)
+        _write_atomically(manifest_path, yaml.safe_dump(wired, indent=2, default_flow_style=False), 0o600,
+                          unless_changed_from=manifest_bytes)
         reasons.append(f"re-wired as {new_format} ({new_file})")
     updated = dict(state, kubernetes_version=version, format=new_format, config_file=new_file,
                    config_sha256=config_sha256, restart_sha256=checksum,
@@ -203,6 +217,9 @@ class Watcher:
             return None
         except yaml.YAMLError as exc:
             log.warning("the manifest does not parse (still being written?): %s", exc)
+            return None
+        except ManifestChanged as exc:
+            log.info("looking again: %s", exc)  # nothing recorded as seen: the next tick heals what is there
             return None
         except (StateError, formats.WiringError, OSError) as exc:
             return self._failed(mark, exc)

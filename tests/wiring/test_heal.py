@@ -173,6 +173,34 @@ def test_the_watcher_reports_each_rewiring_once_and_each_failure_once(master) ->
     assert events[-1][1] == "SchedulerRewired"
 
 
+def test_an_upgrade_written_while_the_watcher_wires_the_old_manifest_is_not_overwritten(master, monkeypatch) -> None:
+    """kubeadm writes 1.31's manifest between the watcher's reading 1.30's and its write: the
+    watcher writes nothing over it (before, the old image came back, wired), and its next look wires
+    the new one."""
+    state_path = master("1.30.2", "v1")
+    upgrade(state_path, "1.30.2")  # unwired: the watcher has work to do
+    events: list[tuple[str, str, str]] = []
+    watcher = Watcher(state_path, lambda *event: events.append(event))
+    real_wire = formats.scheduler_wire
+    raced = []
+
+    def wire_while_kubeadm_writes(*args, **kwargs):
+        if not raced:
+            raced.append(True)
+            upgrade(state_path, "1.31.0")
+        return real_wire(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "scheduler_wire", wire_while_kubeadm_writes)
+    assert watcher.tick() is None and events == []  # nothing written, nothing reported
+    container = manifest_of(state_path)["spec"]["containers"][0]
+    assert container["image"].endswith(":v1.31.0") and not formats.scheduler_is_wired(
+        manifest_of(state_path), "v1", json.loads(state_path.read_text())["config_file"], CONFIG_DIR)
+    outcome = watcher.tick()
+    assert outcome is not None and outcome.changed and "upgraded from 1.30.2 to 1.31.0" in outcome.what
+    assert manifest_of(state_path)["spec"]["containers"][0]["image"].endswith(":v1.31.0")
+    assert [reason for _, reason, _ in events] == ["SchedulerRewired"]
+
+
 def test_the_check_command_exits_by_outcome(master, capsys) -> None:
     state_path = master("1.30.2", "v1")
     assert main(["scheduler-wiring", "check", "--state", str(state_path)]) == 0
