@@ -14,9 +14,10 @@ columns keeps the version readable by the previous release; one that changes a c
 bumps ``SCHEMA_VERSION`` (docs/node-manager.md, "Store schema").
 
 Also here: the transaction helper both stores use (``transaction``), the pragmas (WAL,
-synchronous) every connection gets, and the lock file that keeps one manager per store
-(``hold_lock_file``: an exclusive ``flock`` on ``<dbfile>.lock``, which a second node manager waits
-for and a second standalone manager is refused by).
+synchronous) every connection gets and whose answers it checks (``UnsafeJournal``), and the lock
+file that keeps one manager per store (``hold_lock_file``: an exclusive ``flock`` on
+``<dbfile>.lock``, which a second node manager waits for and a second standalone manager is
+refused by).
 """
 
 from __future__ import annotations
@@ -36,6 +37,11 @@ SCHEMA_VERSION = 1
 
 class SchemaError(RuntimeError):
     """The file cannot be used with this qgpu's schema; the message names the file, version and rule."""
+
+
+class UnsafeJournal(RuntimeError):
+    """SQLite kept the file out of WAL mode, or below the asked ``synchronous`` level; the message
+    names the file, the setting SQLite answered and why it matters."""
 
 
 # Version 1: the tables of qgpu 0.1.0, the node manager's and the standalone host's together
@@ -229,16 +235,48 @@ def file_version(db: sqlite3.Connection) -> int | None:
         raise SchemaError(f"schema_version={row[0]!r}: not a version number") from None
 
 
+SYNCHRONOUS_LEVELS = ("OFF", "NORMAL", "FULL", "EXTRA")
+"""``PRAGMA synchronous`` by the number SQLite answers it with."""
+
+
+def _require_wal(db: sqlite3.Connection, path: str | Path, answered: object, synchronous: str) -> None:
+    """Check what SQLite answered, not what was asked: ``PRAGMA journal_mode=WAL`` returns the mode
+    in effect, and a file SQLite cannot give WAL (an in-memory or temporary database, a VFS without
+    shared memory) stays in the mode it had, without an error.
+
+    Only WAL is accepted. ``memory`` and ``off`` are not crash safe: a process killed in the middle
+    of a transaction leaves the file half written, and a booking or grant can be lost or doubled.
+    The rollback journals (``delete``, ``truncate``, ``persist``) are crash safe, but every reader
+    then blocks writers and the reverse (the standalone manager reads every tick while `qgpu run`
+    books), and the file checks (``-wal``/``-shm``) and `qgpu status`'s read-only reader are built
+    for WAL; refusing is one clear line where a quiet fallback would change all three."""
+    mode = str(answered).lower()
+    if mode != "wal":
+        why = ("not crash safe: a process killed mid-transaction can leave the file corrupt and a booking lost"
+               if mode in ("memory", "off") else
+               "qgpu's concurrent readers and writers and its file checks need WAL")
+        raise UnsafeJournal(f"{path}: SQLite journal mode is {mode!r}, not 'wal' ({why}); put the file on a local "
+                            "filesystem SQLite can share memory on (WAL needs it), not in memory")
+    level = db.execute("PRAGMA synchronous").fetchone()[0]
+    got = SYNCHRONOUS_LEVELS[level] if isinstance(level, int) and 0 <= level < len(SYNCHRONOUS_LEVELS) else repr(level)
+    if got != synchronous:
+        raise UnsafeJournal(f"{path}: SQLite synchronous is {got}, not {synchronous} as asked: "
+                            f"a commit could be lost or the file damaged by a crash")
+
+
 def open_store(path: str | Path, *, synchronous: str = "FULL", timeout_s: float = 30.0, threads: bool = False) -> sqlite3.Connection:
     """A connection in autocommit mode (transactions through ``transaction``), WAL journal, the
     file migrated to ``SCHEMA_VERSION``. Raises SchemaError for a file of a newer qgpu (naming the
-    file, its version and the versions this one reads) and sqlite3.Error for an unusable file."""
-    if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-        raise ValueError(f"synchronous={synchronous!r}: must be OFF, NORMAL, FULL or EXTRA")
+    file, its version and the versions this one reads), UnsafeJournal when SQLite keeps the file
+    out of WAL or below ``synchronous`` (NORMAL or above: with WAL both survive a crash of the
+    process; FULL survives power loss too) and sqlite3.Error for an unusable file."""
+    if synchronous not in ("NORMAL", "FULL", "EXTRA"):
+        raise ValueError(f"synchronous={synchronous!r}: must be NORMAL, FULL or EXTRA (OFF is not crash safe)")
     db = sqlite3.connect(str(path), timeout=timeout_s, isolation_level=None, check_same_thread=not threads)
     try:
-        db.execute("PRAGMA journal_mode=WAL")
+        answered = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         db.execute(f"PRAGMA synchronous={synchronous}")
+        _require_wal(db, path, answered, synchronous)
         with transaction(db):
             try:
                 found = file_version(db)

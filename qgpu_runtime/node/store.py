@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from qgpu_runtime.contract.store import SchemaError, open_store, transaction
+from qgpu_runtime.contract.store import SchemaError, UnsafeJournal, open_store, transaction
 from qgpu_runtime.gpu.types import CardInfo
 
 
@@ -89,7 +89,7 @@ class Store:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._db = open_store(self.path, synchronous=synchronous, timeout_s=30, threads=True)
-        except SchemaError as exc:
+        except (SchemaError, UnsafeJournal) as exc:
             raise StoreError(str(exc)) from None
         except sqlite3.Error as exc:
             raise StoreError(f"{self.path}: cannot open allocation store: {exc}") from exc

@@ -22,7 +22,7 @@ import stat
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from qgpu_runtime.contract.store import SchemaError, open_store, transaction
+from qgpu_runtime.contract.store import SchemaError, UnsafeJournal, open_store, transaction
 from qgpu_runtime.isolation.procfs import stat_fields
 from qgpu_runtime.isolation.watchdog import IsolationEvent
 from qgpu_runtime.model import AppClass
@@ -196,7 +196,7 @@ class Store:
             raise StoreError(refused)
         try:
             self._db = open_store(path, synchronous="NORMAL", timeout_s=timeout_s)
-        except SchemaError as exc:
+        except (SchemaError, UnsafeJournal) as exc:
             raise StoreError(f"--dbfile {exc}") from None
         except sqlite3.Error as exc:
             raise StoreError(unusable(path, exc)) from None

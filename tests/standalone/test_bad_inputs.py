@@ -8,6 +8,8 @@ import os
 import re
 import socket
 import sqlite3
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,7 +21,7 @@ from qgpu_runtime.standalone.config import HostConfig, load_config
 from qgpu_runtime.standalone.manager import StandaloneManager
 from qgpu_runtime.standalone.store import JobRecord, JobShare, Store, process_start_ticks
 
-from .helpers import qgpu_done, rows
+from .helpers import env, qgpu_done, rows
 
 SIM = ("--gpu-backend", "simulated", "--simulated-gpus", "1xT4-16G")
 
@@ -185,3 +187,30 @@ def test_a_bare_on_or_off_in_the_file_is_the_mps_mode(tmp_path):
     assert load_config(str(settings), {}).mps == "on"
     settings.write_text("mps: off\n")
     assert load_config(str(settings), {}).mps == "off"
+
+
+# Runs the CLI with every file opened through SQLite's unix-none VFS (no locks, no shared memory;
+# unix-dotfile would lock `<db>.lock`, the manager's own lock file), where
+# real SQLite answers `PRAGMA journal_mode=WAL` with 'delete' and keeps the rollback journal.
+_WITHOUT_SHARED_MEMORY = """
+import sqlite3, sys
+real = sqlite3.connect
+def connect(path, *args, **kwargs):
+    if kwargs.get("uri"):
+        return real(path, *args, **kwargs)
+    return real(f"file:{path}?vfs=unix-none", *args, uri=True, **kwargs)
+sqlite3.connect = connect
+from qgpu_runtime.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("command", ["manager", "run"])
+def test_a_database_sqlite_keeps_out_of_wal_is_refused_in_one_line_naming_the_mode(db, command):
+    argv = (["manager", "serve", "--standalone", "--dbfile", str(db), *SIM] if command == "manager" else
+            ["run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true"])
+    done = subprocess.run([sys.executable, "-c", _WITHOUT_SHARED_MEMORY, *argv], env=env(), capture_output=True, text=True,
+                          timeout=60)
+    error = _one_line_error(done)
+    assert f"--dbfile {db}: SQLite journal mode is 'delete', not 'wal'" in error, error
+    assert not rows(db, "SELECT name FROM sqlite_master"), "nothing is written to a file refused"
