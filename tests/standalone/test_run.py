@@ -266,8 +266,52 @@ def test_a_signal_that_arrives_while_the_job_starts_reaches_it_once_it_runs():
     forward(signal.SIGTERM, None)  # qgpu run is signalled before the job exists
     child = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:
-        forward.started(child)
+        forward.started(child.pid)
         assert child.wait(timeout=10) == -signal.SIGTERM
     finally:
         child.kill()
         child.wait()
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                raw = Path(f"/proc/{name}/stat").read_text()
+            except OSError:
+                continue
+            if int(raw[raw.rindex(")") + 2:].split()[1]) == pid:
+                found.append(int(name))
+    return found
+
+
+def test_qgpu_run_killed_before_it_records_its_job_never_runs_the_command_and_the_booking_is_reaped(db, tmp_path):
+    """The worst moment for `kill -9`: the job's process exists and its process group is not yet
+    in the database. A trigger of this test's database makes `qgpu run`'s write of the process
+    group take seconds; `qgpu run` is killed inside it. The command (which would leave a child
+    behind that no reader could follow) never runs, and the booking goes with its supervisor."""
+    assert qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "10", "--memory", "1", "--", "true").returncode == 0
+    con = sqlite3.connect(db, isolation_level=None)
+    con.execute("CREATE TABLE pause_rows (n INTEGER)")
+    con.executemany("INSERT INTO pause_rows VALUES (?)", [(i,) for i in range(6000)])
+    con.execute("CREATE TRIGGER pause_the_record BEFORE UPDATE OF pgid ON jobs "
+                "BEGIN SELECT count(*) FROM pause_rows a, pause_rows b WHERE a.n * b.n = -1; END")  # ~3 s of work
+    con.close()
+    ran, survivor = tmp_path / "ran", tmp_path / "survivor.pid"
+    p = qgpu("run", "--dbfile", str(db), "--core", "30", "--memory", "5", "--name", "unrecorded", "--",
+             "sh", "-c", f"touch {ran}; sleep 313 & echo $! > {survivor}; wait")
+    child = wait_for(lambda: _children(p.pid) and _children(p.pid)[0], what="qgpu run's child started")
+    try:
+        # the command, had it been started, has had time to run its first line
+        with pytest.raises(subprocess.TimeoutExpired):
+            p.wait(timeout=0.5)
+        assert rows(db, "SELECT name, pgid FROM jobs") == [("unrecorded", None)], "still inside the paused write"
+        p.kill()
+        p.wait(timeout=10)
+        wait_for(lambda: proc_state(child) in (None, "Z"), what="the waiting child gone with its supervisor")
+        assert not ran.exists() and not survivor.exists(), "the command ran although its process group was never recorded"
+        assert _reaped_bookings(db) == []
+    finally:
+        if survivor.exists():
+            os.kill(int(survivor.read_text()), signal.SIGKILL)
