@@ -197,6 +197,14 @@ class ContainerRequest:
         return not self.exclusive and not self.whole_node
 
 
+def percent_share_memory_mib(card_memory_mib: int, pct: int) -> int:
+    """MiB a share of ``pct`` % of a card's memory comes to on a card of ``card_memory_mib`` MiB,
+    rounded up to a whole MiB. The one rule for percent-of-memory shares (``memory_pct``): the
+    placement engine books it (``placement.engine.card_memory_need``, elementwise over a numpy array
+    of card sizes) and the node bounds a record's grant by it (node/deviceplugin/recordcheck.py)."""
+    return -(-card_memory_mib * pct // 100)
+
+
 @dataclass(frozen=True)
 class ModelPatterns:
     """HAMi's ``nvidia.com/use-gputype`` / ``nouse-gputype``: a card qualifies when its model

@@ -152,7 +152,7 @@ class NodeManager:
     def _examine(self, pod: dict) -> Examined | None:
         if self.config.dra:
             return None
-        return examine(pod, self.config.node, self.config.record_verifier)
+        return examine(pod, self.config.node, self.config.record_verifier, cards=self.cards)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def start(self, until: threading.Event | None = None) -> bool:

@@ -29,7 +29,7 @@ from enum import Enum
 import numpy as np
 
 from qgpu_runtime.contract.record import ContainerDialect
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, PodRequest
+from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, PodRequest, percent_share_memory_mib
 from qgpu_runtime.placement.policies import Policy, SharedCandidates
 from qgpu_runtime.placement.state import ALLOC_MODES, CardShare, ClusterState, ContainerPlacement, Placement
 
@@ -110,7 +110,7 @@ def _model_mask(state: ClusterState, req: PodRequest) -> np.ndarray:
 def card_memory_need(state: ClusterState, container: ContainerRequest) -> np.ndarray | int:
     """GPU memory a shared container needs on each card (T9k percent depends on the card)."""
     if container.memory_pct is not None:
-        return -(-state.card_mem_cap * container.memory_pct // 100)
+        return percent_share_memory_mib(state.card_mem_cap, container.memory_pct)
     return container.memory_mib
 
 

@@ -272,7 +272,7 @@ def test_rows_of_a_pod_the_watched_view_does_not_show_yet_still_hold_their_card(
     x = pod("x", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=1)
     y = pod("y", NODE, [("main", qgpu(60, 4), [(0, "GPU-0", 600, 4096)])], bind_time=2)
     x_rows = [Share(x["metadata"]["uid"], "default", "x", "main", 0, "GPU-0", 600, 4096, "normal", 1)]
-    m = match(NODE, CORE.name, 60, [y], set(), VERIFIER)
+    m = match(NODE, CORE.name, 60, [y], set(), VERIFIER, cards=CARDS)
     assert over_commit(m, CARDS, x_rows, [y], unseen_hold=True)  # the view: X unseen, still holds card 0
     assert over_commit(m, CARDS, x_rows, [y]) == []  # a LIST without X: X is gone
     assert over_commit(m, CARDS, x_rows, [x, y], unseen_hold=True)  # both seen: X live

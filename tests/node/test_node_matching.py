@@ -8,13 +8,16 @@ import pytest
 from podfactory import pod, qgpu
 
 from qgpu_runtime.contract.record import RecordError, parse_record
-from qgpu_runtime.node.deviceplugin.matching import NoMatch, match, preferred_devices
+from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.model.requests import percent_share_memory_mib
+from qgpu_runtime.node.deviceplugin.matching import NoMatch, examine, match, preferred_devices
 from qgpu_runtime.node.deviceplugin.resources import card_of_device
 from tests.recordkeys import OTHER_SIGNER, VERIFIER, sign_pod
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
 N = "n1"
+CARDS = {i: CardInfo(i, f"GPU-{i}", "Tesla T4", 16384, i) for i in range(2)}
 
 
 def one(name, core=30, mem=5, card=0, **kw):
@@ -23,25 +26,25 @@ def one(name, core=30, mem=5, card=0, **kw):
 
 def test_oldest_bind_time_wins_among_same_size_pods():
     pods = [one("c", bind_time=30), one("a", bind_time=10), one("b", bind_time=20)]
-    assert match(N, CORE, 30, pods, set(), VERIFIER).pod == "a"
+    assert match(N, CORE, 30, pods, set(), VERIFIER, cards=CARDS).pod == "a"
 
 
 def test_served_containers_are_skipped_so_the_next_pod_is_chosen():
     a, b = one("a", bind_time=10), one("b", bind_time=20)
     served = {(a["metadata"]["uid"], "main", CORE)}
-    assert match(N, CORE, 30, [a, b], served, VERIFIER).pod == "b"
+    assert match(N, CORE, 30, [a, b], served, VERIFIER, cards=CARDS).pod == "b"
 
 
 def test_in_flight_container_beats_an_older_pod():
     a, b = one("a", bind_time=10, mem=5), one("b", bind_time=20, mem=5)
     served = {(b["metadata"]["uid"], "main", CORE)}
-    m = match(N, MEM, 5, [a, b], served, VERIFIER)
+    m = match(N, MEM, 5, [a, b], served, VERIFIER, cards=CARDS)
     assert (m.pod, m.in_flight) == ("b", True)
 
 
 def test_size_must_equal_the_containers_quantity():
     pods = [one("a", core=30, bind_time=1), one("b", core=40, bind_time=2)]
-    assert match(N, CORE, 40, pods, set(), VERIFIER).pod == "b"
+    assert match(N, CORE, 40, pods, set(), VERIFIER, cards=CARDS).pod == "b"
 
 
 def test_pods_without_bind_time_come_last_then_by_name():
@@ -49,7 +52,7 @@ def test_pods_without_bind_time_come_last_then_by_name():
     order = []
     served: set = set()
     for _ in range(3):
-        m = match(N, CORE, 30, pods, served, VERIFIER)
+        m = match(N, CORE, 30, pods, served, VERIFIER, cards=CARDS)
         order.append(m.pod)
         served.add((m.pod_uid, m.container, CORE))
     assert order == ["y", "x", "z"]
@@ -61,7 +64,7 @@ def test_running_deleted_and_foreign_pods_are_not_candidates():
     deleting["metadata"]["deletionTimestamp"] = "2026-11-23T10:00:00Z"
     elsewhere = one("far", bind_time=3, record_node="n2")
     with pytest.raises(NoMatch) as err:
-        match(N, CORE, 30, [running, deleting, elsewhere], set(), VERIFIER)
+        match(N, CORE, 30, [running, deleting, elsewhere], set(), VERIFIER, cards=CARDS)
     assert "default/far: qgpu.io/allocation: node='n2' but the pod is bound to 'n1'" in str(err.value)
 
 
@@ -72,7 +75,7 @@ def test_unknown_record_version_is_named():
     p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
     sign_pod(p)
     with pytest.raises(NoMatch, match="version=7: this qgpu reads versions 1"):
-        match(N, CORE, 30, [p], set(), VERIFIER)
+        match(N, CORE, 30, [p], set(), VERIFIER, cards=CARDS)
 
 
 def test_preferred_devices_spread_over_the_predicted_cards_after_must_include():
@@ -119,7 +122,7 @@ def test_admission_in_bind_order_gives_every_container_its_own_record(shapes, rn
         for c in p["spec"]["containers"]:
             for resource in (CORE, MEM):
                 size = int(c["resources"]["limits"][resource])
-                m = match(N, resource, size, listed, served, VERIFIER)
+                m = match(N, resource, size, listed, served, VERIFIER, cards=CARDS)
                 assert (m.pod, m.container) == (p["metadata"]["name"], c["name"])
                 served.add((m.pod_uid, m.container, resource))
 
@@ -160,7 +163,7 @@ def test_the_device_plugin_refuses_every_record_the_extender_refuses(change, fie
     with pytest.raises(RecordError):
         parse_record(p["metadata"]["annotations"]["qgpu.io/allocation"])  # the extender's verdict
     with pytest.raises(NoMatch, match=field):
-        match(N, CORE, 30, [p], set(), VERIFIER)
+        match(N, CORE, 30, [p], set(), VERIFIER, cards=CARDS)
 
 
 # --- a pod's annotations are its owner's: only records the extender signed, no larger than asked --
@@ -173,7 +176,7 @@ def _tenant_takes_card_0_whole(**kw) -> dict:
 
 def test_an_unsigned_record_grants_nothing_and_says_why():
     with pytest.raises(NoMatch) as err:
-        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), VERIFIER)
+        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), VERIFIER, cards=CARDS)
     assert "qgpu.io/allocation-signature is missing" in str(err.value)
     assert "record not trusted, nothing granted" in str(err.value)
     assert len(err.value.untrusted) == 1
@@ -182,19 +185,19 @@ def test_an_unsigned_record_grants_nothing_and_says_why():
 def test_a_record_signed_with_another_key_grants_nothing():
     p = sign_pod(_tenant_takes_card_0_whole(signed=False), OTHER_SIGNER)
     with pytest.raises(NoMatch, match="signed with another key"):
-        match(N, CORE, 10, [p], set(), VERIFIER)
+        match(N, CORE, 10, [p], set(), VERIFIER, cards=CARDS)
 
 
 def test_a_signed_record_granting_more_than_the_pod_asks_for_grants_nothing():
     """Defence in depth: even a record the extender's key signed (a leaked key, a bug) may grant no
     more than the pod's own resources ask for."""
     with pytest.raises(NoMatch, match=r"core_milli=1000, the container asks for 100: a record may grant at most what is asked"):
-        match(N, CORE, 10, [_tenant_takes_card_0_whole()], set(), VERIFIER)
+        match(N, CORE, 10, [_tenant_takes_card_0_whole()], set(), VERIFIER, cards=CARDS)
 
 
 def test_an_untrusted_record_does_not_hide_a_trusted_one_but_is_reported():
     honest = one("honest", core=10, mem=1, bind_time=5)
-    m = match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False, bind_time=1), honest], set(), VERIFIER)
+    m = match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False, bind_time=1), honest], set(), VERIFIER, cards=CARDS)
     assert m.pod == "honest" and len(m.untrusted) == 1 and "default/greedy" in m.untrusted[0]
 
 
@@ -213,14 +216,73 @@ def test_a_record_inconsistent_with_the_pod_s_requests_grants_nothing(change, me
     p["metadata"]["annotations"]["qgpu.io/allocation"] = json.dumps(rec)
     sign_pod(p)
     with pytest.raises(NoMatch, match=message):
-        match(N, CORE, 10, [p], set(), VERIFIER)
+        match(N, CORE, 10, [p], set(), VERIFIER, cards=CARDS)
 
 
 def test_without_a_verifier_pods_file_records_are_read_unsigned():
     """--pods-file: the host's operator writes the file, no tenant; the shape check still holds."""
-    assert match(N, CORE, 30, [one("a", signed=False)], set(), None).pod == "a"
+    assert match(N, CORE, 30, [one("a", signed=False)], set(), None, cards=CARDS).pod == "a"
     with pytest.raises(NoMatch, match="a record may grant at most what is asked"):
-        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), None)
+        match(N, CORE, 10, [_tenant_takes_card_0_whole(signed=False)], set(), None, cards=CARDS)
+
+
+# --- a share asked as a percent of a card's memory: at most that percent of the card's own memory -
+
+CARD_MIB = CARDS[0].memory_mib  # 16384: the node's inventory, never the record, sizes the card
+
+
+def _percent_pod(dialect: str, memory_mib: int, card: tuple[int, str] = (0, "GPU-0")) -> dict:
+    """A pod asking for a percent of one card's memory, its signed record granting ``memory_mib``
+    on ``card``: KAI gpu-fraction 0.01 (1 %), T9k nvidia-gpu-percent 33, HAMi gpumem-percentage 7."""
+    limits, core, notes, spec = {
+        "kai": ({"nvidia.com/gpu": "1"}, 0, {"gpu-fraction": "0.01"}, {"schedulerName": "kai-scheduler"}),
+        "t9k": ({"tensorstack.dev/nvidia-gpu-percent": "33"}, 0, {}, {}),
+        "hami": ({"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "7", "nvidia.com/gpucores": "30"}, 300, {}, {}),
+    }[dialect]
+    p = pod(f"pct-{dialect}", N, [("main", limits, [(card[0], card[1], core, memory_mib)])], signed=False)
+    p["metadata"]["annotations"].update(notes)
+    p["spec"].update(spec)
+    return sign_pod(p)
+
+
+PERCENT_SHARES = [("kai", 1, 164), ("t9k", 33, 5407), ("hami", 7, 1147)]  # ceil(16384 * pct / 100)
+
+
+@pytest.mark.parametrize("dialect, pct, allowed", PERCENT_SHARES)
+def test_a_percent_share_whose_record_grants_more_of_the_card_than_the_percent_grants_nothing(dialect, pct, allowed):
+    """Security audit, finding F2: the memory of a percent-of-memory share was never checked, so a
+    signed record granting a KAI 1 % share the card's whole memory (or 1 TiB) passed the node."""
+    for granted in (CARD_MIB, allowed + 1, 1 << 20):
+        e = examine(_percent_pod(dialect, granted), N, VERIFIER, cards=CARDS)
+        assert e is not None and e.record is None and e.untrusted, (dialect, granted, e)
+        assert (f"container 'main': card 0 (GPU-0): memory_mib={granted}, the container asks for {pct}% of the "
+                f"card's {CARD_MIB} MiB = {allowed} MiB: a record may grant at most what is asked") in e.untrusted
+
+
+@pytest.mark.parametrize("dialect, pct, allowed", PERCENT_SHARES)
+def test_a_percent_share_whose_record_grants_the_rounded_percent_of_the_card_is_accepted(dialect, pct, allowed):
+    """The bound is the placement engine's own rounding (model.requests.percent_share_memory_mib)."""
+    assert percent_share_memory_mib(CARD_MIB, pct) == allowed
+    for granted in (allowed, allowed - 1):
+        e = examine(_percent_pod(dialect, granted), N, VERIFIER, cards=CARDS)
+        assert e is not None and e.untrusted is None and e.record is not None, (dialect, granted, e)
+        assert e.record.containers[0].shares[0].memory_mib == granted
+
+
+@pytest.mark.parametrize("dialect", ["kai", "t9k", "hami"])
+@pytest.mark.parametrize("card, have", [((7, "GPU-7"), "this node has no card 7"), ((1, "GPU-0"), "card 1 is GPU-1")])
+def test_a_percent_share_on_a_card_this_node_does_not_have_grants_nothing(dialect, card, have):
+    """Fail closed: the card's size comes from the node's inventory only; a card it does not know
+    (no such index, or another card's UUID there) cannot bound the share."""
+    e = examine(_percent_pod(dialect, 1, card), N, VERIFIER, cards=CARDS)
+    assert e is not None and e.record is None and e.untrusted, e
+    assert (f"container 'main': card {card[0]} ({card[1]}): {have}, so the") in e.untrusted
+    assert "cannot be bounded: a record may grant only this node's cards" in e.untrusted
+
+
+def test_a_percent_share_is_refused_by_the_allocate_match_too():
+    with pytest.raises(NoMatch, match=r"asks for 33% of the card's 16384 MiB = 5407 MiB"):
+        match(N, "tensorstack.dev/nvidia-gpu-percent", 33, [_percent_pod("t9k", CARD_MIB)], set(), VERIFIER, cards=CARDS)
 
 
 def stranger(name, limits, *, init=False, phase="Pending"):
@@ -240,7 +302,7 @@ def test_a_call_that_may_be_for_a_pod_with_no_record_is_refused_not_granted_to_t
     victim = one("victim", bind_time=10)
     for intruder in (stranger("intruder", {CORE: "30", MEM: "5"}), stranger("intruder", {CORE: "30"}, init=True)):
         with pytest.raises(NoMatch) as err:
-            match(N, CORE, 30, [victim, intruder], set(), VERIFIER)
+            match(N, CORE, 30, [victim, intruder], set(), VERIFIER, cards=CARDS)
         message = str(err.value)
         assert "may be for tenant/intruder" in message and "no qgpu.io/allocation record" in message, message
         assert "cards recorded for default/victim" in message, message
@@ -250,21 +312,21 @@ def test_a_pod_with_no_record_of_another_size_or_finished_leaves_the_match_alone
     victim = one("victim", bind_time=10)
     for other in (stranger("other", {CORE: "40"}), stranger("done", {CORE: "30"}, phase="Failed"),
                   stranger("cpu", {"cpu": "1"}), stranger("vcuda", {"tencent.com/vcuda-core": "30"})):
-        assert match(N, CORE, 30, [victim, other], set(), VERIFIER).pod == "victim"
+        assert match(N, CORE, 30, [victim, other], set(), VERIFIER, cards=CARDS).pod == "victim"
     # the stranger's container already counted as served for this resource (never by qgpu, but
     # the rule reads only what is left): not a reason to refuse
     intruder = stranger("intruder", {CORE: "30"})
-    assert match(N, CORE, 30, [victim, intruder], {("uid-intruder", "main", CORE)}, VERIFIER).pod == "victim"
+    assert match(N, CORE, 30, [victim, intruder], {("uid-intruder", "main", CORE)}, VERIFIER, cards=CARDS).pod == "victim"
 
 
 def test_a_container_in_flight_keeps_its_second_resource_beside_a_stranger():
     """qgpu-memory after qgpu-core of the same container: kubelet is admitting that pod now."""
     victim = one("victim", bind_time=10, mem=5)
     intruder = stranger("intruder", {CORE: "30", MEM: "5"})
-    m = match(N, MEM, 5, [victim, intruder], {(victim["metadata"]["uid"], "main", CORE)}, VERIFIER)
+    m = match(N, MEM, 5, [victim, intruder], {(victim["metadata"]["uid"], "main", CORE)}, VERIFIER, cards=CARDS)
     assert (m.pod, m.in_flight) == ("victim", True)
 
 
 def test_with_no_recorded_candidate_the_stranger_is_named_in_the_refusal():
     with pytest.raises(NoMatch, match="tenant/intruder asks for it with no allocation record"):
-        match(N, CORE, 30, [stranger("intruder", {CORE: "30"})], set(), VERIFIER)
+        match(N, CORE, 30, [stranger("intruder", {CORE: "30"})], set(), VERIFIER, cards=CARDS)

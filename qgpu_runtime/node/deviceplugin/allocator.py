@@ -72,7 +72,7 @@ class Allocator:
 
     def examine(self, pod: dict) -> matching.Examined | None:
         """Rule 1 of the matcher for one pod, as the cache runs it once per version of the pod."""
-        return matching.examine(pod, self.config.node, self.config.record_verifier)
+        return matching.examine(pod, self.config.node, self.config.record_verifier, cards=self.cards)
 
     def _served(self) -> set[tuple[str, str, str]]:
         return {(g.pod_uid, g.container, g.resource) for g in self.store.grants()}

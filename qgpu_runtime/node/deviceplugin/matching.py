@@ -47,6 +47,7 @@ from qgpu_runtime.contract.record import (
     parse_record,
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
+from qgpu_runtime.gpu.types import CardInfo
 from qgpu_runtime.model.requests import RequestError, asks_gpu_resource, parse_pod, parse_quantity
 from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
@@ -146,12 +147,14 @@ def _asks_unserved(e: "Examined", resource: str, device_count: int, served: set[
     return False
 
 
-def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) -> Examined | None:
+def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None, *, cards: Mapping[int, CardInfo]) -> Examined | None:
     """Rule 1 for one pod: None when the pod can never be a candidate (another node, terminating,
     no record, not Pending); otherwise its parsed, verified record or the reason it is refused.
 
     ``verifier``: the extender's public key. None only where the pods come from a file the host's
     operator writes (``--pods-file``): there no tenant writes annotations and records are not signed.
+    ``cards``: this node's cards by index (the node manager's inventory): a percent-of-memory share
+    is bounded by the named card's own memory (node/deviceplugin/recordcheck.py).
     """
     meta = _meta(pod)
     spec = pod.get("spec") or {}
@@ -173,7 +176,7 @@ def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None) 
         return None
     if record.node != node:
         return Examined(pod, uid, label, refused=f"{label}: record is for node {record.node!r}")
-    why = _shape_refusal(pod, record, node)
+    why = _shape_refusal(pod, record, node, cards)
     if why:
         return Examined(pod, uid, label, untrusted=f"{label}: {why}")
     return Examined(pod, uid, label, record=record, bind_time=bind_time(pod))
@@ -186,9 +189,12 @@ def match(
     pods: Iterable[Mapping[str, Any]],
     served: set[tuple[str, str, str]],
     verifier: RecordVerifier | None,
+    *,
+    cards: Mapping[int, CardInfo],
 ) -> Match:
-    """Apply the rule above to raw pods. ``served`` holds (pod uid, container, resource) already allocated."""
-    examined = (examine(p, node, verifier) for p in pods)
+    """Apply the rule above to raw pods. ``served`` holds (pod uid, container, resource) already allocated;
+    ``cards``: this node's cards by index (see :func:`examine`)."""
+    examined = (examine(p, node, verifier, cards=cards) for p in pods)
     return choose(node, resource, device_count, [e for e in examined if e is not None], served)
 
 
@@ -251,13 +257,13 @@ def choose(
     return replace(candidates[0][1], untrusted=tuple(untrusted))
 
 
-def _shape_refusal(pod: Mapping[str, Any], record: AllocationRecord, node: str) -> str | None:
+def _shape_refusal(pod: Mapping[str, Any], record: AllocationRecord, node: str, cards: Mapping[int, CardInfo]) -> str | None:
     """Why the record grants more than the pod's own resources ask for (node/deviceplugin/recordcheck.py)."""
     try:
         request = parse_pod(pod, SHAPE_LIMITS)
     except RequestError as exc:
         return f"the pod's own GPU requests do not parse ({exc}), so no record can be checked against them"
-    return record_refusal(record, request, node)
+    return record_refusal(record, request, node, cards)
 
 
 def _next_container(
