@@ -91,3 +91,52 @@ def test_mutate_leaves_invalid_pods_to_the_validator():
 def test_unreadable_reviews_are_client_errors(body, message):
     with pytest.raises(ReviewError, match=message):
         validate(body, WebhookConfig())
+
+
+OFF_DRA = {"key": "qgpu.io/pool-mode", "operator": "NotIn", "values": ["dra"]}
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+
+
+def apply_patch(doc: dict, ops: list) -> dict:
+    """RFC 6902 ``add`` as the apiserver applies it (the only op /mutate writes)."""
+    import copy
+
+    doc = copy.deepcopy(doc)
+    for op in ops:
+        assert op["op"] == "add"
+        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        where = doc
+        for part in parents:
+            where = where[int(part)] if isinstance(where, list) else where[part]
+        if isinstance(where, list):
+            where.append(op["value"]) if last == "-" else where.insert(int(last), op["value"])
+        else:
+            where[last] = op["value"]
+    return doc
+
+
+def test_with_dra_pools_a_gpu_pod_mutate_admits_is_kept_off_them_in_every_affinity_term():
+    """Audit finding (2026-12-01): an nvidia.com/gpu pod of a namespace not labelled for DRA (or one
+    annotated qgpu.io/gpu-mode: device-plugin) that kube-scheduler placed on a DRA pool got an
+    extended-resource claim charged beside the pod itself: twice for its cards, and refused at the
+    quota's edge (Pending for good where only DRA pools had room). /mutate now keeps it off them."""
+    config = WebhookConfig(dra_pools=True)
+    plain = pod({"nvidia.com/gpu": "2"})
+    got = apply_patch(plain, patch_of(mutate(review(plain), config)))
+    assert got["spec"]["affinity"] == {"nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [{"matchExpressions": [OFF_DRA]}]}}}
+    own = {"key": "zone", "operator": "In", "values": ["a"]}
+    two_terms = pod({"nvidia.com/gpu": "1"}, affinity={"podAffinity": {}, "nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [
+        {"matchExpressions": [own]}, {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1"]}]}]}}})
+    got = apply_patch(two_terms, patch_of(mutate(review(two_terms), config)))
+    terms = got["spec"]["affinity"]["nodeAffinity"][REQUIRED]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"] == [own, OFF_DRA] and terms[1]["matchExpressions"] == [OFF_DRA]
+    assert terms[1]["matchFields"] and got["spec"]["affinity"]["podAffinity"] == {}
+    preferred_only = pod({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "2"}, affinity={"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}})
+    got = apply_patch(preferred_only, patch_of(mutate(review(preferred_only), config)))
+    assert got["spec"]["affinity"]["nodeAffinity"][REQUIRED] == {"nodeSelectorTerms": [{"matchExpressions": [OFF_DRA]}]}
+    # a second pass adds nothing; a pod naming the DRA pools itself, a GPU-free pod and a cluster
+    # without DRA pools get no affinity
+    assert not [op for op in patch_of(mutate(review(got), config)) if "affinity" in op["path"]]
+    for p, c in ((pod({"nvidia.com/gpu": "1"}, nodeSelector={"qgpu.io/pool-mode": "dra"}), config),
+                 (pod({"cpu": "1"}), config), (plain, WebhookConfig())):
+        assert not [op for op in patch_of(mutate(review(p), c)) if "affinity" in op["path"]]
