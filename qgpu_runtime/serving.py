@@ -2,7 +2,8 @@
 
 The stdlib server is enough for HTTP/1.1: the callers are one kube-scheduler and one
 kube-apiserver, which keep connections alive, and the work per call is a vector computation, not
-I/O. TLS is the stdlib's, with the certificate files the operator provides. Over TLS the server
+I/O. TLS is the stdlib's, with the certificate files the operator provides, read again when they
+change (:mod:`qgpu_runtime.servingcert`: renewal without a restart). Over TLS the server
 can also offer HTTP/2 (ALPN, the ``h2`` library; :class:`_H2Session`), which both callers take
 (the extender offers it by default, the webhook with ``--http2 on``): Go
 keeps at most two idle HTTP/1.1 connections per host, so overlapping calls (a bind waiting on the
@@ -62,6 +63,8 @@ from h2.errors import ErrorCodes
 from h2.events import ConnectionTerminated, DataReceived, RequestReceived, StreamEnded, StreamReset
 from h2.exceptions import H2Error, NoSuchStreamError, StreamIDTooLowError
 from h2.settings import SettingCodes, Settings
+
+from qgpu_runtime.servingcert import CertificateFiles, CertificateMetrics, ServingCertificate
 
 log = logging.getLogger(__name__)
 
@@ -826,6 +829,21 @@ class _Server(ThreadingHTTPServer):
     # would see SYNs dropped and retried after 1, 3, 7 s; the cap on connections is ours to keep.
     request_queue_size = 128
     connections: _Connections
+    # Over TLS: the listening socket stays plain and each accepted connection is wrapped with the
+    # context current at its accept, so a reloaded certificate reaches new connections while open
+    # ones keep theirs (an SSLSocket's own accept wraps with the context it was created with).
+    certificate: ServingCertificate | None = None
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = self.socket.accept()
+        if self.certificate is None:
+            return sock, address
+        try:
+            # the handshake runs in the connection's own thread (_Handler.setup), not here
+            return self.certificate.context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), address
+        except OSError:
+            sock.close()
+            raise
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.connections.admit(request):
@@ -850,10 +868,18 @@ class JsonServer:
     :attr:`Routes.open_paths` answer a client that presents none. The context asks for the
     certificate with CERT_OPTIONAL rather than CERT_REQUIRED only so kubelet's probes (which
     present none) can reach ``/healthz`` and ``/readyz``; every other path refuses them with a 401.
+
+    The certificate, key and client CA files are looked at every ``certificate_check_s`` and read
+    again when they change (:mod:`qgpu_runtime.servingcert`): new connections get the renewed
+    certificate, open ones keep theirs, and a replacement that does not load leaves the previous
+    one served. ``certificate_metrics`` receives its notAfter and the reloads' results.
     """
 
     def __init__(self, host: str, port: int, routes: Routes, cert_file: str | None = None, key_file: str | None = None,
-                 limits: ServerLimits = ServerLimits(), client_ca_file: str | None = None, http2: bool = True):
+                 limits: ServerLimits = ServerLimits(), client_ca_file: str | None = None, http2: bool = True,
+                 certificate_metrics: CertificateMetrics | None = None, certificate_check_s: float = 10.0):
+        if not certificate_check_s > 0:
+            raise ValueError(f"certificate_check_s={certificate_check_s!r}: must be > 0")
         if bool(cert_file) != bool(key_file):
             raise ValueError("TLS needs both a certificate file and a private key file, or neither")
         if client_ca_file and not cert_file:
@@ -875,21 +901,29 @@ class JsonServer:
         self.httpd.handle_error = lambda request, address: log.debug("connection from %s failed", address, exc_info=True)  # type: ignore[method-assign]
         self.tls = bool(cert_file)
         self.client_auth = bool(client_ca_file)
+        self.certificate: ServingCertificate | None = None
         if cert_file and key_file:
-            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            context.options |= ssl.OP_NO_RENEGOTIATION  # a connection's peer is the one its handshake verified
-            context.load_cert_chain(cert_file, key_file)
-            if self.workers is not None:
-                context.set_alpn_protocols(["h2", "http/1.1"])
-            if client_ca_file:
-                context.load_verify_locations(cafile=client_ca_file)
-                context.verify_mode = ssl.CERT_OPTIONAL if routes.open_paths else ssl.CERT_REQUIRED
-            self.httpd.socket = context.wrap_socket(self.httpd.socket, server_side=True, do_handshake_on_connect=False)
+            try:
+                self.certificate = ServingCertificate(
+                    CertificateFiles(cert_file, key_file, client_ca_file),
+                    alpn=("h2", "http/1.1") if self.workers is not None else (),
+                    verify_mode=ssl.CERT_OPTIONAL if routes.open_paths else ssl.CERT_REQUIRED,
+                    metrics=certificate_metrics)
+            except BaseException:
+                self.httpd.server_close()
+                raise
+            self.httpd.certificate = self.certificate
         self.port = int(self.httpd.server_address[1])
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="http-deadlines", daemon=True)
+        # its own thread: reading files (a slow volume) must not hold up the connections' deadlines
+        self._certificate_watch = None if self.certificate is None else threading.Thread(
+            target=self.certificate.watch, args=(self._stopped, certificate_check_s), name="tls-reload", daemon=True)
+
+    def tls_context(self) -> ssl.SSLContext | None:
+        """The context the next connection is wrapped with (None over plain HTTP)."""
+        return None if self.certificate is None else self.certificate.context
 
     def bodies_held(self) -> int:
         """Request-body bytes held now (reserved in the budget), both protocols."""
@@ -899,13 +933,18 @@ class JsonServer:
         while not self._stopped.wait(self.limits.watch_interval_s):
             self.connections.expire()
 
-    def start(self) -> None:
+    def _start_watchers(self) -> None:
         self._watchdog.start()
+        if self._certificate_watch is not None:
+            self._certificate_watch.start()
+
+    def start(self) -> None:
+        self._start_watchers()
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         self._thread.start()
 
     def serve_forever(self) -> None:
-        self._watchdog.start()
+        self._start_watchers()
         self.httpd.serve_forever()
 
     def stop(self) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 ROLES = sorted(p.name for p in (REPO / "roles").iterdir() if (p / "defaults").is_dir() or (p / "tasks").is_dir())
 # Variable-looking names that are not role variables: metric names and facts the docs quote.
-NOT_VARIABLES = re.compile(r"^qgpu_(allocate|card|container|isolation|memory|untrusted)_")
+NOT_VARIABLES = re.compile(r"^qgpu_(allocate|card|container|isolation|memory|untrusted)_|^qgpu_webhook_serving_certificate")
 
 
 def _read(paths: list[Path]) -> str:

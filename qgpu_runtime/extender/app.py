@@ -41,6 +41,7 @@ from qgpu_runtime.extender.wire import (
 )
 from qgpu_runtime.model.requests import CardLimits, RequestError
 from qgpu_runtime.serving import RawJSON
+from qgpu_runtime.servingcert import CertificateMetrics
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class ExtenderMetrics:
     commitment_conflicts: Counter
     untrusted_records: Gauge
     evictions: Counter
+    certificate: CertificateMetrics  # the serving certificate's notAfter and reloads (servingcert.py)
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -96,6 +98,7 @@ class ExtenderMetrics:
                               "Eviction API calls for pods on failed cards (--evict-on-unhealthy-card) by result: "
                               "evicted, or refused (a PodDisruptionBudget, the apiserver; asked again later)",
                               ["result"], registry=registry),
+            certificate=CertificateMetrics.create(registry, "qgpu_extender"),
         )
 
 

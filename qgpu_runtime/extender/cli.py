@@ -23,6 +23,7 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.contract.names import BINDERS
 from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
 from qgpu_runtime.extender.app import ExtenderApp, ExtenderMetrics
@@ -42,9 +43,9 @@ from qgpu_runtime.extender.trust import TrustedPods
 from qgpu_runtime.extender.watch import CacheFeeder, expire_loop
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
-from qgpu_runtime.model.requests import DEFAULT_LIMITS
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.serving import JsonServer, Routes
+from qgpu_runtime.servingcert import CertificateError
 
 PRIORITIES = ("binpack", "spread", "frag")
 PRESENCE_LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "binders"}
@@ -118,6 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--evict-period", type=float, default=DEFAULT_EVICT_PERIOD_S,
                        help="seconds between two looks for pods on failed cards with --evict-on-unhealthy-card "
                             f"(default {DEFAULT_EVICT_PERIOD_S:g}, 0.1 to 60)")
+    add_largest_card_argument(serve)
     serve.add_argument("--record-signing-key", metavar="FILE", default=None,
                        help="Ed25519 private key (PEM) the extender signs every allocation record with; node "
                             "managers and the cache believe only records it signed (required)")
@@ -173,6 +175,10 @@ def _check(args: argparse.Namespace) -> None:
     if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
         raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
                          "namespace name (lowercase letters, digits and '-', at most 63 characters)")
+    try:
+        card_limits(args.largest_card_memory_mib)
+    except ValueError as exc:
+        raise SystemExit(f"qgpu extender serve: {exc}") from None
     if not args.record_signing_key:
         raise SystemExit("qgpu extender serve: --record-signing-key missing: the extender signs every allocation record "
                          "it writes (Ed25519, PEM private key; the qgpu_scheduler role mounts it from the "
@@ -195,9 +201,10 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     from kubernetes import client
 
     signer = load_signing_key(args.record_signing_key)
+    limits = card_limits(args.largest_card_memory_mib)  # _check refused a value out of bounds
     connection = api_client(args.kubeconfig)
     api = client.CoreV1Api(connection)
-    cache = AllocationCache(make_policy(args.priority), args.priority, DEFAULT_LIMITS, int(args.assume_timeout * 1e9),
+    cache = AllocationCache(make_policy(args.priority), args.priority, limits, int(args.assume_timeout * 1e9),
                             max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier,
                             group_timeout_ns=int(args.group_timeout * 1e9), group_settle_ns=int(args.group_settle * 1e9))
     coordination = client.CoordinationV1Api(connection)
@@ -207,16 +214,16 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     # group timeout): by then the Binding (and its record, which every extender's cache books)
     # exists, or the bind is over.
     metrics = ExtenderMetrics.create()
-    binder = Binder(api, cache, DEFAULT_LIMITS, commitments=commitments,
+    binder = Binder(api, cache, limits, commitments=commitments,
                     commitment_grace_ns=int(max(args.assume_timeout, args.group_timeout, 10.0) * 1e9),
                     on_conflict=metrics.commitment_conflicts.inc, signer=signer)
     if commitments is not None:
         identity = args.binder_identity or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
         binder.track_binders(LeaseDocuments(coordination, args.commitment_namespace, BINDERS, PRESENCE_LABELS), identity,
                              args.node_commitments, recent_s=max(args.assume_timeout, 10.0))
-    pods = TrustedPods(cache, DEFAULT_LIMITS, binder.read_pod_if_exists)
-    dra = DraView(DEFAULT_LIMITS, cache.node_specs) if args.dra_prioritize else None
-    app = ExtenderApp(cache, binder, DEFAULT_LIMITS, metrics, filter_result=args.filter_result, pods=pods, dra=dra)
+    pods = TrustedPods(cache, limits, binder.read_pod_if_exists)
+    dra = DraView(limits, cache.node_specs) if args.dra_prioritize else None
+    app = ExtenderApp(cache, binder, limits, metrics, filter_result=args.filter_result, pods=pods, dra=dra)
 
     def metrics() -> tuple[int, str, bytes]:
         app.refresh_gauges()
@@ -243,7 +250,8 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         open_paths=frozenset({"/healthz", "/readyz"}),
     )
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
-                        client_ca_file=args.client_ca_file, http2=args.http2 == "on")
+                        client_ca_file=args.client_ca_file, http2=args.http2 == "on",
+                        certificate_metrics=app.metrics.certificate)
     feeder = CacheFeeder(api, cache, dra=dra)
     return server, app, (feeder, binder)
 
@@ -254,7 +262,10 @@ BIND_BODY_LIMIT = 64 * 1024
 def run(args: argparse.Namespace) -> int:
     _check(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    server, app, (feeder, binder) = build(args)
+    try:
+        server, app, (feeder, binder) = build(args)
+    except CertificateError as exc:
+        raise SystemExit(f"qgpu extender serve: {exc}") from None
     stop = threading.Event()
     feeder.start()
     period = max(0.5, min(10.0, args.assume_timeout / 4, args.group_timeout / 4))

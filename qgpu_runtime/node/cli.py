@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qgpu_runtime.contract.dra import UNHEALTHY_EFFECTS
+from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--record-verify-key", type=Path, metavar="FILE",
                        help="the extender's Ed25519 public key (PEM): Allocate believes only allocation records it "
                             "signed. Required when pods come from the API and device plugins are served")
+    add_largest_card_argument(serve, also="a card of this node larger than it is logged as a warning at start")
     serve.add_argument("--log-level", default="INFO")
 
 
@@ -181,7 +183,7 @@ def _config(args: argparse.Namespace):
         isolation_tick_s=getattr(args, "tick_s", None) or 0.05,
         memory_tolerance_mib=getattr(args, "memory_tolerance_mib", None) or 0,
         dra=args.dra, dra_unhealthy_effect=args.dra_unhealthy_effect, cdi_dir=args.cdi_dir, kubelet_plugins_dir=args.kubelet_plugins_dir,
-        plugins_registry_dir=args.plugins_registry_dir,
+        plugins_registry_dir=args.plugins_registry_dir, limits=card_limits(args.largest_card_memory_mib),
         record_verifier=load_verify_key(args.record_verify_key, needed=not args.pods_file and not args.dra))
 
 

@@ -28,11 +28,12 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.gpu.types import BackendError, CardInfo, GpuBackend
 from qgpu_runtime.isolation.policy import POLICY_LABEL, Policy, parse_policy
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits
 from qgpu_runtime.node.annotationwriter import AnnotationWriter
 from qgpu_runtime.node.containers import ContainerResolver
 from qgpu_runtime.node.deviceplugin.allocator import Allocator
@@ -84,6 +85,9 @@ class ManagerConfig:
     # The extender's public key (--record-verify-key): Allocate believes only records it signed.
     # None only with --pods-file (the host's operator writes that file) or --dra (no records).
     record_verifier: RecordVerifier | None = None
+    # What the cluster's parsers admit (--largest-card-memory-mib): the DRA slices' request policies,
+    # and the largest card whose size the start-up check compares this node's cards with.
+    limits: CardLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:
@@ -99,6 +103,20 @@ class ManagerConfig:
     @property
     def kubelet_socket(self) -> Path:
         return self.plugin_dir / "kubelet.sock"
+
+
+def larger_cards_warning(cards: Iterable[CardInfo], limits: CardLimits) -> str | None:
+    """The warning for this node's cards larger than the largest card the cluster's parsers admit,
+    or None. Not an error: the cards serve, but a pod asking more memory per card than the limit is
+    refused at admission, so part of each such card can only go to whole-card pods."""
+    larger = [c for c in sorted(cards, key=lambda c: c.index) if c.memory_mib > limits.max_card_memory_mib]
+    if not larger:
+        return None
+    named = ", ".join(f"card {c.index} ({c.model}, {c.uuid}) has {c.memory_mib} MiB" for c in larger)
+    return (f"{named}: above the largest card the cluster admits, {limits.max_card_memory_mib} MiB "
+            f"(--largest-card-memory-mib): pods asking more memory per card than that are refused at admission; "
+            f"set --largest-card-memory-mib {max(c.memory_mib for c in larger)} on every component (the roles' "
+            "qgpu_largest_card_memory_mib)")
 
 
 class NodeUnreadable(RuntimeError):
@@ -146,8 +164,11 @@ class NodeManager:
             if slice_api is None:
                 raise ValueError("--dra: the ResourceSlice is written through the Kubernetes API, "
                                  "which this manager was given none of (--pods-file?)")
-            self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy,
+            self.slices = SlicePublisher(slice_api, config.node, self.cards, self.health, lambda: self.policy, config.limits,
                                          retry_max_s=config.api_retry_max_s, unhealthy_effect=config.dra_unhealthy_effect)
+        larger = larger_cards_warning(self.cards.values(), config.limits)
+        if larger:
+            log.warning("%s", larger)
 
     def _examine(self, pod: dict) -> Examined | None:
         if self.config.dra:

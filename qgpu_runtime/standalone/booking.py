@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from qgpu_runtime.contract.names import ISOLATION_POLICY_LABEL, MIXED_LABEL
 from qgpu_runtime.model import AppClass, PodRequest, RequestError, parse_pod
-from qgpu_runtime.model.requests import QGPU_APP_CLASS, QGPU_CORE, QGPU_CORE_GREEDY, QGPU_MEMORY
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, QGPU_APP_CLASS, QGPU_CORE, QGPU_CORE_GREEDY, QGPU_MEMORY, CardLimits
 from qgpu_runtime.placement import CardShare, CardSpec, ClusterState, ContainerPlacement, NodeSpec, Placement, Unschedulable, make_policy, place
 from qgpu_runtime.standalone.config import HostConfig
 from qgpu_runtime.standalone.store import JobRecord, JobShare, Store, StoredCard
@@ -49,6 +49,7 @@ class JobSpec:
     core_pct: int | None
     memory_gib: int | None
     klass: AppClass = AppClass.NORMAL
+    limits: CardLimits = DEFAULT_LIMITS  # the cluster's parser's (--largest-card-memory-mib)
 
 
 def job_request(spec: JobSpec) -> PodRequest:
@@ -66,7 +67,7 @@ def job_request(spec: JobSpec) -> PodRequest:
         "spec": {"containers": [{"name": CONTAINER, "resources": {"limits": limits}}]},
     }
     try:
-        request = parse_pod(pod)
+        request = parse_pod(pod, spec.limits)
     except RequestError as err:
         raise JobRequestError("; ".join(
             f"{_FLAG_OF.get(p.resource, p.resource)} {p.value}: {p.rule}" for p in err.problems)) from err

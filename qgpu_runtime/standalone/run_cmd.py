@@ -20,6 +20,7 @@ import sqlite3
 import sys
 import time
 
+from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.placement import Unschedulable
@@ -48,6 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-backend", choices=("nvml", "simulated"),
                         help="only when no manager has recorded the host's cards yet: where to find them")
     parser.add_argument("--simulated-gpus", metavar="SPEC", help="with --gpu-backend simulated, e.g. 2xT4-16G")
+    add_largest_card_argument(parser)
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD ARGS…")
 
 
@@ -119,7 +121,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         return _fail(problem)
     klass = AppClass(args.klass)
-    spec = JobSpec(args.name or os.path.basename(command[0]), args.core, args.memory, klass)
+    try:
+        limits = card_limits(args.largest_card_memory_mib)
+    except ValueError as err:
+        return _fail(str(err))
+    spec = JobSpec(args.name or os.path.basename(command[0]), args.core, args.memory, klass, limits)
     dbfile = resolve(args.dbfile)  # one file from here on (dbfile.py): a link swapped later is not followed
     try:
         refused = unwritable(dbfile)

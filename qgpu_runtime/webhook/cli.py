@@ -26,11 +26,12 @@ from functools import partial
 from typing import Any, Callable
 
 from kubernetes.config import ConfigException
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
+from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.kube.client import api_client
-from qgpu_runtime.model.requests import DEFAULT_LIMITS, MIB_PER_GIB
 from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
+from qgpu_runtime.servingcert import CertificateError, CertificateMetrics
 from qgpu_runtime.webhook.admission import ReviewError, WebhookConfig, _answer, _review, mutate, validate
 from qgpu_runtime.webhook.cardsizes import SliceCardSizes
 from qgpu_runtime.webhook.dra import DraConfig, EnsureTemplates, mutate_dra
@@ -71,11 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a card size (MiB) of the DRA pools, repeatable, for T9k nvidia-gpu-percent requests and the quota "
                             "charge of a request naming no memory (the largest size, when above 80 GiB); default: "
                             "the sizes the pools' ResourceSlices publish (needs RBAC: resourceslices list)")
-    serve.add_argument("--largest-card-memory-mib", type=int, default=None, metavar="MIB",
-                       help="the memory (MiB) of the largest card of the cluster's pools, what the GPU quota charges "
-                            f"a whole card or a request naming no memory (default {DEFAULT_LIMITS.max_card_memory_mib}, "
-                            "80 GiB; set it where cards are larger, an H200's 143771): the card is not known before "
-                            "placement; with --dra a larger card the pools publish counts too")
+    add_largest_card_argument(serve, also="with --dra or --pod-quota also what the GPU quota charges a whole card or a "
+                                          "request naming no memory (the card is not known before placement); with --dra "
+                                          "a larger card the pools publish counts too")
     serve.add_argument("--pod-quota", action="store_true",
                        help="on /validate, charge every dialect's GPU share of a pod against the namespace's gpu.qgpu.io/core "
                             "and gpu.qgpu.io/memory quota, with its claims (docs/extender.md, 'One GPU quota for every "
@@ -130,7 +129,9 @@ WEBHOOK_LIMITS = ServerLimits(
 
 
 def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None = None, claim_quota: ClaimCheck | None = None,
-           pod_quota: ClaimCheck | None = None) -> Routes:
+           pod_quota: ClaimCheck | None = None, registry: CollectorRegistry | None = None) -> Routes:
+    """The webhook's paths; with ``registry`` also ``GET /metrics`` (Prometheus text), which like
+    the admission paths needs the client CA's certificate."""
     validate_route = validate if pod_quota is None else partial(_validate_pod, check=pod_quota)
     post = {"/validate": handler(validate_route, config), "/mutate": handler(mutate, config)}
     if dra is not None:
@@ -138,9 +139,13 @@ def routes(config: WebhookConfig, dra: tuple[DraConfig, EnsureTemplates] | None 
         post["/mutate-dra"] = handler(partial(_mutate_dra, dra_config=dra_config, ensure=ensure), config)
     if claim_quota is not None:
         post["/validate-claim"] = handler(partial(_validate_claim, check=claim_quota), config)
+    get: dict[str, Callable[[], tuple[int, str, bytes]]] = {"/healthz": lambda: (200, "text/plain", b"ok"),
+                                                            "/readyz": lambda: (200, "text/plain", b"ok")}
+    if registry is not None:
+        get["/metrics"] = lambda: (200, CONTENT_TYPE_LATEST, generate_latest(registry))
     return Routes(
         post=post,
-        get={"/healthz": lambda: (200, "text/plain", b"ok"), "/readyz": lambda: (200, "text/plain", b"ok")},
+        get=get,
         body_limits={path: MAX_REVIEW_BYTES for path in post},
         token_limits={path: MAX_REVIEW_TOKENS for path in post},
         # kubelet's probes present no client certificate; every admission path needs one.
@@ -202,15 +207,14 @@ def run(args: argparse.Namespace) -> int:
                          "only with --dra or --pod-quota")
     claim_quota = pod_quota = None
     largest = args.largest_card_memory_mib
-    if largest is not None and not MIB_PER_GIB <= largest <= MAX_MEMORY_MIB:
-        raise SystemExit(f"qgpu webhook serve: --largest-card-memory-mib {largest}: must be within "
-                         f"{MIB_PER_GIB}..{MAX_MEMORY_MIB} (MiB, a card of 1 GiB to 1 TiB)")
-    if largest is not None and not (args.dra or args.pod_quota):
-        raise SystemExit("qgpu webhook serve: --largest-card-memory-mib: only with --dra or --pod-quota (it sizes the quota's charge)")
-    dra_config = DraConfig()
+    try:
+        limits = card_limits(largest)
+    except ValueError as exc:
+        raise SystemExit(f"qgpu webhook serve: {exc}") from None
+    dra_config = DraConfig(limits=limits)
     if args.dra:
         try:
-            dra_config = DraConfig(tuple(args.dra_card_memory_mib))
+            dra_config = DraConfig(tuple(args.dra_card_memory_mib), limits=limits)
         except ValueError as exc:
             raise SystemExit(f"qgpu webhook serve: --dra-card-memory-mib: {exc}") from None
     if args.dra or args.pod_quota:
@@ -236,9 +240,15 @@ def run(args: argparse.Namespace) -> int:
             claim_quota = quota
         if args.pod_quota:
             pod_quota = quota.check_pod
-    server = JsonServer(args.address, args.port, routes(WebhookConfig(args.scheduler_name), dra, claim_quota, pod_quota),
-                        args.tls_cert_file, args.tls_private_key_file, limits=WEBHOOK_LIMITS, client_ca_file=args.client_ca_file,
-                        http2=args.http2 == "on")
+    registry = CollectorRegistry()
+    # with DRA pools, the GPU pods /mutate admits (charged as pods) are kept off them (admission.off_dra_pools)
+    config = WebhookConfig(args.scheduler_name, limits, dra_pools=bool(args.dra))
+    try:
+        server = JsonServer(args.address, args.port, routes(config, dra, claim_quota, pod_quota, registry),
+                            args.tls_cert_file, args.tls_private_key_file, limits=WEBHOOK_LIMITS, client_ca_file=args.client_ca_file,
+                            http2=args.http2 == "on", certificate_metrics=CertificateMetrics.create(registry, "qgpu_webhook"))
+    except CertificateError as exc:
+        raise SystemExit(f"qgpu webhook serve: {exc}") from None
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d (%s)", args.address, server.port,
                                      "client certificates required" if server.client_auth else "no client authentication")

@@ -43,6 +43,8 @@ from tests.recordkeys import VERIFIER, write_keys
      "--record-signing-key missing: the extender signs every allocation record"),
     (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--record-signing-key", "/nonexistent/k"],
      "--record-signing-key /nonexistent/k: cannot read it"),
+    (["extender", "serve", "--insecure-plain-http", "--address", "127.0.0.1", "--largest-card-memory-mib", "1048577"],
+     r"^qgpu extender serve: --largest-card-memory-mib 1048577: must be within 1024\.\.1048576 \(MiB, a card of 1 GiB to 1 TiB\)$"),
     (["webhook", "serve", "--port", "70000", "--tls-cert-file", "a", "--tls-private-key-file", "b"], "--port 70000"),
 ])
 def test_bad_flags_are_refused_with_the_rule(argv, message):
@@ -107,6 +109,32 @@ def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",
     server, _, _ = extender_cli.build(args)
     server.start()
     return server
+
+
+@pytest.mark.parametrize("flags, largest", [((), 80 * 1024), (("--largest-card-memory-mib", "143771"), 143771)])
+def test_the_largest_card_flag_reaches_every_parser_of_the_extender(tmp_path, flags, largest):
+    """The extender parses what the webhook admitted with the same largest card: its verbs, its
+    cache (filter, bookings), the trust check of a pod's body and the DRA view."""
+    import argparse
+
+    from qgpu_runtime.extender import cli as extender_cli
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
+    parser = argparse.ArgumentParser()
+    extender_cli.add_arguments(parser)
+    private_key, _ = write_keys(tmp_path / "keys")
+    args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
+                              "--insecure-plain-http", "--dra-prioritize", "--record-signing-key", str(private_key), *flags])
+    args.port = 0
+    server, app, _ = extender_cli.build(args)
+    server.start()
+    server.stop()
+    assert app.limits.max_card_memory_mib == largest
+    assert app.limits == app.cache.limits == app.pods.limits == app.dra.limits
 
 
 def test_a_bind_body_larger_than_any_binding_is_refused_before_it_is_read(tmp_path):

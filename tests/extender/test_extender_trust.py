@@ -233,7 +233,7 @@ def test_a_certified_connection_stays_certified_for_every_request_and_an_uncerti
     """The handshake's verdict is kept per connection (not re-read per request); the context
     refuses renegotiation, so no later handshake can change who is on the other end."""
     server, ca, _ = mtls
-    assert server.httpd.socket.context.options & ssl.OP_NO_RENEGOTIATION
+    assert server.tls_context().options & ssl.OP_NO_RENEGOTIATION
     scheduler = ca.issue("scheduler-keepalive", "system:kube-scheduler", client=True)
     conn = _client(server, ca, scheduler)
     for _ in range(3):  # one connection, keep-alive

@@ -97,6 +97,21 @@ def test_memory_larger_than_any_card_is_rejected():
     ]
 
 
+H200_MIB = 143771  # an H200's memory as nvidia-smi reports it
+
+
+@pytest.mark.parametrize("limits", [{CORE: "30", MEM: "100"}, {"nvidia.com/gpu": "1", "nvidia.com/gpumem": "120000"}])
+def test_a_request_above_80_gib_per_card_is_admitted_once_the_largest_card_is_raised(limits):
+    """H200 nodes: 100 GiB (qGPU) or 120000 MiB (HAMi) per card fits no card of the default's 80 GiB,
+    and fits once the operator names the largest card (--largest-card-memory-mib 143771)."""
+    from qgpu_runtime.contract.largestcard import card_limits
+
+    assert "no card could ever hold it" in errors(pod(limits))[0]
+    (c,) = parse_pod(pod(limits), card_limits(H200_MIB)).containers
+    assert c.memory_mib in (100 * 1024, 120000) and c.cards == 1
+    assert "the largest card has 143771 MiB" in errors(pod({CORE: "30", MEM: "141"}), card_limits(H200_MIB))[0]
+
+
 def test_more_cards_than_any_node_is_rejected():
     assert errors(pod({CORE: "1600"})) == [
         "container 'main': tke.cloud.tencent.com/qgpu-core=1600: no node could ever hold it: at most 8 cards per node"

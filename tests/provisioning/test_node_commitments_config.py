@@ -62,6 +62,7 @@ def render_extender(**overrides: object) -> list[dict]:
                  "__qgpu_scheduler_kai_request_annotations": fixed["__qgpu_scheduler_kai_request_annotations"],
                  "__qgpu_scheduler_gpu_resources": fixed["__qgpu_scheduler_gpu_resources"],
                  "__qgpu_scheduler_gpu_resource_prefix": fixed["__qgpu_scheduler_gpu_resource_prefix"],
+                 "__qgpu_scheduler_largest_card_memory_mib": 81920,  # vars/main.yml's default, an Ansible expression there
                  "qgpu_scheduler_namespace": "qgpu-system", "qgpu_scheduler_image": "qgpu:test",
                  "qgpu_scheduler_kube_apiserver_host": "", **overrides}
     text = env.get_template("qgpu-scheduler.yaml.j2").render(ansible_managed="test", **variables)

@@ -101,6 +101,21 @@ def test_wait_does_not_wait_for_the_impossible(db):
     assert done.returncode == 69 and "waiting for room" not in done.stderr
 
 
+def test_an_h200_job_above_80_gib_needs_the_largest_card_flag(db):
+    """The cluster's parser refuses more than 80 GiB per card unless told the largest card; the
+    flag is the one every component takes, with the same bound."""
+    h200 = ("--gpu-backend", "simulated", "--simulated-gpus", "1xH200-143771M")
+    refused = qgpu_done("run", "--dbfile", str(db), *h200, "--core", "30", "--memory", "100", "--", "true")
+    assert refused.returncode == 2
+    assert "--memory 100: no card could ever hold it: the largest card has 80 GiB" in refused.stderr
+    ran = qgpu_done("run", "--dbfile", str(db), *h200, "--largest-card-memory-mib", "143771",
+                    "--core", "30", "--memory", "100", "--", "true")
+    assert ran.returncode == 0, ran.stderr
+    bad = qgpu_done("run", "--dbfile", str(db), *h200, "--largest-card-memory-mib", "0", "--memory", "100", "--", "true")
+    assert (bad.returncode, bad.stderr) == (2, "qgpu run: --largest-card-memory-mib 0: must be within 1024..1048576 "
+                                                "(MiB, a card of 1 GiB to 1 TiB)\n")
+
+
 def test_bad_request_names_the_flag_value_and_rule(db):
     done = qgpu_done("run", "--dbfile", str(db), *SIM, "--core", "150", "--memory", "5", "--", "true")
     assert done.returncode == 2 and "--core 150" in done.stderr and "multiple of 100" in done.stderr

@@ -504,10 +504,55 @@ def test_the_dra_route_exists_only_with_dra():
     (["--dra", "--dra-card-memory-mib", "100"], "--dra-card-memory-mib: card memory sizes .* integer >= 1024"),
     (["--dra", "--kubeconfig", "/nonexistent/kubeconfig"], "--dra: --kubeconfig /nonexistent/kubeconfig: "),
     (["--pod-quota", "--largest-card-memory-mib", "1000"], r"--largest-card-memory-mib 1000: must be within 1024\.\.1048576"),
-    (["--largest-card-memory-mib", "143771"], "--largest-card-memory-mib: only with --dra or --pod-quota"),
+    (["--largest-card-memory-mib", "0"], r"^qgpu webhook serve: --largest-card-memory-mib 0: must be within 1024\.\.1048576 "
+                                         r"\(MiB, a card of 1 GiB to 1 TiB\)$"),
 ])
 def test_bad_dra_flags_are_refused_before_serving(argv, message):
     from qgpu_runtime.cli import main
 
     with pytest.raises(SystemExit, match=message):
         main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", "--client-ca-file", "ca.crt", *argv])
+
+
+@pytest.mark.parametrize("argv, largest", [([], 80 * 1024), (["--largest-card-memory-mib", "143771"], 143771),
+                                           (["--largest-card-memory-mib", "16384"], 80 * 1024)])
+def test_the_largest_card_flag_reaches_the_parsers_limits_with_or_without_the_quota(monkeypatch, argv, largest):
+    """--largest-card-memory-mib raises what /validate and /mutate admit, not only the quota's
+    charge: an H200's 100 GiB pod is parsed as the extender and the node will parse it."""
+    from qgpu_runtime.cli import main
+
+    seen: list[WebhookConfig] = []
+
+    def routes(config, *rest, **kw):
+        seen.append(config)
+        raise SystemExit("routes built")
+
+    monkeypatch.setattr(cli, "routes", routes)
+    with pytest.raises(SystemExit, match="routes built"):
+        main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", "--client-ca-file", "ca.crt", *argv])
+    (config,) = seen
+    assert config.limits.max_card_memory_mib == largest
+
+
+def test_with_dra_the_largest_card_reaches_the_conversion_and_the_quota(monkeypatch, tmp_path):
+    from qgpu_runtime.cli import main
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
+    seen: list[tuple[Any, ...]] = []
+
+    def routes(*built, **kw):
+        seen.append(built)
+        raise SystemExit("routes built")
+
+    monkeypatch.setattr(cli, "routes", routes)
+    with pytest.raises(SystemExit, match="routes built"):
+        main(["webhook", "serve", "--tls-cert-file", "a", "--tls-private-key-file", "b", "--client-ca-file", "ca.crt",
+              "--dra", "--pod-quota", "--kubeconfig", str(kubeconfig), "--largest-card-memory-mib", "143771"])
+    ((config, (dra_config, _), claim_quota, *_),) = seen
+    assert config.limits == dra_config.limits == claim_quota.limits
+    assert claim_quota.limits.max_card_memory_mib == 143771
+    assert claim_quota.default_memory_mib == 143771  # the quota's charge of a whole card, as before
