@@ -88,9 +88,9 @@ def test_best_filter_result_answers_only_the_held_node_and_keeps_reasons():
         ExtenderApp(c, None, DEFAULT_LIMITS, filter_result="some")
 
 
-def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",)):
-    """The extender's HTTP server exactly as `qgpu extender serve` wires it (its apiserver unreachable);
-    ``flags``: its transport flags (plain HTTP on loopback by default)."""
+def serve_args(tmp_path, *flags: str):
+    """`qgpu extender serve`'s parsed arguments with ``flags``, an unreachable apiserver, a signing
+    key of its own and any free port."""
     import argparse
 
     from qgpu_runtime.extender import cli as extender_cli
@@ -106,7 +106,15 @@ def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",
     args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
                               *flags, "--record-signing-key", str(private_key)])
     args.port = 0  # any free port
-    server, _, _ = extender_cli.build(args)
+    return args
+
+
+def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",)):
+    """The extender's HTTP server exactly as `qgpu extender serve` wires it (its apiserver unreachable);
+    ``flags``: its transport flags (plain HTTP on loopback by default)."""
+    from qgpu_runtime.extender import cli as extender_cli
+
+    server, _, _ = extender_cli.build(serve_args(tmp_path, *flags))
     server.start()
     return server
 
@@ -115,22 +123,9 @@ def served_extender(tmp_path, flags: tuple[str, ...] = ("--insecure-plain-http",
 def test_the_largest_card_flag_reaches_every_parser_of_the_extender(tmp_path, flags, largest):
     """The extender parses what the webhook admitted with the same largest card: its verbs, its
     cache (filter, bookings), the trust check of a pod's body and the DRA view."""
-    import argparse
-
     from qgpu_runtime.extender import cli as extender_cli
 
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: k, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: k, user: u}}]\n")
-    parser = argparse.ArgumentParser()
-    extender_cli.add_arguments(parser)
-    private_key, _ = write_keys(tmp_path / "keys")
-    args = parser.parse_args(["serve", "--address", "127.0.0.1", "--port", "1", "--kubeconfig", str(kubeconfig),
-                              "--insecure-plain-http", "--dra-prioritize", "--record-signing-key", str(private_key), *flags])
-    args.port = 0
-    server, app, _ = extender_cli.build(args)
+    server, app, _ = extender_cli.build(serve_args(tmp_path, "--insecure-plain-http", "--dra-prioritize", *flags))
     server.start()
     server.stop()
     assert app.limits.max_card_memory_mib == largest
