@@ -116,11 +116,16 @@ def load_context(files: CertificateFiles, alpn: Sequence[str] = (), verify_mode:
     key_pem = _read(files.key_file, "private key")
     try:
         key = serialization.load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError) as exc:
-        raise CertificateError(f"private key file {files.key_file}: not an unencrypted PEM private key "
-                               f"(empty, truncated or not a key: {exc})") from None
+    except Exception as exc:  # ValueError, TypeError, and cryptography's UnsupportedAlgorithm (an SM2 key) alike
+        raise CertificateError(f"private key file {files.key_file}: not an unencrypted PEM private key this server "
+                               f"can read (empty, truncated, not a key or of an unsupported kind: {exc})") from None
     spki = serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
-    if key.public_key().public_bytes(*spki) != chain[0].public_key().public_bytes(*spki):
+    try:
+        matches = key.public_key().public_bytes(*spki) == chain[0].public_key().public_bytes(*spki)
+    except Exception as exc:  # a certificate whose key is of a kind cryptography does not support
+        raise CertificateError(f"certificate file {files.cert_file}: its public key cannot be compared with the private "
+                               f"key in {files.key_file} ({type(exc).__name__}: {exc})") from None
+    if not matches:
         raise CertificateError(f"private key file {files.key_file}: does not match the certificate in {files.cert_file} "
                                "(a pair half replaced?)")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

@@ -63,7 +63,9 @@ class ExtenderMetrics:
     commitment_conflicts: Counter
     untrusted_records: Gauge
     evictions: Counter
-    certificate: CertificateMetrics  # the serving certificate's notAfter and reloads (servingcert.py)
+    # the serving certificate's notAfter and reloads (servingcert.py); over TLS only: over plain HTTP
+    # a notAfter of 0 would read as expired to every alert on it
+    certificate: CertificateMetrics | None = None
 
     @classmethod
     def create(cls) -> "ExtenderMetrics":
@@ -98,7 +100,6 @@ class ExtenderMetrics:
                               "Eviction API calls for pods on failed cards (--evict-on-unhealthy-card) by result: "
                               "evicted, or refused (a PodDisruptionBudget, the apiserver; asked again later)",
                               ["result"], registry=registry),
-            certificate=CertificateMetrics.create(registry, "qgpu_extender"),
         )
 
 

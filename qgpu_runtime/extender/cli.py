@@ -45,7 +45,7 @@ from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.kube.leasedoc import LeaseDocuments
 from qgpu_runtime.placement.policies import make_policy
 from qgpu_runtime.serving import JsonServer, Routes
-from qgpu_runtime.servingcert import CertificateError
+from qgpu_runtime.servingcert import CertificateError, CertificateMetrics
 
 PRIORITIES = ("binpack", "spread", "frag")
 PRESENCE_LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "binders"}
@@ -249,6 +249,8 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         # kubelet's probes present no client certificate; the verbs and /metrics need one.
         open_paths=frozenset({"/healthz", "/readyz"}),
     )
+    if args.tls_cert_file:
+        app.metrics.certificate = CertificateMetrics.create(app.metrics.registry, "qgpu_extender")
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
                         client_ca_file=args.client_ca_file, http2=args.http2 == "on",
                         certificate_metrics=app.metrics.certificate)

@@ -19,7 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from qgpu_runtime.contract.names import POOL_MODE_DRA, POOL_MODE_LABEL, XGN_TAINT_KEY
+from qgpu_runtime.contract.names import XGN_TAINT_KEY
 from qgpu_runtime.jsondoc import load_json
 from qgpu_runtime.model.podshape import check_pod
 from qgpu_runtime.model.quantity import show_value
@@ -38,50 +38,6 @@ class ReviewError(ValueError):
 class WebhookConfig:
     scheduler_name: str | None = None
     limits: CardLimits = CardLimits()
-    # The cluster has DRA pools (the webhook serves /mutate-dra): a GPU pod /mutate admits is kept
-    # off them (:func:`off_dra_pools`).
-    dra_pools: bool = False
-
-
-# A pod /mutate admits is charged as a pod by the quota (webhook/podquota.py). On a DRA pool, whose
-# nodes do not advertise nvidia.com/gpu, kube-scheduler would make it an extended-resource claim,
-# charged as a claim as well: twice for the same cards, and refused at the quota's edge (the pod
-# then Pending for good where only DRA pools have room).
-OFF_DRA_POOLS = {"key": POOL_MODE_LABEL, "operator": "NotIn", "values": [POOL_MODE_DRA]}
-_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
-
-
-def off_dra_pools(spec: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """The patch that adds ``qgpu.io/pool-mode NotIn [dra]`` to every term of the pod's required node
-    affinity (terms are alternatives: each must exclude the DRA pools). Nothing for a pod that
-    names the DRA pools in its nodeSelector itself (its choice, charged as it asks), nor for one
-    whose terms all exclude them already."""
-    selector = spec.get("nodeSelector") if isinstance(spec.get("nodeSelector"), Mapping) else {}
-    if selector.get(POOL_MODE_LABEL) == POOL_MODE_DRA:
-        return []
-    terms_value = {"nodeSelectorTerms": [{"matchExpressions": [OFF_DRA_POOLS]}]}
-    affinity = spec.get("affinity")
-    if not isinstance(affinity, Mapping):
-        return [{"op": "add", "path": "/spec/affinity", "value": {"nodeAffinity": {_REQUIRED: terms_value}}}]
-    node_affinity = affinity.get("nodeAffinity")
-    if not isinstance(node_affinity, Mapping):
-        return [{"op": "add", "path": "/spec/affinity/nodeAffinity", "value": {_REQUIRED: terms_value}}]
-    required = node_affinity.get(_REQUIRED)
-    base = f"/spec/affinity/nodeAffinity/{_REQUIRED}"
-    if not isinstance(required, Mapping):
-        return [{"op": "add", "path": base, "value": terms_value}]
-    terms = required.get("nodeSelectorTerms")
-    if not isinstance(terms, list) or not terms:
-        return []  # no term: the apiserver refuses it, or it matches no node
-    ops: list[dict[str, Any]] = []
-    for i, term in enumerate(terms):
-        expressions = term.get("matchExpressions") if isinstance(term, Mapping) else None
-        if isinstance(expressions, list):
-            if OFF_DRA_POOLS not in expressions:
-                ops.append({"op": "add", "path": f"{base}/nodeSelectorTerms/{i}/matchExpressions/-", "value": OFF_DRA_POOLS})
-        elif isinstance(term, Mapping):
-            ops.append({"op": "add", "path": f"{base}/nodeSelectorTerms/{i}/matchExpressions", "value": [OFF_DRA_POOLS]})
-    return ops
 
 
 def _review(body: bytes | str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -175,8 +131,6 @@ def mutation(pod: Mapping[str, Any], config: WebhookConfig) -> list[dict[str, An
     if not request.wants_gpu:
         return ops
     ops.extend(gpu_carrier(pod, request))
-    if config.dra_pools:
-        ops.extend(off_dra_pools(spec))
     if config.scheduler_name and spec.get("schedulerName", DEFAULT_SCHEDULER) in ("", DEFAULT_SCHEDULER):
         ops.append({"op": "add", "path": "/spec/schedulerName", "value": config.scheduler_name})
     if any(c.exclusive or c.whole_node for c in request.containers):

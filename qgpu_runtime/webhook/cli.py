@@ -241,8 +241,7 @@ def run(args: argparse.Namespace) -> int:
         if args.pod_quota:
             pod_quota = quota.check_pod
     registry = CollectorRegistry()
-    # with DRA pools, the GPU pods /mutate admits (charged as pods) are kept off them (admission.off_dra_pools)
-    config = WebhookConfig(args.scheduler_name, limits, dra_pools=bool(args.dra))
+    config = WebhookConfig(args.scheduler_name, limits)
     try:
         server = JsonServer(args.address, args.port, routes(config, dra, claim_quota, pod_quota, registry),
                             args.tls_cert_file, args.tls_private_key_file, limits=WEBHOOK_LIMITS, client_ca_file=args.client_ca_file,

@@ -19,7 +19,7 @@ import yaml
 
 from qgpu_runtime.kube.reader import ApiCallError
 from qgpu_runtime.wiring import formats
-from qgpu_runtime.wiring.heal import Reporter, StateError, Watcher, heal, log, read_state
+from qgpu_runtime.wiring.heal import ManifestChanged, Reporter, StateError, Watcher, heal, log, read_state
 
 # bounds on --interval: a faster poll costs a master CPU for nothing, a slower one leaves GPU pods
 # scheduled without qgpu for longer after an upgrade
@@ -45,11 +45,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.action == "check":
-        try:
-            outcome = heal(args.state)
-        except (StateError, formats.WiringError, OSError, ValueError, yaml.YAMLError) as exc:
-            print(f"qgpu scheduler-wiring: {exc}", file=sys.stderr)
-            return 2
+        for attempt in range(3):  # a manifest rewritten while it was wired (kubeadm) is read again
+            try:
+                outcome = heal(args.state)
+                break
+            except ManifestChanged as exc:
+                if attempt == 2:
+                    print(f"qgpu scheduler-wiring: {exc} (three times in a row: run it again once the manifest "
+                          "stops changing)", file=sys.stderr)
+                    return 2
+            except (StateError, formats.WiringError, OSError, ValueError, yaml.YAMLError) as exc:
+                print(f"qgpu scheduler-wiring: {exc}", file=sys.stderr)
+                return 2
         print(outcome.what)
         return 1 if outcome.changed else 0
     if not MIN_INTERVAL <= args.interval <= MAX_INTERVAL:

@@ -409,6 +409,53 @@ def test_the_extender_exposes_its_certificates_expiry_on_its_metrics_endpoint(tm
     assert _exposed(page.decode(), "qgpu_extender_serving_certificate_last_reload_success") == 1
 
 
+def test_a_plain_http_extender_exposes_no_certificate_series_an_alert_would_read_as_expired(tmp_path):
+    """Review finding: over --insecure-plain-http the series were there at 0 (a notAfter of 1970,
+    a failed reload), so both documented alerts fired on a server with no certificate at all."""
+    import urllib.request
+
+    from tests.extender.test_extender_cli import served_extender
+
+    server = served_extender(tmp_path)
+    try:
+        page = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10).read().decode()
+    finally:
+        server.stop()
+    assert "qgpu_extender_cached_nodes" in page and "serving_certificate" not in page
+
+
+def test_a_key_of_a_kind_the_server_cannot_read_is_a_counted_failure_and_the_old_certificate_stays(tmp_path, pki, monkeypatch):
+    """Review finding: cryptography's UnsupportedAlgorithm (an SM2 key, say) is no ValueError: it
+    escaped the reload, which then counted nothing, left last_reload_success at 1 and did not look at
+    the files again until they changed once more."""
+    from cryptography.exceptions import UnsupportedAlgorithm
+
+    from qgpu_runtime import servingcert
+
+    first, second = pki.pair(days=20), pki.pair(days=40)
+    (tmp_path / "tls.crt").write_bytes(first.cert_pem)
+    (tmp_path / "tls.key").write_bytes(first.key_pem)
+    registry = CollectorRegistry()
+    metrics = CertificateMetrics.create(registry, "qgpu_test")
+    served = ServingCertificate(CertificateFiles(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")), metrics=metrics)
+    real_load = servingcert.serialization.load_pem_private_key
+
+    def unsupported(data, password=None):
+        raise UnsupportedAlgorithm("sm2 is not supported")
+
+    monkeypatch.setattr(servingcert.serialization, "load_pem_private_key", unsupported)
+    replace_file(tmp_path / "tls.key", second.key_pem)
+    replace_file(tmp_path / "tls.crt", second.cert_pem)
+    assert served.check() is False
+    assert registry.get_sample_value("qgpu_test_serving_certificate_reloads_total", {"result": "failed"}) == 1
+    assert registry.get_sample_value("qgpu_test_serving_certificate_last_reload_success") == 0
+    assert served.not_after == first.cert.not_valid_after_utc.timestamp()
+    monkeypatch.setattr(servingcert.serialization, "load_pem_private_key", real_load)
+    with pytest.raises(CertificateError, match="unsupported kind"):
+        monkeypatch.setattr(servingcert.serialization, "load_pem_private_key", unsupported)
+        ServingCertificate(CertificateFiles(str(tmp_path / "tls.crt"), str(tmp_path / "tls.key")))
+
+
 def test_the_webhook_exposes_its_certificates_expiry_to_its_client_ca_only(tmp_path, pki):
     from qgpu_runtime.webhook import cli as webhook_cli
     from qgpu_runtime.webhook.admission import WebhookConfig

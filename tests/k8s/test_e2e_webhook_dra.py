@@ -172,12 +172,6 @@ def test_device_plugin_pods_keep_their_resources(hook):
     assert not kept["spec"].get("resourceClaims")
     assert kept["spec"]["containers"][0]["resources"]["limits"]["tke.cloud.tencent.com/qgpu-core"] == "30"
     assert kept["spec"]["schedulerName"] == "qgpu-scheduler"  # /mutate's completion, for the extender
-    # charged as a pod, so kept off the DRA pools, where kube-scheduler's claim would be charged too
-    off_dra = {"key": POOL_MODE_LABEL, "operator": "NotIn", "values": ["dra"]}
-    nvidia = hook.create("kept-nvidia", {"nvidia.com/gpu": 1}, annotations={GPU_MODE: GPU_MODE_DEVICE_PLUGIN})
-    for p in (kept, nvidia):
-        terms = p["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
-        assert terms == [{"matchExpressions": [off_dra]}]
     other = hook.cluster.namespace()  # a namespace of a device-plugin pool: /mutate-dra is not called
     untouched = hook.create("elsewhere", dict(QGPU), ns=other)
     assert not untouched["spec"].get("resourceClaims")

@@ -213,6 +213,30 @@ def test_the_check_command_exits_by_outcome(master, capsys) -> None:
     assert "--interval 0.0: must be between 0.2 and 60.0 seconds" in capsys.readouterr().err
 
 
+def test_the_check_command_wires_the_manifest_kubeadm_wrote_while_it_was_wiring(master, monkeypatch, capsys) -> None:
+    """`check` reads a manifest changed under it again (before, a traceback and exit 1, "re-wired",
+    with nothing written); one that never stops changing is exit 2, saying so."""
+    state_path = master("1.30.2", "v1")
+    upgrade(state_path, "1.30.2")
+    real_wire = formats.scheduler_wire
+    races = [1]
+
+    def wire_while_kubeadm_writes(*args, **kwargs):
+        if races[0]:
+            races[0] -= 1
+            upgrade(state_path, f"1.31.{races[0]}")  # each race a manifest of its own
+        return real_wire(*args, **kwargs)
+
+    monkeypatch.setattr(formats, "scheduler_wire", wire_while_kubeadm_writes)
+    assert main(["scheduler-wiring", "check", "--state", str(state_path)]) == 1
+    assert "upgraded from 1.30.2 to 1.31.0" in capsys.readouterr().out
+    assert manifest_of(state_path)["spec"]["containers"][0]["image"].endswith(":v1.31.0")
+    races[0] = 4
+    upgrade(state_path, "1.31.9")
+    assert main(["scheduler-wiring", "check", "--state", str(state_path)]) == 2
+    assert "changed while the watcher wired it" in capsys.readouterr().err
+
+
 def test_a_missing_config_file_is_a_failure_reported_not_a_wait(master) -> None:
     state_path = master("1.30.2", "v1")
     state = json.loads(state_path.read_text())
