@@ -54,6 +54,7 @@ from qgpu_runtime.model.requests import (
     PodRequest,
     RequestError,
     parse_pod,
+    percent_share_memory_mib,
 )
 from qgpu_runtime.webhook.admission import REVIEW_VERSION, XGN_TOLERATION, ReviewError, WebhookConfig, _answer, _pod, _review, mutate
 
@@ -151,7 +152,7 @@ def _share_memory(memory_mib: int, limits: CardLimits) -> int:
 def _percent_memory(card_mib: int, pct: int, limits: CardLimits) -> int:
     """``pct`` of a card of ``card_mib``, as the engine computes it, within what the card's policy allows."""
     usable = max(card_mib - card_mib % MIB_PER_GIB, limits.min_shared_memory_mib)
-    return min(_share_memory(-(-card_mib * pct // 100), limits), usable)
+    return min(_share_memory(percent_share_memory_mib(card_mib, pct), limits), usable)
 
 
 def _capacity(core_milli: int, memory_mib: int) -> dict[str, Any]:

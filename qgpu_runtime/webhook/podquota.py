@@ -64,6 +64,7 @@ from qgpu_runtime.model.requests import (
     RequestError,
     asks_gpu_resource,
     parse_pod,
+    percent_share_memory_mib,
 )
 from qgpu_runtime.webhook.claimquota import Usage
 
@@ -84,7 +85,7 @@ def _container_charge(c: ContainerRequest, default_memory_mib: int, limits: Card
         return Usage(limits.max_cards_per_node * CORE_MILLI_PER_CARD, limits.max_cards_per_node * default_memory_mib)
     if c.exclusive:
         return Usage(c.cards * CORE_MILLI_PER_CARD, c.cards * default_memory_mib)
-    memory = -(-default_memory_mib * c.memory_pct // 100) if c.memory_pct is not None else c.memory_mib
+    memory = percent_share_memory_mib(default_memory_mib, c.memory_pct) if c.memory_pct is not None else c.memory_mib
     # At least the least share a card gives (as a claim is charged what the allocator consumes):
     # a share holds one of its card's pod slots however little it names, so a memory-only or 1 MiB
     # share (HAMi, KAI, T9k percent) is not nearly free, and a core-only quota still counts it.
