@@ -121,6 +121,10 @@ class ServerLimits:
     min_body_rate: float = 1024 * 1024
     write_timeout_s: float = 30.0
     busy_wait_s: float = 5.0
+    # A request line and its headers, together (HTTP/1.1); what a connection without a client
+    # certificate may send before its request is complete (HTTP/2). The stdlib alone takes 100
+    # header lines of 64 KiB each: 6.5 MB per connection before anything checks who sent them.
+    max_header_bytes: int = 32 * 1024
     body_budget: int = 512 * 1024 * 1024
     watch_interval_s: float = 0.5
     read_chunk: int = MAX_BODY  # the first body chunk read and reserved; see the module docstring
@@ -140,6 +144,7 @@ class ServerStats:
     refused_budget: int = 0  # 503: the body budget was spent
     refused_busy: int = 0  # 503: no handler slot within busy_wait_s
     refused_unauthenticated: int = 0  # 401: no client certificate on a path that needs one
+    refused_headers: int = 0  # 431, or an HTTP/2 connection closed: headers past max_header_bytes
     incomplete_bodies: int = 0  # the client left, or was closed, before its body was in
     http2_connections: int = 0  # connections that negotiated HTTP/2 (ALPN "h2")
     http2_protocol_errors: int = 0  # HTTP/2 connections closed for breaking the protocol
@@ -259,6 +264,28 @@ def _shut(sock: socket.socket) -> None:
         pass  # already closed by its thread
 
 
+class _HeaderBytes:
+    """A connection's reader while a request line and its headers come in: lines as the stdlib
+    asks for them, at most ``limit`` bytes in all (one more marks it ``over``, then it reads
+    nothing: the stdlib takes that for the end of the headers, and parse_request answers 431).
+    So a connection holds ``limit`` bytes of headers, whoever sent them."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self.raw = raw
+        self.left = limit
+        self.over = False
+
+    def readline(self, size: int = -1) -> bytes:
+        if self.left < 0:
+            return b""
+        want = self.left + 1 if size is None or size < 0 else min(size, self.left + 1)
+        line: bytes = self.raw.readline(want)
+        self.left -= len(line)
+        if self.left < 0:
+            self.over = True
+        return line
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "qgpu"
@@ -308,13 +335,50 @@ class _Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self.connections.phase(self.request, "idle", self.limits.idle_timeout_s)
-        super().handle_one_request()
+        # The request line and the headers are read through a byte budget; the body from the
+        # connection itself (parse_request hands it back).
+        raw = self.rfile
+        self.rfile = _HeaderBytes(raw, self.limits.max_header_bytes)  # type: ignore[assignment]
+        try:
+            super().handle_one_request()
+        finally:
+            self.rfile = raw
 
     def parse_request(self) -> bool:
         # called once the request line is in: the headers now have their own deadline
         self.connections.phase(self.request, "headers", self.limits.header_timeout_s)
         self.expects_continue = False
-        return super().parse_request()
+        budget = self.rfile
+        assert isinstance(budget, _HeaderBytes)
+        if budget.over:
+            return self._headers_too_large()
+        if self.client_auth and not self.peer_certified and not self._open_request_line():
+            return False  # refused before a byte of its headers is read
+        ok = super().parse_request()
+        if budget.over:
+            return self._headers_too_large()
+        self.rfile = budget.raw
+        return ok
+
+    def _open_request_line(self) -> bool:
+        """For a connection without a client certificate: whether its request line is a GET of an
+        open path; if not, the 401 is sent now and the connection closed, headers unread."""
+        words = str(self.raw_requestline, "iso-8859-1").rstrip("\r\n").split()
+        path = words[1].split("?", 1)[0] if len(words) >= 2 else ""
+        if len(words) >= 2 and words[0] == "GET" and path in self.routes.open_paths:
+            return True
+        self.command, self.path = (words[0], words[1]) if len(words) >= 2 else ("", "")
+        self.request_version = self.protocol_version
+        self.requestline = " ".join(words)[:200]
+        self._authenticated(path or "/")
+        return False
+
+    def _headers_too_large(self) -> bool:
+        self.stats.count("refused_headers")
+        self.requestline, self.request_version, self.command = "", self.protocol_version, ""
+        self.close_connection = True
+        self._json(431, {"Error": f"request line and headers: more than {self.limits.max_header_bytes} bytes"})
+        return False
 
     def handle_expect_100(self) -> bool:
         """``Expect: 100-continue``: the 100 waits until the request passed every check made before
@@ -556,10 +620,16 @@ class _H2Session:
         self.phase: tuple[str, int] | None = None
         self.closing = False
         self.closed = False  # the reading thread has ended: handlers finishing later send nothing
+        # A connection without a client certificate may only GET open paths: it gets the header
+        # deadline while idle, and at most max_header_bytes between requests it completes (h2
+        # alone buffers up to 64 CONTINUATION frames of a header block that never ends, ~1 MiB).
+        self.unproven = handler.client_auth and not handler.peer_certified
+        self.unproven_bytes = 0
 
     # -- the I/O loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
+        farewell = ErrorCodes.NO_ERROR
         try:
             with self.lock:
                 self.conn.initiate_connection()
@@ -575,13 +645,19 @@ class _H2Session:
                     data = self._receive()
                     if data is None:
                         break
+                    if self.unproven:
+                        self.unproven_bytes += len(data)
+                        if self.unproven_bytes > self.h.limits.max_header_bytes:
+                            self.h.stats.count("refused_headers")
+                            farewell = ErrorCodes.ENHANCE_YOUR_CALM
+                            break
                     if data:
                         self._events(self.conn.receive_data(data))
                     self._push()
                     self._flush()
                     self._settle()
             with self.lock:
-                self._goodbye(ErrorCodes.NO_ERROR)
+                self._goodbye(farewell)
         except H2Error as exc:
             self.h.stats.count("http2_protocol_errors")
             log.debug("HTTP/2 connection from %s closed: %s", self.h.address_string(), exc)
@@ -631,7 +707,7 @@ class _H2Session:
         elif self.dispatched:
             want, timeout = ("working", 0), None
         else:
-            want, timeout = ("idle", 0), limits.idle_timeout_s
+            want, timeout = ("idle", 0), limits.header_timeout_s if self.unproven else limits.idle_timeout_s
         if want != self.phase:
             self.phase = want
             self.h.connections.phase(self.sock, want[0], None if timeout is None else max(0.0, timeout))
@@ -715,6 +791,7 @@ class _H2Session:
             self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
             return
         self.dispatched[sid] = stream
+        self.unproven_bytes = 0  # a request completed: what it took is accounted for
         assert self.h.workers is not None
         self.h.workers.submit(self._work, sid, stream)
 

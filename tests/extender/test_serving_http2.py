@@ -233,3 +233,73 @@ def test_the_plain_http_server_never_offers_http2(pki):
     finally:
         srv.httpd.server_close()
 
+
+
+def test_a_header_block_that_never_ends_without_a_certificate_is_cut_at_the_header_budget(server, pki):
+    """h2 buffers up to 64 CONTINUATION frames (~1 MiB) of a header block before it decodes it;
+    a connection without a client certificate is closed once it sent max_header_bytes without
+    completing a request, with GOAWAY(ENHANCE_YOUR_CALM)."""
+    from h2.errors import ErrorCodes
+    from hyperframe.frame import ContinuationFrame, HeadersFrame
+
+    c = connect(server.port, pki, certificate=False)
+    try:
+        c.sock.sendall(HeadersFrame(1, data=b"\x82").serialize())  # :method GET, no END_HEADERS
+        frames = b"".join(ContinuationFrame(1, data=b"\x00" * 16384).serialize() for _ in range(4))
+        try:
+            c.sock.sendall(frames)
+        except (ConnectionError, ssl.SSLError):
+            pass  # closed while still sending: as good
+        assert c.closed()
+        assert c.terminated is None or c.terminated.error_code == ErrorCodes.ENHANCE_YOUR_CALM
+    finally:
+        c.close()
+    assert server.stats.refused_headers == 1
+
+
+def test_a_certified_connection_is_not_held_to_the_header_budget(server, client):
+    big = b'{"names":"' + b"a" * (LIMITS.max_header_bytes + 16384) + b'"}'  # within the 64 KiB stream window
+    chunks = [big[i:i + 16384] for i in range(0, len(big), 16384)]  # frames of the default largest size
+    sid = client.send("POST", "/echo/filter", chunks[0], end=False)
+    for i, chunk in enumerate(chunks[1:], 2):
+        client.more(sid, chunk, end=i == len(chunks))
+    assert client.answer(sid) == (200, {"verb": "filter", "got": len(big)})
+    assert server.stats.refused_headers == 0
+
+
+def test_a_connection_without_a_certificate_gets_the_header_deadline_while_idle(server, pki):
+    c = connect(server.port, pki, certificate=False)
+    try:
+        assert c.answer(c.send("GET", "/healthz")) == (200, b"ok")
+        started = time.monotonic()
+        assert c.closed(timeout=LIMITS.idle_timeout_s / 2)  # not the 30 s idle deadline
+        assert time.monotonic() - started < LIMITS.idle_timeout_s / 2
+    finally:
+        c.close()
+
+
+def _http1_without_certificate(port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], head: bytes) -> bytes:
+    ca, _, _ = pki
+    ctx = ssl.create_default_context(cafile=str(ca.cert_path))
+    ctx.set_alpn_protocols(["http/1.1"])
+    import socket
+
+    with ctx.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=10), server_hostname="127.0.0.1") as sock:
+        sock.sendall(head)
+        got = b""
+        try:
+            while chunk := sock.recv(65536):
+                got += chunk
+        except (ConnectionError, ssl.SSLError):
+            pass
+        return got
+
+
+def test_http1_without_a_certificate_is_refused_after_its_request_line_before_its_headers(server, pki):
+    # the headers never end: the 401 comes anyway, and the connection is closed
+    answer = _http1_without_certificate(server.port, pki, b"POST /echo/bind HTTP/1.1\r\nHost: x\r\nX-Pad: aaaa")
+    assert answer.startswith(b"HTTP/1.1 401 "), answer[:80]
+    assert b"client certificate" in answer
+    assert server.stats.refused_unauthenticated == 1
+    answer = _http1_without_certificate(server.port, pki, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok")

@@ -235,3 +235,62 @@ def test_a_drained_body_gives_back_what_it_had_read_before_the_drain():
 def test_limits_refuse_nonsense():
     with pytest.raises(ValueError, match="ServerLimits.max_connections=0: must be > 0"):
         ServerLimits(max_connections=0)
+
+
+def _answer_head(sock: socket.socket) -> bytes:
+    """What the server sent before it closed the connection (the status line first)."""
+    got = b""
+    while chunk := sock.recv(65536):
+        got += chunk
+    return got
+
+
+@pytest.fixture
+def small_headers() -> Iterator[JsonServer]:
+    limits = ServerLimits(max_connections=8, max_in_flight=2, header_timeout_s=5.0, watch_interval_s=0.05, max_header_bytes=1024)
+    srv = JsonServer("127.0.0.1", 0, Routes(post={"/echo": echo}, get={"/ok": lambda: (200, "text/plain", b"ok")}), limits=limits)
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def test_a_request_line_and_headers_within_the_budget_are_served(small_headers):
+    conn = http.client.HTTPConnection("127.0.0.1", small_headers.port, timeout=10)
+    try:
+        conn.request("POST", "/echo", body=b"{}", headers={"X-Pad": "a" * 800})
+        assert conn.getresponse().status == 200
+    finally:
+        conn.close()
+    assert small_headers.stats.refused_headers == 0
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /ok HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 1100,  # one header line past the budget, never ended
+    b"GET /ok HTTP/1.1\r\n" + b"X-Pad: aaaaaaaa\r\n" * 80,  # many short lines past it, no blank line
+    b"GET /" + b"a" * 1100,  # the request line alone
+])
+def test_headers_past_the_budget_get_431_before_they_end_and_the_connection_is_closed(small_headers, head):
+    """The stdlib alone reads 100 lines of 64 KiB (6.5 MB per connection) before anything checks
+    who sent them; here the answer comes while the client is still sending, after 1 KiB."""
+    with ExitStack() as stack:
+        sock = opened(stack, small_headers.port, head)
+        answer = _answer_head(sock)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:80]
+    assert b"more than 1024 bytes" in answer
+    assert small_headers.stats.refused_headers == 1
+
+
+def test_the_header_budget_holds_for_every_request_of_a_kept_alive_connection(small_headers):
+    conn = http.client.HTTPConnection("127.0.0.1", small_headers.port, timeout=10)
+    try:
+        for _ in range(5):  # each request has its own budget: 5 x 800 bytes pass on one connection
+            conn.request("GET", "/ok", headers={"X-Pad": "a" * 800})
+            response = conn.getresponse()
+            assert (response.status, response.read()) == (200, b"ok")
+    finally:
+        conn.close()
+
+
+def test_limits_refuse_a_header_budget_of_nothing():
+    with pytest.raises(ValueError, match="max_header_bytes"):
+        ServerLimits(max_header_bytes=0)
