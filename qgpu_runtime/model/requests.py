@@ -49,6 +49,21 @@ EGPU_CORE = "elasticgpu.io/gpu-core"
 EGPU_MEMORY = "elasticgpu.io/gpu-memory"
 GPU_MODEL_ANNOTATION = "qgpu.io/gpu-model"
 
+MAX_MODEL_NAMES = 16
+"""GPU model names one annotation may list (``qgpu.io/gpu-model``, and each of HAMi's
+``nvidia.com/use-gputype`` and ``nouse-gputype``). A cluster has a handful of GPU models, and
+NVIDIA's data-centre cards since Kepler (K80 to B200) are about twenty; a pod that would take more
+than 16 of them takes any card: leave the annotation out. Bounded because what the parser returns is
+kept: the extender remembers each parsed pod (extender/memo.py), and on DRA pools the webhook
+writes every name into a CEL selector, which the apiserver caps at 10 KiB (16 + 16 of HAMi's names at
+the length bound below take about 5 KiB). Unbounded, 255 KiB of names (``0|1|2|…``, within the
+apiserver's annotation limit) parsed to tens of thousands of strings, about 3.5 MiB a pod."""
+MAX_MODEL_NAME_CHARS = 96
+"""One name's length: NVML's own buffer for a card's name is 96 bytes
+(NVML_DEVICE_NAME_V2_BUFFER_SIZE), the bound the node inventory holds ``model`` to
+(contract/inventory.py ``MAX_ID_CHARS``), so a longer name matches no card, neither exactly
+(``qgpu.io/gpu-model``) nor as a substring (HAMi's)."""
+
 # KAI-Scheduler / Run:ai: pod annotations, read only on pods that name KAI's scheduler.
 KAI_SCHEDULER = "kai-scheduler"
 KAI_FRACTION = "gpu-fraction"
@@ -606,25 +621,42 @@ def _parse_app_class(c: _Collector, annotations: Mapping[str, Any]) -> AppClass:
     return AppClass.NORMAL
 
 
+def _model_names(c: _Collector, key: str, raw: Any, separator: str, empty_rule: str) -> list[str] | None:
+    """The GPU model names annotation ``key`` lists (split on ``separator``, blanks dropped), within
+    :data:`MAX_MODEL_NAMES` and :data:`MAX_MODEL_NAME_CHARS`; or None after recording why not (an
+    empty list too: ``empty_rule``). Refused, not cut: a pod asks for exactly the models it names."""
+    text = str(raw)
+    names = [n for n in (part.strip() for part in text.split(separator)) if n]
+    if not names:
+        c.add("", f"annotation {key}", raw, empty_rule)
+        return None
+    if len(names) > MAX_MODEL_NAMES:
+        c.add("", f"annotation {key}", raw, f"lists {len(names)} GPU model names, at most {MAX_MODEL_NAMES} are allowed "
+              "(a cluster has few models; leave the annotation out to take any card)")
+        return None
+    long = next((n for n in names if len(n) > MAX_MODEL_NAME_CHARS), None)
+    if long is not None:
+        c.add("", f"annotation {key}", raw, f"the GPU model name starting {long[:32]!r} has {len(long)} characters, "
+              f"at most {MAX_MODEL_NAME_CHARS} are allowed (no card's name is longer)")
+        return None
+    return names
+
+
 def _parse_models(c: _Collector, annotations: Mapping[str, Any]) -> frozenset[str] | None:
     raw = annotations.get(GPU_MODEL_ANNOTATION)
     if raw is None:
         return None
-    models = frozenset(m.strip() for m in str(raw).split("|") if m.strip())
-    if not models:
-        c.add("", f"annotation {GPU_MODEL_ANNOTATION}", raw, "must list GPU models separated by '|', e.g. V100|T4")
-        return None
-    return models
+    names = _model_names(c, GPU_MODEL_ANNOTATION, raw, "|", "must list GPU models separated by '|', e.g. V100|T4")
+    return None if names is None else frozenset(names)
 
 
 def _parse_model_patterns(c: _Collector, annotations: Mapping[str, Any]) -> ModelPatterns | None:
     lists: list[tuple[str, ...]] = []
     for key in (HAMI_USE_GPUTYPE, HAMI_NOUSE_GPUTYPE):
         raw = annotations.get(key)
-        names = tuple(sorted({t.strip().upper() for t in str(raw).split(",") if t.strip()})) if raw is not None else ()
-        if raw is not None and not names:
-            c.add("", f"annotation {key}", raw, "must list GPU model names separated by ',', e.g. A100,V100")
-        lists.append(names)
+        names = None if raw is None else _model_names(
+            c, key, raw, ",", "must list GPU model names separated by ',', e.g. A100,V100")
+        lists.append(tuple(sorted({n.upper() for n in names or ()})))
     return ModelPatterns(lists[0], lists[1]) if any(lists) else None
 
 

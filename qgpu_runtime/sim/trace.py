@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from qgpu_runtime.contract.inventory import MAX_CARDS
-from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD, AppClass, ContainerRequest, Dialect, PodRequest
+from qgpu_runtime.model.requests import (
+    CORE_MILLI_PER_CARD,
+    MAX_MODEL_NAME_CHARS,
+    MAX_MODEL_NAMES,
+    AppClass,
+    ContainerRequest,
+    Dialect,
+    PodRequest,
+)
 from qgpu_runtime.placement.state import CardSpec, NodeSpec
 
 NODE_COLUMNS = ("sn", "cpu_milli", "memory_mib", "gpu", "model")
@@ -212,7 +220,12 @@ def load_pods(path: str | Path) -> list[TracePod]:
         name = (row["name"] or "").strip() or f"line-{line}"
         _unique(path, line, "name", name, seen, "pod")
         spec = (row.get("gpu_spec") or "").strip()
-        models = frozenset(m for m in spec.split("|") if m) or None
+        names = [m for m in spec.split("|") if m]
+        if len(names) > MAX_MODEL_NAMES or any(len(m) > MAX_MODEL_NAME_CHARS for m in names):
+            raise TraceError(f"{path}:{line}: column gpu_spec: {_shown(spec)} lists {len(names)} GPU models, the longest of "
+                             f"{max(map(len, names))} characters; at most {MAX_MODEL_NAMES} of at most "
+                             f"{MAX_MODEL_NAME_CHARS} (the bound of qgpu.io/gpu-model)")
+        models = frozenset(names) or None
         pods.append(TracePod(
             name=name,
             cpu_milli=_int(path, line, row, "cpu_milli", POD_BOUNDS),

@@ -106,6 +106,23 @@ def test_invalid_gpu_request_fails_every_node_with_the_reason(plain):
     assert "multiple of 100" in doc["FailedAndUnresolvableNodes"]["a"]
 
 
+def test_a_pod_listing_a_thousand_gpu_models_fails_every_node_and_is_not_remembered(plain):
+    """Admitted before the bound (or where the webhook does not run): filter refuses it with the
+    parser's words, and the parse memo keeps nothing of it (it kept ~3.5 MiB per such pod)."""
+    server, app = plain
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    pod = {"metadata": {"name": "models", "namespace": "ns", "uid": "uid-models", "resourceVersion": "1",
+                        "annotations": {"qgpu.io/gpu-model": "|".join(str(i) for i in range(1000))}},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]}}
+    app.cache.apply_pod("MODIFIED", pod)
+    remembered = len(app.cache.requests)
+    status, doc = call(conn, "POST", "/filter", json.dumps({"Pod": pod, "NodeNames": ["a"]}).encode())
+    assert status == 200 and doc["NodeNames"] == []
+    assert "annotation qgpu.io/gpu-model=0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16... (3889 characters): " \
+        "lists 1000 GPU model names, at most 16 are allowed" in doc["FailedAndUnresolvableNodes"]["a"]
+    assert len(app.cache.requests) == remembered
+
+
 def test_pod_asking_for_nothing_of_ours_passes_every_node(plain):
     server, app = plain
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)

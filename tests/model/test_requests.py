@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from qgpu_runtime.contract.inventory import MAX_ID_CHARS
 from qgpu_runtime.model import AppClass, CardLimits, Dialect, RequestError, parse_pod
 from qgpu_runtime.model.quantity import GRAMMAR
-from qgpu_runtime.model.requests import DEFAULT_LIMITS, pod_compute
+from qgpu_runtime.model.requests import DEFAULT_LIMITS, MAX_MODEL_NAME_CHARS, MAX_MODEL_NAMES, pod_compute
 
 CORE = "tke.cloud.tencent.com/qgpu-core"
 MEM = "tke.cloud.tencent.com/qgpu-memory"
@@ -326,3 +327,48 @@ def test_pod_compute_counts_a_pod_whose_gpu_request_does_not_parse():
 def test_gpu_model_annotation_constrains_models():
     req = parse_pod(pod({"nvidia.com/gpu": "1"}, annotations={"qgpu.io/gpu-model": "V100|T4"}))
     assert req.models == frozenset({"V100", "T4"})
+
+
+# -- GPU model names: bounded, since every component keeps what the parser returns ---------------
+
+MODEL_LISTS = [("qgpu.io/gpu-model", "|"), ("nvidia.com/use-gputype", ","), ("nvidia.com/nouse-gputype", ",")]
+
+
+def test_a_gpu_model_annotation_of_a_thousand_names_is_refused_naming_the_annotation_the_value_cut_and_the_rule():
+    """Before, any number of names parsed: 255 KiB of them (``0|1|2|…``) became a frozenset of
+    tens of thousands of strings that the extender kept per pod version (extender/memo.py)."""
+    names = "|".join(str(i) for i in range(1000))
+    assert errors(pod({"nvidia.com/gpu": "1"}, annotations={"qgpu.io/gpu-model": names})) == [
+        "pod: annotation qgpu.io/gpu-model=0|1|2|3|4|5|6|7|8|9|10|11|12|13|14|15|16... (3889 characters): "
+        "lists 1000 GPU model names, at most 16 are allowed (a cluster has few models; leave the annotation out "
+        "to take any card)"]
+
+
+@pytest.mark.parametrize("key,separator", MODEL_LISTS)
+def test_every_model_list_takes_16_names_of_96_characters_and_refuses_one_more_or_one_longer(key, separator):
+    assert (MAX_MODEL_NAMES, MAX_MODEL_NAME_CHARS) == (16, 96)
+    longest = [f"{i:02d}" + "X" * 94 for i in range(16)]
+    request = parse_pod(pod({"nvidia.com/gpu": "1"}, annotations={key: f" {separator} ".join(longest) + separator}))
+    patterns = request.model_patterns
+    assert len(request.models or patterns.use or patterns.nouse) == 16
+    (problem,) = errors(pod({"nvidia.com/gpu": "1"}, annotations={key: separator.join([*longest, "T4"])}))
+    assert problem.startswith(f"pod: annotation {key}=00XXXXXXXX") and problem.endswith(
+        "lists 17 GPU model names, at most 16 are allowed (a cluster has few models; leave the annotation out to take any card)")
+    too_long = "NVIDIA " + "A" * 90  # 97 characters
+    (problem,) = errors(pod({"nvidia.com/gpu": "1"}, annotations={key: separator.join(["T4", too_long])}))
+    assert problem == (f"pod: annotation {key}=T4{separator}NVIDIA AAAAAAAAAAAAAAAAAAAAAAAAAAAAAA... (100 characters): "
+                       "the GPU model name starting 'NVIDIA AAAAAAAAAAAAAAAAAAAAAAAAA' has 97 characters, "
+                       "at most 96 are allowed (no card's name is longer)")
+
+
+def test_blank_entries_count_for_nothing_and_a_gpu_less_pod_is_held_to_the_same_bound():
+    """Blanks between separators are no names (as HAMi reads its lists); the bound is on the
+    annotation, whatever the pod asks, since the extender parses GPU-less pods too."""
+    assert parse_pod(pod({"cpu": "1"}, annotations={"qgpu.io/gpu-model": "V100||" + "|" * 500 + "T4"})).models == {"V100", "T4"}
+    hami = {"nvidia.com/use-gputype": ",".join(f"M{i}" for i in range(17)), "nvidia.com/nouse-gputype": "T4"}
+    assert [p.split("=")[0] for p in errors(pod({"cpu": "1"}, annotations=hami))] == ["pod: annotation nvidia.com/use-gputype"]
+
+
+def test_the_name_bound_is_the_longest_model_a_node_inventory_may_publish():
+    """A name longer than any card's can match none, exactly or as a substring."""
+    assert MAX_MODEL_NAME_CHARS == MAX_ID_CHARS

@@ -12,7 +12,7 @@ import pytest
 from qgpu_runtime.placement.state import CardSpec, NodeSpec
 from qgpu_runtime.sim import cli
 from qgpu_runtime.sim.replay import ReplayOptions, replay_arrivals, replay_times
-from qgpu_runtime.sim.trace import TracePod, load_nodes, load_pods
+from qgpu_runtime.sim.trace import TraceError, TracePod, load_nodes, load_pods
 
 NODE_HEADER = "sn,cpu_milli,memory_mib,gpu,model\n"
 NODES = NODE_HEADER + "node-0,32000,131072,4,T4\nnode-1,32000,131072,2,V100M32\n"
@@ -91,6 +91,20 @@ def test_node_numbers_are_bounded(tmp_path, pods, row, message):
 def test_pod_numbers_are_bounded(tmp_path, nodes, row, message):
     bad = write(tmp_path, "pods.csv", POD_HEADER + row + "\n")
     refused(simulate("--nodes", str(nodes), "--pods", str(bad), "--seeds", "1", "--workers", "1", "--replay-times"), message)
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("|".join(f"M{i}" for i in range(17)), "pods.csv:2: column gpu_spec: 'M0|M1|M2|M3|M4|M5|M6|M7|M8|M9|M1'… "
+     "(57 characters) lists 17 GPU models, the longest of 3 characters; at most 16 of at most 96 (the bound of qgpu.io/gpu-model)"),
+    ("T4|" + "V" * 97, "lists 2 GPU models, the longest of 97 characters; at most 16 of at most 96"),
+])
+def test_a_pods_gpu_models_are_bounded_as_the_request_parser_bounds_them(tmp_path, nodes, spec, message):
+    bad = write(tmp_path, "pods.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n" + f"p,1000,1024,1,500,{spec}\n")
+    with pytest.raises(TraceError) as info:
+        load_pods(bad)
+    assert message in str(info.value)
+    assert len(load_pods(write(tmp_path, "ok.csv", "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec\n"
+                               + "p,1000,1024,1,500," + "|".join(f"M{i}" for i in range(16)) + "\n"))[0].models) == 16
 
 
 def test_a_repeated_node_name_is_refused_naming_both_lines(tmp_path, pods):

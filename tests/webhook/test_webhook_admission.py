@@ -79,6 +79,31 @@ def test_xgn_toleration_is_added_once_for_exclusive_requests_only():
     assert patch_of(mutate(review(already), WebhookConfig())) == []
 
 
+def test_a_pod_listing_255_kib_of_gpu_model_names_is_refused_at_admission_in_a_short_message():
+    """The apiserver takes 256 KiB of annotations: 85,000 characters of names in each of
+    qgpu.io/gpu-model, HAMi's use-gputype and nouse-gputype (17,874 names each). Admitted before,
+    each parse of the pod made ~3.5 MiB of strings that the extender kept per pod version."""
+    def names(separator: str) -> str:
+        out, n = [], 0
+        while sum(map(len, out)) + len(out) < 85_000:
+            out.append(f"{n:x}")
+            n += 1
+        return separator.join(out)
+
+    p = pod({"tke.cloud.tencent.com/qgpu-core": "10", "tke.cloud.tencent.com/qgpu-memory": "1"})
+    p["metadata"]["annotations"] = {"qgpu.io/gpu-model": names("|"), "nvidia.com/use-gputype": names(","),
+                                    "nvidia.com/nouse-gputype": names(",")}
+    response = validate(review(p), WebhookConfig())["response"]
+    assert response["allowed"] is False and response["status"]["code"] == 422
+    message = response["status"]["message"]
+    assert message.startswith("qgpu: pod: annotation qgpu.io/gpu-model=0|1|2|3|4|5|6|7|8|9|a|b|c|d|e|f|10|11|12... "
+                              "(85001 characters): lists 17874 GPU model names, at most 16 are allowed")
+    for key in ("nvidia.com/use-gputype", "nvidia.com/nouse-gputype"):
+        assert f"annotation {key}=0,1,2,3,4,5,6,7,8,9,a,b,c,d,e,f,10,11,12... (85001 characters): lists 17874" in message
+    assert len(message) < 1024
+    assert patch_of(mutate(review(p), WebhookConfig())) == []  # left to the validator, as every refused pod
+
+
 def test_mutate_leaves_invalid_pods_to_the_validator():
     assert patch_of(mutate(review(pod({"tke.cloud.tencent.com/qgpu-core": "150"})), WebhookConfig())) == []
 

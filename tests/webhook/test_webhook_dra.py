@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 
 from qgpu_runtime.contract import dra, draclaim, names
-from qgpu_runtime.model.requests import RequestError, parse_pod
+from qgpu_runtime.model.requests import MAX_MODEL_NAME_CHARS, MAX_MODEL_NAMES, RequestError, parse_pod
 from qgpu_runtime.webhook import cli
 from qgpu_runtime.webhook.admission import XGN_TOLERATION, WebhookConfig, mutate
 from qgpu_runtime.webhook.dra import ClaimTemplate, DraConfig, DraRefusal, TemplateError, convert, mutate_dra
@@ -297,6 +297,19 @@ def test_model_names_are_escaped_as_cel_strings():
     assert dra.model_selector(['a"b\\c']) == 'device.attributes["gpu.qgpu.io"].model in ["a\\"b\\\\c"]'
 
 
+def test_model_lists_at_their_bound_give_selectors_within_the_apiservers_cel_limit():
+    """Each name of qgpu.io/gpu-model, use-gputype and nouse-gputype goes into a CEL expression, which
+    the apiserver refuses past 10 KiB (resource.k8s.io CELSelectorExpressionMaxLength): at the
+    parser's bound (16 names of 96 characters in each), every expression fits."""
+    longest = [f"NVIDIA {i:02d}" + "X" * 87 for i in range(MAX_MODEL_NAMES)]
+    assert {len(n) for n in longest} == {MAX_MODEL_NAME_CHARS}
+    notes = {"qgpu.io/gpu-model": "|".join(longest), "nvidia.com/use-gputype": ",".join(longest),
+             "nvidia.com/nouse-gputype": ",".join(n.replace("NVIDIA", "TESLA") for n in longest)}
+    _, templates = applied(pod(container(limits={QGPU_CORE: "30", QGPU_MEMORY: "4"}), annotations=notes))
+    selectors = only_request(next(iter(templates.values())))["exactly"]["selectors"]
+    assert len(selectors) == 2 and all(len(s["cel"]["expression"].encode()) <= 10 * 1024 for s in selectors)
+
+
 def test_different_models_give_different_templates():
     one = convert(pod(container(limits={"tensorstack.dev/nvidia-gpu": "1"}), annotations={"qgpu.io/gpu-model": "V100"}))
     two = convert(pod(container(limits={"tensorstack.dev/nvidia-gpu": "1"}), annotations={"qgpu.io/gpu-model": "T4"}))
@@ -351,6 +364,8 @@ def test_template_names_are_dns_subdomains():
     ({QGPU_CORE: "30", QGPU_MEMORY: "4"}, {APP_CLASS: "online"}),
     ({"tke.cloud.tencent.com/qgpu-cores": "30"}, None),
     ({"nvidia.com/gpu": "500m"}, None),
+    ({QGPU_CORE: "30", QGPU_MEMORY: "4"}, {"qgpu.io/gpu-model": "|".join(map(str, range(1000)))}),
+    ({"nvidia.com/gpu": "1"}, {"nvidia.com/nouse-gputype": "T4," + "X" * 97}),
 ])
 def test_invalid_requests_are_refused_with_the_parsers_message(limits, annotations):
     p = pod(container(limits=limits), annotations=annotations)
