@@ -9,7 +9,7 @@ defaults and templates name nothing under these prefixes that this module does n
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final, Mapping
 
 # --- pods: written by the extender at bind, read by the node manager and `qgpu status` -----------
 # A tenant may write none of these (the roles' ValidatingAdmissionPolicy qgpu-pod-annotations).
@@ -73,6 +73,12 @@ GROUP_MIN_MEMBER: Final = "qgpu.io/group-min-member"
 """Pod annotation a user writes: the minimum size of the pod's T9k group, 1..64 (extender/groups.py)."""
 GROUP_LABEL: Final = "scheduler.tensorstack.dev/group-name"
 """Pod label a user writes: T9k's group (gang) of the pod, by name within its namespace."""
+MIRROR_POD: Final = "kubernetes.io/config.mirror"
+"""Pod annotation the kubelet puts on the mirror pod of a static pod. NodeRestriction lets a node
+create no other pod (bound to itself, in any namespace, with any labels and annotations); the
+apiserver requires ``spec.nodeName`` with it at create and refuses adding, changing or removing it
+later; and a kubelet runs such a pod only from a manifest on its own host, never as the apiserver
+holds it. Kubernetes' own name: not checked against the roles."""
 GPU_MODE: Final = "qgpu.io/gpu-mode"
 """Label of namespaces (and annotation of pods) choosing how GPU requests are served: ``dra``
 namespaces are registered with the webhook's /mutate-dra, which turns every dialect into DRA claims;
@@ -130,6 +136,14 @@ def phase(pod: dict) -> str:
 
 def finished(pod: dict) -> bool:
     return phase(pod) in FINISHED_PHASES
+
+
+def mirror_pod(pod: Mapping[str, Any]) -> bool:
+    """Whether ``pod`` carries :data:`MIRROR_POD`: a static pod's mirror, which a node creates bound
+    to itself; anyone else's pod carrying it was created bound too, and no kubelet runs it."""
+    meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
+    annotations = meta.get("annotations") if isinstance(meta.get("annotations"), Mapping) else {}
+    return MIRROR_POD in annotations
 
 
 SHARED: Final = frozenset({

@@ -63,6 +63,7 @@ class ExtenderMetrics:
     commitment_conflicts: Counter
     untrusted_records: Gauge
     evictions: Counter
+    unapplied_pods: Gauge
     # the serving certificate's notAfter and reloads (servingcert.py); over TLS only: over plain HTTP
     # a notAfter of 0 would read as expired to every alert on it
     certificate: CertificateMetrics | None = None
@@ -100,6 +101,9 @@ class ExtenderMetrics:
                               "Eviction API calls for pods on failed cards (--evict-on-unhealthy-card) by result: "
                               "evicted, or refused (a PodDisruptionBudget, the apiserver; asked again later)",
                               ["result"], registry=registry),
+            unapplied_pods=Gauge("qgpu_extender_unapplied_pods",
+                                 "Live pods whose latest watch event the cache could not apply (logged once per pod "
+                                 "version); each keeps the state the cache had of it", registry=registry),
         )
 
 
@@ -286,3 +290,4 @@ class ExtenderApp:
             self.metrics.bookings.set(len(state.bookings))
         self.metrics.holds.set(self.cache.holds())
         self.metrics.untrusted_records.set(len(self.cache.untrusted()))
+        self.metrics.unapplied_pods.set(len(self.cache.unapplied()))

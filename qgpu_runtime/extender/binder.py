@@ -53,6 +53,7 @@ from qgpu_runtime.extender.groups import (
     GroupKey,
     HeldMember,
     Listed,
+    from_node,
     group_of,
     min_members,
 )
@@ -302,14 +303,17 @@ class Binder:
     def _list_group(self, key: str, group: GroupKey) -> list[Listed]:
         """The group's live pods as the apiserver has them now (at most MAX_GROUP_MEMBERS)."""
         try:
-            pods, more = self.pods.list_live(group.namespace, f"{GROUP_LABEL}={group.name}", MAX_GROUP_MEMBERS)
+            # Mirror pods are no members: a node may create any number of them with the group's
+            # label, and counted here they made the group "more than 64" for ever.
+            pods, more = self.pods.list_live(group.namespace, f"{GROUP_LABEL}={group.name}", MAX_GROUP_MEMBERS,
+                                             skip=from_node)
         except Exception as exc:
             raise BindError(f"pod {key}: cannot list the pods of group {group} ({short(exc)}); its cards stay held, "
                             "the next bind tries again") from exc
         if more:
             raise BindError(f"pod {key}: group {group} has more than {MAX_GROUP_MEMBERS} live members: at most "
                             f"{MAX_GROUP_MEMBERS} are held together; split the group")
-        return [Listed.of(p) for p in pods]
+        return [m for m in map(Listed.of, pods) if m is not None]
 
     def _bind_held(self, group: GroupKey, member: HeldMember, pod: dict[str, Any] | None) -> BindOutcome:
         """POST one held member's Binding with its held record. ``pod`` is given for the member whose

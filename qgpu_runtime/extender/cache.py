@@ -32,6 +32,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from qgpu_runtime.contract.names import FINISHED_PHASES
 from qgpu_runtime.contract.record import AllocationRecord
 from qgpu_runtime.contract.signature import RecordVerifier
 from qgpu_runtime.extender.bookings import Bookings
@@ -69,6 +70,14 @@ __all__ = ["DEFAULT_MAX_HOLDS", "AllocationCache", "Expired", "FilterOutcome", "
            "default_holds_per_namespace", "pod_key"]
 
 log = logging.getLogger(__name__)
+
+_SHOWN_ERROR = 200
+
+
+def _cut(exc: BaseException) -> str:
+    """An error's text for a log line, cut: it may quote what a pod's owner wrote."""
+    text = str(exc)
+    return text if len(text) <= _SHOWN_ERROR else f"{text[:_SHOWN_ERROR]}... ({len(text)} characters)"
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,8 @@ class AllocationCache:
         self.budgets = DisruptionBudgets(self._problem)  # fed by the watch; read by preempt
         self.group_timeout_s = group_timeout_ns / 1e9
         self.committed = CommittedView(self.lock, self.state, self._nodes, self._pods, self._mirror, self._booked)
+        # pod key -> (resourceVersion, reason) of the live pods whose latest event could not be applied
+        self._unapplied: dict[str, tuple[str, str]] = {}
 
     def _problem(self, message: str) -> None:
         log.warning("%s", message)
@@ -227,6 +238,17 @@ class AllocationCache:
                     self.apply_node("DELETED", {"metadata": {"name": name}})
 
     def apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
+        """One watch event of ``pod``. Never raises: the watch of every pod, and each relist, goes
+        through here, so one pod whose event cannot be applied (a value no parser foresaw) would
+        otherwise stop the cache for all of them (:meth:`_unapplied_event` says what is kept)."""
+        try:
+            self._apply_pod(event, pod)
+        except Exception as exc:  # noqa: BLE001 - one pod's event must not stop the watch of all pods
+            self._unapplied_event(event, pod, exc)
+
+    def _apply_pod(self, event: str, pod: Mapping[str, Any]) -> None:
+        # What a pod's owner writes is read (kept, entry_of) before the first change below, so an
+        # event that fails there changes nothing.
         pod = kept(pod)  # what every part below reads, and holds no more than (kube/podslim.py)
         entry, refusal = entry_of(pod, self.verifier)
         with self.lock:
@@ -236,6 +258,8 @@ class AllocationCache:
             # A victim's booking as it was before its release: kept for the pod that preempted it.
             victim = state.bookings.get(entry.key) if leaving and self._nominations.waits_for(entry.key) else None
             self._events.apply(state, event, pod, entry)
+            if leaving and entry.uid:
+                self.requests.forget(entry.uid)  # a deleted or finished pod's parse (extender/memo.py)
             if leaving and self._nominations.waits_for(entry.key):
                 self._nominations.victim_left(state, entry.key, victim)
             if self._nominations.has(entry.key):
@@ -246,17 +270,70 @@ class AllocationCache:
                     self._nominations.nominated(state, entry.key, entry.nominated)
             # A member deleted or replaced drops its group hold; the event above released its booking.
             self._groups.observe(entry.key, pod, event == "DELETED" or entry.terminal, bool(entry.node_name))
+            self._unapplied.pop(entry.key, None)
+
+    def _unapplied_event(self, event: str, pod: Mapping[str, Any], exc: Exception) -> None:
+        """An event of ``pod`` that raised ``exc``: reported once per pod version and reason, and
+        kept in :meth:`unapplied` (the ``qgpu_extender_unapplied_pods`` gauge) until one applies.
+
+        The pod keeps the state the cache had of it (its booking, hold and group membership): the
+        event is skipped, and a relist still listing the pod does not take it for gone. Dropping it
+        instead would free the cards a bound pod holds on its node, and the next filter would give
+        them to another pod (two pods on one card's share); keeping it at worst keeps cards booked
+        that were meanwhile freed (a refusal, never an over-commit) until an event of the pod
+        applies, it ends, or a relist leaves it out. A pod whose first event fails (after a restart:
+        no state yet) books nothing until one applies: the node's own check of its grants
+        (node/overbooking.py) is then what keeps a second pod off its cards. An event that says the
+        pod left (DELETED, Succeeded, Failed) is applied as the bare deletion a relist makes, which
+        reads nothing of the pod but its name and UID: a pod that is gone holds no cards."""
+        try:
+            key = pod_key(pod)
+            meta = pod.get("metadata") or {}
+            uid, version = str(meta.get("uid") or ""), str(meta.get("resourceVersion") or "")
+            leaving = event == "DELETED" or (pod.get("status") or {}).get("phase") in FINISHED_PHASES
+        except Exception:  # noqa: BLE001 - not even its name can be read: nothing of it can be kept either
+            log.warning("a pod %s event the cache cannot read was skipped (%s)", event, _cut(exc))
+            return
+        ns, name = key.split("/", 1)
+        with self.lock:
+            if leaving:
+                self._unapplied.pop(key, None)
+                self._problem(f"pod {key}: its {event} event could not be applied ({_cut(exc)}); "
+                              "applied as the pod's deletion")
+                try:
+                    self._apply_pod("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": uid}})
+                except Exception as again:  # noqa: BLE001 - the next relist, which no longer lists it, tries again
+                    log.warning("pod %s: its deletion could not be applied either (%s)", key, _cut(again))
+                return
+            reason = f"{type(exc).__name__}: {_cut(exc)}"
+            if self._unapplied.get(key) == (version, reason):
+                return  # this version of the pod was reported already (a relist delivers it again)
+            self._unapplied[key] = (version, reason)
+            self._problem(f"pod {key}: its {event} event (resourceVersion {version or 'unknown'}) could not be applied "
+                          f"({reason}); the pod keeps the state the cache had of it until an event of it applies")
+
+    def unapplied(self) -> dict[str, str]:
+        """Live pods whose latest event could not be applied, with the reason (a copy)."""
+        with self.lock:
+            return {key: reason for key, (_, reason) in self._unapplied.items()}
 
     def replace_pods(self, pods: Iterable[Mapping[str, Any]]) -> None:
+        """A full relist. A pod whose event cannot be applied is still listed: it keeps its state
+        (:meth:`_unapplied_event`) and the others are applied."""
         with self.lock:
             seen = set()
             for pod in pods:
-                seen.add(pod_key(pod))
-                self.apply_pod("MODIFIED", pod)
+                self.apply_pod("MODIFIED", pod)  # never raises
+                try:
+                    seen.add(pod_key(pod))
+                except Exception:  # noqa: BLE001 - reported by apply_pod; nameless, it keeps nothing
+                    continue
             for entry in list(self._pods.entries()):
                 if entry.key not in seen:
                     ns, name = entry.key.split("/", 1)
                     self.apply_pod("DELETED", {"metadata": {"namespace": ns, "name": name, "uid": entry.uid}})
+            for key in [k for k in self._unapplied if k not in seen]:
+                del self._unapplied[key]  # gone while the watch was down
 
     # -- the scheduler's verbs -----------------------------------------------------------------
 

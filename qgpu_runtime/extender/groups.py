@@ -20,6 +20,11 @@ extender holds the group itself:
   created together, the first already at bind before the extender saw the others), so before a
   group counts as complete its pods are listed from the apiserver and counted too.
 
+A mirror pod (a static pod's, :data:`~qgpu_runtime.contract.names.MIRROR_POD`, or a pod a Node
+controls) is never a member: NodeRestriction lets a node create such pods, bound to itself, in any
+namespace and with any labels, so a compromised node could otherwise join a victim's group, raise its
+size to 64 or count as placed members that never ran.
+
 Bounds, because the label is tenant-writable: at most :data:`MAX_GROUP_MEMBERS` members, held
 members count against ``--max-holds`` and ``--max-holds-per-namespace`` like every pod awaiting its
 bind, and a group's holds end ``timeout`` after its first one; it then rests as long before it may
@@ -34,11 +39,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
-from qgpu_runtime.contract.names import GROUP_LABEL, GROUP_MIN_MEMBER
+from qgpu_runtime.contract.names import GROUP_LABEL, GROUP_MIN_MEMBER, mirror_pod
 from qgpu_runtime.contract.record import AllocationRecord
+from qgpu_runtime.model.quantity import show_value
 
 MIN_MEMBER_ANNOTATION = GROUP_MIN_MEMBER  # the user writes it; the roles' policy leaves it open
 MAX_GROUP_MEMBERS = 64
+_MIN_MEMBER_DIGITS = len(str(MAX_GROUP_MEMBERS))
 DEFAULT_GROUP_TIMEOUT_S = 60.0
 MAX_GROUP_TIMEOUT_S = 600.0
 DEFAULT_GROUP_SETTLE_S = 5.0
@@ -58,26 +65,40 @@ class GroupKey:
         return f"{self.namespace}/{self.name}"
 
 
+def from_node(pod: Mapping[str, Any]) -> bool:
+    """A mirror pod: it carries the kubelet's mirror annotation, or a Node is its controller."""
+    if mirror_pod(pod):
+        return True
+    refs = (pod.get("metadata") or {}).get("ownerReferences")
+    return isinstance(refs, list) and any(
+        isinstance(r, Mapping) and r.get("kind") == "Node" and r.get("controller") is True for r in refs)
+
+
 def group_of(pod: Mapping[str, Any]) -> GroupKey | None:
-    """The pod's group (namespace + label value), None when it names none."""
+    """The pod's group (namespace + label value), None when it names none or is a mirror pod."""
     meta = pod.get("metadata") or {}
     name = (meta.get("labels") or {}).get(GROUP_LABEL)
-    if not name:
+    if not name or from_node(pod):
         return None
     return GroupKey(meta.get("namespace") or "default", str(name))
 
 
 def min_members(pod: Mapping[str, Any]) -> int:
     """The pod's ``qgpu.io/group-min-member`` (1 when absent); :class:`GroupError` naming the pod,
-    the annotation, the value and the rule when it is not an integer in 1..MAX_GROUP_MEMBERS."""
+    the annotation, the value (cut) and the rule when it is not an integer in 1..MAX_GROUP_MEMBERS.
+
+    Only ASCII digits, at most as many as MAX_GROUP_MEMBERS has: ``str.isdigit`` also passes "²"
+    or "①", which ``int`` refuses with a ValueError (so does a 5,000-digit string), and that error
+    broke the extender's pod watch on every event and relist (docs/security.md)."""
     meta = pod.get("metadata") or {}
     raw = (meta.get("annotations") or {}).get(MIN_MEMBER_ANNOTATION)
     if raw is None:
         return 1
     text = str(raw).strip()
-    if not text.isdigit() or not 1 <= int(text) <= MAX_GROUP_MEMBERS:
+    if not (text.isascii() and text.isdigit() and len(text) <= _MIN_MEMBER_DIGITS) \
+            or not 1 <= int(text) <= MAX_GROUP_MEMBERS:
         raise GroupError(f"pod {meta.get('namespace') or 'default'}/{meta.get('name')}: annotation "
-                         f"{MIN_MEMBER_ANNOTATION}={raw!r}: must be an integer in 1..{MAX_GROUP_MEMBERS}")
+                         f"{MIN_MEMBER_ANNOTATION}={show_value(repr(raw))}: must be an integer in 1..{MAX_GROUP_MEMBERS}")
     return int(text)
 
 
@@ -125,7 +146,10 @@ class Listed:
     stated: bool = False  # the pod carries the size annotation
 
     @classmethod
-    def of(cls, pod: Mapping[str, Any]) -> "Listed":
+    def of(cls, pod: Mapping[str, Any]) -> "Listed | None":
+        """None for a pod that is no member (a mirror pod, :func:`group_of`)."""
+        if group_of(pod) is None:
+            return None
         meta = pod.get("metadata") or {}
         try:
             wanted = min_members(pod)

@@ -9,7 +9,7 @@ Every answer the extender does not need is still read to the end (``kube.client.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Mapping
 
 from kubernetes import client
 
@@ -43,11 +43,13 @@ class PodApi:
             lambda: call(self.api.read_namespaced_pod, name, namespace, _preload_content=False, _request_timeout=self.timeout),
             attempts=self.attempts))
 
-    def list_live(self, namespace: str, label_selector: str, limit: int) -> tuple[list[dict[str, Any]], bool]:
+    def list_live(self, namespace: str, label_selector: str, limit: int,
+                  skip: Callable[[Mapping[str, Any]], bool] | None = None) -> tuple[list[dict[str, Any]], bool]:
         """The live (neither Succeeded nor Failed) pods of ``namespace`` matching ``label_selector``,
         at most ``limit`` of them as :func:`~qgpu_runtime.kube.podslim.kept` leaves them, and whether
         there are more. Read a page at a time under kube/paging.py's byte cap: a group's members are
-        its tenant's pods, each up to etcd's object limit, and were decoded in one answer."""
+        its tenant's pods, each up to etcd's object limit, and were decoded in one answer.
+        ``skip``: pods left out and not counted towards ``limit``, judged as the apiserver has them."""
         listed: list[dict[str, Any]] = []
 
         def fetch(page_limit: int, token: str | None) -> Any:
@@ -57,7 +59,7 @@ class PodApi:
                 _continue=token, _preload_content=False, _request_timeout=self.timeout), attempts=self.attempts)
 
         for page in pages(fetch):
-            listed.extend(kept(p) for p in page)
+            listed.extend(kept(p) for p in page if skip is None or not skip(p))
             if len(listed) > limit:
                 return listed[:limit], True
         return listed, False

@@ -135,6 +135,19 @@ class CacheFeeder:
                 version = ""
                 self._stop.wait(delay)
 
+    @staticmethod
+    def _apply(kind: Kind, event: str, obj: Mapping[str, Any]) -> None:
+        """One event into the cache. One object whose event raises is skipped, the stream goes on:
+        breaking it relisted, the relist met the same object, and the kind never synced again (a
+        tenant's pod did that to the pods' watch). The cache keeps that object as it had it; each
+        event is logged once (a watch delivers each resourceVersion once)."""
+        try:
+            kind.apply(event, obj)
+        except Exception as exc:  # noqa: BLE001 - one object must not stop the watch of its kind
+            meta = obj.get("metadata") if isinstance(obj, Mapping) and isinstance(obj.get("metadata"), Mapping) else {}
+            log.warning("watch %s: %s event of %s/%s (resourceVersion %s) not applied, skipped: %s", kind.name, event,
+                        meta.get("namespace") or "-", meta.get("name"), meta.get("resourceVersion"), str(exc)[:200])
+
     def _follow(self, kind: Kind, version: str) -> str:
         kwargs: dict[str, Any] = {
             "resource_version": version,
@@ -161,7 +174,7 @@ class CacheFeeder:
                     raise RuntimeError(f"watch error: {obj.get('message') or obj}")
                 version = str((obj.get("metadata") or {}).get("resourceVersion") or version)
                 if kind_of_event in ("ADDED", "MODIFIED", "DELETED"):
-                    kind.apply(kind_of_event, obj)
+                    self._apply(kind, kind_of_event, obj)
         finally:
             response.close()
             response.release_conn()

@@ -3,35 +3,63 @@
 The extender keeps every unbound pod, the pods kube-scheduler asked it about and, per live pod,
 what preemption and the bookings read; a node manager keeps every pod of its node. A pod's owner (a
 tenant with ``edit``) decides its size: a pod near etcd's 1.5 MiB object limit, in tens of
-thousands of ``env`` entries, tolerations, host aliases or labels, decodes to about 7 times its JSON
-(0.9 MiB to 6.4 MiB, tests/kube/test_podslim.py), and a few dozen such pods, which ask no GPU and
-which nothing of qgpu judges, held whole, were enough to run the extender (800 Mi) or a node
-manager (300 Mi) out of memory.
+thousands of ``env`` entries, tolerations, host aliases, labels or extended resource names,
+decodes to about 7 times its JSON (0.9 MiB to 6.4 MiB, tests/kube/test_podslim.py), and a few dozen
+such pods, which ask no GPU and which nothing of qgpu judges, held whole, were enough to run the
+extender (800 Mi) or a node manager (300 Mi) out of memory.
 
 :func:`kept` keeps, by name (docs/security.md, "What qgpu keeps of a pod"):
 
-- metadata: identity, version, deletion, the labels and the annotations qgpu reads;
+- metadata: identity, version, deletion, the labels and the annotations qgpu reads, and the
+  ``Node`` entries of ``ownerReferences`` (with ``kubernetes.io/config.mirror``, what marks a
+  mirror pod);
 - spec: node, scheduler, priority, claims, pod-level resources and overhead, and of each container
   and init container its name, resources and restart policy (a sidecar's);
 - status: phase, nominated node and the container and claim statuses (the kubelet writes those).
+
+Of every ``resources`` (a container's, an init container's, the pod's) and of ``overhead`` only the
+names a reader reads are kept: ``cpu`` and ``memory`` (node fit) and the GPU names of every dialect
+the request parser knows (``model/requests.py`` ``GPU_RESOURCES`` and the qGPU prefix). A name of
+the qGPU prefix the parser does not know is an error it reports: the first
+:data:`MAX_KEPT_UNKNOWN_QGPU_NAMES` of a container's, in the parser's (sorted) order, are kept, so a
+pod that asks for one is refused from the kept form as from the whole. Any other resource name (a
+tenant's ``1a/r`` of tens of thousands, ``ephemeral-storage``, hugepages) asks nothing qgpu
+places or charges and is read by none of its readers. A container's ``resources.claims`` keeps
+``name`` and ``request`` of each entry, up to :data:`MAX_KEPT_CLAIM_REFS` entries; past that one
+entry per claim name without its request (the whole claim: a reader links the container to every
+row of the claim, never to fewer). Of each entry of ``spec.resourceClaims``, of the claim and
+container statuses, only the fields read are kept.
 
 Labels are kept whole up to :data:`MAX_KEPT_LABELS` entries and :data:`MAX_KEPT_LABEL_CHARS`
 characters, since a PodDisruptionBudget's selector may name any key (extender preemption); past
 either bound only the label qgpu reads by name (T9k's group) is kept, and budgets see the pod as
 carrying that label alone. The annotations kept are those qgpu reads (:data:`KEPT_ANNOTATIONS`).
+
+Each part is reduced by a function that returns its argument itself when it carries nothing to
+drop, so a pod kept already is returned as it is (compared, not copied, on every call).
 """
 
 from __future__ import annotations
 
-from typing import Any, Final, Mapping
+import heapq
+import operator
+from typing import Any, Callable, Final, Mapping
 
-from qgpu_runtime.contract.names import ALLOCATION, ALLOCATION_SIGNATURE, ASSIGNED, BIND_TIME, GROUP_LABEL, GROUP_MIN_MEMBER
-from qgpu_runtime.model.requests import REQUEST_ANNOTATIONS
+from qgpu_runtime.contract.names import (
+    ALLOCATION,
+    ALLOCATION_SIGNATURE,
+    ASSIGNED,
+    BIND_TIME,
+    GROUP_LABEL,
+    GROUP_MIN_MEMBER,
+    MIRROR_POD,
+)
+from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, REQUEST_ANNOTATIONS
 
 TOP_FIELDS: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
 METADATA_FIELDS: Final = frozenset({
     "name", "namespace", "uid", "generateName", "resourceVersion", "creationTimestamp", "deletionTimestamp",
-    "labels", "annotations",
+    "labels", "annotations", "ownerReferences",
 })
 SPEC_FIELDS: Final = frozenset({
     "nodeName", "schedulerName", "priority", "resourceClaims", "resources", "overhead", "containers", "initContainers",
@@ -41,17 +69,56 @@ CONTAINER_LISTS: Final = ("containers", "initContainers")
 STATUS_FIELDS: Final = frozenset({
     "phase", "nominatedNodeName", "containerStatuses", "initContainerStatuses", "resourceClaimStatuses",
 })
+MIRROR_ANNOTATION: Final = MIRROR_POD
+"""What the kubelet writes on the mirror pod of a static pod (the pod's config hash)."""
 KEPT_ANNOTATIONS: Final = frozenset({
-    *REQUEST_ANNOTATIONS, ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME, ASSIGNED, GROUP_MIN_MEMBER,
+    *REQUEST_ANNOTATIONS, ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME, ASSIGNED, GROUP_MIN_MEMBER, MIRROR_ANNOTATION,
 })
 """Every pod annotation a component that keeps pods reads: the request's (model/requests.py), the
-allocation record with its signature and bind time, the containers served, a group's size."""
+allocation record with its signature and bind time, the containers served, a group's size, and
+whether the pod is a static pod's mirror."""
+MAX_MIRROR_VALUE_CHARS: Final = 64
+"""The kubelet's mirror annotation is a 32-digit hash; a longer value (a tenant's, up to the
+apiserver's 256 KiB) is kept as "": the annotation is read by its presence."""
 MAX_KEPT_LABELS: Final = 128
 MAX_KEPT_LABEL_CHARS: Final = 32 * 1024
 
+COMPUTE_RESOURCES: Final = frozenset({"cpu", "memory"})
+"""The resources node fit reads (model/requests.py ``_pod_compute``), of containers, the pod and its
+overhead; the pod's own ``resources`` and ``overhead`` name no others qgpu reads."""
+READ_RESOURCES: Final = COMPUTE_RESOURCES | GPU_RESOURCES
+"""Every resource name a reader of a kept pod reads (besides unknown ones of the qGPU prefix)."""
+RESOURCES_FIELDS: Final = frozenset({"limits", "requests", "claims"})
+POD_RESOURCES_FIELDS: Final = frozenset({"limits", "requests"})
+MAX_KEPT_UNKNOWN_QGPU_NAMES: Final = 8
+CLAIM_REF_FIELDS: Final = frozenset({"name", "request"})
+MAX_KEPT_CLAIM_REFS: Final = 32
+MAX_CLAIM_NAME_CHARS: Final = 63
+"""A claim entry's name and a request's name are DNS labels (the apiserver refuses longer)."""
+POD_CLAIM_FIELDS: Final = frozenset({"name", "resourceClaimName", "resourceClaimTemplateName"})
+CLAIM_STATUS_FIELDS: Final = frozenset({"name", "resourceClaimName"})
+CONTAINER_STATUS_FIELDS: Final = frozenset({"name", "containerID"})
+"""What node/metrics.py and node/containers.py read of a container's status: which container a
+runtime ID is (not its state, image, resources or termination message)."""
+OWNER_FIELDS: Final = frozenset({"apiVersion", "kind", "name", "uid", "controller", "blockOwnerDeletion"})
+MAX_KEPT_NODE_OWNERS: Final = 2
+"""A mirror pod has exactly one owner, its Node: two are kept, so "more than one" stays visible."""
+MAX_OWNER_FIELD_CHARS: Final = 253  # a Node's name is a DNS subdomain
 
-def _only(obj: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
+
+def _only(obj: Mapping[str, Any], names: frozenset[str]) -> Any:
+    """``obj`` itself when it carries no key but ``names``, else a new dict of those keys."""
+    if obj.keys() <= names:
+        return obj
     return {k: v for k, v in obj.items() if k in names}
+
+
+def _each(items: Any, reduce: Callable[[Any], Any]) -> Any:
+    """``items`` with each dict reduced, or ``items`` itself when no dict changed (or not a list)."""
+    if not isinstance(items, list):
+        return items
+    out = [reduce(i) if isinstance(i, dict) else i for i in items]
+    return items if all(map(operator.is_, out, items)) else out
 
 
 def _labels(labels: Any) -> Any:
@@ -61,58 +128,166 @@ def _labels(labels: Any) -> Any:
     return {GROUP_LABEL: labels[GROUP_LABEL]} if GROUP_LABEL in labels else {}
 
 
+def _annotations(notes: Any) -> Any:
+    if not isinstance(notes, dict):
+        return notes
+    out = _only(notes, KEPT_ANNOTATIONS)
+    mirror = out.get(MIRROR_ANNOTATION)
+    if isinstance(mirror, str) and len(mirror) > MAX_MIRROR_VALUE_CHARS:
+        out = {**out, MIRROR_ANNOTATION: ""}
+    return out
+
+
+def _is_node_owner(ref: Any) -> bool:
+    return isinstance(ref, dict) and ref.get("kind") == "Node" and all(
+        not isinstance(v, str) or len(v) <= MAX_OWNER_FIELD_CHARS for k, v in ref.items() if k in OWNER_FIELDS)
+
+
+def _owners(refs: Any) -> Any:
+    """The ``Node`` entries of ``ownerReferences`` (at most :data:`MAX_KEPT_NODE_OWNERS`), each of
+    the reference's own fields; ``None`` when there is none."""
+    if not isinstance(refs, list):
+        return refs
+    nodes = [r for r in refs if _is_node_owner(r)][:MAX_KEPT_NODE_OWNERS]
+    if not nodes:
+        return None
+    out = _each(nodes, lambda r: _only(r, OWNER_FIELDS))
+    return refs if len(out) == len(refs) and all(a is b for a, b in zip(out, refs)) else out
+
+
 def _metadata(meta: dict[str, Any]) -> dict[str, Any]:
     out = _only(meta, METADATA_FIELDS)
-    if "labels" in out:
-        out["labels"] = _labels(out["labels"])
-    notes = out.get("annotations")
-    if isinstance(notes, dict):
-        out["annotations"] = _only(notes, KEPT_ANNOTATIONS)
+    changed = {}
+    for name, reduce in (("labels", _labels), ("annotations", _annotations), ("ownerReferences", _owners)):
+        if name in out:
+            value = reduce(out[name])
+            if value is not out[name]:
+                changed[name] = value
+    if not changed:
+        return out
+    out = {**out, **changed}
+    if out.get("ownerReferences", ()) is None:
+        del out["ownerReferences"]
     return out
+
+
+def _resource_names(*sides: Any) -> Callable[[Any], bool]:
+    """Which names of these ``limits``/``requests`` maps are kept: those read, and the first
+    :data:`MAX_KEPT_UNKNOWN_QGPU_NAMES` unknown qGPU names of both sides together, in sorted
+    order (the order the parser reports them in)."""
+    unknown = {k for side in sides if isinstance(side, dict) for k in side
+               if isinstance(k, str) and k.startswith(QGPU_PREFIX) and k not in GPU_RESOURCES}
+    if len(unknown) > MAX_KEPT_UNKNOWN_QGPU_NAMES:
+        unknown = set(heapq.nsmallest(MAX_KEPT_UNKNOWN_QGPU_NAMES, unknown))
+    return lambda name: name in READ_RESOURCES or name in unknown
+
+
+def _named(values: Any, keep: Callable[[Any], bool]) -> Any:
+    if not isinstance(values, dict) or all(map(keep, values)):
+        return values
+    return {k: v for k, v in values.items() if keep(k)}
+
+
+def _claim_refs(refs: Any) -> Any:
+    """A container's ``resources.claims``: each entry's ``name`` and ``request`` (an entry naming
+    more than a DNS label names nothing the apiserver accepts, and is dropped); past
+    :data:`MAX_KEPT_CLAIM_REFS` entries, one per claim name, without its request."""
+    if not isinstance(refs, list):
+        return refs
+
+    def fits(ref: Any) -> bool:
+        return not isinstance(ref, dict) or all(
+            not isinstance(ref.get(k), str) or len(ref[k]) <= MAX_CLAIM_NAME_CHARS for k in CLAIM_REF_FIELDS)
+
+    kept_refs = [r for r in refs if fits(r)]
+    if len(kept_refs) > MAX_KEPT_CLAIM_REFS:  # the whole of each claim named (an entry of another type dropped)
+        whole = [{"name": n} for n in dict.fromkeys(r["name"] for r in kept_refs if isinstance(r, dict) and isinstance(r.get("name"), str))]
+        return refs if whole == refs else whole
+    out = _each(kept_refs, lambda r: _only(r, CLAIM_REF_FIELDS))
+    return refs if len(out) == len(refs) and all(a is b for a, b in zip(out, refs)) else out
+
+
+def _container_resources(resources: Any) -> Any:
+    if not isinstance(resources, dict):
+        return resources
+    out = _only(resources, RESOURCES_FIELDS)
+    changed = {}
+    limits, requests = out.get("limits"), out.get("requests")
+    if not all(not isinstance(side, dict) or side.keys() <= READ_RESOURCES for side in (limits, requests)):
+        keep = _resource_names(limits, requests)
+        for side in ("limits", "requests"):
+            if side in out:
+                value = _named(out[side], keep)
+                if value is not out[side]:
+                    changed[side] = value
+    if "claims" in out:
+        claims = _claim_refs(out["claims"])
+        if claims is not out["claims"]:
+            changed["claims"] = claims
+    return {**out, **changed} if changed else out
+
+
+def _pod_resources(resources: Any) -> Any:
+    if not isinstance(resources, dict):
+        return resources
+    out = _only(resources, POD_RESOURCES_FIELDS)
+    changed = {side: v for side in POD_RESOURCES_FIELDS if side in out
+               for v in [_named(out[side], COMPUTE_RESOURCES.__contains__)] if v is not out[side]}
+    return {**out, **changed} if changed else out
+
+
+def _container(container: dict[str, Any]) -> dict[str, Any]:
+    out = _only(container, CONTAINER_FIELDS)
+    if "resources" in out:
+        resources = _container_resources(out["resources"])
+        if resources is not out["resources"]:
+            out = {**out, "resources": resources}
+    return out
+
+
+_SPEC_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
+    **{field: lambda v: _each(v, _container) for field in CONTAINER_LISTS},
+    "resources": _pod_resources,
+    "overhead": lambda v: _named(v, COMPUTE_RESOURCES.__contains__),
+    "resourceClaims": lambda v: _each(v, lambda c: _only(c, POD_CLAIM_FIELDS)),
+}
+_STATUS_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
+    "containerStatuses": lambda v: _each(v, lambda s: _only(s, CONTAINER_STATUS_FIELDS)),
+    "initContainerStatuses": lambda v: _each(v, lambda s: _only(s, CONTAINER_STATUS_FIELDS)),
+    "resourceClaimStatuses": lambda v: _each(v, lambda s: _only(s, CLAIM_STATUS_FIELDS)),
+}
+
+
+def _parts(obj: dict[str, Any], fields: frozenset[str], parts: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """``obj`` of ``fields``, each of ``parts`` reduced; ``obj`` itself when nothing changed."""
+    out = _only(obj, fields)
+    changed = {name: value for name, reduce in parts.items() if name in out
+               for value in [reduce(out[name])] if value is not out[name]}
+    return {**out, **changed} if changed else out
 
 
 def _spec(spec: dict[str, Any]) -> dict[str, Any]:
-    out = _only(spec, SPEC_FIELDS)
-    for field in CONTAINER_LISTS:
-        containers = out.get(field)
-        if isinstance(containers, list):
-            out[field] = [_only(c, CONTAINER_FIELDS) if isinstance(c, dict) else c for c in containers]
-    return out
+    return _parts(spec, SPEC_FIELDS, _SPEC_PARTS)
 
 
-def _is_kept(pod: Mapping[str, Any]) -> bool:
-    """Whether ``pod`` carries nothing :func:`kept` would drop (a pod kept already)."""
-    if pod.keys() - TOP_FIELDS:
-        return False
-    meta, spec, status = pod.get("metadata"), pod.get("spec"), pod.get("status")
-    if isinstance(meta, dict):
-        if meta.keys() - METADATA_FIELDS or _labels(meta.get("labels")) is not meta.get("labels"):
-            return False
-        notes = meta.get("annotations")
-        if isinstance(notes, dict) and notes.keys() - KEPT_ANNOTATIONS:
-            return False
-    if isinstance(status, dict) and status.keys() - STATUS_FIELDS:
-        return False
-    if isinstance(spec, dict):
-        if spec.keys() - SPEC_FIELDS:
-            return False
-        for field in CONTAINER_LISTS:
-            containers = spec.get(field)
-            if isinstance(containers, list) and any(isinstance(c, dict) and c.keys() - CONTAINER_FIELDS for c in containers):
-                return False
-    return True
+def _status(status: dict[str, Any]) -> dict[str, Any]:
+    return _parts(status, STATUS_FIELDS, _STATUS_PARTS)
 
 
 def kept(pod: Mapping[str, Any]) -> dict[str, Any]:
     """What qgpu keeps of ``pod`` (see the module docstring): a new dict, or ``pod`` itself when it
     carries nothing else (a pod kept already, compared again on every call). ``pod`` is never
-    changed, and what is returned is not to be changed either. Fields of the wrong type are kept
-    as they are, for the readers' own checks to refuse."""
-    if _is_kept(pod):
-        return pod if isinstance(pod, dict) else dict(pod)
-    out: dict[str, Any] = {k: pod[k] for k in ("apiVersion", "kind") if k in pod}  # the rest of TOP_FIELDS below
-    for name, slim in (("metadata", _metadata), ("spec", _spec), ("status", lambda s: _only(s, STATUS_FIELDS))):
-        value = pod.get(name)
-        if value is not None:
-            out[name] = slim(value) if isinstance(value, dict) else value
-    return out
+    changed, and what is returned is not to be changed either: it shares with ``pod`` every part
+    that had nothing to drop. Fields of the wrong type are kept as they are, for the readers' own
+    checks to refuse."""
+    out: dict[str, Any] = _only(pod, TOP_FIELDS)
+    changed = {}
+    for name, slim in (("metadata", _metadata), ("spec", _spec), ("status", _status)):
+        value = out.get(name)
+        if isinstance(value, dict):
+            reduced = slim(value)
+            if reduced is not value:
+                changed[name] = reduced
+    if changed:
+        out = {**out, **changed}
+    return out if isinstance(out, dict) else dict(out)

@@ -31,6 +31,15 @@ fixed after CREATE by the qgpu_scheduler role's admission policy ``qgpu-pod-requ
 and a pod the parser refuses (admitted under other limits, before the webhook ran, or broken where
 that policy is absent) is charged at least what any reading of its containers could be: a tenant
 who breaks its own pod only over-charges itself.
+
+A static pod's mirror (annotation ``kubernetes.io/config.mirror``) is charged nothing. Only a node
+creates one (NodeRestriction), bound to itself, in any namespace: charged, a compromised node filled a
+victim namespace's quota with them and its GPU pods were refused. Uncharged, it takes nothing from
+anyone: it runs only on the node that made it, on cards that node's root holds anyway, and books
+none (no record the extender signed: it is never scheduled). Anyone else's pod carrying the
+annotation was created bound too (the apiserver requires ``spec.nodeName`` with it and refuses
+adding it later), and no kubelet runs it; an owner reference to a Node proves nothing and counts
+for nothing here.
 Pure: dicts in, a :class:`Usage` out.
 """
 
@@ -41,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any, Final, Iterable, Mapping
 
 from qgpu_runtime.contract.dra import CORE_STEP
-from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, POOL_MODE_DRA, POOL_MODE_LABEL
+from qgpu_runtime.contract.names import GPU_MODE, GPU_MODE_DEVICE_PLUGIN, POOL_MODE_DRA, POOL_MODE_LABEL, mirror_pod
 from qgpu_runtime.model.quantity import QuantityError, parse_quantity
 from qgpu_runtime.model.requests import (
     CORE_MILLI_PER_CARD,
@@ -186,12 +195,12 @@ def _status_claim(pod: Mapping[str, Any], status: Mapping[str, Any], claims: Map
 
 def pod_usage(pod: Mapping[str, Any], *, dra_namespace: bool = False, default_memory_mib: int = DEFAULT_LIMITS.max_card_memory_mib,
               limits: CardLimits = DEFAULT_LIMITS, claims: Mapping[str, ClaimSeen] | None = None) -> Usage:
-    """What ``pod`` is charged (nothing for a finished pod). A pod the parser refuses is charged
+    """What ``pod`` is charged (nothing for a finished pod or a mirror pod). A pod the parser refuses is charged
     :func:`refused_pod_charge`, so a malformed pod cannot hide usage. ``claims``: the namespace's
     claims by name, against which a pod's extended-resource claim status is checked (without
     them, that status lowers no charge)."""
     status = pod.get("status") if isinstance(pod.get("status"), Mapping) else {}
-    if status.get("phase") in TERMINAL_PHASES:
+    if status.get("phase") in TERMINAL_PHASES or mirror_pod(pod):
         return Usage()
     meta = pod.get("metadata") if isinstance(pod.get("metadata"), Mapping) else {}
     annotations = meta.get("annotations") if isinstance(meta.get("annotations"), Mapping) else {}

@@ -5,19 +5,28 @@ rebuilt; an untrusted record is reported once per change; the pod mirror stays b
 
 from __future__ import annotations
 
+import gc
 import random
+import tracemalloc
 
 import pytest
 
 from qgpu_runtime.contract.leases import Commitment
 from qgpu_runtime.extender import memo, podmirror
 from qgpu_runtime.extender.committed import PHANTOM
-from qgpu_runtime.extender.memo import ParsedRequests
+from qgpu_runtime.extender.memo import PARSED_WEIGHT, ParsedRequests
 from qgpu_runtime.extender.nodeview import NodeView
 from qgpu_runtime.extender.pacing import ChangePacer
 from qgpu_runtime.extender.podmirror import PodMirror
 from qgpu_runtime.extender.recordtrust import UntrustedRecords
-from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, RequestError, parse_pod
+from qgpu_runtime.model.requests import (
+    DEFAULT_LIMITS,
+    MAX_MODEL_NAME_CHARS,
+    MAX_MODEL_NAMES,
+    CardLimits,
+    RequestError,
+    parse_pod,
+)
 from qgpu_runtime.placement import engine
 from tests.extender.test_kube_cache import SEC, bind_locally, cache, node, pod
 
@@ -251,3 +260,107 @@ def test_the_parsed_pods_are_bounded_oldest_first(monkeypatch):
     parsed.of(pods[0], DEFAULT_LIMITS)
     parsed.of(pods[1], DEFAULT_LIMITS)
     assert calls == ["p1"]
+
+
+def test_a_newer_version_of_a_pod_replaces_the_older_one(monkeypatch):
+    """Every status write gives a pod a new resourceVersion; the verbs ask about the latest. Each
+    version used to stay for 4,096 more parses."""
+    calls = _counting_parse(monkeypatch)
+    parsed = ParsedRequests()
+    for version in range(1, 101):
+        parsed.of(pod("p", version=str(version)), DEFAULT_LIMITS)
+    assert len(parsed) == 1 and parsed.weight == 2
+    calls.clear()
+    parsed.of(pod("p", version="100"), DEFAULT_LIMITS)
+    parsed.of(pod("p", version="99"), DEFAULT_LIMITS)  # parsed again, and now the one kept
+    assert calls == ["p"] and len(parsed) == 1
+
+
+def test_a_deleted_pod_is_forgotten_and_another_pods_entry_stays(monkeypatch):
+    calls = _counting_parse(monkeypatch)
+    parsed = ParsedRequests()
+    parsed.of(pod("gone", version="1"), DEFAULT_LIMITS)
+    parsed.of(pod("kept", version="1"), DEFAULT_LIMITS)
+    parsed.forget("uid-gone")
+    parsed.forget("uid-never-seen")
+    assert len(parsed) == 1 and parsed.weight == 2
+    calls.clear()
+    parsed.of(pod("kept", version="1"), DEFAULT_LIMITS)
+    parsed.of(pod("gone", version="1"), DEFAULT_LIMITS)
+    assert calls == ["gone"]
+
+
+def _at_the_model_bound(i: int) -> dict:
+    """A pod whose three model lists are at the parser's bound: 16 names of 96 characters each."""
+    names = [f"NVIDIA {n:02d}" + "X" * 87 for n in range(MAX_MODEL_NAMES)]
+    assert {len(n) for n in names} == {MAX_MODEL_NAME_CHARS}
+    return pod(f"p{i}", version="1", annotations={
+        "qgpu.io/gpu-model": "|".join(names), "nvidia.com/use-gputype": ",".join(names),
+        "nvidia.com/nouse-gputype": ",".join(n.replace("NVIDIA", "TESLA") for n in names)})
+
+
+def _retained(run) -> int:
+    """Bytes still allocated once ``run`` returned and its garbage is collected."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        run()
+        gc.collect()
+        current, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return current
+
+
+def test_a_hundred_pods_at_the_model_bound_keep_little_and_nothing_once_deleted():
+    """A tenant's pods created, filtered and deleted over and over. At 255 KiB of names a pod
+    (which the parser now refuses) each UID kept ~3.5 MiB for 4,096 UIDs, past the extender's
+    800 Mi; at the bound a pod keeps under 16 KiB, and a deleted one nothing."""
+    parsed = ParsedRequests()
+    pods = [_at_the_model_bound(i) for i in range(100)]
+
+    def filter_each() -> None:
+        for p in pods:
+            parsed.of(p, DEFAULT_LIMITS)
+
+    assert _retained(filter_each) < 100 * 16 * 1024
+    assert len(parsed) == 100 and parsed.weight == 100 * (1 + 1 + 3 * MAX_MODEL_NAMES)
+
+    recycled = ParsedRequests()
+
+    def filter_then_delete_each() -> None:  # created, filtered, deleted (forgotten)
+        for p in pods:
+            recycled.of(p, DEFAULT_LIMITS)
+        for p in pods:
+            recycled.forget(p["metadata"]["uid"])
+
+    assert _retained(filter_then_delete_each) < 64 * 1024
+    assert len(recycled) == 0 and recycled.weight == 0
+
+
+def test_what_the_memo_keeps_is_bounded_by_its_weight_whatever_pods_carry():
+    """The apiserver bounds a pod's containers only by its 1.5 MiB: thousands of GPU containers
+    parse (each asks one card). Each counts against the memo's weight, so pods of many containers
+    make it keep fewer pods, never more containers in all (by default 16,384, ~3.5 MiB); a pod
+    heavier than the whole memo is parsed, not kept."""
+    def crowded(i: int, n: int) -> dict:
+        return {"metadata": {"name": f"p{i}", "namespace": "ns", "uid": f"u{i}", "resourceVersion": "1"},
+                "spec": {"containers": [{"name": f"c{j}", "resources": {"limits": {"nvidia.com/gpu": "1"}}}
+                                        for j in range(n)]}}
+
+    assert PARSED_WEIGHT == 16_384
+    parsed = ParsedRequests(weight=1000)
+    kept = _retained(lambda: [parsed.of(crowded(i, 300), DEFAULT_LIMITS) for i in range(30)])
+    assert len(parsed) == 3 and parsed.weight == 3 * 301
+    assert kept < 2**19  # all 30 kept: ~1.8 MiB
+    assert len(parsed.of(crowded(99, 1000), DEFAULT_LIMITS).containers) == 1000 and len(parsed) == 3
+
+
+def test_the_cache_forgets_a_pods_parse_when_the_watch_says_it_was_deleted():
+    c = cache()
+    p = pod("p", version="1")
+    c.apply_pod("ADDED", p)
+    c.requests.of(p, DEFAULT_LIMITS)
+    assert len(c.requests) == 1
+    c.apply_pod("DELETED", p)
+    assert len(c.requests) == 0 and c.requests.weight == 0

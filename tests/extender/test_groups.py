@@ -14,6 +14,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 from kubernetes import client
 
+from qgpu_runtime.contract.names import MIRROR_POD
 from qgpu_runtime.extender.binder import Binder, BindError
 from qgpu_runtime.extender.cache import AllocationCache, GroupError
 from qgpu_runtime.extender.groups import (
@@ -22,12 +23,13 @@ from qgpu_runtime.extender.groups import (
     MIN_MEMBER_ANNOTATION,
     GroupKey,
     Groups,
+    Listed,
     group_of,
     min_members,
 )
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, parse_pod
 from qgpu_runtime.placement.policies import make_policy
-from tests.extender.test_kube_cache import node, pod
+from tests.extender.test_kube_cache import bind_locally, node, pod
 from tests.recordkeys import SIGNER, VERIFIER
 
 SEC = 10**9
@@ -133,6 +135,31 @@ def test_a_bad_min_member_annotation_is_refused_naming_pod_annotation_value_and_
     p = member("p", annotations={MIN_MEMBER_ANNOTATION: raw})
     with pytest.raises(GroupError, match=rf"pod ns/p: annotation {MIN_MEMBER_ANNOTATION}='{raw}': must be an integer in 1\.\.64"):
         min_members(p)
+
+
+@pytest.mark.parametrize("raw", ["\u00b2", "\u2460", "\u0664", "\uff14", "064", "9" * 5000])
+def test_a_min_member_of_other_digits_than_ascii_or_too_many_is_a_group_error_naming_the_value_cut(raw):
+    """``str.isdigit`` passes a superscript two, a circled one, Arabic-Indic and fullwidth digits, and
+    ``int`` then raised a ValueError (a 5,000-digit string too), which no caller caught."""
+    p = member("p", annotations={MIN_MEMBER_ANNOTATION: raw})
+    with pytest.raises(GroupError, match=rf"pod ns/p: annotation {MIN_MEMBER_ANNOTATION}=.*: must be an integer in 1\.\.64") as e:
+        min_members(p)
+    assert len(str(e.value)) < 200
+
+
+def test_a_tenant_pod_with_a_unicode_min_member_stops_neither_the_watch_nor_a_relist():
+    """One tenant pod (the group label, ``qgpu.io/group-min-member: "\u00b2"``, no GPU asked) raised
+    from every watch event and every relist, so the extender's cache never synced again."""
+    c = group_cache()
+    bad = member("evil", namespace="tenant", core=0)
+    bad["spec"]["containers"][0]["resources"] = {}
+    bad["metadata"]["annotations"] = {MIN_MEMBER_ANNOTATION: "\u00b2"}
+    c.apply_pod("ADDED", bad)  # the watch event
+    victim = pod("victim", core=50, memory=4)
+    c.replace_pods([bad, bind_locally(c, victim, "a", time.time_ns())])  # the relist
+    assert c.booking("ns/victim").node == "a" and c.unapplied() == {}
+    with pytest.raises(GroupError, match=f"annotation {MIN_MEMBER_ANNOTATION}='\u00b2'"):  # its own filter says why
+        c.filter(bad, parse_pod(bad), ["a", "b"], now_ns=time.time_ns())
 
 
 def test_size_is_the_live_members_raised_to_the_largest_min_member():
@@ -346,3 +373,69 @@ def test_a_member_the_watch_has_not_delivered_yet_still_counts(apiserver):
     with pytest.raises(BindError, match="waits for 1 more of 2"):
         binder.bind("ns", "p0", "uid-p0", "a")
     assert apiserver.bound == []
+
+
+# -- mirror pods: a compromised node's, in any namespace ---------------------------------------------
+
+def mirror(name: str, group: str = "g", namespace: str = "ns", node_name: str = "a", **annotations: str) -> dict:
+    """A static pod's mirror as a node creates it (NodeRestriction: bound to itself, any labels)."""
+    p = member(name, group, namespace, core=0, node_name=node_name,
+               annotations={MIRROR_POD: "0f3c9b2e5d7a4c1b8e6f2a9d0c3b7e51", **annotations})
+    p["spec"]["containers"][0]["resources"] = {}
+    p["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node_name, "uid": "node-uid",
+                                         "controller": True}]
+    return p
+
+
+def test_a_mirror_pod_is_no_member_of_the_group_its_label_names():
+    assert group_of(mirror("m")) is None
+    assert Listed.of(mirror("m")) is None
+    by_owner = mirror("m")
+    del by_owner["metadata"]["annotations"][MIRROR_POD]  # a Node as its controller says the same
+    assert group_of(by_owner) is None
+    not_controller = mirror("m")
+    del not_controller["metadata"]["annotations"][MIRROR_POD]
+    not_controller["metadata"]["ownerReferences"][0]["controller"] = False
+    assert group_of(not_controller) == GroupKey("ns", "g")
+    listed = Listed.of(member("p0"))
+    assert listed is not None and listed.key == "ns/p0"
+
+
+def test_a_nodes_mirror_pod_cannot_raise_a_victims_group_size_and_block_it(apiserver):
+    """A compromised node creates a mirror pod in the victim's namespace with the victim's group
+    label and ``group-min-member: 64``: the victim's group of one waited for 63 more members."""
+    c = group_cache()
+    binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
+    created(c, apiserver, mirror("kube-proxy-a", **{MIN_MEMBER_ANNOTATION: "64"}))
+    p0 = member("p0")
+    created(c, apiserver, p0)
+    filtered(c, p0)
+    binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.names() == ["p0"]
+
+
+def test_a_nodes_bound_mirror_pods_do_not_complete_a_victims_group(apiserver):
+    """Mirror pods are bound: counted as placed members, they let a group of two "complete" with
+    one real member, bound alone."""
+    c = group_cache()
+    binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
+    created(c, apiserver, mirror("fake-0"), mirror("fake-1", node_name="b"))
+    p0 = member("p0", annotations={MIN_MEMBER_ANNOTATION: "2"})
+    created(c, apiserver, p0)
+    filtered(c, p0)
+    with pytest.raises(BindError, match="waits for 1 more of 2"):
+        binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.bound == []
+
+
+def test_mirror_pods_past_the_member_bound_in_the_list_do_not_refuse_a_victims_group(apiserver):
+    """The group's LIST asks for at most 64 members: 65 mirror pods with the label made every bind
+    of the group "more than 64 live members", for as long as they exist."""
+    c = group_cache()
+    binder = Binder(apiserver.api, c, DEFAULT_LIMITS, signer=SIGNER)
+    apiserver.pods.extend(mirror(f"m{i}") for i in range(MAX_GROUP_MEMBERS + 1))
+    p0 = member("p0")
+    created(c, apiserver, p0)
+    filtered(c, p0)
+    binder.bind("ns", "p0", "uid-p0", "a")
+    assert apiserver.names() == ["p0"]

@@ -9,9 +9,18 @@ import gc
 import json
 import tracemalloc
 
+import pytest
+
 from qgpu_runtime.extender.podmirror import PodMirror
-from qgpu_runtime.kube.podslim import CONTAINER_FIELDS, KEPT_ANNOTATIONS, MAX_KEPT_LABELS, kept
-from qgpu_runtime.model.requests import parse_pod
+from qgpu_runtime.kube.podslim import (
+    CONTAINER_FIELDS,
+    KEPT_ANNOTATIONS,
+    MAX_KEPT_LABELS,
+    MAX_KEPT_UNKNOWN_QGPU_NAMES,
+    MIRROR_ANNOTATION,
+    kept,
+)
+from qgpu_runtime.model.requests import RequestError, parse_pod, pod_compute
 from qgpu_runtime.node.podwatch import NodePodCache
 
 NODE = "gpu-node-1"
@@ -73,6 +82,13 @@ def test_a_pod_with_nothing_to_drop_is_kept_as_it_is_and_each_unread_part_alone_
         {"spec": {"ephemeralContainers": [{"name": "c", "startupProbe": {}}]}},
         {"status": {"phase": "Running", "conditions": [{}], "podIPs": [{}]}},
         {"metadata": {"name": "p"}, "extra": 1},
+        {"spec": {"containers": [{"name": "c", "resources": {"limits": {"cpu": "1", "example.com/foo": "1"}}}]}},
+        {"spec": {"initContainers": [{"name": "c", "resources": {"requests": {"ephemeral-storage": "1Gi"}}}]}},
+        {"spec": {"resources": {"limits": {"hugepages-2Mi": "2Mi"}}, "overhead": {"cpu": "1", "example.com/x": "1"}}},
+        {"spec": {"resourceClaims": [{"name": "g", "resourceClaimName": "c", "x": 1}]}},
+        {"spec": {"containers": [{"name": "c", "resources": {"claims": [{"name": "g", "x": 1}]}}]}},
+        {"status": {"containerStatuses": [{"name": "c", "containerID": "x", "state": {}}]}},
+        {"status": {"resourceClaimStatuses": [{"name": "g", "resourceClaimName": "c", "x": 1}]}},
     ]
     for pod in one_each:
         before = copy.deepcopy(pod)
@@ -278,3 +294,245 @@ def test_a_groups_members_are_listed_a_page_at_a_time_and_kept_slim():
     asked.clear()
     listed, more = api.list_live("t", "g=1", 5)
     assert (len(listed), more) == (5, True) and asked[0]["limit"] == 6
+
+
+# --- resources: only the names a reader reads ---------------------------------------------------
+
+def _extended(size: int) -> dict[str, str]:
+    """Extended resource names of ``size`` bytes of JSON, as a tenant may list them (`1a/r: "1"`)."""
+    names, n, total = {}, 0, 0
+    while total < size:
+        key = f"{n:x}/r"
+        names[key] = "1"
+        n, total = n + 1, total + len(key) + 6
+    return names
+
+
+def _measured(body: bytes, copies: int = 3) -> tuple[list[dict], float]:
+    """``copies`` pods decoded afresh from ``body`` and kept, and the bytes each holds."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        held = [kept(json.loads(body)) for _ in range(copies)]
+        current, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return held, current / copies
+
+
+def test_a_pod_of_tens_of_thousands_of_extended_resources_is_kept_in_a_few_hundred_bytes():
+    """A pod asking no GPU with ~50k extended resources in its limits (requests defaulted from
+    them) is ~1.4 MB in etcd and never fits a node, so it stays unbound and the extender keeps it:
+    kept whole in its resources it held 6.3 MiB, and ~130 of them ran the 800 Mi extender out of
+    memory."""
+    names = _extended(650_000)
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "big", "namespace": "t", "uid": "u", "resourceVersion": "1"},
+           "spec": {"containers": [{"name": "c", "image": "busybox", "resources": {
+               "limits": names | {"cpu": "1", "memory": "1Gi"}, "requests": names | {"cpu": "500m", "memory": "1Gi"}}}]},
+           "status": {"phase": "Pending"}}
+    body = json.dumps(pod, separators=(",", ":")).encode()
+    assert 1_300_000 < len(body) < 1_500_000 and len(names) > 45_000
+    held, per_pod = _measured(body)
+    slim = held[0]
+    assert slim["spec"]["containers"][0]["resources"] == {"limits": {"cpu": "1", "memory": "1Gi"},
+                                                          "requests": {"cpu": "500m", "memory": "1Gi"}}
+    assert len(json.dumps(slim)) < 400 and per_pod < 16 * 1024, per_pod
+    assert kept(slim) is slim
+    assert parse_pod(slim) == parse_pod(pod) and pod_compute(slim) == pod_compute(pod) == (500, 1024)
+
+    mirror = PodMirror()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        for i in range(8):  # as the watch delivers each unbound pod: decoded afresh
+            mirror.set_unbound(f"u{i}", json.loads(body))
+        gc.collect()
+        current, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert mirror.unbound("u7") is not None and current < 8 * 16 * 1024, current
+
+
+EXTRA = {"ephemeral-storage": "1Gi", "hugepages-2Mi": "2Mi", "example.com/foo": "3", "1a/r": "1",
+         "tke.cloud.tencent.com/app-class": "1"}  # not a resource of the prefix: an annotation's name
+"""Resource names no reader of qgpu reads, beside those it does."""
+COMPUTE = {"cpu": "250m", "memory": "512Mi"}
+
+DIALECT_PODS = {
+    "qgpu": ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "4"}, {}, None),
+    "qgpu-online": ({"tke.cloud.tencent.com/qgpu-core": "30", "tke.cloud.tencent.com/qgpu-memory": "4"},
+                    {"tke.cloud.tencent.com/app-class": "online"}, None),
+    "qgpu-greedy": ({"tke.cloud.tencent.com/qgpu-core-greedy": "50", "tke.cloud.tencent.com/qgpu-memory": "2"},
+                    {"tke.cloud.tencent.com/app-class": "offline"}, None),
+    "vcuda": ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "8"}, {}, None),
+    "t9k": ({"tensorstack.dev/nvidia-gpu": "2"}, {}, None),
+    "t9k-percent": ({"tensorstack.dev/nvidia-gpu-percent": "50"}, {}, None),
+    "t9k-node": ({"tensorstack.dev/nvidia-gpu-node": "1"}, {}, None),
+    "nvidia": ({"nvidia.com/gpu": "2"}, {"qgpu.io/gpu-model": "A100|H100"}, None),
+    "hami": ({"nvidia.com/gpu": "1", "nvidia.com/gpumem": "4096", "nvidia.com/gpucores": "30"},
+             {"nvidia.com/use-gputype": "A100", "nvidia.com/nouse-gputype": "T4"}, None),
+    "hami-percent": ({"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "25"}, {}, None),
+    "kai": ({}, {"gpu-fraction": "0.5", "gpu-fraction-container-name": "main"}, "kai-scheduler"),
+    "kai-memory": ({"nvidia.com/gpu": "2"}, {"gpu-memory": "2048", "gpu-fraction-num-devices": "2"}, "kai-scheduler"),
+    "nano": ({"nano-gpu/gpu-percent": "20"}, {}, None),
+    "nano-core": ({"nano-gpu.io/gpu-core": "20", "nano-gpu.io/gpu-memory": "2"}, {}, None),
+    "elastic": ({"elasticgpu.io/gpu-core": "30", "elasticgpu.io/gpu-memory": "4"}, {}, None),
+    # refused pods are refused alike, naming the same problems
+    "unknown-qgpu": ({"tke.cloud.tencent.com/qgpu-cores": "30", "tke.cloud.tencent.com/qgpu-memory": "4"}, {}, None),
+    "mixed": ({"nvidia.com/gpu": "1", "tencent.com/vcuda-core": "50"}, {}, None),
+    "online-nvidia": ({"nvidia.com/gpu": "1"}, {"tke.cloud.tencent.com/app-class": "online"}, None),
+    "no-gpu": ({}, {}, None),
+}
+
+
+def _dialect_pod(asked: dict[str, str], notes: dict[str, str], scheduler: str | None, *, unequal: bool = False) -> dict:
+    requests = dict(asked) | COMPUTE | EXTRA
+    if unequal and asked:  # requests must equal limits for GPU resources
+        requests[next(iter(asked))] = "7"
+    spec = {
+        "containers": [
+            {"name": "main", "image": "i", "env": [{"name": "A", "value": "b"}],
+             "resources": {"limits": dict(asked) | COMPUTE | EXTRA, "requests": requests}},
+            {"name": "helper", "image": "i", "resources": {"limits": {"memory": "64Mi"} | EXTRA}},
+        ],
+        "initContainers": [
+            {"name": "sidecar", "image": "i", "restartPolicy": "Always", "resources": {"requests": {"cpu": "2"} | EXTRA}},
+            {"name": "setup", "image": "i", "resources": {"limits": {"cpu": "4", "memory": "1Gi", "example.com/foo": "1"}}},
+        ],
+        "resources": {"limits": {"cpu": "8", "memory": "8Gi", "hugepages-2Mi": "2Mi"}},
+        "overhead": {"cpu": "100m", "memory": "64Mi", "example.com/foo": "1"},
+    }
+    if scheduler:
+        spec["schedulerName"] = scheduler
+    return {"metadata": {"name": "p", "namespace": "t", "uid": "u", "annotations": {**notes, "tenant.example/x": "y"}},
+            "spec": spec, "status": {"phase": "Pending"}}
+
+
+def _read(pod: dict):
+    try:
+        return parse_pod(pod)
+    except RequestError as exc:
+        return exc.problems
+
+
+def _resource_names_kept(pod: dict) -> set[str]:
+    spec = pod["spec"]
+    maps = [spec.get("overhead") or {}, *(spec.get("resources") or {}).values()]
+    for c in [*spec.get("containers", []), *spec.get("initContainers", [])]:
+        maps += [(c.get("resources") or {}).get(side) or {} for side in ("limits", "requests")]
+    return {name for m in maps for name in m}
+
+
+@pytest.mark.parametrize("unequal", [False, True], ids=["", "requests-differ"])
+@pytest.mark.parametrize("dialect", sorted(DIALECT_PODS))
+def test_the_request_parser_reads_the_kept_form_as_the_whole_pod_for_every_dialect(dialect, unequal):
+    """The kept pod keeps of each resources map only cpu, memory and the GPU names of the parser's
+    dialects: what it reads of the pod (its GPU request, or every problem of a refused one, and
+    the CPU and memory node fit counts) is what it reads of the whole pod."""
+    pod = _dialect_pod(*DIALECT_PODS[dialect], unequal=unequal)
+    slim = kept(pod)
+    assert _read(slim) == _read(pod)
+    assert pod_compute(slim) == pod_compute(pod)
+    assert kept(slim) is slim
+    assert not _resource_names_kept(slim) & (EXTRA.keys() - DIALECT_PODS[dialect][0].keys())
+    assert _resource_names_kept(slim) >= {"cpu", "memory", *DIALECT_PODS[dialect][0]}
+    if dialect in ("qgpu", "vcuda", "t9k", "nvidia", "hami", "kai", "elastic") and not unequal:
+        assert parse_pod(slim).wants_gpu, dialect
+
+
+def test_a_pod_of_many_unknown_qgpu_names_is_refused_from_the_kept_form_with_the_first_of_its_problems():
+    """A name of the qGPU prefix the parser does not know is a problem it reports, so those names
+    are kept, but only the first few of a container's (in the parser's order): a pod of 20,000 of
+    them is refused from the kept form too, naming the first of them."""
+    unknown = {f"tke.cloud.tencent.com/qgpu-x{i:05d}": "1" for i in range(20_000)}
+    pod = {"metadata": {"name": "p", "namespace": "t", "uid": "u"},
+           "spec": {"containers": [{"name": "c", "resources": {"limits": unknown | {"tke.cloud.tencent.com/qgpu-core": "30"},
+                                                               "requests": dict(unknown)}}],
+                    "initContainers": [{"name": "i", "resources": {"limits": dict(unknown)}}]}}
+    slim = kept(pod)
+    assert len(json.dumps(slim)) < 4000
+    with pytest.raises(RequestError) as whole:
+        parse_pod(pod)
+    with pytest.raises(RequestError) as small:
+        parse_pod(slim)
+    of_c = [p for p in whole.value.problems if p.container == "c"]
+    unknown_problems = [p for p in of_c if p.rule.startswith("unknown qGPU resource")]
+    assert len(unknown_problems) == 20_000 and unknown_problems[0].resource == "tke.cloud.tencent.com/qgpu-x00000"
+    rest = [p for p in of_c if not p.rule.startswith("unknown qGPU resource")]  # the known names' own (qgpu-core without memory)
+    assert [p for p in small.value.problems if p.container == "c"] == unknown_problems[:MAX_KEPT_UNKNOWN_QGPU_NAMES] + rest
+    assert {p.container for p in small.value.problems} == {"c", "i"}  # the init container's GPU names too
+    assert kept(slim) is slim
+
+
+# --- claims, statuses, owners --------------------------------------------------------------------
+
+def test_claims_keep_the_fields_read_and_a_containers_references_are_bounded_to_the_whole_claims():
+    from qgpu_runtime.node.tenants import tenants_of
+    from tests.node.test_tenants import _claim, _row
+
+    rows = [_row("c1", "multi", "train", 0, 300), _row("c1", "multi", "infer", 1, 200)]
+    pod = {"metadata": {"uid": "p1", "name": "p", "namespace": "ns"},
+           "spec": {"resourceClaims": [{"name": "g", "resourceClaimName": "multi", "tenant": "x" * 1000}],
+                    "containers": [{"name": "a", "resources": {"claims": [{"name": "g", "request": "train", "x": "y" * 1000}]}},
+                                   {"name": "b", "resources": {"claims": [{"name": "g", "request": "infer"}]}}]},
+           "status": {"resourceClaimStatuses": [{"name": "g", "resourceClaimName": "multi", "extra": "z" * 1000}]}}
+    slim = kept(pod)
+    assert slim["spec"]["resourceClaims"] == [{"name": "g", "resourceClaimName": "multi"}]
+    assert slim["spec"]["containers"][0]["resources"]["claims"] == [{"name": "g", "request": "train"}]
+    assert slim["status"]["resourceClaimStatuses"] == [{"name": "g", "resourceClaimName": "multi"}]
+    assert tenants_of(rows, [_claim("c1", "multi")], {"p1": slim}) == tenants_of(rows, [_claim("c1", "multi")], {"p1": pod})
+
+    # tens of thousands of references of one container (the apiserver checks no request name
+    # against the claim): past the bound one reference per claim, the whole of it, never less
+    many = [{"name": "g", "request": f"r{i}"} for i in range(40_000)] + [{"name": "g", "request": "train"}]
+    pod["spec"]["containers"][0]["resources"]["claims"] = many
+    slim = kept(pod)
+    assert slim["spec"]["containers"][0]["resources"]["claims"] == [{"name": "g"}] and kept(slim) is slim
+    assert len(json.dumps(slim)) < 1000 < 1_000_000 < len(json.dumps(pod))
+    whole = tenants_of(rows, [_claim("c1", "multi")], {"p1": pod})
+    (reached,) = [w for ref, w in tenants_of(rows, [_claim("c1", "multi")], {"p1": slim}).values()
+                  if "a" in ref.container.split("+")]
+    assert {q.index for _, w in whole.values() for q in w.cards} <= {q.index for q in reached.cards}
+    # a name or request longer than a DNS label is none the apiserver accepts
+    pod["spec"]["containers"][0]["resources"]["claims"] = [{"name": "g", "request": "r" * 64}, {"name": "g"}]
+    assert kept(pod)["spec"]["containers"][0]["resources"]["claims"] == [{"name": "g"}]
+
+
+def test_a_containers_status_keeps_which_container_a_runtime_id_is():
+    """node/metrics.py and node/containers.py read a status's name and container ID; its state,
+    image, resources (the kubelet copies the container's requests there) are not kept."""
+    status = {"name": "c", "containerID": "containerd://abc", "image": "i", "imageID": "sha256:x", "ready": True,
+              "state": {"terminated": {"message": "m" * 4096}}, "allocatedResources": _extended(10_000),
+              "resources": {"limits": _extended(10_000)}, "volumeMounts": [{"name": "v", "mountPath": "/v"}]}
+    pod = {"metadata": {"name": "p"}, "status": {"phase": "Running", "containerStatuses": [status],
+                                                  "initContainerStatuses": [dict(status, name="i")]}}
+    slim = kept(pod)
+    assert slim["status"] == {"phase": "Running", "containerStatuses": [{"name": "c", "containerID": "containerd://abc"}],
+                              "initContainerStatuses": [{"name": "i", "containerID": "containerd://abc"}]}
+    assert kept(slim) is slim
+
+
+def test_a_mirror_pods_annotation_and_node_owner_are_kept():
+    """A static pod's mirror carries ``kubernetes.io/config.mirror`` and one owner reference, to
+    its Node: both are kept (a reader tells mirror pods by them). Other owners are not, and a
+    tenant's copies of either are bounded."""
+    node_owner = {"apiVersion": "v1", "kind": "Node", "name": NODE, "uid": "n-uid", "controller": True}
+    mirror = {"metadata": {"name": f"etcd-{NODE}", "namespace": "kube-system", "ownerReferences": [node_owner],
+                           "annotations": {"kubernetes.io/config.mirror": "0123456789abcdef0123456789abcdef",
+                                           "kubernetes.io/config.hash": "0123456789abcdef0123456789abcdef",
+                                           "kubernetes.io/config.source": "file"}},
+              "spec": {"nodeName": NODE, "containers": [{"name": "etcd", "resources": {}}]}}
+    slim = kept(mirror)
+    assert slim["metadata"]["ownerReferences"] == [node_owner]
+    assert slim["metadata"]["annotations"] == {"kubernetes.io/config.mirror": "0123456789abcdef0123456789abcdef"}
+    assert MIRROR_ANNOTATION == "kubernetes.io/config.mirror" and kept(slim) is slim
+
+    many = [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "rs", "uid": "r"}] + \
+        [dict(node_owner, name=f"n{i}", extra="x" * 100) for i in range(10_000)]
+    tenant = {"metadata": {"name": "p", "ownerReferences": many, "annotations": {"kubernetes.io/config.mirror": "x" * 200_000}}}
+    slim = kept(tenant)
+    assert slim["metadata"]["ownerReferences"] == [dict(node_owner, name="n0"), dict(node_owner, name="n1")]
+    assert slim["metadata"]["annotations"] == {"kubernetes.io/config.mirror": ""}  # present: what is read of it
+    assert len(json.dumps(slim)) < 1000 and kept(slim) is slim
+    assert "ownerReferences" not in kept({"metadata": {"name": "p", "ownerReferences": many[:1]}})["metadata"]

@@ -319,3 +319,30 @@ def test_the_quota_check_reads_the_controller_of_the_claim_a_pods_status_names()
     api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[old], claims=[made], namespace_labels={"qgpu.io/gpu-mode": "dra"})
     verdict = guard(api, dra=True).check_pod(review("share", {"tke.cloud.tencent.com/qgpu-core": "10"}))
     assert not verdict.allowed and "used 1000" in verdict.message  # the card, once: the claim's 10 and the pod's remaining 990
+
+
+def mirror_pod(name: str, resources: dict[str, Any], node: str = "gpu-node-1") -> dict:
+    """A static pod's mirror as a node creates it: NodeRestriction lets it into any namespace, bound
+    to itself, with the kubelet's annotation and its Node as controller."""
+    doc = pod(name, resources, annotations={"kubernetes.io/config.mirror": "0f3c9b2e5d7a4c1b8e6f2a9d0c3b7e51"})
+    doc["spec"]["nodeName"] = node
+    doc["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": node, "uid": "n", "controller": True}]
+    return doc
+
+
+def test_a_mirror_pod_is_charged_nothing_and_a_node_owner_alone_proves_nothing():
+    assert pod_usage(mirror_pod("m", {"nvidia.com/gpu": "8"})) == Usage()
+    owned = mirror_pod("m", {"nvidia.com/gpu": "8"})
+    del owned["metadata"]["annotations"]["kubernetes.io/config.mirror"]  # any pod's owner may write a Node reference
+    assert pod_usage(owned) == Usage(8000, 8 * CARD)
+
+
+def test_a_compromised_nodes_mirror_pods_do_not_use_up_a_victim_namespaces_quota():
+    """A node's mirror pods of `nvidia.com/gpu: 8` in the victim's namespace were charged to its
+    quota: the victim's next GPU pod was refused while those pods held no card any scheduler booked.
+    A mirror pod under admission is admitted and reserves nothing."""
+    api = FakeApi(hard_core=1000, hard_memory=10 * CARD, pods=[mirror_pod(f"m{i}", {"nvidia.com/gpu": "8"}) for i in range(3)])
+    assert guard(api).check_pod(review("victim", {"nvidia.com/gpu": "1"})) == Verdict(True)
+    more = {**review("m3", {}), "object": mirror_pod("m3", {"nvidia.com/gpu": "8"})}
+    assert guard(api).check_pod(more) == Verdict(True)
+    assert set(api.reservations()) == {"pod:victim"}
