@@ -113,12 +113,24 @@ def _only(obj: Mapping[str, Any], names: frozenset[str]) -> Any:
     return {k: v for k, v in obj.items() if k in names}
 
 
+def _same(out: list[Any], items: list[Any]) -> list[Any]:
+    """``items`` itself when ``out`` holds exactly its elements, else ``out``."""
+    return items if len(out) == len(items) and all(map(operator.is_, out, items)) else out
+
+
 def _each(items: Any, reduce: Callable[[Any], Any]) -> Any:
     """``items`` with each dict reduced, or ``items`` itself when no dict changed (or not a list)."""
     if not isinstance(items, list):
         return items
-    out = [reduce(i) if isinstance(i, dict) else i for i in items]
-    return items if all(map(operator.is_, out, items)) else out
+    return _same([reduce(i) if isinstance(i, dict) else i for i in items], items)
+
+
+def _parts(obj: dict[str, Any], fields: frozenset[str], parts: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
+    """``obj`` of ``fields``, each of ``parts`` reduced; ``obj`` itself when nothing changed."""
+    out = _only(obj, fields)
+    changed = {name: value for name, reduce in parts.items() if name in out
+               for value in [reduce(out[name])] if value is not out[name]}
+    return {**out, **changed} if changed else out
 
 
 def _labels(labels: Any) -> Any:
@@ -151,23 +163,18 @@ def _owners(refs: Any) -> Any:
     nodes = [r for r in refs if _is_node_owner(r)][:MAX_KEPT_NODE_OWNERS]
     if not nodes:
         return None
-    out = _each(nodes, lambda r: _only(r, OWNER_FIELDS))
-    return refs if len(out) == len(refs) and all(a is b for a, b in zip(out, refs)) else out
+    return _same(_each(nodes, lambda r: _only(r, OWNER_FIELDS)), refs)
+
+
+_METADATA_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
+    "labels": _labels, "annotations": _annotations, "ownerReferences": _owners,
+}
 
 
 def _metadata(meta: dict[str, Any]) -> dict[str, Any]:
-    out = _only(meta, METADATA_FIELDS)
-    changed = {}
-    for name, reduce in (("labels", _labels), ("annotations", _annotations), ("ownerReferences", _owners)):
-        if name in out:
-            value = reduce(out[name])
-            if value is not out[name]:
-                changed[name] = value
-    if not changed:
-        return out
-    out = {**out, **changed}
-    if out.get("ownerReferences", ()) is None:
-        del out["ownerReferences"]
+    out = _parts(meta, METADATA_FIELDS, _METADATA_PARTS)
+    if out.get("ownerReferences", ()) is None:  # no Node among them: none kept
+        out = {k: v for k, v in out.items() if k != "ownerReferences"}
     return out
 
 
@@ -203,52 +210,38 @@ def _claim_refs(refs: Any) -> Any:
     if len(kept_refs) > MAX_KEPT_CLAIM_REFS:  # the whole of each claim named (an entry of another type dropped)
         whole = [{"name": n} for n in dict.fromkeys(r["name"] for r in kept_refs if isinstance(r, dict) and isinstance(r.get("name"), str))]
         return refs if whole == refs else whole
-    out = _each(kept_refs, lambda r: _only(r, CLAIM_REF_FIELDS))
-    return refs if len(out) == len(refs) and all(a is b for a, b in zip(out, refs)) else out
+    return _same(_each(kept_refs, lambda r: _only(r, CLAIM_REF_FIELDS)), refs)
 
 
 def _container_resources(resources: Any) -> Any:
     if not isinstance(resources, dict):
         return resources
-    out = _only(resources, RESOURCES_FIELDS)
-    changed = {}
-    limits, requests = out.get("limits"), out.get("requests")
+    limits, requests = resources.get("limits"), resources.get("requests")
+    parts: dict[str, Callable[[Any], Any]] = {"claims": _claim_refs}
     if not all(not isinstance(side, dict) or side.keys() <= READ_RESOURCES for side in (limits, requests)):
         keep = _resource_names(limits, requests)
-        for side in ("limits", "requests"):
-            if side in out:
-                value = _named(out[side], keep)
-                if value is not out[side]:
-                    changed[side] = value
-    if "claims" in out:
-        claims = _claim_refs(out["claims"])
-        if claims is not out["claims"]:
-            changed["claims"] = claims
-    return {**out, **changed} if changed else out
+        parts.update(limits=lambda v: _named(v, keep), requests=lambda v: _named(v, keep))
+    return _parts(resources, RESOURCES_FIELDS, parts)
+
+
+def _compute_only(values: Any) -> Any:
+    return _named(values, COMPUTE_RESOURCES.__contains__)
 
 
 def _pod_resources(resources: Any) -> Any:
     if not isinstance(resources, dict):
         return resources
-    out = _only(resources, POD_RESOURCES_FIELDS)
-    changed = {side: v for side in POD_RESOURCES_FIELDS if side in out
-               for v in [_named(out[side], COMPUTE_RESOURCES.__contains__)] if v is not out[side]}
-    return {**out, **changed} if changed else out
+    return _parts(resources, POD_RESOURCES_FIELDS, {"limits": _compute_only, "requests": _compute_only})
 
 
 def _container(container: dict[str, Any]) -> dict[str, Any]:
-    out = _only(container, CONTAINER_FIELDS)
-    if "resources" in out:
-        resources = _container_resources(out["resources"])
-        if resources is not out["resources"]:
-            out = {**out, "resources": resources}
-    return out
+    return _parts(container, CONTAINER_FIELDS, {"resources": _container_resources})
 
 
 _SPEC_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
     **{field: lambda v: _each(v, _container) for field in CONTAINER_LISTS},
     "resources": _pod_resources,
-    "overhead": lambda v: _named(v, COMPUTE_RESOURCES.__contains__),
+    "overhead": _compute_only,
     "resourceClaims": lambda v: _each(v, lambda c: _only(c, POD_CLAIM_FIELDS)),
 }
 _STATUS_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
@@ -256,14 +249,6 @@ _STATUS_PARTS: Final[dict[str, Callable[[Any], Any]]] = {
     "initContainerStatuses": lambda v: _each(v, lambda s: _only(s, CONTAINER_STATUS_FIELDS)),
     "resourceClaimStatuses": lambda v: _each(v, lambda s: _only(s, CLAIM_STATUS_FIELDS)),
 }
-
-
-def _parts(obj: dict[str, Any], fields: frozenset[str], parts: Mapping[str, Callable[[Any], Any]]) -> dict[str, Any]:
-    """``obj`` of ``fields``, each of ``parts`` reduced; ``obj`` itself when nothing changed."""
-    out = _only(obj, fields)
-    changed = {name: value for name, reduce in parts.items() if name in out
-               for value in [reduce(out[name])] if value is not out[name]}
-    return {**out, **changed} if changed else out
 
 
 def _spec(spec: dict[str, Any]) -> dict[str, Any]:

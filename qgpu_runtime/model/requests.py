@@ -57,7 +57,7 @@ than 16 of them takes any card: leave the annotation out. Bounded because what t
 kept: the extender remembers each parsed pod (extender/memo.py), and on DRA pools the webhook
 writes every name into a CEL selector, which the apiserver caps at 10 KiB (16 + 16 of HAMi's names at
 the length bound below take about 5 KiB). Unbounded, 255 KiB of names (``0|1|2|…``, within the
-apiserver's annotation limit) parsed to tens of thousands of strings, about 3.5 MiB a pod."""
+apiserver's annotation limit) parsed to tens of thousands of strings, about 3.2 MiB a pod."""
 MAX_MODEL_NAME_CHARS = 96
 """One name's length: NVML's own buffer for a card's name is 96 bytes
 (NVML_DEVICE_NAME_V2_BUFFER_SIZE), the bound the node inventory holds ``model`` to

@@ -314,7 +314,7 @@ def _retained(run) -> int:
 
 def test_a_hundred_pods_at_the_model_bound_keep_little_and_nothing_once_deleted():
     """A tenant's pods created, filtered and deleted over and over. At 255 KiB of names a pod
-    (which the parser now refuses) each UID kept ~3.5 MiB for 4,096 UIDs, past the extender's
+    (which the parser now refuses) each UID kept ~3.2 MiB for 4,096 UIDs, past the extender's
     800 Mi; at the bound a pod keeps under 16 KiB, and a deleted one nothing."""
     parsed = ParsedRequests()
     pods = [_at_the_model_bound(i) for i in range(100)]
@@ -341,7 +341,7 @@ def test_a_hundred_pods_at_the_model_bound_keep_little_and_nothing_once_deleted(
 def test_what_the_memo_keeps_is_bounded_by_its_weight_whatever_pods_carry():
     """The apiserver bounds a pod's containers only by its 1.5 MiB: thousands of GPU containers
     parse (each asks one card). Each counts against the memo's weight, so pods of many containers
-    make it keep fewer pods, never more containers in all (by default 16,384, ~3.5 MiB); a pod
+    make it keep fewer pods, never more containers in all (by default 16,384, ~3 MiB); a pod
     heavier than the whole memo is parsed, not kept."""
     def crowded(i: int, n: int) -> dict:
         return {"metadata": {"name": f"p{i}", "namespace": "ns", "uid": f"u{i}", "resourceVersion": "1"},

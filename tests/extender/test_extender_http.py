@@ -108,7 +108,7 @@ def test_invalid_gpu_request_fails_every_node_with_the_reason(plain):
 
 def test_a_pod_listing_a_thousand_gpu_models_fails_every_node_and_is_not_remembered(plain):
     """Admitted before the bound (or where the webhook does not run): filter refuses it with the
-    parser's words, and the parse memo keeps nothing of it (it kept ~3.5 MiB per such pod)."""
+    parser's words, and the parse memo keeps nothing of it (it kept ~3.2 MiB per such pod)."""
     server, app = plain
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
     pod = {"metadata": {"name": "models", "namespace": "ns", "uid": "uid-models", "resourceVersion": "1",

@@ -81,8 +81,8 @@ def test_xgn_toleration_is_added_once_for_exclusive_requests_only():
 
 def test_a_pod_listing_255_kib_of_gpu_model_names_is_refused_at_admission_in_a_short_message():
     """The apiserver takes 256 KiB of annotations: 85,000 characters of names in each of
-    qgpu.io/gpu-model, HAMi's use-gputype and nouse-gputype (17,874 names each). Admitted before,
-    each parse of the pod made ~3.5 MiB of strings that the extender kept per pod version."""
+    qgpu.io/gpu-model, HAMi's use-gputype and nouse-gputype (~16,000 names each). Admitted before,
+    each parse of the pod made ~3.2 MiB of strings that the extender kept per pod version."""
     def names(separator: str) -> str:
         out, n = [], 0
         while sum(map(len, out)) + len(out) < 85_000:
