@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     app = NullExtender(client.CoreV1Api(api_client(args.kubeconfig)))
     routes = Routes(post={"/": app.handle}, get={"/healthz": lambda: (200, "text/plain", b"ok"),
                                                  "/readyz": lambda: (200, "text/plain", b"ok")},
-                    open_paths=frozenset({"/healthz", "/readyz"}))
+                    open_paths=frozenset({"/healthz", "/readyz"}), inline=frozenset({"/filter", "/prioritize"}))
     server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
                         client_ca_file=args.client_ca_file, http2=args.http2 == "on")
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())

@@ -248,6 +248,10 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
         body_limits={"/bind": BIND_BODY_LIMIT},
         # kubelet's probes present no client certificate; the verbs and /metrics need one.
         open_paths=frozenset({"/healthz", "/readyz"}),
+        # filter and prioritize decide from the cache (a pod the watch has not brought yet is one
+        # GET): over HTTP/2 they run on the connection's reading thread, bind and preempt (API
+        # writes, LISTs) on the worker pool
+        inline=frozenset({"/filter", "/prioritize", "/dra-prioritize"}),
     )
     if args.tls_cert_file:
         app.metrics.certificate = CertificateMetrics.create(app.metrics.registry, "qgpu_extender")

@@ -35,6 +35,13 @@ class HotCalls:
         self.api_client = api_client
         self.configuration = api_client.configuration
         self.pool = api_client.rest_client.pool_manager
+        # the server's URL parsed once: each call asks the manager for the host's connection pool
+        # (the one every other call of this client uses) and sends the path on it, skipping the
+        # manager's parse of a whole URL and its redirect handling (an apiserver answers these
+        # calls without redirects; a 3xx is raised like any other status)
+        url = urllib3.util.parse_url(self.configuration.host)
+        self._origin = (url.scheme or "https", url.host, url.port)
+        self._prefix = (url.path or "").rstrip("/")
 
     def _headers(self, with_body: bool) -> dict[str, str]:
         headers = dict(self.api_client.default_headers)
@@ -47,9 +54,10 @@ class HotCalls:
         return headers
 
     def _request(self, method: str, path: str, body: Mapping[str, Any] | None, timeout: Timeout) -> bytes:
-        response = self.pool.request(
-            method, self.configuration.host + path, body=json.dumps(body, separators=(",", ":")) if body is not None else None,
-            headers=self._headers(body is not None), preload_content=True,
+        scheme, host, port = self._origin
+        response = self.pool.connection_from_host(host, port, scheme).urlopen(
+            method, self._prefix + path, body=json.dumps(body, separators=(",", ":")) if body is not None else None,
+            headers=self._headers(body is not None), preload_content=True, assert_same_host=False, redirect=False,
             timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]))
         data = response.data
         if not 200 <= response.status <= 299:

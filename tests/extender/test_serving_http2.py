@@ -303,3 +303,34 @@ def test_http1_without_a_certificate_is_refused_after_its_request_line_before_it
     assert server.stats.refused_unauthenticated == 1
     answer = _http1_without_certificate(server.port, pki, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b"ok")
+
+
+def _raw_headers(c: Client, headers: list[tuple[str, str]]) -> int:
+    """A HEADERS frame sent past the client's own checks (as a peer that ignores RFC 9113 would)."""
+    c.conn.config.validate_outbound_headers = False
+    c.conn.config.normalize_outbound_headers = False
+    sid = c.conn.get_next_available_stream_id()
+    c.conn.send_headers(sid, headers, end_stream=True)
+    c.sock.sendall(c.conn.data_to_send())
+    return sid
+
+
+def test_header_checks_are_skipped_only_for_a_peer_the_client_ca_certified(server, pki):
+    """h2's inbound header validation holds for a connection without a certificate; one whose
+    certificate the client CA signed (which may call every route anyway) is spared its cost."""
+    request = [(":method", "GET"), (":path", "/healthz"), (":scheme", "https"), (":authority", "127.0.0.1"),
+               ("connection", "keep-alive")]  # a connection-specific header: malformed in HTTP/2
+    stranger = connect(server.port, pki, certificate=False)
+    try:
+        _raw_headers(stranger, request)
+        assert stranger.closed()
+    finally:
+        stranger.close()
+    assert server.stats.http2_protocol_errors == 1
+    certified = connect(server.port, pki)
+    try:
+        assert certified.answer(_raw_headers(certified, request)) == (200, b"ok")
+        assert certified.answer(certified.send("POST", "/echo/filter", b"{}")) == (200, {"verb": "filter", "got": 2})
+    finally:
+        certified.close()
+    assert server.stats.http2_protocol_errors == 1
