@@ -11,8 +11,10 @@ Trust: the body names a pod, the apiserver says what it is (:mod:`.trust`). Filt
 work on the apiserver's pod and refuse a body that asks for something else; bind is refused unless
 a filter passed that pod (same UID) for that node; filter is refused while ``max_holds`` pods await
 their bind. Preempt works on the apiserver's pod too, and names only victims its own watch has on
-that node, of a lower priority than the pod's (as the watch has both). Refusals are counted by verb
-and reason.
+that node, of a lower priority than the pod's (as the watch has both). A pod past the entries qgpu
+keeps of one (kube/podslim.py ``MAX_KEPT_POD_ENTRIES``) is one qgpu cannot see into: filter answers
+it unresolvable on every node, naming the pod, the list, its length and the budget; prioritize,
+preempt and dra-prioritize have no opinion. Refusals are counted by verb and reason.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from qgpu_runtime.extender.wire import (
     encode_preemption_result,
     encode_priorities_json,
 )
+from qgpu_runtime.kube.podslim import oversized
 from qgpu_runtime.model.requests import CardLimits, RequestError
 from qgpu_runtime.serving import RawJSON
 from qgpu_runtime.servingcert import CertificateMetrics
@@ -161,6 +164,18 @@ class ExtenderApp:
         self.metrics.refused.labels(verb, reason).inc()
         log.warning("%s refused: %s", verb, message)
 
+    def _oversized(self, verb: str, pod: dict[str, Any]) -> str | None:
+        """Why qgpu cannot judge ``pod`` (kept oversized: kube/podslim.py), counted and logged;
+        None for every other pod."""
+        over = oversized(pod)
+        if over is None:
+            return None
+        meta = pod.get("metadata") or {}
+        message = (f"pod {meta.get('namespace') or 'default'}/{meta.get('name')} lists {over.describe()}: "
+                   "qgpu does not place it; split it into pods of fewer containers or claims")
+        self._refuse(verb, "oversized-pod", message)
+        return message
+
     def filter(self, body: bytes) -> Response:
         args = ExtenderArgs.decode(body)
         names = args.names
@@ -169,6 +184,9 @@ class ExtenderApp:
         except UntrustedPod as exc:
             self._refuse("filter", _refusal(exc), str(exc))
             return 200, FilterResult([], error=str(exc)).encode(args)
+        too_big = self._oversized("filter", pod)
+        if too_big is not None:  # its lists are fixed once it exists: no node will do
+            return 200, FilterResult([], {}, {n: too_big for n in names}).encode(args)
         try:
             request = self._request(pod)
         except RequestError as exc:
@@ -195,7 +213,7 @@ class ExtenderApp:
         pod = None
         try:
             pod = self.pods.resolve(args.pod)
-            request = self._request(pod)
+            request = None if self._oversized("prioritize", pod) else self._request(pod)
         except UntrustedPod as exc:  # no opinion: kube-scheduler weighs the nodes without us
             self._refuse("prioritize", _refusal(exc), str(exc))
             request = None
@@ -220,6 +238,8 @@ class ExtenderApp:
         args = PreemptionArgs.decode(body)
         try:
             pod = self.pods.resolve(args.pod)
+            if self._oversized("preempt", pod):  # filter refuses it everywhere: evict nothing for it
+                return 200, encode_preemption_result({})
             request = self._request(pod)
         except UntrustedPod as exc:
             self._refuse("preempt", _refusal(exc), str(exc))
@@ -247,7 +267,7 @@ class ExtenderApp:
             return 404, {"Error": "dra-prioritize: this extender was started without --dra-prioritize"}
         try:
             pod = self.pods.resolve(args.pod)
-            request = self._request(pod)
+            request = None if self._oversized("dra-prioritize", pod) else self._request(pod)
         except UntrustedPod as exc:
             self._refuse("dra-prioritize", _refusal(exc), str(exc))
             return 200, RawJSON(encode_priorities_json(names, [0] * len(names)))

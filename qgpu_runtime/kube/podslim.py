@@ -37,12 +37,33 @@ carrying that label alone. The annotations kept are those qgpu reads (:data:`KEP
 
 Each part is reduced by a function that returns its argument itself when it carries nothing to
 drop, so a pod kept already is returned as it is (compared, not copied, on every call).
+
+That bounds each entry of a pod, not how many there are: kube-apiserver (v1.37.2) bounds the
+number of containers, init containers and ``spec.resourceClaims`` entries only by the object's size
+(it took 40,000 claim entries, 2.1 MB of JSON, kept whole as 11.7 MiB, and 10,000 containers asking
+``cpu: 1m``, 6.4 MiB), and each of them is read. So the kept form has a budget,
+:data:`MAX_KEPT_POD_ENTRIES` entries of the spec (each container, init container and claim entry,
+and each resource name and claim reference kept of a container) and as many of the status (each
+container and claim status). A pod past either is kept *oversized*: metadata as above; of the spec
+its node, scheduler and priority and, in place of everything counted, its node-fit CPU and memory
+as pod-level ``resources.requests`` (:func:`~qgpu_runtime.model.requests.pod_compute` reads the
+same); of the status its phase and nominated node; and under :data:`OVERSIZED` (a top-level key no
+Pod of the apiserver carries) the list that weighs most, its length, the part's entries and the GPU
+resource names its containers list. :func:`oversized` reads it, of a kept pod or a whole one.
+Every reader treats such a pod as one it cannot see into (docs/security.md, "What qgpu keeps of a
+pod"): the extender places none (filter refuses it, naming the pod, the list, its length and the
+budget) and has no opinion on it (prioritize, preempt, dra-prioritize), while a bound one's signed
+record still books its cards with that CPU and memory; the node manager grants it no device
+(Allocate refuses it, and one that lists a GPU resource without a record is a stranger to every
+call of that resource), and enforces the shares of the claims reserved for it on all of its
+containers together (node/tenants.py ``WHOLE_POD``).
 """
 
 from __future__ import annotations
 
 import heapq
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable, Final, Mapping
 
 from qgpu_runtime.contract.names import (
@@ -54,9 +75,13 @@ from qgpu_runtime.contract.names import (
     GROUP_MIN_MEMBER,
     MIRROR_POD,
 )
-from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, REQUEST_ANNOTATIONS
+from qgpu_runtime.model.requests import GPU_RESOURCES, QGPU_PREFIX, REQUEST_ANNOTATIONS, pod_compute
 
-TOP_FIELDS: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status"})
+OVERSIZED: Final = "qgpu.io/oversized"
+"""The top-level key of a pod kept oversized (past :data:`MAX_KEPT_POD_ENTRIES`): no Pod the
+apiserver returns carries it (its fields are ``apiVersion``, ``kind``, ``metadata``, ``spec`` and
+``status``), and :func:`kept` honours it only on a pod that lists nothing it counts."""
+TOP_FIELDS: Final = frozenset({"apiVersion", "kind", "metadata", "spec", "status", OVERSIZED})
 METADATA_FIELDS: Final = frozenset({
     "name", "namespace", "uid", "generateName", "resourceVersion", "creationTimestamp", "deletionTimestamp",
     "labels", "annotations", "ownerReferences",
@@ -100,6 +125,19 @@ CLAIM_STATUS_FIELDS: Final = frozenset({"name", "resourceClaimName"})
 CONTAINER_STATUS_FIELDS: Final = frozenset({"name", "containerID"})
 """What node/metrics.py and node/containers.py read of a container's status: which container a
 runtime ID is (not its state, image, resources or termination message)."""
+COUNTED_SPEC: Final = ("containers", "initContainers", "resourceClaims")
+COUNTED_STATUS: Final = ("containerStatuses", "initContainerStatuses", "resourceClaimStatuses")
+MAX_KEPT_POD_ENTRIES: Final = 512
+"""The entries of one pod's spec kept (each container, init container and ``spec.resourceClaims``
+entry, and of each container every resource name and claim reference kept), and as many of its
+status (each container, init container and claim status). A container asking CPU, memory and a
+GPU in limits and requests weighs 7: a pod of 70 such containers fits, where real pods have a few
+(a Tekton task's steps a few dozen). Past it the pod is kept oversized (module docstring): at the
+budget a pod's kept form is at most ~300 KiB of spec (512 claim entries of the longest names the
+apiserver accepts) and ~220 KiB of status, against 8.8 MiB for 30,000 claim entries kept whole.
+A pod's status has no more entries than its spec (the kubelet writes one per container, the
+resourceclaim controller one per claim), so a pod kept whole at creation stays so."""
+_COUNTED_FIELDS: Final = frozenset({*(f"spec.{n}" for n in COUNTED_SPEC), *(f"status.{n}" for n in COUNTED_STATUS)})
 OWNER_FIELDS: Final = frozenset({"apiVersion", "kind", "name", "uid", "controller", "blockOwnerDeletion"})
 MAX_KEPT_NODE_OWNERS: Final = 2
 """A mirror pod has exactly one owner, its Node: two are kept, so "more than one" stays visible."""
@@ -259,12 +297,125 @@ def _status(status: dict[str, Any]) -> dict[str, Any]:
     return _parts(status, STATUS_FIELDS, _STATUS_PARTS)
 
 
+@dataclass(frozen=True)
+class Oversize:
+    """Why a pod is kept oversized: ``field`` (``spec.resourceClaims``, ``status.containerStatuses``
+    ...) is the list of the part past the budget that weighs most, ``count`` its length,
+    ``entries`` the part's entries in all; ``gpu_resources`` the GPU resource names (of
+    ``GPU_RESOURCES``) its containers and init containers list, in limits or requests."""
+
+    field: str
+    count: int
+    entries: int
+    gpu_resources: tuple[str, ...] = ()
+
+    @property
+    def part(self) -> str:
+        return self.field.split(".", 1)[0]
+
+    def describe(self) -> str:
+        """The facts, for a refusal that names the pod before them and says what follows."""
+        return (f"{self.count} {self.field} ({self.entries} entries of its {self.part} in all, counting each "
+                f"container's resource names and claim references), past the {MAX_KEPT_POD_ENTRIES} entries qgpu "
+                f"keeps of one pod's {self.part} (kube/podslim.py MAX_KEPT_POD_ENTRIES)")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"field": self.field, "count": self.count, "entries": self.entries, "gpuResources": list(self.gpu_resources)}
+
+    @classmethod
+    def of_json(cls, doc: Any) -> "Oversize | None":
+        """The marker as :meth:`to_json` writes it; None for anything else (not ours)."""
+        if not isinstance(doc, dict) or doc.keys() != {"field", "count", "entries", "gpuResources"}:
+            return None
+        field, count, entries, names = doc["field"], doc["count"], doc["entries"], doc["gpuResources"]
+        if not (field in _COUNTED_FIELDS and type(count) is int and type(entries) is int and isinstance(names, list)
+                and all(isinstance(n, str) and n in GPU_RESOURCES for n in names)):
+            return None
+        return cls(field, count, entries, tuple(names))
+
+
+def _weight(item: Any) -> int:
+    """A kept container's entries: itself, each resource name of its limits and requests, and each
+    claim reference (of a claim or status entry, or a value of the wrong type: 1)."""
+    resources = item.get("resources") if type(item) is dict else None
+    if type(resources) is not dict:
+        return 1
+    weight = 1
+    for side in ("limits", "requests", "claims"):
+        value = resources.get(side)
+        if type(value) is dict or type(value) is list:
+            weight += len(value)
+    return weight
+
+
+def _weights(part: Any, lists: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each counted list of the part by name: (its entries, its length)."""
+    out = {}
+    if type(part) is dict:
+        for name in lists:
+            items = part.get(name)
+            if type(items) is list:
+                out[name] = (sum(map(_weight, items)) if name in CONTAINER_LISTS else len(items), len(items))
+    return out
+
+
+def _gpu_names(spec: Mapping[str, Any]) -> tuple[str, ...]:
+    names: set[str] = set()
+    for field in CONTAINER_LISTS:
+        items = spec.get(field)
+        for c in items if isinstance(items, list) else ():
+            resources = c.get("resources") if isinstance(c, dict) else None
+            if isinstance(resources, dict):
+                for side in ("limits", "requests"):
+                    values = resources.get(side)
+                    if isinstance(values, dict):
+                        names.update(k for k in values if k in GPU_RESOURCES)
+    return tuple(sorted(names))
+
+
+def _oversize(slim: Mapping[str, Any]) -> Oversize | None:
+    spec, status = slim.get("spec"), slim.get("status")
+    for part, lists, prefix in ((spec, COUNTED_SPEC, "spec"), (status, COUNTED_STATUS, "status")):
+        weights = _weights(part, lists)
+        total = sum(w for w, _ in weights.values())
+        if total > MAX_KEPT_POD_ENTRIES:
+            heaviest = max(weights, key=lambda name: weights[name][0])  # the first of equals, in the lists' order
+            return Oversize(f"{prefix}.{heaviest}", weights[heaviest][1], total,
+                            _gpu_names(spec) if isinstance(spec, dict) else ())
+    return None
+
+
+def _lists_any(slim: Mapping[str, Any]) -> bool:
+    """Whether the pod lists anything :data:`MAX_KEPT_POD_ENTRIES` counts (or an ``overhead``,
+    which an oversized form folds into its pod-level requests)."""
+    spec, status = slim.get("spec"), slim.get("status")
+    return (isinstance(spec, dict) and any(k in spec for k in (*COUNTED_SPEC, "overhead"))) or \
+        (isinstance(status, dict) and any(k in status for k in COUNTED_STATUS))
+
+
+_OVERSIZED_SPEC: Final = ("nodeName", "schedulerName", "priority")
+_OVERSIZED_STATUS: Final = ("phase", "nominatedNodeName")
+
+
+def _reduced(slim: dict[str, Any], over: Oversize) -> dict[str, Any]:
+    """The oversized form of a kept pod (module docstring)."""
+    spec, status = slim.get("spec"), slim.get("status")
+    milli, mib = pod_compute(slim)
+    out: dict[str, Any] = {k: v for k, v in slim.items() if k in ("apiVersion", "kind", "metadata")}
+    out["spec"] = {**{k: spec[k] for k in _OVERSIZED_SPEC if isinstance(spec, dict) and k in spec},
+                   "resources": {"requests": {"cpu": f"{milli}m", "memory": f"{mib}Mi"}}}
+    if isinstance(status, dict):
+        out["status"] = {k: status[k] for k in _OVERSIZED_STATUS if k in status}
+    out[OVERSIZED] = over.to_json()
+    return out
+
+
 def kept(pod: Mapping[str, Any]) -> dict[str, Any]:
     """What qgpu keeps of ``pod`` (see the module docstring): a new dict, or ``pod`` itself when it
     carries nothing else (a pod kept already, compared again on every call). ``pod`` is never
     changed, and what is returned is not to be changed either: it shares with ``pod`` every part
     that had nothing to drop. Fields of the wrong type are kept as they are, for the readers' own
-    checks to refuse."""
+    checks to refuse. A pod past :data:`MAX_KEPT_POD_ENTRIES` is kept oversized."""
     out: dict[str, Any] = _only(pod, TOP_FIELDS)
     changed = {}
     for name, slim in (("metadata", _metadata), ("spec", _spec), ("status", _status)):
@@ -275,4 +426,14 @@ def kept(pod: Mapping[str, Any]) -> dict[str, Any]:
                 changed[name] = reduced
     if changed:
         out = {**out, **changed}
+    if OVERSIZED in out and (_lists_any(out) or Oversize.of_json(out[OVERSIZED]) is None):
+        out = {k: v for k, v in out.items() if k != OVERSIZED}  # not an oversized form of ours
+    over = _oversize(out)
+    if over is not None:
+        return _reduced(out, over)
     return out if isinstance(out, dict) else dict(out)
+
+
+def oversized(pod: Mapping[str, Any]) -> Oversize | None:
+    """Why ``pod`` (kept or whole) is kept oversized, or None when it is kept whole."""
+    return Oversize.of_json(kept(pod).get(OVERSIZED))

@@ -6,7 +6,9 @@ systemd layouts) → the pod's ``containerStatuses`` → container name → the 
 belongs to (node/tenants.py: the store's shares booked for it by the device plugin, or those of
 the ResourceClaims it references, whichever door booked them). A process that does not end in a
 share (a host process, a pod that holds no qgpu share, a container another device plugin serves)
-is not ours to throttle: it is left alone and logged once.
+is not ours to throttle: it is left alone and logged once. A pod kept oversized (node/tenants.py
+``WHOLE_POD``) has no statuses kept: each process in it goes, by its cgroup's pod UID, to the one
+member the pod is.
 
 Process groups (``<proc>/<pid>/stat`` field 5) are what the actuator signals, so a container's
 GPU process is held together with the children in its group. The proc root is configurable so
@@ -38,7 +40,7 @@ from qgpu_runtime.isolation.engine import Workload
 from qgpu_runtime.isolation.procfs import ProcFS
 from qgpu_runtime.node.cgroups import container_id, pod_and_container
 from qgpu_runtime.node.store import PreparedClaim, Share
-from qgpu_runtime.node.tenants import TenantRef, tenants_of
+from qgpu_runtime.node.tenants import WHOLE_POD, TenantRef, tenants_of
 
 log = logging.getLogger("qgpu.node.isolation")
 
@@ -78,6 +80,7 @@ class ContainerResolver:
         self._refs: dict[str, TenantRef] = {}  # key -> tenant
         self._by_container_id: dict[str, tuple[str, str]] = {}  # container id -> (key, pod UID listing it)
         self._booked_uids: set[str] = set()
+        self._by_pod: dict[str, str] = {}  # pod UID -> key, for a pod kept oversized (WHOLE_POD)
         self._proc = ProcFS(proc_root)
         self._pids: dict[int, _Attributed] = {}
         # /proc by process group, one scan serving the signals of GROUP_INDEX_S (a group's members
@@ -114,6 +117,7 @@ class ContainerResolver:
         self._refs = {key: ref for key, (ref, _) in found.items()}
         keys = {(m.pod_uid, m.container): key for key, ref in self._refs.items() for m in ref.members}
         self._booked_uids = {uid for uid, _ in keys}
+        self._by_pod = {uid: key for (uid, container), key in keys.items() if container == WHOLE_POD}
         self._by_container_id = {}
         for uid, pod in live.items():
             status = pod.get("status") or {}
@@ -193,6 +197,8 @@ class ContainerResolver:
             return None, "not in a Kubernetes pod", False
         uid, cid = found
         listed = self._by_container_id.get(cid)
+        if listed is None and uid in self._by_pod:  # a pod kept oversized: any container of it
+            return self._by_pod[uid], "", False
         if listed is None and uid in self._booked_uids:
             return None, f"in pod {uid}, container {cid[:12]} not (yet) in the pod's status", True
         if listed is None:

@@ -28,8 +28,10 @@ from prometheus_client.registry import Collector
 
 from qgpu_runtime.contract import names
 from qgpu_runtime.gpu.types import CardInfo, CardUsage
+from qgpu_runtime.kube.podslim import oversized
 from qgpu_runtime.node.cgroups import container_id, pod_and_container
 from qgpu_runtime.node.store import Share
+from qgpu_runtime.node.tenants import WHOLE_POD
 
 MIB = 1024 * 1024
 TKE_LABELS = ("pod_name", "namespace", "node", "container_name")
@@ -64,10 +66,13 @@ def build_snapshot(
 ) -> Snapshot:
     """Join the store's shares (requested) with process usage mapped through cgroups (used)."""
     names: dict[str, tuple[str, str, str]] = {}  # container id -> (namespace, pod, container)
+    whole: dict[str, tuple[str, str, str]] = {}  # pod UID -> (namespace, pod, "*"): kept oversized, no statuses
     uid_of: dict[str, tuple[str, str]] = {}
     for pod in pods:
         meta = pod.get("metadata") or {}
         uid_of[str(meta.get("uid", ""))] = (meta.get("namespace", "default"), meta.get("name", ""))
+        if oversized(pod) is not None:
+            whole[str(meta.get("uid", ""))] = (meta.get("namespace", "default"), meta.get("name", ""), WHOLE_POD)
         for st in (pod.get("status") or {}).get("containerStatuses") or []:
             if st.get("containerID"):
                 names[container_id(st["containerID"])] = (meta.get("namespace", "default"), meta.get("name", ""), st.get("name", ""))
@@ -84,7 +89,7 @@ def build_snapshot(
             if owner is None:
                 continue
             uid, cid = owner
-            key = names.get(cid)
+            key = names.get(cid) or whole.get(uid)
             if key is None:
                 continue
             row = rows.get(key)

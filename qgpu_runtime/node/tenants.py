@@ -15,6 +15,12 @@ that the engine and the process attribution (node/containers.py) never ask which
   whose entries cannot be resolved (status not written) links its containers that reference an
   unresolved entry.
 
+A pod kept oversized (kube/podslim.py: past ``MAX_KEPT_POD_ENTRIES``, kept without its containers,
+claims and statuses) is one member, :data:`WHOLE_POD`: every row booked for the pod and every row of
+a claim reserved for it are its, and every process of the pod is attributed to it (node/containers.py).
+That is its containers' rows together: a container sees only the devices of its own claims, so
+each card's quota still bounds what runs on that card.
+
 Rows reached through one container are one tenant; a row reached through several containers
 (a claim shared by two containers or two pods) joins them into one tenant, so the claim's share is
 enforced once over all of its processes, never once per container. So the tenants are the
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.isolation.engine import CardQuota, Workload
+from qgpu_runtime.kube.podslim import oversized
 from qgpu_runtime.model import AppClass
 from qgpu_runtime.model.requests import CORE_MILLI_PER_CARD
 from qgpu_runtime.node.store import PreparedClaim, Share
@@ -41,6 +48,9 @@ _CLASS_RANK = {AppClass.ONLINE.value: 0, AppClass.NORMAL.value: 1, AppClass.OFFL
 _REPEATED = re.compile(r"^(.*)\[[0-9]+\]$")
 
 RowId = tuple[str, str, int]  # the shares table's key: (workload_id, container, card_index)
+WHOLE_POD = "*"
+"""The container of the one member of a pod kept oversized: all of its containers (a container's
+name is a DNS label, never this)."""
 
 
 def dominant_class(classes: Iterable[str]) -> str:
@@ -142,9 +152,19 @@ def tenants_of(shares: Iterable[Share], claims: Sequence[PreparedClaim],
             reserved.setdefault(p.uid, []).append(c)
 
     reached: dict[Member, list[Share]] = {}
+    rows_of_pod: dict[str, list[Share]] | None = None
     for uid, pod in live_pods.items():
         meta = pod.get("metadata") or {}
         namespace, name = str(meta.get("namespace", "default")), str(meta.get("name", ""))
+        if oversized(pod) is not None:  # its containers are not kept: the pod is one member
+            if rows_of_pod is None:
+                rows_of_pod = {}
+                for (owner, _), booked in pod_rows.items():
+                    rows_of_pod.setdefault(owner, []).extend(booked)
+            held = [*rows_of_pod.get(uid, ()), *(s for c in reserved.get(uid, []) for s in claim_rows.get(c.claim_uid, []))]
+            if held:
+                reached.setdefault(Member(uid, namespace, name, WHOLE_POD), []).extend(held)
+            continue
         linked_claims: set[str] = set()
         unresolved: list[tuple[Member, str | None]] = []
         for c in _containers(pod):

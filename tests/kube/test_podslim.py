@@ -16,9 +16,13 @@ from qgpu_runtime.kube.podslim import (
     CONTAINER_FIELDS,
     KEPT_ANNOTATIONS,
     MAX_KEPT_LABELS,
+    MAX_KEPT_POD_ENTRIES,
     MAX_KEPT_UNKNOWN_QGPU_NAMES,
     MIRROR_ANNOTATION,
+    OVERSIZED,
+    Oversize,
     kept,
+    oversized,
 )
 from qgpu_runtime.model.requests import RequestError, parse_pod, pod_compute
 from qgpu_runtime.node.podwatch import NodePodCache
@@ -536,3 +540,123 @@ def test_a_mirror_pods_annotation_and_node_owner_are_kept():
     assert slim["metadata"]["annotations"] == {"kubernetes.io/config.mirror": ""}  # present: what is read of it
     assert len(json.dumps(slim)) < 1000 and kept(slim) is slim
     assert "ownerReferences" not in kept({"metadata": {"name": "p", "ownerReferences": many[:1]}})["metadata"]
+
+
+# --- how many entries: a budget per pod ----------------------------------------------------------
+
+def _pod_of(spec: dict, status: dict | None = None) -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "big", "namespace": "t", "uid": "u", "resourceVersion": "1",
+                         "annotations": {"qgpu.io/gpu-model": "T4"}, "labels": {"app": "x"}},
+            "spec": {"nodeName": NODE, "schedulerName": "qgpu", "priority": 7, **spec},
+            "status": status or {"phase": "Pending"}}
+
+
+def _claim_entries(n: int) -> dict:
+    return {"containers": [{"name": "c", "image": "i"}],
+            "resourceClaims": [{"name": f"c{i}", "resourceClaimName": f"claim-{i}"} for i in range(n)]}
+
+
+def _cpu_containers(n: int) -> dict:
+    return {"containers": [{"name": f"c{i}", "image": "i", "resources": {"requests": {"cpu": "1m"}, "limits": {"cpu": "1m"}}}
+                           for i in range(n)]}
+
+
+@pytest.mark.parametrize("spec, field, count, entries", [
+    (_claim_entries(30_000), "spec.resourceClaims", 30_000, 30_001),
+    (_cpu_containers(5_000), "spec.containers", 5_000, 15_000),  # each: itself, cpu in limits and requests
+], ids=["30000-claim-entries", "5000-containers"])
+def test_a_pod_of_tens_of_thousands_of_claims_or_thousands_of_containers_is_kept_oversized_in_a_few_kilobytes(
+        spec, field, count, entries):
+    """Each entry bounded, not their number: 30,000 ``spec.resourceClaims`` entries (1.5 MB of JSON)
+    were kept as 8.8 MiB and 5,000 containers asking ``cpu: 1m`` as 4.3 MiB, each read by the
+    extender, so a few hundred such unbound pods ran it out of memory. Past MAX_KEPT_POD_ENTRIES the
+    pod is kept oversized: what qgpu reads of it without its lists, and why."""
+    pod = _pod_of(spec)
+    body = json.dumps(pod, separators=(",", ":")).encode()
+    assert len(body) > 400_000
+    held, per_pod = _measured(body)
+    slim = held[0]
+    assert per_pod < 16 * 1024, per_pod  # 8.8 MiB and 4.3 MiB before
+    assert len(json.dumps(slim)) < 600 and kept(slim) is slim
+    assert oversized(pod) == oversized(slim) == Oversize(field, count, entries, ())
+    assert slim["metadata"] == kept(pod)["metadata"] == {k: pod["metadata"][k] for k in
+                                                         ("name", "namespace", "uid", "resourceVersion", "annotations", "labels")}
+    assert {k: slim["spec"][k] for k in ("nodeName", "schedulerName", "priority")} == {"nodeName": NODE, "schedulerName": "qgpu",
+                                                                                       "priority": 7}
+    assert not slim["spec"].keys() & {"containers", "initContainers", "resourceClaims", "overhead"}
+    assert pod_compute(slim) == pod_compute(pod)  # node fit reads the same CPU and memory
+    assert f"{count} {field} ({entries} entries" in oversized(pod).describe()
+    assert str(MAX_KEPT_POD_ENTRIES) in oversized(pod).describe()
+
+
+def test_a_pod_at_the_budget_is_kept_whole_and_one_entry_more_is_kept_oversized():
+    """The budget counts the kept form's entries of the spec (containers, init containers, claim
+    entries, each container's resource names and claim references) and, apart, of the status; a
+    normal pod's kept form does not change, and at the budget a pod costs a few hundred KiB at most."""
+    refs = [{"name": "g"}]
+    # 1 claim entry + 3 containers of 1 + 2 names + 1 reference + init containers of 1 each
+    spec = {"resourceClaims": [{"name": "g", "resourceClaimName": "x"}],
+            "containers": [{"name": f"c{i}", "resources": {"limits": {"cpu": "1"}, "requests": {"cpu": "1"}, "claims": refs}}
+                           for i in range(3)],
+            "initContainers": [{"name": f"i{i}"} for i in range(MAX_KEPT_POD_ENTRIES - 1 - 3 * 4)]}
+    at = _pod_of(spec)
+    assert kept(at)["spec"]["initContainers"] == spec["initContainers"] and oversized(at) is None
+    statuses = [{"name": f"i{i}", "containerID": f"containerd://{i}"} for i in range(MAX_KEPT_POD_ENTRIES)]
+    running = _pod_of(spec, {"phase": "Running", "initContainerStatuses": statuses})
+    assert oversized(running) is None and kept(kept(running)) is kept(running)
+
+    over = _pod_of({**spec, "initContainers": [*spec["initContainers"], {"name": "one-more"}]})
+    assert oversized(over) == Oversize("spec.initContainers", MAX_KEPT_POD_ENTRIES - 12, MAX_KEPT_POD_ENTRIES + 1)
+    more_statuses = _pod_of(spec, {"phase": "Running", "initContainerStatuses": [*statuses, {"name": "x"}]})
+    assert oversized(more_statuses) == Oversize("status.initContainerStatuses", MAX_KEPT_POD_ENTRIES + 1,
+                                                MAX_KEPT_POD_ENTRIES + 1)
+    assert kept(more_statuses)["status"] == {"phase": "Running"}
+
+    # the most a pod at the budget keeps: claim entries of the longest names the apiserver takes,
+    # and as many container statuses of the longest names
+    longest = _pod_of({"resourceClaims": [{"name": f"{i:05d}" + "a" * 58, "resourceClaimName": f"{i:05d}" + "b" * 248}
+                                          for i in range(MAX_KEPT_POD_ENTRIES)]},
+                      {"phase": "Running", "containerStatuses": [{"name": f"{i:05d}" + "a" * 58, "containerID": "containerd://" + "f" * 64}
+                                                                 for i in range(MAX_KEPT_POD_ENTRIES)]})
+    assert oversized(longest) is None
+    _, per_pod = _measured(json.dumps(longest).encode(), copies=2)
+    assert per_pod < 600 * 1024, per_pod
+
+
+def test_an_oversized_form_keeps_node_fit_and_the_gpu_names_its_containers_list():
+    """Node fit (model/requests.py pod_compute: containers, sidecars, the largest init container,
+    pod-level resources, overhead) is kept as one pod-level request; the GPU resource names any
+    container lists are kept for the node manager's matcher (rule 5)."""
+    spec = {"containers": [{"name": f"c{i}", "resources": {"requests": {"cpu": "250m", "memory": "64Mi"},
+                                                           "limits": {"nvidia.com/gpu": "1", "example.com/x": "1"}}}
+                           for i in range(300)],
+            "initContainers": [{"name": "side", "restartPolicy": "Always", "resources": {"requests": {"cpu": "2", "memory": "1Gi"}}},
+                               {"name": "setup", "resources": {"requests": {"cpu": "100", "memory": "1Mi"}}},
+                               {"name": "t9k", "resources": {"limits": {"tensorstack.dev/nvidia-gpu": "0"}}}],
+            "overhead": {"cpu": "100m", "memory": "10Mi"}}
+    pod = _pod_of(spec)
+    slim = kept(pod)
+    assert oversized(pod) == Oversize("spec.containers", 300, 300 * 4 + 3 + 3 + 2, ("nvidia.com/gpu", "tensorstack.dev/nvidia-gpu"))
+    assert pod_compute(slim) == pod_compute(pod) == (102_100, 300 * 64 + 1024 + 10)
+    assert slim["spec"]["resources"] == {"requests": {"cpu": "102100m", "memory": f"{300 * 64 + 1034}Mi"}}
+    with_level = _pod_of({**spec, "resources": {"requests": {"cpu": "3", "memory": "5Gi"}, "limits": {"hugepages-2Mi": "2Mi"}}})
+    assert pod_compute(kept(with_level)) == pod_compute(with_level) == (3100, 5 * 1024 + 10)
+    assert parse_pod(slim).containers == ()  # its requests are not read from it: every reader asks oversized() first
+
+
+def test_an_oversized_marker_is_believed_only_as_kept_writes_it():
+    """The marker is a top-level key no Pod of the apiserver carries; on a pod that lists what it
+    counts, or in any other shape, it is not ours and is dropped (the pod is judged as it is)."""
+    small = _pod_of({"containers": [{"name": "c", "resources": {"limits": {"nvidia.com/gpu": "1"}}}]})
+    forged = {**small, OVERSIZED: {"field": "spec.containers", "count": 9, "entries": 9, "gpuResources": []}}
+    assert OVERSIZED not in kept(forged) and oversized(forged) is None
+    assert kept(forged)["spec"]["containers"] == small["spec"]["containers"]
+    bare = {"metadata": {"name": "p"}, "spec": {"nodeName": NODE}}
+    for marker in ("x", {"field": "spec.containers"}, {"field": "spec.volumes", "count": 9, "entries": 9, "gpuResources": []},
+                   {"field": "f", "count": True, "entries": 9, "gpuResources": []},
+                   {"field": "f", "count": 9, "entries": 9, "gpuResources": ["example.com/x"]}):
+        assert OVERSIZED not in kept({**bare, OVERSIZED: marker}), marker
+    slim = kept(_pod_of(_cpu_containers(600)))
+    assert OVERSIZED in slim and kept(slim) is slim and kept(copy.deepcopy(slim)) == slim
+    assert kept(json.loads(json.dumps(slim))) == slim  # what the marker says survives a copy

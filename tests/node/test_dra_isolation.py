@@ -406,3 +406,25 @@ def test_a_claim_shared_by_two_pods_over_its_memory_stops_both_and_reports_on_on
     assert 101 not in w.gpus[0].processes and 202 not in w.gpus[0].processes
     events = [json.loads(line) for line in w.pods_file.with_suffix(".events.jsonl").read_text().splitlines()]
     assert [(e["pod"], e["uid"], e["reason"]) for e in events] == [("one", _uid(p1), "GPUMemoryQuotaExceeded")]
+
+
+# ---- a pod past the entries qgpu keeps of one (kube/podslim.py) -------------------------------
+def test_a_pod_past_the_entries_budget_is_held_to_its_claims_share_on_all_of_its_containers(world_of):
+    """Kept oversized, the pod has no containers, claims or statuses to link the claim's rows to a
+    process: 600 bare containers beside the one using the claim would have left its share
+    unenforced. The claim reserved for it links the whole pod (node/tenants.py WHOLE_POD), and each
+    of its processes is attributed by its cgroup's pod UID."""
+    from qgpu_runtime.kube.podslim import kept, oversized
+
+    w = world_of(Policy.FIXED_SHARE)
+    p, ids = w.pod("wide", {"main": ["wide"]})
+    p["spec"]["containers"] += [{"name": f"w{i}", "image": "busybox"} for i in range(600)]
+    write_pods(w.pods_file, w.pods)
+    assert oversized(p) is not None
+    w.claim("wide", 250, reserved_for=[{"resource": "pods", "name": "wide", "uid": _uid(p)}])
+    w.run(101, cgroupfs(_uid(p), ids["main"]), 1000)
+    w.run(102, systemd(_uid(p), cid_of(999)), 1000, card=0)  # another container of it, no status kept
+    w.loop.resolver.update([kept(p)], w.store.shares(), w.store.prepared_claims())  # as the manager keeps it
+    assert w.loop.resolver.owner(101) == w.loop.resolver.owner(102) == f"{NS}/wide/*"
+    w.drive(10.0)
+    assert (w.used(101) + w.used(102)) / 10.0 == pytest.approx(250, abs=20)

@@ -330,3 +330,41 @@ def test_a_container_in_flight_keeps_its_second_resource_beside_a_stranger():
 def test_with_no_recorded_candidate_the_stranger_is_named_in_the_refusal():
     with pytest.raises(NoMatch, match="tenant/intruder asks for it with no allocation record"):
         match(N, CORE, 30, [stranger("intruder", {CORE: "30"})], set(), VERIFIER, cards=CARDS)
+
+
+# -- a pod past the entries qgpu keeps of one (kube/podslim.py) -----------------------------------
+
+def _wide(p: dict, n: int = 600) -> dict:
+    """``p`` with ``n`` more containers asking no GPU: past MAX_KEPT_POD_ENTRIES, kept oversized."""
+    p["spec"]["containers"] = [*p["spec"]["containers"], *({"name": f"w{i}", "image": "busybox"} for i in range(n))]
+    return p
+
+
+def test_a_pod_past_the_entries_budget_is_matched_to_no_call_and_its_record_is_refused_by_name():
+    """Kept without its containers, its record cannot be checked against them nor a container
+    chosen: nothing is granted, and the refusal names the pod, the list, its length and the bound.
+    (The extender places no such pod: a record on one is an older release's.)"""
+    from qgpu_runtime.kube.podslim import MAX_KEPT_POD_ENTRIES, kept
+
+    big = _wide(one("big", bind_time=10))
+    for form in (big, kept(big)):
+        with pytest.raises(NoMatch) as err:
+            match(N, CORE, 30, [form], set(), VERIFIER, cards=CARDS)
+        assert "default/big: it lists 601 spec.containers (" in str(err.value)
+        assert f"past the {MAX_KEPT_POD_ENTRIES} entries" in str(err.value) and "nothing is granted" in str(err.value)
+    assert match(N, CORE, 30, [kept(big), one("small", bind_time=20)], set(), VERIFIER, cards=CARDS).pod == "small"
+
+
+def test_a_pod_past_the_budget_listing_a_gpu_resource_without_a_record_is_a_stranger_to_every_call_of_it():
+    """Rule 5 with the containers' sizes not kept: a pod that lists qgpu-core with no record may be
+    the subject of any qgpu-core call, so one is refused rather than grant the recorded pod's cards
+    to it; one that lists no GPU resource, or another one, changes nothing."""
+    from qgpu_runtime.kube.podslim import kept
+
+    victim = one("victim", bind_time=10)
+    intruder = kept(_wide(stranger("intruder", {CORE: "70"})))  # another size: only the resource is known
+    with pytest.raises(NoMatch) as err:
+        match(N, CORE, 30, [victim, intruder], set(), VERIFIER, cards=CARDS)
+    assert "may be for tenant/intruder" in str(err.value) and "cards recorded for default/victim" in str(err.value)
+    for other in (stranger("cpu", {"cpu": "1"}), stranger("vcuda", {"tencent.com/vcuda-core": "30"})):
+        assert match(N, CORE, 30, [victim, kept(_wide(other))], set(), VERIFIER, cards=CARDS).pod == "victim"

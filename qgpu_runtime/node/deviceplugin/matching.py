@@ -30,6 +30,12 @@ kubelet shows it to the user as UnexpectedAdmissionError.
    as many units of R as kubelet sent, the call may be for it: granting the candidate's cards then
    hands them to the stranger, and the candidate is refused at its own admission while the card is
    held unisolated. So the call is refused, naming both: nothing is granted on a guess.
+
+A pod kept oversized (kube/podslim.py: past ``MAX_KEPT_POD_ENTRIES``, kept without its
+containers) can be matched to no call: with a record it is refused, naming the list, its length and
+the budget (the extender places no such pod, so its record is an older release's); without one, a
+pod that lists a GPU resource R is, for rule 5, a stranger that may be the subject of every call of
+R (its containers' sizes are not kept).
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from qgpu_runtime.contract.record import (
 )
 from qgpu_runtime.contract.signature import RecordVerifier, UntrustedRecord, trusted_record
 from qgpu_runtime.gpu.types import CardInfo
+from qgpu_runtime.kube.podslim import Oversize, oversized
 from qgpu_runtime.model.requests import RequestError, asks_gpu_resource, parse_pod, parse_quantity
 from qgpu_runtime.node.deviceplugin.recordcheck import SHAPE_LIMITS, record_refusal
 
@@ -129,6 +136,7 @@ class Examined:
     untrusted: str | None = None
     bind_time: int | None = None
     unrecorded: bool = False  # asks for GPU resources and carries no record (rule 5)
+    oversize: Oversize | None = None  # kept without its containers (kube/podslim.py)
 
 
 def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -139,7 +147,10 @@ def _containers(pod: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def _asks_unserved(e: "Examined", resource: str, device_count: int, served: set[tuple[str, str, str]]) -> bool:
     """Whether a container of the unrecorded pod ``e``, not yet served ``resource``, asks for
-    exactly ``device_count`` of it (kubelet allocates init containers as well)."""
+    exactly ``device_count`` of it (kubelet allocates init containers as well); of a pod kept
+    oversized, whether any of them lists it (their sizes are not kept)."""
+    if e.oversize is not None:
+        return resource in e.oversize.gpu_resources
     for c in _containers(e.pod):
         if (e.uid, str(c.get("name", "")), resource) not in served \
                 and container_quantity(c, resource) == device_count:
@@ -164,6 +175,13 @@ def examine(pod: Mapping[str, Any], node: str, verifier: RecordVerifier | None, 
         return None
     label = _label(pod)
     uid = str(meta.get("uid", ""))
+    over = oversized(pod)
+    if over is not None:
+        if annotations(pod).get(ALLOCATION) is None:
+            return Examined(pod, uid, label, unrecorded=True, oversize=over) if over.gpu_resources else None
+        return Examined(pod, uid, label, refused=f"{label}: it lists {over.describe()}, so its containers are not "
+                                                 "kept and none of them can be matched; nothing is granted to it",
+                        oversize=over)
     if annotations(pod).get(ALLOCATION) is None:
         return Examined(pod, uid, label, unrecorded=True) if any(asks_gpu_resource(c) for c in _containers(pod)) else None
     try:
