@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -22,7 +23,7 @@ from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic import DynamicClient
 
-from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE
+from qgpu_runtime.contract.names import ALLOCATION_SIGNATURE, GROUP_LABEL, GROUP_MIN_MEMBER
 from qgpu_runtime.contract.names import INVENTORY as ANNOTATION_CARDS
 from qgpu_runtime.contract.names import LABEL_GPU_COUNT as LABEL_COUNT
 from qgpu_runtime.contract.names import LABEL_GPU_MEMORY as LABEL_MEMORY
@@ -32,9 +33,11 @@ from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED, BIND_TIME
 from qgpu_runtime.model.requests import KAI_ANNOTATIONS, KAI_SCHEDULER
 from qgpu_runtime.webhook.podquota import CHARGE_ANNOTATIONS
 from tests.k8s.conftest import Cluster
+from tests.k8s.controlplane import kubeconfig
 from tests.k8s.kubeobjects import bound, cards, events_for, gpu_node, gpu_pod, read_pod, record, wait_for
 from tests.k8s.nodemanager import ManagedNode, bare_node, bind_with_record, read_node
 from tests.k8s.rbac import edit_user, render_template, wait_pod_policies_lifted, wait_policies_enforced
+from tests.polling import poll
 
 PAUSE = "registry.k8s.io/pause:3.10"
 CONTROL_PLANE_TAINT = {"key": "node-role.kubernetes.io/control-plane", "effect": "NoSchedule"}
@@ -53,6 +56,7 @@ class Identities:
         self.node_a, self.node_b, self.control_plane = f"{tag}-a", f"{tag}-b", f"{tag}-cp"
         self.applied: list[dict[str, Any]] = []
         self.created_pods: list[tuple[str, str]] = []
+        self.cluster_role_bindings: list[str] = []
 
     # -- set-up ------------------------------------------------------------------------------------
     def apply_templates(self) -> None:
@@ -72,7 +76,8 @@ class Identities:
                               "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name}},
                               "spec": {"taints": taints or []}})
 
-    def pod(self, namespace: str, name: str, node: str | None, service_account: str = "default") -> dict[str, Any]:
+    def pod(self, namespace: str, name: str, node: str | None, service_account: str = "default",
+            labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None) -> dict[str, Any]:
         # Nobody schedules these (the session's kube-scheduler would bind the unbound ones elsewhere).
         spec: dict[str, Any] = {"serviceAccountName": service_account, "automountServiceAccountToken": False,
                                 "schedulerName": "qgpu-test-nobody",
@@ -80,7 +85,8 @@ class Identities:
                                 "containers": [{"name": "c", "image": PAUSE}]}
         if node:
             spec["nodeName"] = node
-        doc = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": namespace}, "spec": spec}
+        meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels or {}, "annotations": annotations or {}}
+        doc = {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
         created = json.loads(self.api.create_namespaced_pod(namespace, doc, _preload_content=False).data)
         self.created_pods.append((namespace, name))
         return created
@@ -93,6 +99,32 @@ class Identities:
                                       "uid": pod["metadata"]["uid"]}
         out = self.api.create_namespaced_service_account_token(service_account, self.ns, {"spec": spec})
         return str(out.status.token)
+
+    def kubelet_client(self, node: str, path: Path) -> client.CoreV1Api:
+        """The node's kubelet: a client certificate for ``system:node:<node>`` in group ``system:nodes``,
+        holding the built-in ``system:node`` ClusterRole (this control plane authorizes by RBAC alone;
+        in a cluster the Node authorizer grants the same writes, pods/status among them, for pods
+        bound to the node)."""
+        from kubernetes import config
+
+        user = f"system:node:{node}"
+        binding = f"qgpu-test-kubelet-{node}"
+        rbac = client.RbacAuthorizationV1Api(self.cluster.api_client)
+        rbac.create_cluster_role_binding({
+            "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding", "metadata": {"name": binding},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "system:node"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": user}]})
+        self.cluster_role_bindings.append(binding)
+        cp = self.cluster.cp
+        pair = cp.ca.issue(f"kubelet-{node}", user, organization="system:nodes", client=True)
+        path.write_text(yaml.safe_dump(kubeconfig(cp.server, cp.ca.cert_path, pair, user)))
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {
+            "user": user, "groups": ["system:nodes"],
+            "resourceAttributes": {"verb": "patch", "resource": "pods", "subresource": "status"}}}
+        authz = client.AuthorizationV1Api(self.cluster.api_client)
+        poll(lambda: authz.create_subject_access_review(review).status.allowed, timeout=30,
+             what=f"the RBAC authorizer to see {binding}")
+        return client.CoreV1Api(config.new_client_from_config(config_file=str(path)))
 
     def client_for(self, token: str) -> client.CoreV1Api:
         cp = self.cluster.cp
@@ -108,6 +140,9 @@ class Identities:
             _quietly(lambda: self.api.delete_namespaced_pod(name, namespace, grace_period_seconds=0))
         for node in (self.node_a, self.node_b, self.control_plane):
             _quietly(lambda: self.api.delete_node(node))
+        rbac = client.RbacAuthorizationV1Api(self.cluster.api_client)
+        for binding in self.cluster_role_bindings:
+            _quietly(lambda: rbac.delete_cluster_role_binding(binding))
         dynamic = DynamicClient(self.cluster.api_client)
         for doc in reversed(self.applied):
             resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=doc["kind"])
@@ -142,7 +177,7 @@ def metadata_patch(labels: dict[str, Any] | None = None, annotations: dict[str, 
 
 
 @pytest.fixture(scope="module")
-def world(cluster: Cluster) -> Iterator[Identities]:
+def world(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Identities]:
     w = Identities(cluster)
     try:
         w.apply_templates()
@@ -154,6 +189,7 @@ def world(cluster: Cluster) -> Iterator[Identities]:
         w.extender_pod = w.pod(w.ns, f"qgpu-scheduler-{suffix}", w.control_plane, service_account="qgpu-scheduler")
         w.manager = w.client_for(w.bound_token("qgpu-manager", w.manager_pod))
         w.extender = w.client_for(w.bound_token("qgpu-scheduler", w.extender_pod))
+        w.kubelet = w.kubelet_client(w.node_a, tmp_path_factory.mktemp("kubelet") / "kubeconfig")
         # Victims: kube-system pods on the manager's node, on another node, and not yet bound.
         w.system_pod_here = w.pod("kube-system", f"sys-a-{suffix}", w.node_a)
         w.system_pod_there = w.pod("kube-system", f"sys-b-{suffix}", w.node_b)
@@ -181,6 +217,9 @@ def wait_until_enforced(w: Identities, timeout: float = 30.0) -> None:
             _content_type=MERGE),
         "qgpu-pod-placed-by-extender": lambda: w.api.create_namespaced_pod(
             w.ns, bound_gpu_pod("probe-bound", w.node_a), dry_run="All"),
+        "qgpu-kubelet-pod-annotations": lambda: w.kubelet.patch_namespaced_pod_status(
+            w.gpu_pod_here["metadata"]["name"], w.ns, metadata_patch(annotations={GROUP_MIN_MEMBER: "64"}), dry_run="All",
+            _content_type=MERGE),
     }, timeout)
 
 
@@ -313,6 +352,76 @@ def test_manager_token_without_a_node_writes_nothing(world):
     assert "names no node" in message, message
 
 
+# ---- a compromised node and another namespace's T9k group ------------------------------------------
+
+@pytest.fixture(scope="module")
+def victim(world: Identities) -> str:
+    """Another namespace, whose T9k group has members bound to the manager's node (node A)."""
+    return world.cluster.namespace()
+
+
+def group_member(world: Identities, namespace: str, size: str | None) -> dict[str, Any]:
+    annotations = {GROUP_MIN_MEMBER: size} if size else {}
+    return world.pod(namespace, f"member-{uuid.uuid4().hex[:6]}", world.node_a, labels={GROUP_LABEL: "train"},
+                     annotations=annotations)
+
+
+def test_manager_cannot_add_change_or_remove_a_pods_group_min_member_on_its_own_node(world, victim):
+    """qgpu.io/group-min-member raised to 64 on one bound member of a victim's T9k group held the
+    group's members on every other node until --group-timeout (docs/security.md); the manager's token
+    wrote it because it may write qgpu.io/ annotations on the pods of its node. It writes only
+    qgpu.io/assigned there now; the size stays what the pod's owner set at create."""
+    sized, unsized = group_member(world, victim, "2"), group_member(world, victim, None)
+    for pod, value in ((sized, "64"), (sized, None), (unsized, "64")):
+        message = refusal(lambda pod=pod, value=value: world.manager.patch_namespaced_pod(
+            name(pod), victim, metadata_patch(annotations={GROUP_MIN_MEMBER: value}), _content_type=MERGE))
+        assert "ValidatingAdmissionPolicy 'qgpu-manager-own-node'" in message, message
+        assert f"qgpu-manager of node {world.node_a}: Pod {victim}/{name(pod)}: annotations {GROUP_MIN_MEMBER} changed" in message, message
+        assert "rule: on a pod the node manager changes only qgpu.io/assigned (the containers it served)" in message, message
+    # nor does it move the pod into another group (the group's label is not under qgpu.io/)
+    message = refusal(lambda: world.manager.patch_namespaced_pod(
+        name(sized), victim, metadata_patch(labels={GROUP_LABEL: "other"}), _content_type=MERGE))
+    assert f"labels {GROUP_LABEL} changed; rule: the node manager changes only labels under qgpu.io/" in message, message
+    # what the manager writes there still passes, beside the owner's size
+    world.manager.patch_namespaced_pod(name(sized), victim, metadata_patch(annotations={ASSIGNED: '["c"]'}),
+                                       _content_type=MERGE)
+    annotations = world.api.read_namespaced_pod(name(sized), victim).metadata.annotations
+    assert (annotations[GROUP_MIN_MEMBER], annotations[ASSIGNED]) == ("2", '["c"]')
+    assert GROUP_MIN_MEMBER not in (world.api.read_namespaced_pod(name(unsized), victim).metadata.annotations or {})
+
+
+@pytest.mark.parametrize("annotation", [ALLOCATION, ALLOCATION_SIGNATURE, BIND_TIME])
+def test_manager_cannot_write_the_extenders_record_on_a_pod_of_its_own_node(world, annotation):
+    message = refusal(lambda: world.manager.patch_namespaced_pod(
+        name(world.gpu_pod_here), world.ns, metadata_patch(annotations={annotation: "1"}), _content_type=MERGE))
+    assert "ValidatingAdmissionPolicy 'qgpu-manager-own-node'" in message, message
+    assert f"annotations {annotation} changed; rule: on a pod the node manager changes only qgpu.io/assigned" in message, message
+
+
+def test_a_nodes_kubelet_cannot_change_a_pods_qgpu_annotations_through_its_status(world, victim):
+    """The kubelet's credentials update the status of the pods bound to its node, and a pods/status
+    write carries the pod's metadata: NodeRestriction refuses a label changed there, not an
+    annotation. So a compromised node could still raise a victim's group size with them."""
+    pod = group_member(world, victim, "2")
+    # the hole: an annotation outside qgpu.io/ changes through pods/status
+    world.kubelet.patch_namespaced_pod_status(name(pod), victim, metadata_patch(annotations={"example.com/x": "y"}),
+                                              _content_type=MERGE)
+    assert world.api.read_namespaced_pod(name(pod), victim).metadata.annotations["example.com/x"] == "y"
+    for annotation, value in ((GROUP_MIN_MEMBER, "64"), (GROUP_MIN_MEMBER, None), (ALLOCATION, "{}")):
+        message = refusal(lambda annotation=annotation, value=value: world.kubelet.patch_namespaced_pod_status(
+            name(pod), victim, metadata_patch(annotations={annotation: value}), _content_type=MERGE))
+        assert "ValidatingAdmissionPolicy 'qgpu-kubelet-pod-annotations'" in message, message
+        assert (f"Pod {victim}/{name(pod)}: annotations {annotation} changed by system:node:{world.node_a} "
+                "through pods/status; rule: a node's kubelet changes no qgpu.io/ annotation of a pod") in message, message
+    # its own work, the pod's status, still passes
+    world.kubelet.patch_namespaced_pod_status(
+        name(pod), victim, {"status": {"conditions": [{"type": "Ready", "status": "False", "reason": "ContainersNotReady"}]}},
+        _content_type=STRATEGIC)
+    live = world.api.read_namespaced_pod(name(pod), victim)
+    assert [(c.type, c.status) for c in live.status.conditions] == [("Ready", "False")]
+    assert live.metadata.annotations[GROUP_MIN_MEMBER] == "2" and ALLOCATION not in live.metadata.annotations
+
+
 # ---- the extender ---------------------------------------------------------------------------------
 
 def test_extender_cannot_change_a_pods_image(world):
@@ -407,6 +516,7 @@ def test_a_tenant_cannot_create_a_pod_carrying_qgpu_state(world, tenant, annotat
     ({"nvidia.com/gpu": "1"}, False),
     ({"tensorstack.dev/nvidia-gpu-percent": "50"}, False),
     ({"tke.cloud.tencent.com/qgpu-core": "10"}, True),  # an init container's devices are allocated too
+    ({"tke.cloud.tencent.com/qgpu-memory": "4", "tencent.com/vcuda-core": "10", "nvidia.com/gpu": "1"}, False),
 ])
 def test_a_tenant_cannot_create_a_gpu_pod_already_bound_to_a_node(world, tenant, resources, init):
     """Kubelet's Allocate names devices, not the pod: a pod created with spec.nodeName and a GPU
@@ -414,8 +524,8 @@ def test_a_tenant_cannot_create_a_gpu_pod_already_bound_to_a_node(world, tenant,
     pending pod of the same size, granting that pod's cards to the stranger (helper audit, 2026-12-01)."""
     name_ = f"bound-{uuid.uuid4().hex[:6]}"
     message = refusal(lambda: _create_as_tenant(world, tenant, bound_gpu_pod(name_, world.node_b, resources, init=init)))
-    # the policy names one of the GPU resources asked; which one follows CEL's map order, not the pod's
-    assert any(f"{name_}: created with spec.nodeName {world.node_b} and GPU resource {r} by " in message for r in resources), message
+    # the policy names the first GPU resource asked in name order (a map's keys come in no fixed order)
+    assert f"{name_}: created with spec.nodeName {world.node_b} and GPU resource {min(resources)} by " in message, message
     assert "rule: a pod asking for GPU resources is placed by kube-scheduler through the qgpu extender" in message, message
 
 
@@ -449,7 +559,12 @@ def test_a_tenant_writes_its_claims_and_never_their_allocation(world, tenant):
 def test_a_tenant_still_writes_the_annotations_meant_for_users(world, tenant):
     _create_as_tenant(world, tenant, tenant_pod(f"models-{uuid.uuid4().hex[:6]}", {"qgpu.io/gpu-model": "V100|T4"}))
     # a T9k group's minimum size is the owner's request for its own group (docs/extender.md, Groups)
-    _create_as_tenant(world, tenant, tenant_pod(f"group-{uuid.uuid4().hex[:6]}", {"qgpu.io/group-min-member": "3"}))
+    group = f"group-{uuid.uuid4().hex[:6]}"
+    _create_as_tenant(world, tenant, tenant_pod(group, {GROUP_MIN_MEMBER: "3"}))
+    # and it may resize its own group later: the group is the label within its namespace, so only its
+    # own pods wait the longer (a node's identities may not: test_manager_cannot_add_change_or_remove_...)
+    api, namespace = tenant
+    api.patch_namespaced_pod(group, namespace, metadata_patch(annotations={GROUP_MIN_MEMBER: "4"}), _content_type=MERGE)
 
 
 def test_a_tenant_cannot_add_change_or_remove_qgpu_state_on_its_own_pod(world, tenant):

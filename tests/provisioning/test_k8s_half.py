@@ -37,11 +37,12 @@ from kubernetes.dynamic.exceptions import ResourceNotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 from test_manager_observability import delete_service_monitor_crd, service_monitor_crd
 
-from qgpu_runtime.contract.names import RETIRED_FROM
-from qgpu_runtime.contract.record import ALLOCATION
+from qgpu_runtime.contract.names import GROUP_MIN_MEMBER, RETIRED_FROM
+from qgpu_runtime.contract.record import ALLOCATION, ASSIGNED
 from qgpu_runtime.model.requests import GPU_RESOURCES
 from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
 from qgpu_runtime.node.kube_client import KubePodSource
+from qgpu_runtime.node.pods import PodSourceError
 from qgpu_runtime.webhook.admission import WebhookConfig, mutation
 from tests.k8s.conftest import Cluster
 from tests.k8s.controlplane import ADMIN_USER
@@ -546,13 +547,16 @@ def test_the_manager_code_works_with_its_service_account_and_no_more(site: Site,
     # the pods on its node: "p" and the pod its token is bound to
     assert sorted(p["metadata"]["name"] for p in source.pods_on_node(node)) == ["p", "qgpu-manager-token-holder"]
     assert source.node_labels(node)["kubernetes.io/hostname"] == node
-    source.patch_pod_annotations(namespace, "p", {"qgpu.io/test": "manager"})
+    source.patch_pod_annotations(namespace, "p", {ASSIGNED: '["c"]'})  # the one pod annotation it writes
+    with pytest.raises(PodSourceError, match=f"qgpu-manager-own-node.*annotations {GROUP_MIN_MEMBER} changed"):
+        source.patch_pod_annotations(namespace, "p", {GROUP_MIN_MEMBER: "64"})  # the pod owner's, never a node's
     source.patch_node(node, {}, {"qgpu.io/test": "manager"})
     pod_uid = read_pod(cluster.api, namespace, "p")["metadata"]["uid"]
     source.record_event(namespace, "p", pod_uid, "QgpuTest", "the manager may report on pods")
     assert [e["reason"] for e in events_for(cluster.api, namespace, "p")] == ["QgpuTest"]
     assert site.node(node)["metadata"]["annotations"]["qgpu.io/test"] == "manager"
-    assert read_pod(cluster.api, namespace, "p")["metadata"]["annotations"]["qgpu.io/test"] == "manager"
+    annotations = read_pod(cluster.api, namespace, "p")["metadata"]["annotations"]
+    assert annotations[ASSIGNED] == '["c"]' and GROUP_MIN_MEMBER not in annotations
 
     core = client.CoreV1Api(config.new_client_from_config(config_file=str(kubeconfig)))
     for forbidden in (lambda: core.delete_node(node), lambda: core.list_node(), lambda: core.list_secret_for_all_namespaces(),

@@ -100,7 +100,8 @@ def test_admission_policies_type_check_without_warnings(local_cluster: LocalClus
     refusals of the components' own writes. (The tests/k8s control plane runs no controller-manager.)"""
     policies = DynamicClient(kube.core(local_cluster).api_client).resources.get(
         api_version="admissionregistration.k8s.io/v1", kind="ValidatingAdmissionPolicy")
-    for name in ("qgpu-manager-own-node", "qgpu-scheduler-allocation-only"):
+    for name in ("qgpu-manager-own-node", "qgpu-kubelet-pod-annotations", "qgpu-scheduler-allocation-only",
+                 "qgpu-pod-placed-by-extender"):
         status = poll(lambda: (policies.get(name=name).to_dict().get("status") or {}).get("typeChecking") is not None
                       and policies.get(name=name).to_dict()["status"], timeout=60, what=f"{name} type-checked")
         assert not status["typeChecking"].get("expressionWarnings"), (name, status)
