@@ -501,7 +501,10 @@ def test_a_closed_stream_frees_its_slot(node):
         batch = Streams(target, start, MAX_STREAMS - 1)
         if batch.settled() == [OPEN] * (MAX_STREAMS - 1):
             return batch
-        batch.close()
+        batch.close()  # its open streams hold their slots until their next wake-up too
         return None
 
-    poll(all_open, timeout=10, interval=0.2, what="the closed streams' slots to return").close()
+    # Between tries, longer than a server-side stream takes to see its client gone (0.5 s): a try
+    # that found some slots still taken must not hold them against the next one (on a loaded
+    # machine a 0.2 s interval kept every try behind the previous one's streams).
+    poll(all_open, timeout=30, interval=1.0, what="the closed streams' slots to return").close()
