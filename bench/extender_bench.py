@@ -41,10 +41,17 @@
    compare with), the two reversed every other round; reported per arm: pods/s, ratio to the
    round's baseline, the extender's own CPU per pod; and this checkout's over DIR's per round.
 
+8. With --compare-floor ROUNDS (only this is run): ROUNDS rounds, each a baseline without the
+   extender, then qgpu's extender over HTTP/2, the null extender on qgpu_runtime.serving over
+   HTTP/2, and the null extender behind granian (a Rust HTTP/1.1 and HTTP/2 server; mTLS; the
+   same handler), the arms reversed every other round: how much of the floor is the Python HTTP/2
+   layer. Reported per arm as with --compare-http2.
+
 Run: .venv/bin/python bench/extender_bench.py [--nodes 1000 --big-nodes 5000 --pods 1000 --samples 300]
      [--peers hami --peer-pods 200 --peer-samples 60 --pack-nodes 8] [--pin] [--json out.json]
      .venv/bin/python bench/extender_bench.py --compare-commitments --nodes 100 --pods 300
      .venv/bin/python bench/extender_bench.py --compare-http2 4 --nodes 400 --pods 300
+     .venv/bin/python bench/extender_bench.py --compare-floor 2 --nodes 400 --pods 300   # needs granian installed
      git worktree add /tmp/rev REV && .venv/bin/python bench/extender_bench.py --compare-source /tmp/rev --nodes 400 --pods 300
 Prints one JSON document; --markdown appends a section to docs/benchmarks.md.
 """
@@ -675,6 +682,9 @@ def main() -> int:
     parser.add_argument("--compare-http2", type=int, default=0, metavar="ROUNDS",
                         help="only compare throughput with HTTP/2 offered and with HTTP/1.1 only, qgpu's extender and the "
                              "null one, over ROUNDS rounds each with its own baseline")
+    parser.add_argument("--compare-floor", type=int, default=0, metavar="ROUNDS",
+                        help="only compare qgpu's extender with the null extender on qgpu's server and behind granian "
+                             "(HTTP/2), over ROUNDS rounds each with its own baseline")
     parser.add_argument("--peers", default="", help="comma-separated peer schedulers to run beside qgpu's extender: hami "
                         "(built by bench/peers/hami-build). With a peer, the plain-HTTP and `best` variants are left out")
     parser.add_argument("--peer-pods", type=int, help="pods per throughput run with peers (default: --pods), for every arm")
@@ -715,9 +725,10 @@ def main() -> int:
         if args.rounds < 1 or args.compare_http2 or args.compare_commitments:
             parser.error("--compare-source: --rounds must be >= 1, and it runs alone (not with --compare-http2 or "
                          "--compare-commitments)")
-    if args.compare_http2 < 0:
-        parser.error(f"--compare-http2 {args.compare_http2}: must be >= 1 (rounds), or 0 for the full benchmark")
+    if args.compare_http2 < 0 or args.compare_floor < 0:
+        parser.error("--compare-http2, --compare-floor: must be >= 1 (rounds), or 0 for the full benchmark")
     arms = (len(COMMITMENT_ARMS) + 2 if args.compare_commitments else
+            (len(FLOOR_ARMS) + 1) * args.compare_floor if args.compare_floor else
             (len(HTTP2_ARMS) + 1) * args.compare_http2 if args.compare_http2 else
             (len(SOURCE_ARMS) + 1) * args.rounds if args.compare_source is not None else (4 if peers else 6))
     per_node = min(100 * CARDS // 25, 32 * CARDS // 4, 250)  # each pod asks qgpu-core 25, qgpu-memory 4
@@ -731,6 +742,8 @@ def main() -> int:
         return compare_commitments(args)
     if args.compare_http2:
         return compare_http2(args)
+    if args.compare_floor:
+        return compare_floor(args)
     if args.compare_source is not None:
         return compare_source(args)
     cp, version = new_plane("qgpu-bench-")
@@ -1011,6 +1024,30 @@ def compare_http2(args: argparse.Namespace) -> int:
     result = paired_rounds(args, args.compare_http2, HTTP2_ARMS, server_for)
     result["summary"] = http2_summary(result["rounds"])
     return finish(result, "extender_bench.py", args.json, http2_markdown if args.markdown else None)
+
+
+FLOOR_ARMS = ("qgpu_http2", "null_http2", "null_granian")
+
+
+def compare_floor(args: argparse.Namespace) -> int:
+    """``--compare-floor N``: N rounds (:func:`paired_rounds`) of qgpu's extender and the null
+    extender on qgpu_runtime.serving, both over HTTP/2, and the null extender behind granian."""
+
+    def server_for(cp: ControlPlane, arm: str, holds: tuple[str, ...]) -> tuple[QgpuServer, str | None]:
+        if arm.startswith("qgpu"):
+            return extender_server(cp, priority=args.priority, assume_timeout=120, extra_args=(*holds, "--http2", "on")), None
+        server = null_extender_server(cp)
+        server.argv += ["--server", "granian"] if arm == "null_granian" else ["--http2", "on"]
+        return server, "null-extender"
+
+    result = paired_rounds(args, args.compare_floor, FLOOR_ARMS, server_for)
+    summary: dict[str, Any] = {}
+    for arm in FLOOR_ARMS:
+        means = arm_means(result["rounds"], arm, "qgpu-extender" if arm.startswith("qgpu") else "null-extender")
+        if means is not None:
+            summary[arm] = means
+    result["summary"] = summary
+    return finish(result, "extender_bench.py", args.json, None)
 
 
 SOURCE_ARMS = ("qgpu", "source")

@@ -14,7 +14,14 @@ the least a Python HTTPS extender pays to answer. Neither is qgpu's decision-mak
 Not a product: it places pods on whatever node the scheduler ranks first, with no GPU accounting.
 
 Run (by the benchmark): python -m bench.null_extender --port P --kubeconfig K --tls-cert-file C
-    --tls-private-key-file K --client-ca-file CA
+    --tls-private-key-file K --client-ca-file CA [--server granian]
+
+``--server granian`` (`bench/extender_bench.py --compare-floor`) answers the same verbs from the
+same handler behind granian, a Rust HTTP/1.1 and HTTP/2 server (hyper, rustls), embedded in this
+process (its asyncio interface: the process's CPU is all of it): what the floor would be with the HTTP/2
+framing, TLS and client-certificate check out of Python. Every connection must present a
+certificate the client CA signed (the benchmark's probes do), TLS 1.3 only. An experiment, not a
+server qgpu ships: none of qgpu_runtime.serving's bounds for hostile callers are there.
 """
 
 from __future__ import annotations
@@ -61,6 +68,51 @@ class NullExtender:
         return encode_binding_result()
 
 
+def serve_granian(app: NullExtender, args: argparse.Namespace) -> None:
+    """``app`` as an RSGI application in granian's embedded server (this process, one asyncio
+    loop; HTTP and TLS on granian's Rust threads). filter and prioritize answer on the loop; bind,
+    which waits for the apiserver, on a thread pool."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+    from pathlib import Path
+
+    from granian.constants import HTTPModes, Interfaces
+    from granian.server.embed import Server
+
+    from qgpu_runtime.serving import _encode
+
+    pool = ThreadPoolExecutor(8, thread_name_prefix="bind")
+    json_headers = [("content-type", "application/json")]
+
+    async def rsgi(scope: Any, proto: Any) -> None:
+        path = scope.path
+        if scope.method == "GET" and path in ("/healthz", "/readyz"):
+            proto.response_bytes(200, [("content-type", "text/plain")], b"ok")
+            return
+        if scope.method != "POST":
+            proto.response_bytes(405, [], b"")
+            return
+        body = await proto()
+        verb = path.lstrip("/")
+        if verb == "bind":
+            code, doc = await asyncio.get_running_loop().run_in_executor(pool, app.handle, verb, body)
+        else:
+            code, doc = app.handle(verb, body)
+        proto.response_bytes(code, json_headers, _encode(doc))
+
+    server = Server(rsgi, address=args.address, port=args.port, interface=Interfaces.RSGI,
+                    http=HTTPModes.auto if args.http2 == "on" else HTTPModes.http1, websockets=False,
+                    ssl_cert=Path(args.tls_cert_file), ssl_key=Path(args.tls_private_key_file),
+                    ssl_ca=Path(args.client_ca_file), ssl_client_verify=True, log_access=False)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, server.stop)
+        await server.serve()
+
+    asyncio.run(run())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.null_extender", description=__doc__.split("\n\n")[0])
     parser.add_argument("--address", default="127.0.0.1")
@@ -70,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls-private-key-file", required=True)
     parser.add_argument("--client-ca-file", required=True)
     parser.add_argument("--http2", choices=("on", "off"), default="on", help="as `qgpu extender serve --http2`")
+    parser.add_argument("--server", choices=("qgpu", "granian"), default="qgpu",
+                        help="qgpu_runtime.serving (as the extender) or granian (an experiment)")
     args = parser.parse_args(argv)
     app = NullExtender(client.CoreV1Api(api_client(args.kubeconfig)))
+    if args.server == "granian":
+        serve_granian(app, args)
+        return 0
     routes = Routes(post={"/": app.handle}, get={"/healthz": lambda: (200, "text/plain", b"ok"),
                                                  "/readyz": lambda: (200, "text/plain", b"ok")},
                     open_paths=frozenset({"/healthz", "/readyz"}), inline=frozenset({"/filter", "/prioritize"}))

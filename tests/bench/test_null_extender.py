@@ -81,3 +81,55 @@ def test_the_floor_splits_control_plane_cpu_into_protocol_and_qgpu_parts():
     assert floor["over_baseline_by_process_ms"]["with_null_extender"] == {"etcd": 0.5, "kube-apiserver": 1.0,
                                                                           "kube-scheduler": 2.0}
     assert floor["zero_cpu_extender_ratio"] == pytest.approx(6.5 / 10.0, abs=1e-3)
+
+
+def test_behind_granian_it_answers_certified_callers_and_refuses_a_connection_without_a_certificate(tmp_path):
+    """`--server granian` (bench/extender_bench.py --compare-floor): the same verbs from the same
+    handler, HTTP/2 offered by ALPN, and no request without a certificate the client CA signed."""
+    import socket
+    import ssl
+    import subprocess
+    import sys
+    import urllib.request
+
+    from tests.k8s.controlplane import ROOT, free_port
+    from tests.k8s.pki import CertificateAuthority
+    from tests.polling import poll
+
+    ca = CertificateAuthority(tmp_path / "pki", "floor-ca")
+    server = ca.issue("null-extender", "null-extender", server=True, hosts=("127.0.0.1",))
+    scheduler = ca.issue("kube-scheduler", "system:kube-scheduler", client=True)
+    kubeconfig = tmp_path / "kubeconfig"  # bind is not called here: the client is never used
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+                          "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+                          "current-context: c\n")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.null_extender", "--port", str(port), "--kubeconfig", str(kubeconfig),
+                             "--tls-cert-file", str(server.cert), "--tls-private-key-file", str(server.key),
+                             "--client-ca-file", str(ca.cert_path), "--server", "granian"],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        certified = ssl.create_default_context(cafile=str(ca.cert_path))
+        certified.load_cert_chain(str(scheduler.cert), str(scheduler.key))
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=certified, timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        poll(ready, timeout=30, what="the granian null extender to answer /readyz")
+        request = urllib.request.Request(f"https://127.0.0.1:{port}/filter", data=_args(["a", "b"]), method="POST")
+        with urllib.request.urlopen(request, context=certified, timeout=5) as r:
+            assert json.loads(r.read())["NodeNames"] == ["a", "b"]
+        certified.set_alpn_protocols(["h2", "http/1.1"])
+        with certified.wrap_socket(socket.create_connection(("127.0.0.1", port), timeout=5), server_hostname="127.0.0.1") as s:
+            assert s.selected_alpn_protocol() == "h2"
+        anonymous = ssl.create_default_context(cafile=str(ca.cert_path))
+        with pytest.raises((ssl.SSLError, OSError)):
+            with urllib.request.urlopen(f"https://127.0.0.1:{port}/readyz", context=anonymous, timeout=5) as r:
+                r.read()
+    finally:
+        proc.terminate()
+        assert proc.wait(10) is not None
