@@ -102,7 +102,9 @@ class Routes:
     # over HTTP/2 it runs on the connection's reading thread rather than the worker pool, which
     # saves two thread hand-offs per request. The connection reads nothing meanwhile (kube-scheduler
     # asks these one pod at a time); the in-flight limit and the body and token limits apply as on
-    # the pool. A handler that may wait on I/O for long does not belong here.
+    # the pool, except that the inline requests of one read wait ``busy_wait_s`` for handler slots
+    # in all (in turn, the thread would read nothing for a multiple of it). A handler that may wait
+    # on I/O for long does not belong here.
     inline: frozenset[str] = frozenset()
 
     def post_route(self, path: str) -> tuple[PostHandler, str] | None:
@@ -536,15 +538,16 @@ class _Handler(BaseHTTPRequestHandler):
             return 404, "application/json", _encode({"Error": f"no GET route {path}"})
         return handler()
 
-    def _run(self, path: str, body: bytes) -> tuple[int, Any]:
+    def _run(self, path: str, body: bytes, wait: float | None = None) -> tuple[int, Any]:
         """The POST handler's answer for ``path`` (both protocols): the path's JSON token limit
-        before anything decodes the body, then a handler slot within the in-flight limit."""
+        before anything decodes the body, then a handler slot within the in-flight limit, waited
+        for ``wait`` seconds at most (default ``busy_wait_s``)."""
         tokens = self.routes.token_limits.get(path)
         if tokens is not None and (count := json_tokens(body)) > tokens:
             self.close_connection = True
             self.stats.count("refused_too_large")
             return 413, {"Error": f"body of {path}: {count} JSON tokens ({{ [ , :); rule: at most {tokens}"}
-        if not self.in_flight.acquire(timeout=self.limits.busy_wait_s):
+        if not self.in_flight.acquire(timeout=self.limits.busy_wait_s if wait is None else wait):
             self.close_connection = True
             self.stats.count("refused_busy")
             return 503, {"Error": f"busy: {self.limits.max_in_flight} requests in flight; retry"}
@@ -571,6 +574,25 @@ H2_WINDOW = 1024 * 1024  # each stream's receive window (and the connection's): 
 # a stream past the setting as a connection error: a lower setting would close the connection of a
 # client that opened more in its first flight (kube-apiserver does, with concurrent admissions).
 H2_MAX_STREAMS = 100
+# Closed streams h2 remembers, to tell a frame still in flight on a stream closed by RST_STREAM (a
+# stream error) from one on a stream never opened (a connection error). h2 keeps 65,536, ~15 MB
+# per connection, which any caller gets to by asking GET /healthz (open to all) 65,536 times on one
+# connection; and kube-scheduler's connection after as many pods. A client has at most
+# H2_MAX_STREAMS open, so no frame of an honest one is still in flight on a stream closed 1,024
+# streams ago (h2 ignores WINDOW_UPDATE and RST_STREAM there and resets it for DATA; HEADERS close
+# the connection).
+H2_CLOSED_STREAMS = 1024
+# The most HPACK dynamic table the answers' headers are encoded with, whatever the client's
+# SETTINGS_HEADER_TABLE_SIZE allows (up to 4 GiB): h2 indexes every distinct Content-Length sent,
+# each entry kept, and searched linearly for every header of every answer. 4096 is HPACK's default,
+# what Go's server uses too; our four header names need no more.
+H2_HEADER_TABLE = 4096
+
+
+class _H2Connection(H2Connection):
+    """h2's connection with H2_CLOSED_STREAMS closed streams remembered (h2 reads the class attribute)."""
+
+    MAX_CLOSED_STREAMS = H2_CLOSED_STREAMS
 
 
 @dataclass
@@ -602,11 +624,14 @@ class _H2Session:
     for or in a handler; one more is refused with RST_STREAM(REFUSED_STREAM), which a client may
     retry. A request whose stream the client resets before its handler starts is dropped unhandled,
     so ending and resetting streams at once ("rapid reset") costs a queue entry, not a handler. h2
-    bounds a header block (64 KiB decoded, 64 CONTINUATION frames). Deadlines
+    bounds a header block (64 KiB decoded, 64 CONTINUATION frames); it remembers
+    :data:`H2_CLOSED_STREAMS` closed streams, and encodes answers' headers with an HPACK table of
+    :data:`H2_HEADER_TABLE` bytes at most, whatever the client allows. Deadlines
     are the connection's phases, as for HTTP/1.1: ``idle`` with no stream open, ``body`` while a
     request is incomplete (from the oldest such stream: ``body_timeout_s`` + its limit at
     ``min_body_rate``), ``writing`` while an answer waits for the client to open its window, and a
-    socket timeout of ``write_timeout_s`` on every send."""
+    socket timeout of ``write_timeout_s`` on every send (past it, a send on the reading thread or a
+    worker ends the connection)."""
 
     def __init__(self, handler: _Handler) -> None:
         self.h = handler
@@ -622,10 +647,10 @@ class _H2Session:
         # receive path); Content-Length is checked for every connection (h2's stream, then ours).
         # Outbound headers are ours, four fixed names.
         trusted_peer = handler.client_auth and handler.peer_certified
-        self.conn = H2Connection(H2Configuration(client_side=False, header_encoding="utf-8",
-                                                 validate_inbound_headers=not trusted_peer,
-                                                 normalize_inbound_headers=not trusted_peer,
-                                                 validate_outbound_headers=False, normalize_outbound_headers=False))
+        self.conn = _H2Connection(H2Configuration(client_side=False, header_encoding="utf-8",
+                                                  validate_inbound_headers=not trusted_peer,
+                                                  normalize_inbound_headers=not trusted_peer,
+                                                  validate_outbound_headers=False, normalize_outbound_headers=False))
         self.conn.local_settings = Settings(client=False, initial_values={
             SettingCodes.MAX_CONCURRENT_STREAMS: H2_MAX_STREAMS,
             SettingCodes.MAX_HEADER_LIST_SIZE: H2Connection.DEFAULT_MAX_HEADER_LIST_SIZE,
@@ -633,7 +658,9 @@ class _H2Session:
         })
         self.lock = threading.Lock()  # the socket, the protocol state and everything below
         self.streams: dict[int, _H2Stream] = {}
-        self.outbound: dict[int, bytes] = {}  # answers' bytes the client's window does not take yet
+        # answers' bytes the client's window does not take yet, as views: each frame sent slices
+        # its part off without copying the rest (a copy per frame made a large answer quadratic)
+        self.outbound: dict[int, memoryview] = {}
         self.dispatched: dict[int, _H2Stream] = {}  # requests waiting for or in a handler, by stream
         self.phase: tuple[str, int] | None = None
         self.closing = False
@@ -666,13 +693,18 @@ class _H2Session:
                             farewell = ErrorCodes.ENHANCE_YOUR_CALM
                             break
                     if data:
-                        self._events(self.conn.receive_data(data))
+                        events = self.conn.receive_data(data)
+                        self._cap_header_table()
+                        self._events(events)
                     self._push()
                     self._flush()
                     self._settle()
                 ready, self.ready = self.ready, []
+                # One wait for a handler slot for them all: waiting busy_wait_s for each in turn,
+                # the thread would read nothing (window updates, other streams) for a multiple of it.
+                until = time.monotonic() + self.h.limits.busy_wait_s
                 for sid, stream in ready:
-                    self._work(sid, stream)
+                    self._work(sid, stream, until)
             with self.lock:
                 self._goodbye(farewell)
         except H2Error as exc:
@@ -706,6 +738,13 @@ class _H2Session:
         if out:
             self.sock.settimeout(self.h.limits.write_timeout_s)  # sendall's whole duration
             self.sock.sendall(out)
+
+    def _cap_header_table(self) -> None:
+        """The encoder's table back within H2_HEADER_TABLE, after the client's SETTINGS raised it and
+        before anything is encoded with it (a smaller table than the client allows is always legal:
+        the next header block says so)."""
+        if self.conn.encoder.header_table_size > H2_HEADER_TABLE:
+            self.conn.encoder.header_table_size = H2_HEADER_TABLE
 
     def _goodbye(self, code: ErrorCodes) -> None:
         try:
@@ -818,8 +857,10 @@ class _H2Session:
         assert self.h.workers is not None
         self.h.workers.submit(self._work, sid, stream)
 
-    def _work(self, sid: int, stream: _H2Stream) -> None:
-        """On a worker: the handler's answer, sent on the connection (under its lock)."""
+    def _work(self, sid: int, stream: _H2Stream, until: float | None = None) -> None:
+        """On a worker, or on the reading thread for an inline path (waiting for a handler slot
+        until the monotonic ``until`` at most): the handler's answer, sent on the connection (under
+        its lock)."""
         try:
             if stream.cancelled:
                 status, content_type, body = 0, "", b""  # the client reset it: nobody to answer
@@ -828,7 +869,8 @@ class _H2Session:
             else:
                 data = stream.chunks[0] if len(stream.chunks) == 1 else b"".join(stream.chunks)
                 stream.chunks.clear()
-                status, value = self.h._run(stream.path, data)
+                wait = None if until is None else max(0.0, until - time.monotonic())
+                status, value = self.h._run(stream.path, data, wait)
                 del data
                 content_type, body = "application/json", _encode(value)
         except Exception:  # noqa: BLE001 - answer, log, keep serving
@@ -846,7 +888,11 @@ class _H2Session:
                 self._flush()
                 self._settle()
             except (OSError, ValueError):
-                pass  # the client left, or the watchdog shut the socket: the reading thread ends it
+                # The client left, the watchdog shut the socket, or the send ran past
+                # write_timeout_s (a client that reads nothing while its windows are open): a TLS
+                # record may be half sent, and the reading thread may wait on a client that sends
+                # nothing more in a phase without a deadline ("working"). Shut it: that thread ends it.
+                _shut(self.sock)
             except H2Error:
                 log.debug("HTTP/2 answer on stream %d not sent", sid, exc_info=True)
 
@@ -875,7 +921,7 @@ class _H2Session:
         except (NoSuchStreamError, StreamIDTooLowError):
             return  # reset by the client meanwhile (and perhaps already forgotten)
         if body:
-            self.outbound[sid] = body
+            self.outbound[sid] = memoryview(body)
 
     def _push(self) -> None:
         """Answers' bytes, as far as the client's flow-control windows take them."""
@@ -886,10 +932,10 @@ class _H2Session:
                     n = min(self.conn.local_flow_control_window(sid), self.conn.max_outbound_frame_size, len(data))
                     if n <= 0:
                         break
-                    self.conn.send_data(sid, data[:n], end_stream=n == len(data))
+                    self.conn.send_data(sid, bytes(data[:n]), end_stream=n == len(data))
                     data = data[n:]
             except (NoSuchStreamError, StreamIDTooLowError):
-                data = b""  # reset by the client meanwhile
+                data = memoryview(b"")  # reset by the client meanwhile
             if data:
                 self.outbound[sid] = data
             else:
