@@ -677,11 +677,15 @@ class _H2Session:
                 self.conn.increment_flow_control_window(H2_WINDOW - 65535)
                 self._flush()
                 self._settle()
+            # poll, not select: select() refuses a descriptor past 1023, which a process with many
+            # connections, watches and files gets (every HTTP/2 connection then closed at once)
+            readable = select.poll()
+            readable.register(self.sock, select.POLLIN | select.POLLPRI)
             while not self.closing:
                 with self.lock:
                     pending = self.sock.pending()
                 if not pending:
-                    select.select([self.sock], [], [])
+                    readable.poll()
                 with self.lock:
                     data = self._receive()
                     if data is None:

@@ -340,3 +340,29 @@ def test_an_unfinished_inline_request_does_not_hold_up_other_streams(server, cli
     assert client.answer(client.send("POST", "/echo", b"{}")) == (200, {"verb": "", "got": 2})
     client.more(sid, b"1}" + b" " * 93, end=True)
     assert client.answer(sid) == (200, {"quick": 100})
+
+
+# -- descriptors -----------------------------------------------------------------------------------
+
+
+def test_a_connection_on_a_descriptor_past_1023_is_served(server, pki):
+    """select() refuses descriptors past FD_SETSIZE (1024): with that many open in the process
+    (connections, watches, files), every HTTP/2 connection closed at its first wait."""
+    import os
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard) if hard != resource.RLIM_INFINITY else 4096, hard))
+    filler = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # the next sockets land past 1023
+    try:
+        c = connect(server.port, pki)
+        try:
+            assert c.answer(c.send("POST", "/echo", b"{}")) == (200, {"verb": "", "got": 2})
+            assert c.answer(c.send("POST", "/quick", b"{}"))[0] == 200
+        finally:
+            c.close()
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
