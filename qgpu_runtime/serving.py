@@ -851,7 +851,10 @@ class _H2Session:
             # only streams reset after their request was complete get here (open ones are fewer)
             self.h.bodies.release(stream.held)
             self.h.stats.count("refused_busy")
-            self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            try:
+                self.conn.reset_stream(sid, ErrorCodes.REFUSED_STREAM)
+            except NoSuchStreamError:  # the client reset it too, later in the same read: closed already
+                pass
             return
         self.dispatched[sid] = stream
         self.unproven_bytes = 0  # a request completed: what it took is accounted for

@@ -104,6 +104,19 @@ def server_connections() -> list[H2Connection]:
 GET_HEALTHZ = [(":method", "GET"), (":path", "/healthz"), (":scheme", "https"), (":authority", "127.0.0.1")]
 
 
+def healthz(c: Client) -> tuple[int, Any]:
+    """GET /healthz answered, asked again while the server refuses it with REFUSED_STREAM (as any
+    client may retry): requests the client reset still wait for a worker to drop them, and count
+    against the 100 a connection may have waiting until then."""
+    for _ in range(100):
+        sid = c.send("GET", "/healthz")
+        assert c.pump(lambda: sid in c.ended or sid in c.reset), "the server closed the connection"
+        if sid in c.ended:
+            return c.answer(sid)
+        time.sleep(0.05)
+    raise AssertionError("GET /healthz refused 100 times")
+
+
 # -- rapid reset (CVE-2023-44487) ------------------------------------------------------------------
 
 
@@ -141,7 +154,7 @@ def test_completed_requests_reset_at_once_leave_bounded_state_per_connection(ser
                 c.conn.reset_stream(sid)
             c.sock.sendall(c.conn.data_to_send())
             # read before the next batch: an unproven connection's read past max_header_bytes is closed
-            assert c.answer(c.send("GET", "/healthz")) == (200, b"ok")
+            assert healthz(c) == (200, b"ok")
         remembered = [len(conn._closed_streams) for conn in server_connections()]
         assert remembered and max(remembered) <= H2_CLOSED_STREAMS, remembered
     finally:
@@ -366,3 +379,17 @@ def test_a_connection_on_a_descriptor_past_1023_is_served(server, pki):
         for fd in filler:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_request_ended_and_reset_in_one_read_past_the_waiting_limit_keeps_the_connection(server, client):
+    """Requests ended and reset at once wait (for a worker to drop them) until the read is handled;
+    past H2_MAX_STREAMS waiting, a complete one is refused with REFUSED_STREAM. Reset by the client
+    in the same read, h2 had closed it already, and refusing it raised: the connection was closed
+    with PROTOCOL_ERROR."""
+    for _ in range(H2_MAX_STREAMS + 5):
+        sid = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(sid, GET_HEALTHZ, end_stream=True)
+        client.conn.reset_stream(sid)
+    client.sock.sendall(client.conn.data_to_send())  # one write: one read
+    assert healthz(client) == (200, b"ok")
+    assert client.terminated is None, client.terminated
