@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from qgpu_runtime.contract import names
+from qgpu_runtime.contract.cliflags import label_problem
 from qgpu_runtime.contract.inventory import NodeInventoryError, parse_inventory
 from qgpu_runtime.contract.names import ALLOCATION, INVENTORY, NODE_ISOLATION_POLICY, finished
 from qgpu_runtime.contract.record import RecordError, parse_record
@@ -54,8 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record-verify-key", type=Path, metavar="FILE",
                         help="the extender's Ed25519 public key (PEM): records it did not sign are listed as "
                              "UNVERIFIED and count in no card's allocation (without it records are shown unchecked)")
-    parser.add_argument("--manager-namespace", default=names.MANAGER_NAMESPACE, metavar="NS",
-                        help="namespace of the node managers whose /metrics give what is used (default: %(default)s)")
+    parser.add_argument("--manager-namespace", default=None, metavar="NS",
+                        help=f"namespace of the node managers whose /metrics give what is used (default: {names.MANAGER_NAMESPACE})")
     parser.add_argument("--no-usage", action="store_true",
                         help="show allocations only: read no manager's /metrics")
 
@@ -73,8 +74,30 @@ def store_to_read(args: argparse.Namespace, environ: Mapping[str, str]) -> Path 
     return None
 
 
+def flag_problem(args: argparse.Namespace, store: Path | None) -> str | None:
+    """Flags refused before anything is read (the flag, the value and the rule), or None."""
+    empty = [n for n in args.node if not n.strip()]
+    if empty:
+        return "--node '': must name a node"
+    if args.manager_namespace is not None:
+        problem = label_problem("--manager-namespace", args.manager_namespace, "a namespace name")
+        if problem:
+            return problem
+    if store is not None:
+        cluster_only = [flag for flag, value in (("--record-verify-key", args.record_verify_key),
+                                                 ("--manager-namespace", args.manager_namespace)) if value is not None]
+        if cluster_only:
+            return (f"{', '.join(cluster_only)} with the store {store}: only when reading a cluster (a store's records "
+                    "are its own node manager's, and no manager's /metrics are read); drop them or give --kubeconfig")
+    return None
+
+
 def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> int:
     store = store_to_read(args, os.environ if environ is None else environ)
+    problem = flag_problem(args, store)
+    if problem:
+        print(f"qgpu status: {problem}", file=sys.stderr)
+        return 2
     pending: list[PendingPod] = []
     try:
         if store is not None:
@@ -93,7 +116,8 @@ def run(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> i
         if args.node:  # Pending pods are on no node: listed only for the whole cluster
             nodes, pending = [n for n in nodes if n.name in set(args.node)], []
         if store is None and not args.no_usage:  # only the shown nodes' managers are read
-            nodes = with_usage(nodes, read_usage(api, [n.name for n in nodes], pods, args.manager_namespace))
+            nodes = with_usage(nodes, read_usage(api, [n.name for n in nodes], pods,
+                                                 args.manager_namespace or names.MANAGER_NAMESPACE))
     except (StatusSourceError, ApiCallError, OSError, SigningKeyError) as exc:
         print(f"qgpu status: {exc}", file=sys.stderr)
         return 1

@@ -18,6 +18,8 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
+from qgpu_runtime.contract.cliflags import int_within
+from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
 from qgpu_runtime.model.podshape import check_pod
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, RequestError, parse_pod
 
@@ -32,6 +34,9 @@ EXIT_CODES_HELP = f"""exit status:
   {EXIT_USAGE}  bad command-line options
   {EXIT_UNREADABLE}  a file could not be read or parsed (one line on stderr per file; the other files are still checked)
 """
+
+MAX_CARD_GIB = MAX_MEMORY_MIB // 1024
+"""--max-card-memory and --gib-per-shared-pod: at most the 1 TiB card the node inventory keeps."""
 
 MAX_FILE_BYTES = 64 * 1024 * 1024
 """Larger inputs are refused: no manifest is this big, and /dev/zero must not fill memory."""
@@ -148,6 +153,10 @@ def load_documents(text: str) -> list[Any]:
         raise UnreadableInput(f": not valid YAML/JSON: {exc}") from exc
 
 
+def _yaml_type(value: Any) -> str:
+    return {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), type(value).__name__)
+
+
 class _ShapeProblem(ValueError):
     pass
 
@@ -159,7 +168,10 @@ def validate_text(text: str, source: str, limits: CardLimits = DEFAULT_LIMITS) -
     """
     findings: list[Finding] = []
     checked = 0
-    for doc in load_documents(text):
+    for number, doc in enumerate(load_documents(text), 1):
+        if doc is not None and not isinstance(doc, Mapping):  # an empty document (a stray ---) is nothing
+            raise UnreadableInput(f": document {number} is a {_yaml_type(doc)}, not a Kubernetes object "
+                                  "(a mapping with apiVersion and kind)")
         for obj in _objects(doc):
             pod = pod_of(obj)
             if pod is None:
@@ -201,12 +213,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = EXIT_CODES_HELP
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML or JSON manifests; - reads stdin")
-    parser.add_argument("--gib-per-shared-pod", type=int, default=DEFAULT_LIMITS.gib_per_shared_pod,
-                        help="card memory per shared pod slot (GiB); default %(default)s")
-    parser.add_argument("--max-card-memory", type=int, default=DEFAULT_LIMITS.max_card_memory_mib // 1024,
-                        help="largest card in the fleet (GiB): larger requests can never fit; default %(default)s")
-    parser.add_argument("--max-cards-per-node", type=int, default=DEFAULT_LIMITS.max_cards_per_node,
-                        help="most cards on any node; default %(default)s")
+    parser.add_argument("--gib-per-shared-pod", type=int_within(1, MAX_CARD_GIB, "GiB"), default=DEFAULT_LIMITS.gib_per_shared_pod,
+                        help=f"card memory per shared pod slot (GiB, 1..{MAX_CARD_GIB}); default %(default)s")
+    parser.add_argument("--max-card-memory", type=int_within(1, MAX_CARD_GIB, "GiB, a card of 1 GiB to 1 TiB"),
+                        default=DEFAULT_LIMITS.max_card_memory_mib // 1024,
+                        help=f"largest card in the fleet (GiB, 1..{MAX_CARD_GIB}): larger requests can never fit; default %(default)s")
+    parser.add_argument("--max-cards-per-node", type=int_within(1, MAX_CARDS, "cards of one node"),
+                        default=DEFAULT_LIMITS.max_cards_per_node,
+                        help=f"most cards on any node (1..{MAX_CARDS}); default %(default)s")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,8 +21,10 @@ import socket
 import threading
 from typing import Any
 
+from kubernetes.config import ConfigException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from qgpu_runtime.contract.cliflags import address_problem, shown
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.contract.names import BINDERS
 from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
@@ -50,6 +52,12 @@ from qgpu_runtime.servingcert import CertificateError, CertificateMetrics
 PRIORITIES = ("binpack", "spread", "frag")
 PRESENCE_LABELS = {"app.kubernetes.io/managed-by": "qgpu", "app.kubernetes.io/component": "binders"}
 DEFAULT_EVICT_PERIOD_S = 2.0
+MAX_MAX_HOLDS = 100_000
+"""--max-holds: a hold is a pod between filter and bind; kube-scheduler binds a few hundred pods a
+second, so 100,000 held at once is far past any real backlog."""
+MAX_ASSUME_TIMEOUT_S = 3600.0
+"""--assume-timeout: a Binding follows its filter within seconds; inf or NaN would keep a record
+that never got one holding its cards for ever."""
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
@@ -155,13 +163,17 @@ def _check(args: argparse.Namespace) -> None:
             raise SystemExit(f"qgpu extender serve: {', '.join(missing)} missing: the extender serves HTTPS with "
                              "client-certificate authentication (--tls-cert-file, --tls-private-key-file, "
                              "--client-ca-file); plain HTTP needs --insecure-plain-http and a loopback --address")
-    if args.max_holds < 1:
-        raise SystemExit(f"qgpu extender serve: --max-holds {args.max_holds}: must be >= 1")
+    problem = address_problem("--address", args.address)
+    if problem:
+        raise SystemExit(f"qgpu extender serve: {problem}")
+    if not 1 <= args.max_holds <= MAX_MAX_HOLDS:
+        raise SystemExit(f"qgpu extender serve: --max-holds {args.max_holds}: must be >= 1, at most {MAX_MAX_HOLDS}")
     if args.max_holds_per_namespace is not None and not 1 <= args.max_holds_per_namespace <= args.max_holds:
         raise SystemExit(f"qgpu extender serve: --max-holds-per-namespace {args.max_holds_per_namespace}: must be within "
                          f"1..--max-holds ({args.max_holds})")
-    if args.assume_timeout <= 0:
-        raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds")
+    if not 0 < args.assume_timeout <= MAX_ASSUME_TIMEOUT_S:  # NaN too: no comparison holds for it
+        raise SystemExit(f"qgpu extender serve: --assume-timeout {args.assume_timeout}: must be > 0 seconds, at most "
+                         f"{MAX_ASSUME_TIMEOUT_S:g}")
     if not 0 < args.group_timeout <= MAX_GROUP_TIMEOUT_S:
         raise SystemExit(f"qgpu extender serve: --group-timeout {args.group_timeout}: must be > 0 and <= "
                          f"{MAX_GROUP_TIMEOUT_S:g} seconds (held cards of an incomplete group are released after it)")
@@ -170,8 +182,10 @@ def _check(args: argparse.Namespace) -> None:
                          f"{MAX_GROUP_SETTLE_S:g} and below --group-timeout ({args.group_timeout:g}) seconds")
     if not 0.1 <= args.evict_period <= 60:
         raise SystemExit(f"qgpu extender serve: --evict-period {args.evict_period}: must be from 0.1 to 60 seconds")
-    if args.binder_identity is not None and not 1 <= len(args.binder_identity) <= 253:
-        raise SystemExit(f"qgpu extender serve: --binder-identity {args.binder_identity!r}: must have 1..253 characters")
+    if args.binder_identity is not None and (not 1 <= len(args.binder_identity) <= 253
+                                             or not args.binder_identity.isprintable()):
+        raise SystemExit(f"qgpu extender serve: --binder-identity {shown(args.binder_identity)}: must have 1..253 "
+                         "printable characters")
     if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
         raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
                          "namespace name (lowercase letters, digits and '-', at most 63 characters)")
@@ -202,7 +216,11 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
 
     signer = load_signing_key(args.record_signing_key)
     limits = card_limits(args.largest_card_memory_mib)  # _check refused a value out of bounds
-    connection = api_client(args.kubeconfig)
+    try:
+        connection = api_client(args.kubeconfig)
+    except (ConfigException, OSError) as exc:
+        where = f"--kubeconfig {args.kubeconfig}" if args.kubeconfig else "in-cluster service account (no --kubeconfig)"
+        raise SystemExit(f"qgpu extender serve: {where}: cannot load the Kubernetes client configuration: {exc}") from None
     api = client.CoreV1Api(connection)
     cache = AllocationCache(make_policy(args.priority), args.priority, limits, int(args.assume_timeout * 1e9),
                             max_holds=args.max_holds, max_holds_per_namespace=args.max_holds_per_namespace, verifier=signer.verifier,
@@ -255,9 +273,13 @@ def build(args: argparse.Namespace) -> tuple[JsonServer, ExtenderApp, Any]:
     )
     if args.tls_cert_file:
         app.metrics.certificate = CertificateMetrics.create(app.metrics.registry, "qgpu_extender")
-    server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
-                        client_ca_file=args.client_ca_file, http2=args.http2 == "on",
-                        certificate_metrics=app.metrics.certificate)
+    try:
+        server = JsonServer(args.address, args.port, routes, args.tls_cert_file, args.tls_private_key_file,
+                            client_ca_file=args.client_ca_file, http2=args.http2 == "on",
+                            certificate_metrics=app.metrics.certificate)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise SystemExit(f"qgpu extender serve: --address {args.address} --port {args.port}: cannot listen: "
+                         f"{exc.strerror or exc}") from None
     feeder = CacheFeeder(api, cache, dra=dra)
     return server, app, (feeder, binder)
 

@@ -26,9 +26,12 @@ from typing import Any
 
 import yaml
 
+from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_ID_CHARS, MAX_MEMORY_MIB
 from qgpu_runtime.gpu.types import BackendError, CardInfo, CardUsage, HealthEvent, ProcessUsage
 
-_SPEC = re.compile(r"^(?:(?P<count>\d+)x)?(?P<model>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<mem>\d+)(?P<unit>G|GiB|M|MiB)$")
+_SPEC = re.compile(r"^(?:(?P<count>[0-9]+)x)?(?P<model>[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*?)-(?P<mem>[0-9]+)(?P<unit>G|GiB|M|MiB)$")
+MAX_CONFIG_BYTES = 1024 * 1024
+"""A config file of 16 cards is a few hundred bytes; a larger one is not a config file."""
 _UUID_NS = uuid.UUID("6d1b8f1e-3a52-4c55-9a51-7a0f2b0c1a9e")
 
 
@@ -39,40 +42,90 @@ class SimulatedCardSpec:
     count: int = 1
 
 
+def _bounded(where: str, model: str, memory_mib: int, count: int, total: int) -> SimulatedCardSpec:
+    """One spec within the bounds a real node's inventory keeps (contract/inventory.py): at most
+    :data:`MAX_CARDS` cards in all, 1 MiB..1 TiB each, a model name of at most 96 characters. A
+    count of 10^9 once built a billion cards and took all the host's memory."""
+    if count < 1:
+        raise ValueError(f"--simulated-gpus: {where}: count must be at least 1")
+    if total + count > MAX_CARDS:
+        raise ValueError(f"--simulated-gpus: {where}: count {count} makes {total + count} cards; a node has at most {MAX_CARDS}")
+    if not 1 <= memory_mib <= MAX_MEMORY_MIB:
+        raise ValueError(f"--simulated-gpus: {where}: memory {memory_mib} MiB must be within 1..{MAX_MEMORY_MIB} (1 TiB)"
+                         if memory_mib >= 1 else f"--simulated-gpus: {where}: memory must be positive")
+    if not 1 <= len(model) <= MAX_ID_CHARS:
+        raise ValueError(f"--simulated-gpus: {where}: model name of {len(model)} characters; must have 1..{MAX_ID_CHARS}")
+    return SimulatedCardSpec(model, memory_mib, count)
+
+
+def _digits(text: str) -> int:
+    """ASCII digits as an int, any beyond 18 digits read as 10^18 (above every bound)."""
+    return int(text) if len(text.lstrip("0")) <= 18 else 10**18
+
+
 def parse_spec(spec: str) -> tuple[SimulatedCardSpec, ...]:
-    """``2xT4-16G,1xA100-80G`` -> card specs. Memory unit G/GiB (GiB) or M/MiB (MiB)."""
-    out = []
+    """``2xT4-16G,1xA100-80G`` -> card specs. Memory unit G/GiB (GiB) or M/MiB (MiB); at most
+    :data:`MAX_CARDS` cards of at most 1 TiB each."""
+    out: list[SimulatedCardSpec] = []
     for part in (p.strip() for p in spec.split(",")):
         m = _SPEC.match(part)
         if not m:
-            raise ValueError(f"--simulated-gpus: {part!r} is not a card spec: write COUNTxMODEL-MEMORY, "
+            shown = repr(part) if len(part) <= 64 else repr(part[:64]) + f"… ({len(part)} characters)"
+            raise ValueError(f"--simulated-gpus: {shown} is not a card spec: write COUNTxMODEL-MEMORY, "
                              "e.g. 2xT4-16G or 1xA100-80G (memory in G or M)")
-        count = int(m["count"] or 1)
-        if count < 1:
-            raise ValueError(f"--simulated-gpus: {part!r}: count must be at least 1")
-        memory = int(m["mem"]) * (1024 if m["unit"] in ("G", "GiB") else 1)
-        if memory < 1:
-            raise ValueError(f"--simulated-gpus: {part!r}: memory must be positive")
-        out.append(SimulatedCardSpec(m["model"], memory, count))
+        # digits past 18 are far beyond every bound: not converted (a 5,000-digit count is refused
+        # by int() itself, with a traceback)
+        count = _digits(m["count"] or "1")
+        memory = _digits(m["mem"]) * (1024 if m["unit"] in ("G", "GiB") else 1)
+        out.append(_bounded(repr(part) if len(part) <= 64 else repr(part[:64]) + "…", m["model"], memory, count,
+                            sum(s.count for s in out)))
     return tuple(out)
 
 
 def load_config(path: Path) -> tuple[tuple[SimulatedCardSpec, ...], Path | None]:
     """A YAML/JSON file: ``{cards: [{model, memory_mib, count}], control: PATH}``."""
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ValueError(f"--simulated-gpus: cannot read {path}: {exc}") from exc
+        with path.open("rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ValueError(f"--simulated-gpus: {path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
+        data = yaml.safe_load(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--simulated-gpus: {path}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None
+    except OSError as exc:
+        raise ValueError(f"--simulated-gpus: cannot read {path}: {exc.strerror or exc}") from None
+    except (yaml.YAMLError, RecursionError) as exc:
+        raise ValueError(f"--simulated-gpus: {path}: not valid YAML/JSON: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cards"), list) or not data["cards"]:
         raise ValueError(f"--simulated-gpus: {path}: needs a non-empty 'cards' list")
-    specs = []
+    specs: list[SimulatedCardSpec] = []
     for i, card in enumerate(data["cards"]):
         try:
-            specs.append(SimulatedCardSpec(str(card["model"]), int(card["memory_mib"]), int(card.get("count", 1))))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"--simulated-gpus: {path}: cards[{i}] needs model and memory_mib (got {card!r})") from exc
+            model, memory, count = card["model"], card["memory_mib"], card.get("count", 1)
+            if not isinstance(model, str) or any(isinstance(v, bool) or not isinstance(v, int) for v in (memory, count)):
+                raise TypeError
+        except (KeyError, TypeError, AttributeError):
+            shown = repr(card) if len(repr(card)) <= 64 else repr(card)[:64] + "…"
+            raise ValueError(f"--simulated-gpus: {path}: cards[{i}] needs model (a string), memory_mib and count "
+                             f"(integers) (got {shown})") from None
+        specs.append(_bounded(f"{path}: cards[{i}]", model, memory, count, sum(s.count for s in specs)))
     control = data.get("control")
+    if control is not None and not isinstance(control, str):
+        raise ValueError(f"--simulated-gpus: {path}: control must be a file name (got {type(control).__name__})")
     return tuple(specs), (path.parent / control if control else None)
+
+
+def specs_from_option(option: str) -> tuple[tuple[SimulatedCardSpec, ...], Path | None]:
+    """``--simulated-gpus``: a spec string, or the path of a YAML/JSON config file (then also its
+    control file, if it names one)."""
+    path = Path(option)
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError):  # a name too long for a path, or with a NUL: a spec, not a file
+        is_file = False
+    if path.suffix in (".yaml", ".yml", ".json") or is_file:
+        return load_config(path)
+    return parse_spec(option), None
 
 
 def build_cards(specs: tuple[SimulatedCardSpec, ...], seed: str) -> tuple[CardInfo, ...]:
@@ -105,11 +158,7 @@ class SimulatedBackend:
     @classmethod
     def from_option(cls, option: str, seed: str) -> "SimulatedBackend":
         """``option`` is a spec string or the path of a config file."""
-        path = Path(option)
-        if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
-            specs, control = load_config(path)
-        else:
-            specs, control = parse_spec(option), None
+        specs, control = specs_from_option(option)
         return cls(build_cards(specs, seed), control)
 
     def _read_control(self) -> dict[str, Any]:

@@ -7,10 +7,12 @@ import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qgpu_runtime.contract.cliflags import address_problem, log_level_problem, port_problem, subdomain_problem
 from qgpu_runtime.contract.dra import UNHEALTHY_EFFECTS
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.node.deviceplugin.resources import CATALOG, DEFAULT_RESOURCES
@@ -115,13 +117,24 @@ class _Exit(Exception):
         self.code = code
 
 
+def flag_problem(args: argparse.Namespace) -> str | None:
+    """Flags refused before anything starts (the flag, the value and the rule), or None."""
+    if not args.nodename:
+        return "--nodename is required (or set NODE_NAME)"
+    return (subdomain_problem("--nodename", args.nodename, "a node name")
+            or log_level_problem("--log-level", args.log_level)
+            or port_problem("--metrics-port", args.metrics_port, disabled=-1)
+            or (address_problem("--metrics-address", args.metrics_address) if args.metrics_port != -1 else None))
+
+
 def run(args: argparse.Namespace) -> int:
     """Configure, open the GPUs and the store, connect to the pods, start, serve until SIGTERM."""
+    problem = flag_problem(args)
+    if problem:
+        print(f"qgpu manager serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("qgpu.manager")
-    if not args.nodename:
-        log.error("--nodename is required (or set NODE_NAME)")
-        return 2
     stop = _stop_on_signals()
     from qgpu_runtime.node.hostlock import LockError, acquire
 
@@ -154,7 +167,14 @@ def _serve(args: argparse.Namespace, stop: threading.Event, log: logging.Logger)
         manager.stop()
         store.close()
         return code
-    metrics = _serve_metrics(args, manager, log)
+    try:
+        metrics = _serve_metrics(args, manager, log)
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        log.error("--metrics-address %s --metrics-port %d: cannot listen: %s", args.metrics_address, args.metrics_port,
+                  exc.strerror or exc)
+        manager.stop()
+        store.close()
+        return 2
     log.info("serving %d card(s) (%s backend) as %s", len(manager.cards), backend.name,
              "DRA driver gpu.qgpu.io" if config.dra else ", ".join(k.name for k in config.resources))
     # A timed wait, never a bare ``stop.wait()``: the kernel may deliver SIGTERM to one of gRPC's
@@ -211,7 +231,14 @@ def _pod_source(args: argparse.Namespace, store, log: logging.Logger):
             raise _Exit(2)
         from qgpu_runtime.node.pods import FilePodSource
 
-        return FilePodSource(args.pods_file), None
+        source = FilePodSource(args.pods_file)
+        try:
+            source.pods_on_node(args.nodename)  # a file that is there must be a pod list (one written later is read then)
+        except ValueError as exc:
+            log.error("%s", exc)
+            store.close()
+            raise _Exit(2) from None
+        return source, None
     from qgpu_runtime.node.kube_client import KubePodSource
     from qgpu_runtime.node.pods import PodSourceError
 

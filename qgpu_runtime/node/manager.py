@@ -56,6 +56,9 @@ from qgpu_runtime.node.store import Store
 
 log = logging.getLogger(__name__)
 
+MAX_SAMPLE_INTERVAL_S = 3600.0
+"""--sample-interval: an hour between GPU samples is already no monitoring; inf or 1e18 overflowed
+the sampler's timed wait."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +95,9 @@ class ManagerConfig:
     def __post_init__(self) -> None:
         if self.isolation_policy is not None:
             parse_policy(self.isolation_policy, field="--isolation-policy")
-        if self.sample_interval_s <= 0:
-            raise ValueError(f"--sample-interval: {self.sample_interval_s} must be positive")
+        if not 0 < self.sample_interval_s <= MAX_SAMPLE_INTERVAL_S:  # NaN too: no comparison holds for it
+            raise ValueError(f"--sample-interval: {self.sample_interval_s} must be positive and at most "
+                             f"{MAX_SAMPLE_INTERVAL_S:g} seconds")
         if not 0.005 <= self.isolation_tick_s <= 5:
             raise ValueError(f"--tick: {self.isolation_tick_s!r} is not allowed: must be 0.005..5 seconds")
         if self.memory_tolerance_mib < 0:

@@ -44,6 +44,10 @@ class PodSource(Protocol):
     def record_node_event(self, node: str, event_type: str, reason: str, message: str) -> None: ...
 
 
+MAX_PODS_FILE_BYTES = 64 * 1024 * 1024
+"""A node runs at most a few hundred pods: a larger file is not a pod list (and /dev/zero never ends)."""
+
+
 class FilePodSource:
     """Pods from a JSON file (``{"items": [pod, ...]}`` or a bare list), re-read when it changes.
 
@@ -66,10 +70,29 @@ class FilePodSource:
             return []
         stamp = (st.st_mtime_ns, st.st_size)
         if stamp != self._stamp:
-            data = json.loads(self.path.read_text() or "[]")
-            self._items = list(data.get("items", []) if isinstance(data, dict) else data)
+            self._items = self._parse()
             self._stamp = stamp
         return self._items
+
+    def _parse(self) -> list[dict[str, Any]]:
+        """The file's pods; ValueError naming the file and the rule when it is not a pod list."""
+        where = f"--pods-file {self.path}"
+        try:
+            with self.path.open("rb") as handle:
+                raw = handle.read(MAX_PODS_FILE_BYTES + 1)
+            if len(raw) > MAX_PODS_FILE_BYTES:
+                raise ValueError(f"{where}: larger than {MAX_PODS_FILE_BYTES} bytes; not a pod list")
+            data = json.loads(raw.decode("utf-8") or "[]")
+        except OSError as exc:
+            raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{where}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise ValueError(f"{where}: not JSON ({exc})") from None
+        items = data.get("items", []) if isinstance(data, dict) else data
+        if not isinstance(items, list) or not all(isinstance(p, dict) for p in items):
+            raise ValueError(f"{where}: must be a JSON list of pod objects, or an object whose 'items' is one")
+        return list(items)
 
     def pods_on_node(self, node: str) -> list[dict[str, Any]]:
         with self._lock:

@@ -8,6 +8,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
 from qgpu_runtime.placement.engine import CardChoice
 from qgpu_runtime.placement.policies import POLICIES
 from qgpu_runtime.sim.preemption import ARMS, MixError, PreemptionResult, PriorityMix, replay_preemption
@@ -22,12 +24,34 @@ from qgpu_runtime.sim.replay import ReplayOptions, SeedResult, replay_arrivals, 
 from qgpu_runtime.sim.trace import TraceError, load_nodes, load_pods
 from qgpu_runtime.sim.variants import PRODUCTION_FRACTION, VariantError, with_demand_share, with_gpu_spec
 
+DEFAULT_SEEDS = "42-51"
 MAX_SEEDS = 1000
 """Seeds of one run: a seed of the bundled trace replays in seconds, so 1,000 is hours of work;
 the list is built before any replay, and ``--seeds 0-100000000`` took all memory building it."""
 MAX_WORKERS = 256
 """Worker processes: each holds the trace and a cluster state; more than there are replays never
 start (one per replay at most)."""
+
+
+MAX_SEED = 2**63 - 1
+"""Seeds of the replay and of the variants' and priorities' draws: any int64 (what a JSON reader
+keeps exactly); a 5,000-digit seed is not a seed but a typo."""
+MAX_GPU_MEMORY_MIB = MAX_MEMORY_MIB
+"""--gpu-memory: what one sharing pod asks of one card, at most the largest card the inventory
+keeps (1 TiB)."""
+
+
+def seed_value(text: str) -> int:
+    """An argparse ``type`` for a seed option: an integer within 0..:data:`MAX_SEED`, or an error
+    naming the value and the rule (argparse names the option)."""
+    try:
+        value = int(text) if len(text.strip()) <= 20 else None
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= MAX_SEED:
+        shown = repr(text) if len(text) <= 32 else repr(text[:32]) + f"… ({len(text)} characters)"
+        raise argparse.ArgumentTypeError(f"{shown}: must be an integer within 0..{MAX_SEED} (a seed)")
+    return value
 
 
 class UsageError(ValueError):
@@ -45,6 +69,8 @@ def parse_seeds(text: str) -> list[int]:
             raise UsageError(f"--seeds: {part[:32]!r} is not a seed or a range like 42-51") from None
         if hi < lo:
             raise UsageError(f"--seeds: range {part[:32]!r} runs backwards")
+        if lo < 0 or hi > MAX_SEED:
+            raise UsageError(f"--seeds: {part[:32]!r}: seeds must be within 0..{MAX_SEED}")
         if len(seeds) + hi - lo + 1 > MAX_SEEDS:
             raise UsageError(f"--seeds: {text[:64]!r} names more than {MAX_SEEDS} seeds")
         seeds.extend(range(lo, hi + 1))
@@ -60,6 +86,18 @@ def worker_count(requested: int, jobs: int) -> int:
     return max(1, min(requested or os.cpu_count() or 1, jobs))
 
 
+def plot_problem(path: Path) -> None:
+    """--plot must name a file in a folder that exists, checked before the replays run (a plot
+    that cannot be written used to end a finished replay with a traceback)."""
+    if path.is_dir():
+        raise UsageError(f"--plot {path}: is a directory; name the PNG file to write")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"--plot {path}: folder {parent} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise UsageError(f"--plot {path}: folder {parent} is not writable")
+
+
 def parse_policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     unknown = [p for p in names if p not in POLICIES]
@@ -72,7 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", required=True, type=Path, help="node list CSV (sn,cpu_milli,memory_mib,gpu,model)")
     parser.add_argument("--pods", required=True, type=Path, help="pod list CSV (name,cpu_milli,memory_mib,num_gpu,gpu_milli[,gpu_spec,…])")
     parser.add_argument("--policy", default="frag", help="policies, comma-separated: " + ", ".join(sorted(POLICIES)))
-    parser.add_argument("--seeds", default="42-51", help=f"seeds: 42-51, or 42,43 (at most {MAX_SEEDS}; --replay-times uses none)")
+    parser.add_argument("--seeds", default=None,
+                        help=f"seeds: 42-51, or 42,43 (default {DEFAULT_SEEDS}; at most {MAX_SEEDS}, each 0..2^63-1; "
+                             "--replay-times uses none)")
     parser.add_argument("--json", action="store_true", help="print one JSON object per policy, one per line")
     parser.add_argument("--plot", type=Path, help="write a PNG of unallocated GPU %% against arrived %%")
     parser.add_argument("--expected", type=Path, help="published results CSV to draw beside --plot (FGD study format)")
@@ -95,13 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sharing-fraction", type=float, default=None, metavar="F",
                         help="replay a workload mix drawn from the trace in which pods sharing one card ask for "
                              "about F of the GPU demand (0..1; the bundled trace: 0.285)")
-    parser.add_argument("--variant-seed", type=int, default=0, help="seed of the variant's draws (default 0)")
+    parser.add_argument("--variant-seed", type=seed_value, default=0, help="seed of the variant's draws (default 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument("--preemption", type=float, default=None, metavar="F",
                         help="replay preemption instead: each arriving pod is high-priority with probability F, "
                              "else low; kube-scheduler's node-level choice against qgpu's card-level one "
                              "(docs/extender.md, Preemption)")
-    parser.add_argument("--preemption-seed", type=int, default=0, help="seed of the priority draws (default 0)")
+    parser.add_argument("--preemption-seed", type=seed_value, default=0, help="seed of the priority draws (default 0)")
 
 
 @dataclass
@@ -141,7 +181,8 @@ def _median(values: list[float]) -> float:
 
 def summarise(policy: str, results: list[SeedResult], seconds: float, card_choice: str = CardChoice.POLICY.value) -> PolicySummary:
     curves = np.array([r.alloc_pct_by_bin for r in results])
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a bin no seed reached is NaN, shown as null
         median_curve = np.nanmedian(np.where(np.isnan(curves), np.nan, 100.0 - curves), axis=0) if len(results) else np.array([])
     return PolicySummary(
         policy=policy,
@@ -264,10 +305,15 @@ def run(args: argparse.Namespace) -> int:
     progress = not args.no_progress and sys.stderr.isatty()
     try:
         policies = parse_policies(args.policy)
-        seeds = parse_seeds(args.seeds)
+        seeds = parse_seeds(DEFAULT_SEEDS if args.seeds is None else args.seeds)
         workers = worker_count(args.workers, len(seeds) * len(policies))
-        if args.gpu_memory < 0:
-            raise UsageError(f"--gpu-memory: {args.gpu_memory} must be >= 0")
+        if not 0 <= args.gpu_memory <= MAX_GPU_MEMORY_MIB:
+            raise UsageError(f"--gpu-memory: {args.gpu_memory} must be within 0..{MAX_GPU_MEMORY_MIB} (MiB of one card; "
+                             "0 leaves GPU memory out)")
+        if args.expected is not None and args.plot is None:
+            raise UsageError(f"--expected {args.expected}: only with --plot (the published results are drawn beside the plot)")
+        if args.plot is not None:
+            plot_problem(args.plot)
         if progress:  # a large trace takes seconds to read; say so rather than sit silent
             print(f"qgpu simulate: reading {args.nodes} and {args.pods}", file=sys.stderr, flush=True)
         nodes = load_nodes(args.nodes)
@@ -284,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
         if mix is not None and (args.replay_times or args.plot):
             raise UsageError(f"--preemption and {'--replay-times' if args.replay_times else '--plot'}: the preemption "
                              "replay arrives pods in the study's order and draws no curve; give one of them")
+        if args.replay_times and args.seeds is not None:
+            raise UsageError(f"--seeds {args.seeds[:32]!r} and --replay-times: the time-ordered replay uses no seeds "
+                             "(pods arrive at their creation_time); give one of them")
     except (UsageError, TraceError, VariantError, MixError) as exc:
         print(f"qgpu simulate: {exc}", file=sys.stderr)
         return 2

@@ -52,6 +52,14 @@ MAX_TIME = 2**63 - 1
 MAX_INT_CHARS = 24
 """A cell longer than this is not read as a number at all (2^63 has 19 digits)."""
 _DIGITS = re.compile(r"[+-]?[0-9]+")
+MAX_LINE_CHARS = 1 << 20
+"""A row of a trace is under 200 characters; a gpu_spec at its bound (16 names of 96) under 2,000.
+Above the CSV reader's own field limit (131,072), which then names the cell first."""
+MAX_NODES = 100_000
+"""Nodes of one trace: the bundled one has 1,523; the largest GPU clusters run tens of thousands."""
+MAX_PODS = 2_000_000
+"""Pods of one trace: the bundled one has 8,152; two million rows are ~200 MB of CSV and ~1 GB of
+pods in memory, where a replay stops being a laptop's work."""
 SHOWN_CHARS = 32
 """How much of a bad cell an error message quotes."""
 
@@ -120,13 +128,24 @@ def _not_utf8(path: Path) -> TraceError:
                       "UTF-8 character; trace files must be UTF-8 text")
 
 
-def _rows(path: Path, required: tuple[str, ...]):
+def _lines(path: Path, handle):
+    """The file's lines, each at most :data:`MAX_LINE_CHARS` characters (``/dev/zero``, or a file
+    without line breaks, once read into memory without end)."""
+    count = 0
+    while line := handle.readline(MAX_LINE_CHARS + 1):
+        count += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise TraceError(f"{path}:{count}: a line longer than {MAX_LINE_CHARS} characters; not a trace row")
+        yield line
+
+
+def _rows(path: Path, required: tuple[str, ...], max_rows: int):
     try:
-        handle = path.open(newline="", encoding="utf-8")
+        handle = path.open(newline="", encoding="utf-8-sig")  # a byte-order mark (Excel's UTF-8 CSV) is not a column name
     except OSError as exc:
         raise TraceError(f"{path}: cannot open: {exc.strerror}") from None
     with handle:
-        reader = csv.DictReader(handle)
+        reader = csv.DictReader(_lines(path, handle), strict=True)
         try:
             header = reader.fieldnames or []
             missing = [c for c in required if c not in header]
@@ -135,7 +154,9 @@ def _rows(path: Path, required: tuple[str, ...]):
                 if len(shown) > 10 * SHOWN_CHARS:
                     shown = shown[: 10 * SHOWN_CHARS] + "…"
                 raise TraceError(f"{path}:1: missing required column(s) {', '.join(missing)} (header: {shown})")
-            for row in reader:
+            for count, row in enumerate(reader, 1):
+                if count > max_rows:
+                    raise TraceError(f"{path}:{reader.line_num}: more than {max_rows} rows; a trace holds at most {max_rows}")
                 yield reader.line_num, row
         except UnicodeDecodeError:
             raise _not_utf8(path) from None
@@ -183,7 +204,7 @@ def load_nodes(path: str | Path, gpu_memory: bool = False) -> list[NodeSpec]:
     path = Path(path)
     nodes = []
     seen: dict[str, int] = {}
-    for line, row in _rows(path, NODE_COLUMNS):
+    for line, row in _rows(path, NODE_COLUMNS, MAX_NODES):
         name = (row["sn"] or "").strip()
         if not name:
             raise TraceError(f"{path}:{line}: column sn: empty node name")
@@ -207,7 +228,7 @@ def load_pods(path: str | Path) -> list[TracePod]:
     path = Path(path)
     pods = []
     seen: dict[str, int] = {}
-    for line, row in _rows(path, POD_COLUMNS):
+    for line, row in _rows(path, POD_COLUMNS, MAX_PODS):
         num_gpu = _int(path, line, row, "num_gpu", POD_BOUNDS)
         gpu_milli = _int(path, line, row, "gpu_milli", POD_BOUNDS)
         assert num_gpu is not None and gpu_milli is not None
@@ -226,6 +247,11 @@ def load_pods(path: str | Path) -> list[TracePod]:
                              f"{max(map(len, names))} characters; at most {MAX_MODEL_NAMES} of at most "
                              f"{MAX_MODEL_NAME_CHARS} (the bound of qgpu.io/gpu-model)")
         models = frozenset(names) or None
+        created = _int(path, line, row, "creation_time", POD_BOUNDS, optional=True) if "creation_time" in row else None
+        deleted = _int(path, line, row, "deletion_time", POD_BOUNDS, optional=True) if "deletion_time" in row else None
+        if created is not None and deleted is not None and deleted < created:
+            raise TraceError(f"{path}:{line}: column deletion_time: {deleted} is before creation_time {created}; "
+                             "a pod leaves after it arrives")
         pods.append(TracePod(
             name=name,
             cpu_milli=_int(path, line, row, "cpu_milli", POD_BOUNDS),
@@ -233,8 +259,8 @@ def load_pods(path: str | Path) -> list[TracePod]:
             num_gpu=num_gpu,
             gpu_milli=gpu_milli if num_gpu else 0,
             models=models,
-            creation_time=_int(path, line, row, "creation_time", POD_BOUNDS, optional=True) if "creation_time" in row else None,
-            deletion_time=_int(path, line, row, "deletion_time", POD_BOUNDS, optional=True) if "deletion_time" in row else None,
+            creation_time=created,
+            deletion_time=deleted,
         ))
     if not pods:
         raise TraceError(f"{path}: no pods")

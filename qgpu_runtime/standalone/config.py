@@ -107,13 +107,9 @@ def load_config(path: str | None, overrides: Mapping[str, Any]) -> HostConfig:
 def simulated_cards(option: str, seed: str) -> list[StoredCard]:
     """Cards from the node manager's simulated-GPU option (``2xT4-16G,1xA100-80G`` or a YAML/JSON
     file), with the same stable UUIDs it gives them: one option describes a host both ways."""
-    from pathlib import Path
+    from qgpu_runtime.gpu.simulated import build_cards, specs_from_option
 
-    from qgpu_runtime.gpu.simulated import build_cards, parse_spec
-    from qgpu_runtime.gpu.simulated import load_config as load_sim_config
-
-    path = Path(option)
-    specs = load_sim_config(path)[0] if path.suffix in (".yaml", ".yml", ".json") or path.is_file() else parse_spec(option)
+    specs = specs_from_option(option)[0]
     return [StoredCard(c.index, c.uuid, c.model, c.memory_mib) for c in build_cards(specs, seed)]
 
 

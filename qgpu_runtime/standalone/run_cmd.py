@@ -20,6 +20,7 @@ import sqlite3
 import sys
 import time
 
+from qgpu_runtime.contract.cliflags import shown
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.model import AppClass
@@ -67,6 +68,17 @@ def wait_timeout_problem(args: argparse.Namespace) -> str | None:
     if not args.wait:
         return f"--wait-timeout {timeout:g}: only with --wait (without it a job that does not fit fails at once)"
     return None
+
+
+MAX_NAME_CHARS = 253
+
+
+def name_problem(name: str | None) -> str | None:
+    """Why ``--name`` is refused, or None: 1..253 printable characters (it is one column of
+    `qgpu status`; a newline would forge a second row, an empty one says nothing)."""
+    if name is None or (1 <= len(name) <= MAX_NAME_CHARS and name.isprintable()):
+        return None
+    return f"--name {shown(name)}: must have 1..{MAX_NAME_CHARS} printable characters (no newline or control character)"
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:
@@ -117,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         return _fail("missing the command to run: qgpu run --core 30 --memory 5 -- CMD ARGS…")
-    problem = wait_timeout_problem(args)
+    problem = wait_timeout_problem(args) or name_problem(args.name)
     if problem:
         return _fail(problem)
     klass = AppClass(args.klass)

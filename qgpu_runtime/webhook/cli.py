@@ -28,6 +28,7 @@ from typing import Any, Callable
 from kubernetes.config import ConfigException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from qgpu_runtime.contract.cliflags import address_problem, label_problem, subdomain_problem
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.kube.client import api_client
 from qgpu_runtime.serving import READ_CHUNK, JsonServer, Routes, ServerLimits
@@ -193,6 +194,13 @@ def _check_auth(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"qgpu webhook serve: --port {args.port}: must be within 1..65535")
+    problem = (address_problem("--address", args.address)
+               or (subdomain_problem("--scheduler-name", args.scheduler_name, "a scheduler's name (spec.schedulerName)")
+                   if args.scheduler_name is not None else None)
+               or (label_problem("--quota-ledger-namespace", args.quota_ledger_namespace, "a namespace name")
+                   if args.quota_ledger_namespace is not None else None))
+    if problem:
+        raise SystemExit(f"qgpu webhook serve: {problem}")
     _check_auth(args)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.insecure_no_client_auth:
@@ -248,6 +256,9 @@ def run(args: argparse.Namespace) -> int:
                             http2=args.http2 == "on", certificate_metrics=CertificateMetrics.create(registry, "qgpu_webhook"))
     except CertificateError as exc:
         raise SystemExit(f"qgpu webhook serve: {exc}") from None
+    except OSError as exc:  # the port is taken, or the address is not this host's
+        raise SystemExit(f"qgpu webhook serve: --address {args.address} --port {args.port}: cannot listen: "
+                         f"{exc.strerror or exc}") from None
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.stop, daemon=True).start())
     logging.getLogger(__name__).info("webhook serving HTTPS on %s:%d (%s)", args.address, server.port,
                                      "client certificates required" if server.client_auth else "no client authentication")

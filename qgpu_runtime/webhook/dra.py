@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from qgpu_runtime.contract import dra, draclaim
+from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
 from qgpu_runtime.contract.names import (
     ALLOC_MODE_LABEL,
     GPU_MODE,
@@ -98,8 +99,9 @@ class DraConfig:
 
     def __post_init__(self) -> None:
         sizes = self.card_memory_mib
-        if any(not isinstance(s, int) or isinstance(s, bool) or s < MIB_PER_GIB for s in sizes):
-            raise ValueError(f"card memory sizes {sizes!r} are not allowed: each must be an integer >= {MIB_PER_GIB} (MiB)")
+        if any(not isinstance(s, int) or isinstance(s, bool) or not MIB_PER_GIB <= s <= MAX_MEMORY_MIB for s in sizes):
+            raise ValueError(f"card memory sizes {sizes!r} are not allowed: each must be an integer >= {MIB_PER_GIB} (MiB) "
+                             f"and at most {MAX_MEMORY_MIB} (a card of 1 TiB)")
         if len(set(sizes)) > MAX_CARD_SIZES:
             raise ValueError(f"card memory sizes {sizes!r} are not allowed: at most {MAX_CARD_SIZES} distinct sizes")
 
