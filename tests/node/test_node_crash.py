@@ -35,6 +35,18 @@ def start_manager(root: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=open(root / "manager.log", "a"))
 
 
+def registered(kubelet: TestKubelet, before: int, proc: subprocess.Popen, root: Path) -> None:
+    """The manager started as ``proc`` registered both resources with devices; else an
+    AssertionError with whether it is still running and its log's end."""
+    try:
+        kubelet.wait_for(lambda: len(kubelet.registrations) >= before + 2
+                         and all(p.devices for p in kubelet.plugins.values()), timeout=30)
+    except TimeoutError as exc:
+        state = "running" if proc.poll() is None else f"exited with {proc.returncode}"
+        raise AssertionError(f"{exc}; the manager is {state}; its log:\n"
+                             + (root / "manager.log").read_text(errors="replace")[-8000:]) from None
+
+
 def test_store_stays_consistent_through_kill_9_mid_allocate(short_tmp):
     root = short_tmp
     rng = random.Random(7)
@@ -65,8 +77,7 @@ def test_store_stays_consistent_through_kill_9_mid_allocate(short_tmp):
         for _ in range(10):
             before = len(kubelet.registrations)
             proc = start_manager(root)
-            kubelet.wait_for(lambda: len(kubelet.registrations) >= before + 2
-                             and all(p.devices for p in kubelet.plugins.values()), timeout=30)
+            registered(kubelet, before, proc, root)
             stop = threading.Event()
             worker = threading.Thread(target=admit_until_killed, args=(stop,))
             worker.start()
@@ -87,8 +98,7 @@ def test_store_stays_consistent_through_kill_9_mid_allocate(short_tmp):
         # Recovery: a fresh manager reconciles and then admits the rest normally.
         before = len(kubelet.registrations)
         proc = start_manager(root)
-        kubelet.wait_for(lambda: len(kubelet.registrations) >= before + 2
-                         and all(p.devices for p in kubelet.plugins.values()), timeout=30)
+        registered(kubelet, before, proc, root)
         for p in list(queue):
             kubelet.admit(p)
         proc.send_signal(signal.SIGTERM)
