@@ -73,3 +73,19 @@ def int_within(low: int, high: int, unit: str):
             raise argparse.ArgumentTypeError(f"{shown(text)}: must be an integer within {low}..{high} ({unit})")
         return value
     return parse
+
+
+def read_small_text(path, limit: int, where: str, what: str) -> str:
+    """The UTF-8 text of the file an option names, at most ``limit`` bytes read (``/dev/zero``
+    never ends); ValueError naming ``where`` (the option and the file) and the rule otherwise."""
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(limit + 1)
+    except OSError as exc:
+        raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if len(raw) > limit:
+        raise ValueError(f"{where}: larger than {limit} bytes; not {what}")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None

@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from qgpu_runtime.contract.cliflags import read_small_text
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_ID_CHARS, MAX_MEMORY_MIB
 from qgpu_runtime.gpu.types import BackendError, CardInfo, CardUsage, HealthEvent, ProcessUsage
 
@@ -84,16 +85,9 @@ def parse_spec(spec: str) -> tuple[SimulatedCardSpec, ...]:
 
 def load_config(path: Path) -> tuple[tuple[SimulatedCardSpec, ...], Path | None]:
     """A YAML/JSON file: ``{cards: [{model, memory_mib, count}], control: PATH}``."""
+    text = read_small_text(path, MAX_CONFIG_BYTES, f"--simulated-gpus: {path}", "a config file")
     try:
-        with path.open("rb") as handle:
-            raw = handle.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            raise ValueError(f"--simulated-gpus: {path}: larger than {MAX_CONFIG_BYTES} bytes; not a config file")
-        data = yaml.safe_load(raw.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"--simulated-gpus: {path}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None
-    except OSError as exc:
-        raise ValueError(f"--simulated-gpus: cannot read {path}: {exc.strerror or exc}") from None
+        data = yaml.safe_load(text)
     except (yaml.YAMLError, RecursionError) as exc:
         raise ValueError(f"--simulated-gpus: {path}: not valid YAML/JSON: {getattr(exc, 'problem', None) or exc}") from None
     if not isinstance(data, dict) or not isinstance(data.get("cards"), list) or not data["cards"]:

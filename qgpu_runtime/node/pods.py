@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from qgpu_runtime.contract.cliflags import read_small_text
 from qgpu_runtime.kube.reader import ApiCallError
 
 
@@ -77,16 +78,9 @@ class FilePodSource:
     def _parse(self) -> list[dict[str, Any]]:
         """The file's pods; ValueError naming the file and the rule when it is not a pod list."""
         where = f"--pods-file {self.path}"
+        text = read_small_text(self.path, MAX_PODS_FILE_BYTES, where, "a pod list")
         try:
-            with self.path.open("rb") as handle:
-                raw = handle.read(MAX_PODS_FILE_BYTES + 1)
-            if len(raw) > MAX_PODS_FILE_BYTES:
-                raise ValueError(f"{where}: larger than {MAX_PODS_FILE_BYTES} bytes; not a pod list")
-            data = json.loads(raw.decode("utf-8") or "[]")
-        except OSError as exc:
-            raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{where}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None
+            data = json.loads(text or "[]")
         except (json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"{where}: not JSON ({exc})") from None
         items = data.get("items", []) if isinstance(data, dict) else data

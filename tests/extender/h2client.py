@@ -15,6 +15,8 @@ from h2.connection import H2Connection
 from h2.events import ConnectionTerminated, DataReceived, ResponseReceived, StreamEnded, StreamReset
 from h2.settings import SettingCodes, Settings
 
+from tests.k8s.pki import CertificateAuthority, KeyPair
+
 
 class Client:
     """One HTTP/2 connection, driven by hand."""
@@ -97,3 +99,9 @@ class Client:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def connect(port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True, **kwargs: Any) -> Client:
+    """A :class:`Client` trusting ``pki``'s CA and presenting its client certificate (or none)."""
+    ca, _, client = pki
+    return Client(port, ca.cert_path, (client.cert, client.key) if certificate else None, **kwargs)

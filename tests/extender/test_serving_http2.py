@@ -14,7 +14,7 @@ from typing import Any, Iterator
 import pytest
 
 from qgpu_runtime.serving import JsonServer, RawJSON, Routes, ServerLimits
-from tests.extender.h2client import Client
+from tests.extender.h2client import Client, connect
 from tests.k8s.pki import CertificateAuthority, KeyPair
 from tests.polling import poll
 
@@ -60,11 +60,6 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     yield srv
     release.set()
     srv.stop()
-
-
-def connect(port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True, **kwargs: Any) -> Client:
-    ca, _, client = pki
-    return Client(port, ca.cert_path, (client.cert, client.key) if certificate else None, **kwargs)
 
 
 @pytest.fixture

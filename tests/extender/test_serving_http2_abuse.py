@@ -21,7 +21,7 @@ from hpack import Encoder
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame, PingFrame, PriorityFrame, RstStreamFrame, SettingsFrame
 
 from qgpu_runtime.serving import H2_CLOSED_STREAMS, H2_HEADER_TABLE, H2_MAX_STREAMS, JsonServer, RawJSON, Routes, ServerLimits
-from tests.extender.h2client import Client
+from tests.extender.h2client import Client, connect
 from tests.k8s.pki import CertificateAuthority, KeyPair
 from tests.polling import poll
 
@@ -71,11 +71,6 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     yield srv
     release.set()
     srv.stop()
-
-
-def connect(port: int, pki: tuple[CertificateAuthority, KeyPair, KeyPair], *, certificate: bool = True, **kwargs: Any) -> Client:
-    ca, _, client = pki
-    return Client(port, ca.cert_path, (client.cert, client.key) if certificate else None, **kwargs)
 
 
 @pytest.fixture
