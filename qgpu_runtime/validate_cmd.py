@@ -18,7 +18,7 @@ from typing import Any, Iterator, Mapping
 
 import yaml
 
-from qgpu_runtime.contract.cliflags import int_within
+from qgpu_runtime.contract.cliflags import int_within, read_small_text
 from qgpu_runtime.contract.inventory import MAX_CARDS, MAX_MEMORY_MIB
 from qgpu_runtime.model.podshape import check_pod
 from qgpu_runtime.model.requests import DEFAULT_LIMITS, CardLimits, RequestError, parse_pod
@@ -194,19 +194,9 @@ def validate_text(text: str, source: str, limits: CardLimits = DEFAULT_LIMITS) -
 def read_source(path: str) -> str:
     """The text of ``path`` (``-``: stdin), or :class:`UnreadableInput` with the reason."""
     try:
-        if path == "-":
-            raw = sys.stdin.buffer.read(MAX_FILE_BYTES + 1)
-        else:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-    except OSError as exc:
-        raise UnreadableInput(f": cannot read: {exc.strerror or exc}") from exc
-    if len(raw) > MAX_FILE_BYTES:
-        raise UnreadableInput(f": larger than {MAX_FILE_BYTES} bytes; not a manifest")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise UnreadableInput(f": not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); a binary file?") from exc
+        return read_small_text(sys.stdin.buffer if path == "-" else path, MAX_FILE_BYTES, "", "a manifest")
+    except ValueError as exc:
+        raise UnreadableInput(str(exc)) from exc
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

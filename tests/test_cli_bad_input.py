@@ -224,7 +224,7 @@ def test_manager_refuses_bad_flags_before_it_starts(capsys, tmp_path, extra, par
     (["--sample-interval", "nan"], ["--sample-interval: nan", "at most 3600 seconds"]),
     (["--sample-interval", "inf"], ["--sample-interval: inf", "at most 3600 seconds"]),
     (["--simulated-gpus", "1000000000xT4-16G"], ["--simulated-gpus", "a node has at most 16"]),
-    (["--pods-file", "DIR"], ["--pods-file", "cannot read it"]),
+    (["--pods-file", "DIR"], ["--pods-file", "cannot read"]),
     (["--pods-file", "LIST"], ["--pods-file", "must be a JSON list of pod objects"]),
     (["--pods-file", "BINARY"], ["--pods-file", "not UTF-8 text"]),
 ])

@@ -75,17 +75,22 @@ def int_within(low: int, high: int, unit: str):
     return parse
 
 
-def read_small_text(path, limit: int, where: str, what: str) -> str:
-    """The UTF-8 text of the file an option names, at most ``limit`` bytes read (``/dev/zero``
-    never ends); ValueError naming ``where`` (the option and the file) and the rule otherwise."""
+def read_small_text(source, limit: int, where: str, what: str) -> str:
+    """The UTF-8 text of the file an option names (a path, or a binary stream such as stdin's), at
+    most ``limit`` bytes read (``/dev/zero`` never ends); ValueError naming ``where`` (the option
+    and the file) and the rule otherwise."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read(limit + 1)
+        if hasattr(source, "read"):
+            raw = source.read(limit + 1)
+        else:
+            with open(source, "rb") as handle:
+                raw = handle.read(limit + 1)
     except OSError as exc:
-        raise ValueError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+        raise ValueError(f"{where}: cannot read: {exc.strerror or exc}") from None
     if len(raw) > limit:
         raise ValueError(f"{where}: larger than {limit} bytes; not {what}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{where}: not UTF-8 text (byte offset {exc.start}); a binary file?") from None
+        raise ValueError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                         "a binary file?") from None
