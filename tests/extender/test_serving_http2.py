@@ -35,12 +35,6 @@ def slow(rest: str, body: bytes) -> tuple[int, Any]:
     return 200, {"slow": True}
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[CertificateAuthority, KeyPair, KeyPair]:
-    ca = CertificateAuthority(tmp_path_factory.mktemp("h2-pki"))
-    return ca, ca.issue("server", "server", server=True, hosts=("127.0.0.1",)), ca.issue("client", "client", client=True)
-
-
 def serve(pki: tuple[CertificateAuthority, KeyPair, KeyPair], http2: bool = True) -> JsonServer:
     ca, server, _ = pki
     routes = Routes(post={"/echo": echo, "/slow": slow, "/small": echo, "/tokens": echo},
@@ -60,13 +54,6 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     yield srv
     release.set()
     srv.stop()
-
-
-@pytest.fixture
-def client(server: JsonServer, pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[Client]:
-    c = connect(server.port, pki)
-    yield c
-    c.close()
 
 
 def test_http2_is_negotiated_and_answers_as_http1_does(server, client):

@@ -52,12 +52,6 @@ def pad(rest: str, body: bytes) -> tuple[int, Any]:
     return 200, RawJSON(b'"' + b"x" * int(rest or 0) + b'"')
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[CertificateAuthority, KeyPair, KeyPair]:
-    ca = CertificateAuthority(tmp_path_factory.mktemp("h2-abuse-pki"))
-    return ca, ca.issue("server", "server", server=True, hosts=("127.0.0.1",)), ca.issue("client", "client", client=True)
-
-
 @pytest.fixture
 def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonServer]:
     ca, cert, _ = pki
@@ -71,13 +65,6 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     yield srv
     release.set()
     srv.stop()
-
-
-@pytest.fixture
-def client(server: JsonServer, pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[Client]:
-    c = connect(server.port, pki)
-    yield c
-    c.close()
 
 
 def flood(c: Client, frames: bytes, times: int) -> bool:

@@ -11,7 +11,6 @@ from typing import Any, Iterator
 import pytest
 
 from qgpu_runtime.serving import JsonServer, Routes, ServerLimits
-from tests.extender.h2client import Client
 from tests.k8s.pki import CertificateAuthority, KeyPair
 
 LIMITS = ServerLimits(max_connections=8, max_in_flight=1, idle_timeout_s=30.0, header_timeout_s=2.0, body_timeout_s=0.5,
@@ -29,12 +28,6 @@ def on_thread(kind: str) -> Any:
     return handler
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> tuple[CertificateAuthority, KeyPair, KeyPair]:
-    ca = CertificateAuthority(tmp_path_factory.mktemp("h2-inline-pki"))
-    return ca, ca.issue("server", "server", server=True, hosts=("127.0.0.1",)), ca.issue("client", "client", client=True)
-
-
 @pytest.fixture
 def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonServer]:
     ca, cert, _ = pki
@@ -48,14 +41,6 @@ def server(pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[JsonS
     yield srv
     release.set()
     srv.stop()
-
-
-@pytest.fixture
-def client(server: JsonServer, pki: tuple[CertificateAuthority, KeyPair, KeyPair]) -> Iterator[Client]:
-    ca, _, cert = pki
-    c = Client(server.port, ca.cert_path, (cert.cert, cert.key))
-    yield c
-    c.close()
 
 
 def test_an_inline_path_runs_on_the_connections_reading_thread_and_every_other_on_the_pool(server, client):
