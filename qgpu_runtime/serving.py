@@ -575,7 +575,7 @@ H2_WINDOW = 1024 * 1024  # each stream's receive window (and the connection's): 
 # client that opened more in its first flight (kube-apiserver does, with concurrent admissions).
 H2_MAX_STREAMS = 100
 # Closed streams h2 remembers, to tell a frame still in flight on a stream closed by RST_STREAM (a
-# stream error) from one on a stream never opened (a connection error). h2 keeps 65,536, ~15 MB
+# stream error) from one on a stream never opened (a connection error). h2 keeps 65,536, ~7.6 MB
 # per connection, which any caller gets to by asking GET /healthz (open to all) 65,536 times on one
 # connection; and kube-scheduler's connection after as many pods. A client has at most
 # H2_MAX_STREAMS open, so no frame of an honest one is still in flight on a stream closed 1,024

@@ -14,7 +14,6 @@ import argparse
 import ipaddress
 import logging
 import os
-import re
 import secrets
 import signal
 import socket
@@ -24,7 +23,7 @@ from typing import Any
 from kubernetes.config import ConfigException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qgpu_runtime.contract.cliflags import address_problem, shown
+from qgpu_runtime.contract.cliflags import address_problem, label_problem, shown
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.contract.names import BINDERS
 from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
@@ -58,7 +57,6 @@ second, so 100,000 held at once is far past any real backlog."""
 MAX_ASSUME_TIMEOUT_S = 3600.0
 """--assume-timeout: a Binding follows its filter within seconds; inf or NaN would keep a record
 that never got one holding its cards for ever."""
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -186,9 +184,10 @@ def _check(args: argparse.Namespace) -> None:
                                              or not args.binder_identity.isprintable()):
         raise SystemExit(f"qgpu extender serve: --binder-identity {shown(args.binder_identity)}: must have 1..253 "
                          "printable characters")
-    if args.node_commitments != "off" and not _DNS_LABEL.fullmatch(args.commitment_namespace or ""):
-        raise SystemExit(f"qgpu extender serve: --commitment-namespace {args.commitment_namespace!r}: must be a "
-                         "namespace name (lowercase letters, digits and '-', at most 63 characters)")
+    problem = (label_problem("--commitment-namespace", args.commitment_namespace or "", "a namespace name")
+               if args.node_commitments != "off" else None)
+    if problem:
+        raise SystemExit(f"qgpu extender serve: {problem}")
     try:
         card_limits(args.largest_card_memory_mib)
     except ValueError as exc:

@@ -16,6 +16,7 @@ from typing import Callable
 
 import numpy as np
 
+from qgpu_runtime.contract.cliflags import int_within
 from qgpu_runtime.contract.inventory import MAX_MEMORY_MIB
 from qgpu_runtime.placement.engine import CardChoice
 from qgpu_runtime.placement.policies import POLICIES
@@ -41,17 +42,8 @@ MAX_GPU_MEMORY_MIB = MAX_MEMORY_MIB
 keeps (1 TiB)."""
 
 
-def seed_value(text: str) -> int:
-    """An argparse ``type`` for a seed option: an integer within 0..:data:`MAX_SEED`, or an error
-    naming the value and the rule (argparse names the option)."""
-    try:
-        value = int(text) if len(text.strip()) <= 20 else None
-    except ValueError:
-        value = None
-    if value is None or not 0 <= value <= MAX_SEED:
-        shown = repr(text) if len(text) <= 32 else repr(text[:32]) + f"… ({len(text)} characters)"
-        raise argparse.ArgumentTypeError(f"{shown}: must be an integer within 0..{MAX_SEED} (a seed)")
-    return value
+seed_value = int_within(0, MAX_SEED, "a seed")
+"""An argparse ``type`` for a seed option (argparse names the option)."""
 
 
 class UsageError(ValueError):

@@ -58,8 +58,8 @@ Above the CSV reader's own field limit (131,072), which then names the cell firs
 MAX_NODES = 100_000
 """Nodes of one trace: the bundled one has 1,523; the largest GPU clusters run tens of thousands."""
 MAX_PODS = 2_000_000
-"""Pods of one trace: the bundled one has 8,152; two million rows are ~200 MB of CSV and ~1 GB of
-pods in memory, where a replay stops being a laptop's work."""
+"""Pods of one trace: the bundled one has 8,152; two million is past any published GPU cluster
+trace, and a replay of that many stops being a laptop's work."""
 SHOWN_CHARS = 32
 """How much of a bad cell an error message quotes."""
 

@@ -124,7 +124,7 @@ def test_rapid_reset_without_a_certificate_is_cut_at_the_header_budget(server, p
 
 def test_completed_requests_reset_at_once_leave_bounded_state_per_connection(server, pki):
     """GET /healthz (open to every caller) ended and reset at once, thousands of times: h2 keeps a
-    record of every closed stream (65,536 by default, ~15 MB per connection); the server keeps
+    record of every closed stream (65,536 by default, ~7.6 MB per connection); the server keeps
     H2_CLOSED_STREAMS."""
     c = connect(server.port, pki, certificate=False)
     try:
