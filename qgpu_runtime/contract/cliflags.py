@@ -34,6 +34,19 @@ def label_problem(flag: str, value: str, what: str) -> str | None:
     return f"{flag} {shown(value)}: must be {what} (lowercase letters, digits and '-', at most 63 characters)"
 
 
+MAX_NAME_CHARS = 253
+"""The longest free-form name a flag takes (a job's, a binder's, a standalone host's): a
+Kubernetes object name's limit, so the same thing may be named both ways."""
+
+
+def printable_problem(flag: str, value: str | None, limit: int = MAX_NAME_CHARS) -> str | None:
+    """A free-form name printed in tables, logs and Lease documents: 1..``limit`` printable
+    characters (a newline would forge a second row or log line, an empty name says nothing)."""
+    if value is not None and 1 <= len(value) <= limit and value.isprintable():
+        return None
+    return f"{flag} {shown(value)}: must have 1..{limit} printable characters (no newline or control character)"
+
+
 def log_level_problem(flag: str, value: str) -> str | None:
     if str(value).upper() in LOG_LEVELS:
         return None

@@ -23,7 +23,7 @@ from typing import Any
 from kubernetes.config import ConfigException
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from qgpu_runtime.contract.cliflags import address_problem, label_problem, shown
+from qgpu_runtime.contract.cliflags import address_problem, label_problem, printable_problem
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.contract.names import BINDERS
 from qgpu_runtime.contract.signature import RecordSigner, SigningKeyError
@@ -180,10 +180,9 @@ def _check(args: argparse.Namespace) -> None:
                          f"{MAX_GROUP_SETTLE_S:g} and below --group-timeout ({args.group_timeout:g}) seconds")
     if not 0.1 <= args.evict_period <= 60:
         raise SystemExit(f"qgpu extender serve: --evict-period {args.evict_period}: must be from 0.1 to 60 seconds")
-    if args.binder_identity is not None and (not 1 <= len(args.binder_identity) <= 253
-                                             or not args.binder_identity.isprintable()):
-        raise SystemExit(f"qgpu extender serve: --binder-identity {shown(args.binder_identity)}: must have 1..253 "
-                         "printable characters")
+    problem = None if args.binder_identity is None else printable_problem("--binder-identity", args.binder_identity)
+    if problem:
+        raise SystemExit(f"qgpu extender serve: {problem}")
     problem = (label_problem("--commitment-namespace", args.commitment_namespace or "", "a namespace name")
                if args.node_commitments != "off" else None)
     if problem:

@@ -16,13 +16,13 @@ from typing import Any, Mapping
 
 import yaml
 
+from qgpu_runtime.contract.cliflags import printable_problem
 from qgpu_runtime.isolation.policy import DEFAULT_POLICY, Policy, parse_policy
 from qgpu_runtime.placement import POLICIES as PLACEMENTS
 from qgpu_runtime.standalone.store import StoredCard
 
 BACKENDS = ("nvml", "simulated")
 MPS_MODES = ("off", "auto", "on")
-MAX_NODE_NAME = 253  # a Kubernetes node name's limit: the same host may be described both ways
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,9 @@ class HostConfig:
                           ("simulated_gpus", (str, type(None)))):
             if not isinstance(getattr(self, key), kind):
                 raise ValueError(f"{key}: {getattr(self, key)!r} is not allowed: must be text")
-        if not self.node_name or len(self.node_name) > MAX_NODE_NAME or not self.node_name.isprintable():
-            raise ValueError(f"node_name: {self.node_name!r} is not allowed: must be 1..{MAX_NODE_NAME} printable characters")
+        problem = printable_problem("node_name:", self.node_name)
+        if problem:
+            raise ValueError(problem)
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement: {self.placement!r} is not allowed: use one of {', '.join(sorted(PLACEMENTS))}")
         if self.gpu_backend not in BACKENDS:

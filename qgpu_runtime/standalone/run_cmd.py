@@ -20,7 +20,7 @@ import sqlite3
 import sys
 import time
 
-from qgpu_runtime.contract.cliflags import shown
+from qgpu_runtime.contract.cliflags import printable_problem
 from qgpu_runtime.contract.largestcard import add_largest_card_argument, card_limits
 from qgpu_runtime.isolation.policy import parse_policy
 from qgpu_runtime.model import AppClass
@@ -70,15 +70,9 @@ def wait_timeout_problem(args: argparse.Namespace) -> str | None:
     return None
 
 
-MAX_NAME_CHARS = 253
-
-
 def name_problem(name: str | None) -> str | None:
-    """Why ``--name`` is refused, or None: 1..253 printable characters (it is one column of
-    `qgpu status`; a newline would forge a second row, an empty one says nothing)."""
-    if name is None or (1 <= len(name) <= MAX_NAME_CHARS and name.isprintable()):
-        return None
-    return f"--name {shown(name)}: must have 1..{MAX_NAME_CHARS} printable characters (no newline or control character)"
+    """Why ``--name`` is refused, or None: it is one column of `qgpu status`."""
+    return None if name is None else printable_problem("--name", name)
 
 
 def _fail(message: str, code: int = EXIT_USAGE) -> int:

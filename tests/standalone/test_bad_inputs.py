@@ -43,6 +43,13 @@ def test_an_unknown_placement_is_refused_naming_the_field():
         HostConfig(node_name="h", placement="bogus")
 
 
+@pytest.mark.parametrize("name", ["", "h\nforged-row", "h\x1b[2J", "h" * 254])
+def test_a_node_name_that_is_empty_too_long_or_not_printable_is_refused_naming_the_field(name):
+    with pytest.raises(ValueError, match=r"^node_name: .*: must have 1\.\.253 printable characters"):
+        HostConfig(node_name=name, gpu_backend="simulated", simulated_gpus="1xT4-16G")
+    assert HostConfig(node_name="h" * 253, gpu_backend="simulated", simulated_gpus="1xT4-16G").node_name == "h" * 253
+
+
 def test_the_manager_refuses_an_unknown_placement_from_the_flag_or_the_file(db, tmp_path):
     assert "placement: 'bogus' is not allowed" in _serve(db, "--placement", "bogus")
     settings = tmp_path / "host.yaml"
