@@ -79,7 +79,7 @@ def serve_granian(app: NullExtender, args: argparse.Namespace) -> None:
     from granian.constants import HTTPModes, Interfaces
     from granian.server.embed import Server
 
-    from qgpu_runtime.serving import _encode
+    from qgpu_runtime.serving import encode_json
 
     pool = ThreadPoolExecutor(8, thread_name_prefix="bind")
     json_headers = [("content-type", "application/json")]
@@ -98,7 +98,7 @@ def serve_granian(app: NullExtender, args: argparse.Namespace) -> None:
             code, doc = await asyncio.get_running_loop().run_in_executor(pool, app.handle, verb, body)
         else:
             code, doc = app.handle(verb, body)
-        proto.response_bytes(code, json_headers, _encode(doc))
+        proto.response_bytes(code, json_headers, encode_json(doc))
 
     server = Server(rsgi, address=args.address, port=args.port, interface=Interfaces.RSGI,
                     http=HTTPModes.auto if args.http2 == "on" else HTTPModes.http1, websockets=False,

@@ -413,7 +413,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, status: int, value: Any) -> None:
-        self._send(status, "application/json", _encode(value))
+        self._send(status, "application/json", encode_json(value))
 
     def _authenticated(self, path: str, *, open_path: bool = False) -> bool:
         """With a client CA, a path outside ``open_paths`` needs a client certificate that the CA
@@ -535,7 +535,7 @@ class _Handler(BaseHTTPRequestHandler):
         """The GET handler's answer for ``path`` (both protocols)."""
         handler = self.routes.get.get(path)
         if handler is None:
-            return 404, "application/json", _encode({"Error": f"no GET route {path}"})
+            return 404, "application/json", encode_json({"Error": f"no GET route {path}"})
         return handler()
 
     def _run(self, path: str, body: bytes, wait: float | None = None) -> tuple[int, Any]:
@@ -879,10 +879,10 @@ class _H2Session:
                 wait = None if until is None else max(0.0, until - time.monotonic())
                 status, value = self.h._run(stream.path, data, wait)
                 del data
-                content_type, body = "application/json", _encode(value)
+                content_type, body = "application/json", encode_json(value)
         except Exception:  # noqa: BLE001 - answer, log, keep serving
             log.exception("handler for %s failed", stream.path)
-            status, content_type, body = 500, "application/json", _encode({"Error": "internal error; see the server log"})
+            status, content_type, body = 500, "application/json", encode_json({"Error": "internal error; see the server log"})
         finally:
             self.h.bodies.release(stream.held)
         with self.lock:
@@ -913,7 +913,7 @@ class _H2Session:
             stream.chunks.clear()
             self.h.bodies.release(stream.held)
             stream.held = 0
-        self._send(sid, status, "application/json", _encode(value))
+        self._send(sid, status, "application/json", encode_json(value))
 
     def _drop(self, sid: int) -> None:
         stream = self.streams.pop(sid, None)
@@ -964,7 +964,8 @@ def content_length(values: list[str]) -> int | str:
     return int(text)
 
 
-def _encode(value: Any) -> bytes:
+def encode_json(value: Any) -> bytes:
+    """A handler's answer as the server sends it: compact JSON, or a :class:`RawJSON`'s bytes as they are."""
     return value if isinstance(value, RawJSON) else json.dumps(value, separators=(",", ":")).encode()
 
 
